@@ -1,0 +1,37 @@
+# The README's two commands: `make localnet` and `make test`. Each sets itself up on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU wheel lying on disk on these machines; override on a GPU host (TORCH_SPEC="torch").
+TORCH_SPEC ?= torch==2.13.0
+DATA   ?= $(firstword $(wildcard ../shared/data/wikitext-2/wiki.valid.raw.txt))
+STEPS  ?= 150
+OUT    ?= runs/localnet
+
+.PHONY: setup test test-slow localnet colocated bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow tests
+
+localnet: setup
+	$(VENV)/bin/iota-subnet localnet --stages 3 --replicas 2 --validators 1 \
+	  --config configs/tiny.yaml $(if $(DATA),--data $(DATA)) --steps $(STEPS) --out $(OUT)
+
+colocated: setup
+	$(VENV)/bin/iota-subnet train-colocated --config configs/tiny.yaml $(if $(DATA),--data $(DATA)) \
+	  --steps $(STEPS) --out runs/colocated
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

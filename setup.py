@@ -1,0 +1,32 @@
+"""Packaging for iota-subnet: node software (miner, validator, devnet) for pipeline-parallel LLM pretraining on Bittensor."""
+from setuptools import find_packages, setup
+
+setup(
+    name="iota-subnet",
+    version="0.1.0",
+    description="Miners and validators for pipeline + data parallel LLM pretraining on a Bittensor subnet",
+    python_requires=">=3.11",
+    packages=find_packages(include=["iota_subnet", "iota_subnet.*", "neurons"]),
+    install_requires=[
+        "bittensor==11.3.0",
+        # CPU machines take the 2.13.0 wheel that lies on disk (see Makefile); GPU hosts any 2.4+.
+        "torch>=2.4",
+        "aiohttp>=3.9",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "loguru>=0.7",
+        "tokenizers>=0.19",
+        "datasets>=2.19",
+        "pyarrow>=15",
+        "pydantic>=2.6",
+        "pyyaml>=6",
+        "tqdm>=4.66",
+        "prometheus-client>=0.20",
+        "pytest>=8",
+    ],
+    extras_require={
+        # transformers is only used by the parity test against LlamaForCausalLM.
+        "test": ["transformers>=4.40", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["iota-subnet=iota_subnet.cli:main"]},
+)
