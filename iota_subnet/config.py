@@ -1,0 +1,231 @@
+"""Configuration: named model shapes and the run config read from YAML (``configs/*.yaml``).
+
+A run config has four sections::
+
+    model: tiny            # a named shape (see MODEL_CONFIGS) or a mapping {name: tiny, n_layers: 4, ...}
+    pipeline: {stages: 3, compression_ratio: 8}
+    data: {vocab_size: 8192, seq_len: 256}
+    train: {batch_size: 8, lr: 3.0e-3, ...}
+
+Every error raised here is a :class:`ConfigError` whose message says how to fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-3 style decoder.
+
+    ``dim`` is the residual width d; ``ffn_dim`` the SwiGLU hidden width; attention uses
+    ``n_heads`` query heads of width ``dim // n_heads`` and ``n_kv_heads`` key/value heads (GQA).
+    ``rope_scaling`` follows Llama 3.1 (keys ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``); ``None`` disables it.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 8192
+    dim: int = 256
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 768
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> "ModelConfig":
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
+                "grouped-query attention needs n_kv_heads to divide n_heads")
+        if self.head_dim % 2:
+            raise ConfigError(f"head width dim/n_heads={self.head_dim} must be even for RoPE; change dim or n_heads")
+        for k in ("vocab_size", "dim", "n_layers", "ffn_dim", "max_seq_len"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"model.{k} must be positive, got {getattr(self, k)}")
+        return self
+
+
+_L3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_L3_SMALL = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+#: Named shapes. Only ``tiny`` and ``small`` are meant to train on a CPU; the rest are the shapes
+#: a GPU deployment would use (``1b`` and ``8b`` are Llama 3.2 1B and Llama 3 8B).
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("tiny", 8192, 256, 8, 8, 4, 768, 1024, 10000.0, _L3_SMALL),       # ~10.5M params
+    "small": ModelConfig("small", 8192, 384, 12, 6, 2, 1024, 1024, 10000.0, _L3_SMALL),   # ~25M params
+    "100m": ModelConfig("100m", 32000, 768, 12, 12, 4, 2048, 2048, 500000.0, _L3),        # ~124M params
+    "1b": ModelConfig("1b", 128256, 2048, 16, 32, 8, 8192, 8192, 500000.0, _L3, tie_embeddings=True),
+    "8b": ModelConfig("8b", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0, _L3),
+    "15b": ModelConfig("15b", 128256, 5120, 40, 40, 8, 17920, 8192, 500000.0, _L3),
+    "100b": ModelConfig("100b", 128256, 9216, 88, 72, 8, 32768, 8192, 500000.0, _L3),
+}
+
+
+def model_config(name_or_mapping: Any) -> ModelConfig:
+    """Resolve a named shape, or a mapping ``{name: base, field: value, ...}`` overriding one."""
+    if isinstance(name_or_mapping, ModelConfig):
+        return name_or_mapping.validate()
+    if isinstance(name_or_mapping, str):
+        if name_or_mapping not in MODEL_CONFIGS:
+            raise ConfigError(f"unknown model config {name_or_mapping!r}; choose one of {sorted(MODEL_CONFIGS)}")
+        return MODEL_CONFIGS[name_or_mapping].validate()
+    if isinstance(name_or_mapping, dict):
+        d = dict(name_or_mapping)
+        base = model_config(d.pop("name", "tiny"))
+        return replace(base, **_checked_fields(ModelConfig, d, "model")).validate()
+    raise ConfigError(f"model must be a name or a mapping, got {type(name_or_mapping).__name__}")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How the model is cut into stages and what crosses each boundary.
+
+    ``layer_split``: explicit layer counts per stage (e.g. ``[3, 3, 2]``); ``None`` balances.
+    ``compression_ratio``: d / b of the residual bottleneck at each boundary (1 = off).
+    ``identity_rank``: width of the bottleneck's explicit identity path (``None``: b / 2).
+    """
+
+    stages: int = 1
+    layer_split: Optional[list] = None
+    compression_ratio: int = 1
+    identity_rank: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``tokenizer``: a Hugging Face hub name, or ``None`` for a byte-level BPE trained on the corpus.
+    ``seq_len`` in tokens; ``val_fraction`` of the packed rows is held out for validation."""
+
+    tokenizer: Optional[str] = None
+    vocab_size: int = 8192
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    hf_dataset: str = "HuggingFaceFW/fineweb-edu"
+    hf_subset: Optional[str] = "sample-10BT"
+    max_tokens: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``.
+
+    ``batch_size`` rows of ``data.seq_len`` tokens per optimizer step (one inner step);
+    ``micro_batch_size`` rows per micro-batch (``batch_size`` must be a multiple of it).
+    """
+
+    batch_size: int = 8
+    micro_batch_size: Optional[int] = None
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 50
+    eval_batches: int = 8
+    total_steps: int = 150
+
+    @property
+    def micro_batch(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: MODEL_CONFIGS["tiny"])
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        if self.data.vocab_size != self.model.vocab_size:
+            raise ConfigError(
+                f"data.vocab_size={self.data.vocab_size} differs from model.vocab_size={self.model.vocab_size}; set them equal")
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.train.batch_size % self.train.micro_batch:
+            raise ConfigError(
+                f"train.batch_size={self.train.batch_size} is not a multiple of train.micro_batch_size={self.train.micro_batch}")
+        if self.pipeline.compression_ratio < 1:
+            raise ConfigError("pipeline.compression_ratio must be >= 1 (1 turns the bottleneck off)")
+        return self
+
+
+def _checked_fields(cls, mapping: dict, section: str) -> dict:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in section {section!r}; allowed: {sorted(names)}")
+    return mapping
+
+
+def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> RunConfig:
+    """Read a run config from a YAML file, or build one from a bare model name (``tiny``).
+
+    ``overrides``: ``{"pipeline": {"stages": 3}, ...}`` applied on top of the file.
+    Raises :class:`ConfigError` for a missing file, unknown names or keys, or inconsistent values.
+    """
+    p = Path(path_or_name)
+    raw: dict
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} not found; pass a path such as configs/tiny.yaml or a model name "
+                              f"({', '.join(sorted(MODEL_CONFIGS))})")
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: top level must be a mapping with sections model/pipeline/data/train")
+    else:
+        raw = {"model": str(path_or_name)}
+    for sec, vals in (overrides or {}).items():
+        raw.setdefault(sec, {})
+        if sec == "model" and isinstance(raw[sec], str):
+            raw[sec] = {"name": raw[sec]}
+        raw[sec] = {**raw[sec], **vals}
+    unknown = sorted(set(raw) - {"model", "pipeline", "data", "train"})
+    if unknown:
+        raise ConfigError(f"unknown section(s) {unknown} in config; allowed: model, pipeline, data, train")
+    model = model_config(raw.get("model", "tiny"))
+    data_raw = dict(raw.get("data") or {})
+    data_raw.setdefault("vocab_size", model.vocab_size)
+    cfg = RunConfig(
+        model=model,
+        pipeline=PipelineConfig(**_checked_fields(PipelineConfig, dict(raw.get("pipeline") or {}), "pipeline")),
+        data=DataConfig(**_checked_fields(DataConfig, data_raw, "data")),
+        train=TrainConfig(**_checked_fields(TrainConfig, dict(raw.get("train") or {}), "train")),
+    )
+    return cfg.validate()
+
+
+def config_from_dict(d: dict) -> RunConfig:
+    """Inverse of :meth:`RunConfig.to_dict` (used to read a checkpoint's config)."""
+    return RunConfig(
+        model=ModelConfig(**d["model"]), pipeline=PipelineConfig(**d["pipeline"]),
+        data=DataConfig(**d["data"]), train=TrainConfig(**d["train"]),
+    ).validate()
