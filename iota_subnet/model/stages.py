@@ -1,0 +1,190 @@
+"""Pipeline stages: a model config plus a split gives S stage modules.
+
+* head stage (0): token embedding + its blocks (+ bottleneck encoder)
+* body stages: (bottleneck decoder +) blocks (+ bottleneck encoder)
+* tail stage (S-1): (bottleneck decoder +) blocks + final RMSNorm + LM head + cross-entropy loss
+
+A single stage (S = 1) is the whole model. Parameter names are global (``layers.5.mlp.up_proj.weight``),
+so the state dicts of S stages together equal the state dict of the one-stage model plus the
+bottleneck parameters (``bottleneck_in.*`` / ``bottleneck_out.*``).
+
+Inputs and outputs (B rows, T tokens, d width, b wire width, V vocab):
+  head input: token ids int64 [B, T];   other stages: activations float [B, T, b]
+  non-tail output: activations [B, T, b];  tail output: scalar mean loss (nats/token) given
+  targets [B, T], else logits [B, T, V].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from loguru import logger
+
+from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
+from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder, bottleneck_dims
+from iota_subnet.model.llama import Block, RMSNorm, block_flops_per_token, init_weights, rope_cos_sin
+
+
+def split_layers(n_layers: int, stages: int, layer_split: Optional[list] = None) -> list[range]:
+    """Layer ranges, one per stage. ``layer_split``: explicit counts per stage (sum = n_layers);
+    ``None`` balances (earlier stages take the remainder; the tail also carries the LM head).
+
+    Raises ConfigError if the split does not fit the layer count.
+    """
+    if stages < 1:
+        raise ConfigError(f"pipeline.stages={stages} must be >= 1")
+    if layer_split is not None:
+        counts = [int(c) for c in layer_split]
+        if len(counts) != stages:
+            raise ConfigError(f"pipeline.layer_split has {len(counts)} entries but pipeline.stages={stages}; give one count per stage")
+        if sum(counts) != n_layers or min(counts) < 1:
+            raise ConfigError(
+                f"pipeline.layer_split={counts} must be positive counts summing to the model's {n_layers} layers")
+    else:
+        if stages > n_layers:
+            raise ConfigError(f"pipeline.stages={stages} exceeds the model's {n_layers} layers; use at most {n_layers} stages")
+        base, extra = divmod(n_layers, stages)
+        counts = [base + (1 if i < extra else 0) for i in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage is: its index, layer range, and the widths of what enters and leaves it."""
+
+    index: int
+    n_stages: int
+    layers: range
+    in_width: Optional[int]   # None for the head (token ids)
+    out_width: Optional[int]  # None for the tail (loss)
+
+    @property
+    def is_head(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.index == self.n_stages - 1
+
+
+class PipelineStage(nn.Module):
+    """One pipeline stage. See the module docstring for inputs and outputs."""
+
+    def __init__(self, cfg: ModelConfig, pcfg: PipelineConfig, index: int, *, init: bool = True):
+        super().__init__()
+        cfg.validate()
+        ranges = split_layers(cfg.n_layers, pcfg.stages, pcfg.layer_split)
+        if not 0 <= index < pcfg.stages:
+            raise ConfigError(f"stage index {index} out of range for pipeline.stages={pcfg.stages}")
+        b, r = bottleneck_dims(cfg, pcfg)
+        self.cfg, self.pcfg = cfg, pcfg
+        self.compressed = pcfg.compression_ratio > 1
+        n = pcfg.stages
+        self.spec = StageSpec(index, n, ranges[index],
+                              None if index == 0 else b, None if index == n - 1 else b)
+        if cfg.tie_embeddings and n > 1:
+            logger.warning("tie_embeddings is ignored when the model is split into stages (head and tail live apart)")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim) if self.spec.is_head else None
+        self.bottleneck_in = BottleneckDecoder(cfg, b, r) if (not self.spec.is_head and self.compressed) else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in self.spec.layers})
+        self.bottleneck_out = BottleneckEncoder(cfg, b, r) if (not self.spec.is_tail and self.compressed) else None
+        if self.spec.is_tail:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        else:
+            self.norm = self.lm_head = None
+        self._tied = bool(cfg.tie_embeddings and n == 1)
+        if init:
+            init_weights(self, cfg)
+        if self._tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._rope: dict = {}
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def param_count(self) -> int:
+        """Number of parameters held by this stage (tied weights counted once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> int:
+        """FLOPs per token through this stage: forward = 2 x matmul params + attention
+        (PaLM, Chowdhery et al. 2022, appendix B); training (forward + backward) = 3 x forward."""
+        f = len(self.spec.layers) * block_flops_per_token(self.cfg, seq_len)
+        if self.lm_head is not None:
+            f += 2 * self.cfg.dim * self.cfg.vocab_size
+        for bn in (self.bottleneck_in, self.bottleneck_out):
+            if bn is not None and bn.proj is not None:
+                f += 2 * bn.proj.weight.numel()
+        return 3 * f if training else f
+
+    def _cos_sin(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (T, str(device))
+        if key not in self._rope:
+            self._rope[key] = rope_cos_sin(self.cfg, T, device)
+        return self._rope[key]
+
+    # ---- compute -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """head: x int64 [B, T]; others: x float [B, T, in_width].
+        Returns [B, T, out_width] activations, or for the tail the mean loss (scalar, nats per
+        token) when ``targets`` [B, T] is given, else logits [B, T, V]."""
+        if self.spec.is_head:
+            if x.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"stage 0 takes token ids (int64 [B, T]), got {x.dtype}")
+            h = self.embed_tokens(x)                                           # [B, T, d]
+        else:
+            if x.dim() != 3 or x.shape[-1] != self.spec.in_width:
+                raise ValueError(f"stage {self.spec.index} takes activations [B, T, {self.spec.in_width}], got {tuple(x.shape)}")
+            h = self.bottleneck_in(x) if self.bottleneck_in is not None else x  # [B, T, d]
+        T = h.shape[1]
+        cos, sin = self._cos_sin(T, h.device)
+        for blk in self.layers.values():
+            h = blk(h, cos, sin)                                               # [B, T, d]
+        if not self.spec.is_tail:
+            return self.bottleneck_out(h) if self.bottleneck_out is not None else h   # [B, T, b]
+        logits = self.lm_head(self.norm(h))                                    # [B, T, V]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_stages(cfg: RunConfig | tuple[ModelConfig, PipelineConfig], seed: int = 0) -> list[PipelineStage]:
+    """All S stages of a run, initialised from one seed (each stage from ``seed + index``)."""
+    mcfg, pcfg = (cfg.model, cfg.pipeline) if isinstance(cfg, RunConfig) else cfg
+    out = []
+    for i in range(pcfg.stages):
+        torch.manual_seed(seed + 1000 * i)
+        out.append(PipelineStage(mcfg, pcfg, i))
+    return out
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> PipelineStage:
+    """The whole model as one stage (no bottleneck)."""
+    torch.manual_seed(seed)
+    return PipelineStage(cfg, PipelineConfig(stages=1), 0)
+
+
+class StagedModel(nn.Module):
+    """Stages chained in one process (the co-located reference): tokens [B, T] -> loss."""
+
+    def __init__(self, stages: list[PipelineStage]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = tokens
+        for i, st in enumerate(self.stages):
+            x = st(x, targets) if i == len(self.stages) - 1 else st(x)
+        return x
+
+    def param_count(self) -> int:
+        return sum(s.param_count() for s in self.stages)
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> int:
+        return sum(s.flops_per_token(seq_len, training) for s in self.stages)
