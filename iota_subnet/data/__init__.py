@@ -1,0 +1,59 @@
+"""Data pipeline: text sources -> tokenizer -> packed token rows with deterministic sampling.
+
+Typical use::
+
+    tok, ds = build_dataset(cfg.data, data="path/to/corpus.txt")
+    x = ds.batch(seed, start_index, n)        # LongTensor[n, seq_len + 1]
+    inputs, targets = x[:, :-1], x[:, 1:]
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from loguru import logger
+
+from ..config import DataConfig
+from .packing import DEFAULT_STREAM_MAX_TOKENS, TokenDataset, tokenize_documents
+from .sources import (DEFAULT_HF_SPEC, STDLIB_SPEC, SUPPORTED_EXTENSIONS, DataError, default_source, describe,
+                      hub_reachable, hub_status, iter_documents, source_key)
+from .tokenizer import EOS_TOKEN, TextTokenizer, load_tokenizer, train_bpe
+
+__all__ = [
+    "DataError", "TextTokenizer", "TokenDataset", "build_dataset", "default_cache_dir", "default_source",
+    "describe", "hub_reachable", "hub_status", "iter_documents", "load_tokenizer", "source_key",
+    "tokenize_documents", "train_bpe", "DEFAULT_HF_SPEC", "DEFAULT_STREAM_MAX_TOKENS", "EOS_TOKEN",
+    "STDLIB_SPEC", "SUPPORTED_EXTENSIONS",
+]
+
+
+def default_cache_dir() -> Path:
+    """``$IOTA_CACHE`` if set, else ``~/.cache/iota-subnet``."""
+    env = os.environ.get("IOTA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "iota-subnet"
+
+
+def build_dataset(cfg: DataConfig, data: Optional[str], cache_dir: Optional[Path] = None
+                  ) -> tuple[TextTokenizer, TokenDataset]:
+    """Tokenizer and packed dataset for a run.
+
+    ``data``: a source spec (see :mod:`iota_subnet.data.sources`); ``None`` picks
+    :func:`default_source`. ``cache_dir`` (default :func:`default_cache_dir`) holds tokenizers under
+    ``tokenizers/`` and packed tokens under ``tokens/``.
+    Raises :class:`DataError` for a bad source, too little data, or a tokenizer with more ids than
+    ``cfg.vocab_size`` (the model's embedding could not hold them).
+    """
+    if data is None:
+        data, _ = default_source()
+    else:
+        data = str(data)
+        logger.info(f"data: {describe(data)}")
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = source_key(data)
+    tok = load_tokenizer(cfg.tokenizer, lambda: iter_documents(data), cfg.vocab_size, cache_dir / "tokenizers", key)
+    if tok.vocab_size > cfg.vocab_size:
+        raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids but data.vocab_size is {cfg.vocab_size}; "
+                        f"set data.vocab_size and model.vocab_size to at least {tok.vocab_size}")
+    ds = TokenDataset(data, tok, cfg.seq_len, cfg.val_fraction, cfg.max_tokens, cache_dir / "tokens")
+    return tok, ds

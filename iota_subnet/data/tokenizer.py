@@ -1,0 +1,156 @@
+"""Tokenizers: a Hugging Face hub tokenizer by name, or a byte-level BPE trained on the corpus.
+
+Trained tokenizers are cached as ``<cache_dir>/bpe-<corpus_key>-v<vocab_size>.json`` and hub
+tokenizers as ``<cache_dir>/hf-<name>.json`` (so a hub tokenizer, once fetched, also loads offline).
+Every file is written atomically.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from loguru import logger
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ..utils.atomic import atomic_write_text
+from .sources import DataError, hub_status, limit_chars
+
+EOS_TOKEN = "<|endoftext|>"
+_EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+#: At most this many characters of corpus are used to train a BPE (bounds time on huge sources).
+MAX_TRAIN_CHARS = 40_000_000
+
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the few operations the pipeline needs.
+
+    ``name``: a hub name or ``bpe-<corpus_key>-v<vocab_size>``; ``eos_id``: the end-of-text token id
+    placed between documents; ``vocab_size``: number of ids including special tokens (every id is
+    ``< vocab_size``); ``fingerprint``: 16 hex chars of the sha256 of the canonical serialized
+    tokenizer, equal for equal tokenizers on any machine.
+    Raises :class:`DataError` if the tokenizer has no recognisable end-of-text token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, name: str):
+        self.tokenizer = tokenizer
+        self.name = name
+        eos = None
+        for tok in _EOS_CANDIDATES:
+            eos = tokenizer.token_to_id(tok)
+            if eos is not None:
+                break
+        if eos is None:
+            raise DataError(f"tokenizer {name!r} has no end-of-text token (looked for {list(_EOS_CANDIDATES)}); "
+                            "use another tokenizer or leave data.tokenizer unset to train one")
+        self.eos_id: int = int(eos)
+        self.vocab_size: int = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        canon = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"))
+        self.fingerprint: str = hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, computed in one call."""
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (special tokens kept, so ``decode(encode(x)) == x`` for a trained BPE)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_str(self) -> str:
+        """The serialized tokenizer (JSON)."""
+        return self.tokenizer.to_str()
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer(name={self.name!r}, vocab_size={self.vocab_size}, fingerprint={self.fingerprint})"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def new_bpe(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:
+    """An untrained byte-level BPE tokenizer and its trainer (``<|endoftext|>`` is id 0)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    return tok, trainer
+
+
+def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with ``vocab_size`` ids (fewer if the corpus is too small) on ``docs``."""
+    if vocab_size < 257 + 1:
+        raise DataError(f"vocab_size={vocab_size} is too small for a byte-level BPE; use at least 258")
+    tok, trainer = new_bpe(vocab_size)
+    tok.train_from_iterator(limit_chars(docs, MAX_TRAIN_CHARS), trainer=trainer)
+    return tok
+
+
+def _load_hub(name: str, cache_dir: Path) -> Optional[TextTokenizer]:
+    path = cache_dir / f"hf-{_safe(name)}.json"
+    if path.exists():
+        logger.info(f"tokenizer {name!r} loaded from cache {path}")
+        return TextTokenizer(Tokenizer.from_file(str(path)), name)
+    ok, why = hub_status()
+    if not ok:
+        logger.warning(f"tokenizer {name!r} cannot be fetched: Hugging Face hub unreachable ({why}); "
+                       "falling back to training a byte-level BPE on the corpus")
+        return None
+    try:
+        tok = Tokenizer.from_pretrained(name)
+    except Exception as e:
+        logger.warning(f"tokenizer {name!r} could not be loaded from the Hugging Face hub ({e.__class__.__name__}: "
+                       f"{e}); falling back to training a byte-level BPE on the corpus")
+        return None
+    atomic_write_text(path, tok.to_str())
+    logger.info(f"tokenizer {name!r} downloaded from the Hugging Face hub, cached at {path}")
+    return TextTokenizer(tok, name)
+
+
+def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Iterable[str]]], vocab_size: int,
+                   cache_dir: Path, corpus_key: str) -> TextTokenizer:
+    """Load or train the tokenizer.
+
+    ``name``: a hub tokenizer (fetched when the hub is reachable; otherwise, with a warning, a BPE
+    is trained instead). ``None``: a byte-level BPE with ``vocab_size`` ids trained on
+    ``corpus_docs()`` (at most :data:`MAX_TRAIN_CHARS` characters), cached in ``cache_dir`` under
+    (``corpus_key``, ``vocab_size``) and reused on later calls.
+    Raises :class:`DataError` when a BPE must be trained but ``corpus_docs`` is ``None`` or yields no
+    text, or when the tokenizer lacks an end-of-text token.
+    """
+    cache_dir = Path(cache_dir)
+    if name:
+        got = _load_hub(name, cache_dir)
+        if got is not None:
+            if got.vocab_size != vocab_size:
+                logger.warning(f"tokenizer {name!r} has {got.vocab_size} ids, data.vocab_size is {vocab_size}")
+            return got
+    bpe_name = f"bpe-{_safe(corpus_key)}-v{vocab_size}"
+    path = cache_dir / f"{bpe_name}.json"
+    if path.exists():
+        tt = TextTokenizer(Tokenizer.from_file(str(path)), bpe_name)
+        logger.info(f"tokenizer {bpe_name} loaded from cache {path} ({tt.vocab_size} ids)")
+        return tt
+    if corpus_docs is None:
+        raise DataError(f"no cached tokenizer at {path} and no corpus to train one on; pass data (or a reachable "
+                        "hub tokenizer name)")
+    t0 = time.monotonic()
+    tok = train_bpe(corpus_docs(), vocab_size)
+    tt = TextTokenizer(tok, bpe_name)
+    if tt.vocab_size <= 257:
+        raise DataError(f"the corpus for {bpe_name} yielded no text to train a tokenizer on; pass data with text")
+    if tt.vocab_size < vocab_size:
+        logger.warning(f"corpus too small for {vocab_size} ids: the BPE has only {tt.vocab_size}")
+    atomic_write_text(path, tok.to_str())
+    logger.info(f"tokenizer {bpe_name} trained in {time.monotonic() - t0:.1f}s ({tt.vocab_size} ids), "
+                f"cached at {path}")
+    return tt
