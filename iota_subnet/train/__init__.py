@@ -1,0 +1,1 @@
+"""Training: the inner optimizer, checkpoints, metrics and the co-located reference trainer."""

@@ -1,0 +1,81 @@
+"""``iota-subnet``: the command-line entry point. Each subcommand lives in the module that owns it;
+this file only parses arguments and turns known errors into one clear line and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+
+def _cmd_train_colocated(a: argparse.Namespace) -> int:
+    from iota_subnet.train.colocated import train_colocated
+    summary = train_colocated(a.config, a.data, a.steps, a.out, seed=a.seed, device=a.device,
+                              cache_dir=Path(a.cache_dir) if a.cache_dir else None)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iota-subnet", description="Pipeline-parallel LLM pretraining on a Bittensor subnet")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train-colocated", help="train the whole staged model in one process (the reference run)")
+    t.add_argument("--config", default="configs/tiny.yaml", help="YAML run config or a model name (tiny, small, ...)")
+    t.add_argument("--data", default=None, help="text source: .txt/.jsonl/.parquet file or folder, hf://dataset[/subset]; "
+                                                "default: FineWeb-Edu when the hub is reachable, else an offline corpus")
+    t.add_argument("--steps", type=int, default=150, help="optimizer steps (each batch_size x seq_len tokens)")
+    t.add_argument("--out", default="runs/colocated", help="output folder (metrics.jsonl, summary.json, checkpoint)")
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    t.add_argument("--cache-dir", default=None, help="tokenizer and token cache (default $IOTA_CACHE or ~/.cache/iota-subnet)")
+    t.set_defaults(func=_cmd_train_colocated)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+#: Subcommand registrars contributed by other modules (network, chain, scores).
+_EXTRA_COMMANDS: list = []
+
+
+def _load_extra_commands() -> None:
+    import importlib
+    for mod in ("iota_subnet.chain.cli", "iota_subnet.network.cli"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):
+                continue
+            raise
+        _EXTRA_COMMANDS.append(m.register)
+
+
+def main(argv=None) -> int:
+    _load_extra_commands()
+    args = build_parser().parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    from iota_subnet.config import ConfigError
+    from iota_subnet.train.checkpoint import CheckpointError
+    known: tuple = (ConfigError, CheckpointError)
+    try:
+        from iota_subnet.data import DataError
+        known = known + (DataError,)
+    except ImportError:
+        pass
+    try:
+        return int(args.func(args) or 0)
+    except known as e:
+        logger.error(str(e))
+        return 2
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

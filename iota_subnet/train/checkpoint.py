@@ -1,0 +1,124 @@
+"""Checkpoints in safetensors: model weights, optimizer state and JSON metadata in one file.
+
+Layout of the tensor names: ``model/<param name>`` and ``optim/<param name>/<state key>``
+(AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``). The header metadata holds ``meta``: a JSON
+object with at least ``step``, ``config_fingerprint`` and ``config``.
+
+Writes are atomic (temporary file, fsync, rename): a process killed while saving leaves the
+previous checkpoint intact, and a truncated file is refused on load with :class:`CheckpointError`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from iota_subnet.utils.atomic import atomic_write_bytes
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says why and what to do."""
+
+
+def config_fingerprint(model_cfg, pipeline_cfg, stage: Optional[int] = None) -> str:
+    """Short hash of everything that decides tensor shapes (model shape, split, bottleneck)."""
+    import dataclasses
+    blob = json.dumps({"model": dataclasses.asdict(model_cfg), "pipeline": dataclasses.asdict(pipeline_cfg),
+                       "stage": stage}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    seen, out = set(), {}
+    for name, t in module.state_dict().items():
+        key = (t.data_ptr(), t.shape)
+        if key in seen:   # tied weight: stored once
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous().cpu()
+    return out
+
+
+def checkpoint_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], meta: dict) -> bytes:
+    """Serialise ``module`` (and ``optimizer``) with ``meta`` to safetensors bytes."""
+    tensors = {f"model/{k}": v for k, v in _unique_state(module).items()}
+    if optimizer is not None:
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p, state in optimizer.state.items():
+            n = names.get(id(p))
+            if n is None:
+                continue
+            for k, v in state.items():
+                t = v if torch.is_tensor(v) else torch.tensor(float(v))
+                tensors[f"optim/{n}/{k}"] = t.detach().contiguous().cpu()
+    return st_save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True, default=str)})
+
+
+def save_checkpoint(path: str | Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    meta: dict) -> Path:
+    """Write a checkpoint atomically. Returns the path."""
+    return atomic_write_bytes(path, checkpoint_bytes(module, optimizer, meta))
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read (tensors, meta). Raises CheckpointError for a missing, truncated or corrupt file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    data = path.read_bytes()
+    try:
+        tensors = st_load(data)
+        from safetensors import safe_open  # header metadata
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        meta = json.loads(header.get("__metadata__", {}).get("meta", "{}"))
+    except (SafetensorError, ValueError, json.JSONDecodeError, OverflowError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupt ({e}); delete it to start over, "
+            "or restore the previous good copy") from e
+    if "step" not in meta:
+        raise CheckpointError(f"checkpoint {path} has no metadata (step); it was not written by iota-subnet")
+    return tensors, meta
+
+
+def restore(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], tensors: dict, meta: dict,
+            expect_fingerprint: Optional[str] = None, path: str = "checkpoint") -> None:
+    """Load weights (and optimizer state) into ``module`` / ``optimizer``.
+
+    Raises CheckpointError when the checkpoint was written for another config (fingerprint or
+    tensor shapes differ); nothing is modified in that case.
+    """
+    if expect_fingerprint and meta.get("config_fingerprint") != expect_fingerprint:
+        raise CheckpointError(
+            f"{path} was written for another config ({meta.get('config_summary', meta.get('config_fingerprint'))}); "
+            "use the config it was trained with, or point --out at a new folder")
+    model_sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    own = module.state_dict()
+    for k, v in own.items():
+        if k not in model_sd:
+            if any(v.data_ptr() == o.data_ptr() for kk, o in own.items() if kk in model_sd):
+                continue   # tied
+            raise CheckpointError(f"{path} lacks tensor {k}; it was written for another config")
+        if model_sd[k].shape != v.shape:
+            raise CheckpointError(f"{path}: tensor {k} has shape {tuple(model_sd[k].shape)}, this config expects "
+                                  f"{tuple(v.shape)}; use the config the checkpoint was trained with")
+    extra = set(model_sd) - set(own)
+    if extra:
+        raise CheckpointError(f"{path} holds tensors this config lacks (e.g. {sorted(extra)[:3]}); wrong config")
+    module.load_state_dict(model_sd, strict=False)
+    if optimizer is not None:
+        by_name = dict(module.named_parameters())
+        for key, v in tensors.items():
+            if not key.startswith("optim/"):
+                continue
+            pname, skey = key[len("optim/"):].rsplit("/", 1)
+            p = by_name.get(pname)
+            if p is None:
+                continue
+            optimizer.state[p][skey] = v.to(p.device) if skey != "step" else v.clone()

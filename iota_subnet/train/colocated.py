@@ -1,0 +1,195 @@
+"""Co-located reference trainer: every stage of the bottlenecked model in one process.
+
+Every distributed run is compared against this one: same config, same data addressing
+(optimizer step k reads samples ``k * batch_size ...`` of seed ``train.seed``), same inner optimizer.
+
+Outputs in ``out``: ``metrics.jsonl``, ``summary.json``, ``checkpoint.safetensors`` (atomic; resumed
+automatically when present), ``config.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.config import RunConfig, load_config
+from iota_subnet.model import StagedModel, bottleneck_dims, build_stages
+from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, read_checkpoint, restore,
+                                          save_checkpoint)
+from iota_subnet.train.metrics import MetricsLog, write_summary
+from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
+from iota_subnet.utils.atomic import atomic_write_json
+
+
+def pick_device(device: Optional[str] = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast_ctx(device: torch.device):
+    """bf16 autocast on GPU (fp32 master weights); plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [B, T+1] -> inputs [B, T], targets [B, T]."""
+    return rows[:, :-1], rows[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(model: StagedModel, dataset, cfg: RunConfig, device: torch.device) -> float:
+    """Mean validation loss (nats/token) over up to ``train.eval_batches`` micro-batches of held-out rows."""
+    model.eval()
+    mb = cfg.train.micro_batch
+    n_batches = max(1, min(cfg.train.eval_batches, dataset.n_val_rows // mb or 1))
+    total, count = 0.0, 0
+    for i in range(n_batches):
+        rows = dataset.val_batch(i * mb, mb).to(device)
+        if rows.shape[0] == 0:
+            break
+        x, y = split_rows(rows)
+        with autocast_ctx(device):
+            total += float(model(x, y)) * rows.shape[0]
+        count += rows.shape[0]
+    model.train()
+    return total / max(1, count)
+
+
+def config_summary(cfg: RunConfig) -> str:
+    return (f"model={cfg.model.name} d={cfg.model.dim} layers={cfg.model.n_layers} stages={cfg.pipeline.stages} "
+            f"ratio={cfg.pipeline.compression_ratio}")
+
+
+def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: int, out: str | Path, *,
+                    seed: Optional[int] = None, device: Optional[str] = None, progress: Optional[bool] = None,
+                    cache_dir: Optional[Path] = None, overrides: Optional[dict] = None,
+                    checkpoint_every: Optional[int] = None, eval_at_end: bool = True) -> dict:
+    """Train the staged model in one process for ``steps`` optimizer steps; returns the summary dict.
+
+    Raises ConfigError / DataError / CheckpointError with messages that name the fix.
+    """
+    from iota_subnet.data import build_dataset  # heavy imports kept off the CLI start-up path
+
+    cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    seed = cfg.train.seed if seed is None else seed
+    dev = pick_device(device)
+    tok, dataset = build_dataset(cfg.data, data, cache_dir)
+    stages = build_stages(cfg, seed=seed)
+    model = StagedModel(stages).to(dev)
+    opt = make_optimizer(model, cfg.train)
+    fp = config_fingerprint(cfg.model, cfg.pipeline)
+    ckpt = out / "checkpoint.safetensors"
+    start = 0
+    if ckpt.exists():
+        tensors, meta = read_checkpoint(ckpt)
+        meta.setdefault("config_summary", "")
+        restore(model, opt, tensors, meta, expect_fingerprint=fp, path=str(ckpt))
+        if meta.get("tokenizer") and meta["tokenizer"] != tok.fingerprint:
+            raise CheckpointError(f"{ckpt} was trained with another tokenizer; use the same data/tokenizer or a new --out")
+        start = int(meta["step"])
+        logger.info(f"resuming from {ckpt} at step {start}")
+    atomic_write_json(out / "config.json", cfg.to_dict())
+    metrics = MetricsLog(out / "metrics.jsonl", resume_step=start)
+    elapsed0 = metrics.last_elapsed_s
+    B, mb, T = cfg.train.batch_size, cfg.train.micro_batch, cfg.data.seq_len
+    n_micro = B // mb
+    params = model.param_count()
+    b, _ = bottleneck_dims(cfg.model, cfg.pipeline)
+    every = checkpoint_every if checkpoint_every is not None else cfg.train.checkpoint_every
+    logger.info(f"co-located training: {config_summary(cfg)} params={params:,} tokens/step={B * T} "
+                f"steps={start}->{steps} device={dev} data={dataset.description}")
+
+    def _save(step: int) -> None:
+        save_checkpoint(ckpt, model, opt, {"step": step, "config_fingerprint": fp, "config_summary": config_summary(cfg),
+                                           "tokenizer": tok.fingerprint, "seed": seed})
+
+    stop = {"flag": False}
+
+    def _on_sigint(signum, frame):
+        stop["flag"] = True
+        logger.warning("interrupt: finishing this step, saving a checkpoint, then stopping")
+
+    old_handler = signal.signal(signal.SIGINT, _on_sigint) if _main_thread() else None
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm import tqdm
+        bar = tqdm(total=steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    trained_tokens = 0
+    step = start
+    try:
+        for step in range(start, steps):
+            lr = lr_at(step, steps, cfg.train)
+            set_lr(opt, lr)
+            loss_sum = 0.0
+            for m in range(n_micro):
+                rows = dataset.batch(seed, step * B + m * mb, mb).to(dev)
+                x, y = split_rows(rows)
+                with autocast_ctx(dev):
+                    loss = model(x, y)
+                (loss / n_micro).backward()
+                loss_sum += float(loss.detach())
+            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            trained_tokens += B * T
+            loss_v = loss_sum / n_micro
+            if not math.isfinite(loss_v):
+                raise FloatingPointError(f"loss became {loss_v} at step {step}; lower train.lr or check the data")
+            metrics.write({"step": step, "tokens": (step + 1) * B * T, "loss": loss_v, "lr": lr,
+                           "grad_norm": gnorm, "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 3)})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_v:.3f}", lr=f"{lr:.2e}",
+                                tok_s=f"{trained_tokens / (time.perf_counter() - t0):.0f}")
+            elif step % 10 == 0 or step == steps - 1:
+                logger.info(f"step {step} loss {loss_v:.4f} lr {lr:.2e} "
+                            f"tok/s {trained_tokens / (time.perf_counter() - t0):.0f}")
+            if every and (step + 1) % every == 0 and step + 1 < steps:
+                _save(step + 1)
+            if stop["flag"]:
+                _save(step + 1)
+                raise KeyboardInterrupt
+        train_s = time.perf_counter() - t0
+        _save(steps)
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+    val_loss = evaluate(model, dataset, cfg, dev) if eval_at_end else None
+    summary = {
+        "steps": steps, "tokens": steps * B * T, "tokens_per_s": trained_tokens / train_s if trained_tokens else None,
+        "final_loss": metrics.final_loss(), "last_step_loss": metrics.rows[-1]["loss"] if metrics.rows else None,
+        "val_loss": val_loss, "params": params, "compression_ratio": cfg.pipeline.compression_ratio,
+        "bottleneck_width": b, "stages": cfg.pipeline.stages, "flops_per_token": model.flops_per_token(T),
+        "device": str(dev), "data": dataset.description, "vocab_size": tok.vocab_size,
+        "elapsed_s": metrics.last_elapsed_s, "final_loss_window": 10,
+    }
+    write_summary(out / "summary.json", summary)
+    logger.info(f"done: final_loss {summary['final_loss']:.4f} val_loss {val_loss if val_loss is None else round(val_loss, 4)} "
+                f"tokens/s {summary['tokens_per_s']:.0f} -> {out}")
+    return summary
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()

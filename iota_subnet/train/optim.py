@@ -1,0 +1,42 @@
+"""Inner optimizer: AdamW (Loshchilov & Hutter 2019) with linear warmup and cosine decay.
+
+Used by the co-located trainer and by every miner for its stage, so both see the same schedule.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from iota_subnet.config import TrainConfig
+
+
+def lr_at(step: int, total_steps: int, tcfg: TrainConfig) -> float:
+    """Learning rate for 0-based optimizer step ``step`` of ``total_steps``.
+
+    Linear warmup from lr/warmup to lr over ``warmup_steps``, then cosine decay to
+    ``lr * min_lr_ratio`` at the last step.
+    """
+    warm = max(0, int(tcfg.warmup_steps))
+    if warm and step < warm:
+        return tcfg.lr * (step + 1) / warm
+    span = max(1, total_steps - warm - 1)
+    progress = min(1.0, max(0.0, (step - warm) / span))
+    floor = tcfg.lr * tcfg.min_lr_ratio
+    return floor + 0.5 * (tcfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(module: torch.nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=1e-8)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
