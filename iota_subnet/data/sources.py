@@ -290,7 +290,15 @@ def _read_hf(spec: str) -> Iterator[str]:
     except Exception as e:
         raise DataError(f"cannot open Hugging Face dataset {spec} ({e.__class__.__name__}: {e}); check the name, "
                         "or pass a local .txt/.jsonl/.parquet file or folder instead")
-    for row in ds:
+    it = iter(ds)
+    while True:
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except Exception as e:  # network errors surface lazily while streaming
+            raise DataError(f"streaming {spec} failed ({e.__class__.__name__}: {e}); retry, or pass a local "
+                            ".txt/.jsonl/.parquet file or folder instead")
         text = row.get("text") if isinstance(row, dict) else None
         if isinstance(text, str) and text.strip():
             yield text
