@@ -270,6 +270,7 @@ def test_val_rows_disjoint_from_train(wiki_ds):
     assert np.array_equal(wiki_ds.val_rows.numpy(), rows[n:])
     train_set = {rows[r].tobytes() for r in range(n)}
     assert not any(rows[r].tobytes() in train_set for r in range(n, len(rows)))
+    assert np.array_equal(wiki_ds.val_batch(2, 3).numpy(), rows[n + 2: n + 5])  # start row, like batch()
     vb = wiki_ds.val_batch(1, wiki_ds.n_val_rows + 2)  # wraps around the val slice
     val_set = {r.tobytes() for r in rows[n:]}
     assert all(r.astype(np.int32).tobytes() in val_set for r in vb.numpy())

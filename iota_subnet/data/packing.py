@@ -205,10 +205,11 @@ class TokenDataset:
         rows = [self.train_row(seed, start_index + k) for k in range(n)]
         return torch.from_numpy(np.array(self._rows[rows], dtype=np.int64).reshape(n, self._seq_len + 1))
 
-    def val_batch(self, i: int, n: int) -> torch.LongTensor:
-        """Validation batch ``i`` of ``n`` rows: val rows ``(i*n + k) % n_val_rows`` for k < n,
-        as ``LongTensor[n, seq_len + 1]``."""
-        idx = [self._n_train + (i * n + k) % self._n_val for k in range(n)]
+    def val_batch(self, start: int, n: int) -> torch.LongTensor:
+        """Validation rows ``start .. start + n - 1`` (counted within the validation slice, wrapping
+        modulo ``n_val_rows``), as ``LongTensor[n, seq_len + 1]``. Like :meth:`batch`, the first
+        argument is a row index, not a batch number: batch ``i`` of size ``n`` is ``val_batch(i * n, n)``."""
+        idx = [self._n_train + (int(start) + k) % self._n_val for k in range(n)]
         return torch.from_numpy(np.array(self._rows[idx], dtype=np.int64).reshape(n, self._seq_len + 1))
 
     def __len__(self) -> int:
