@@ -1,0 +1,25 @@
+"""Wire protocol: typed messages, safetensors encoding, tensor contracts, typed refusals."""
+from .codec import decode, encode, read_header, tensor_sha256
+from .contract import FLOAT_DTYPES, TensorContract, TensorSpec
+from .messages import (
+    MESSAGE_TYPES,
+    SPEC_VERSION,
+    Backward,
+    BackwardResult,
+    Forward,
+    ForwardResult,
+    Health,
+    MergePayload,
+    Message,
+    StateRequest,
+    StateResponse,
+    tensor_field,
+)
+from .outcome import HTTP_STATUS, Outcome, ProtocolError
+
+__all__ = [
+    "Backward", "BackwardResult", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",
+    "MESSAGE_TYPES", "MergePayload", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
+    "StateResponse", "TensorContract", "TensorSpec", "decode", "encode", "read_header", "tensor_sha256",
+    "tensor_field",
+]

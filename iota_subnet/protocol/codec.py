@@ -1,0 +1,248 @@
+"""Binary encoding of messages: safetensors bytes, JSON metadata in the ``__metadata__`` header.
+
+Layout (standard safetensors, readable by any safetensors implementation)::
+
+    u64 little-endian header length N | N bytes JSON header | tensor data
+
+The JSON header's ``__metadata__`` is ``{"iota": "<JSON>"}`` where ``<JSON>`` holds every
+non-tensor field of the message, ``"type"`` (the message class) and ``"tensors"``
+(per wire key: ``dtype``, ``shape``, ``sha256`` of the raw little-endian bytes).
+
+Never pickle: :func:`decode` parses the header itself, checks it against the expected message
+type and the :class:`TensorContract` before any tensor is materialised, hashes the raw data
+slices, then loads with ``safetensors.torch.load`` and checks finiteness.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from functools import lru_cache
+from typing import Any, Optional, TypeVar
+
+import pydantic
+import safetensors.torch
+import torch
+
+from .contract import TensorContract
+from .messages import SPEC_VERSION, TENSOR_DICT, Message
+from .outcome import Outcome, ProtocolError
+
+M = TypeVar("M", bound=Message)
+
+META_KEY = "iota"
+#: Refuse safetensors headers above this size (a StateResponse of a few thousand tensors fits).
+MAX_HEADER_BYTES = 8 << 20
+
+# safetensors dtype codes <-> torch dtypes (only those we ever send).
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in _ST_DTYPES.values()}
+_NAME_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire; use one of {sorted(_NAME_DTYPES)}") from None
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw (C-contiguous, little-endian) bytes, as safetensors stores them."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return hashlib.sha256(b"").hexdigest()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _wire_tensors(msg: Message) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, f in type(msg).tensor_fields().items():
+        value = getattr(msg, name)
+        if value is None:
+            continue
+        if f.metadata["tensor"] == TENSOR_DICT:
+            if not isinstance(value, dict):
+                raise TypeError(f"{type(msg).__name__}.{name} must be a dict of tensors")
+            for k, t in value.items():
+                out[f"{name}/{k}"] = t
+        else:
+            out[name] = value
+    seen_storage: set[int] = set()
+    for key, t in out.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{key} is a {type(t).__name__}, not a tensor")
+        dtype_name(t.dtype)
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in seen_storage:  # safetensors refuses tensors sharing memory (tied weights)
+            t = t.clone()
+        seen_storage.add(ptr)
+        out[key] = t
+    return out
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header."""
+    if not isinstance(msg, Message):
+        raise TypeError(f"encode() takes a Message, got {type(msg).__name__}")
+    tensors = _wire_tensors(msg)
+    meta: dict[str, Any] = {"type": msg.TYPE}
+    for name in type(msg).json_fields():
+        meta[name] = getattr(msg, name)
+    meta["tensors"] = {
+        key: {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "sha256": tensor_sha256(t)}
+        for key, t in tensors.items()
+    }
+    return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ProtocolError(Outcome.NON_FINITE, f"non-finite number {token} in metadata")
+
+
+@lru_cache(maxsize=None)
+def _fields_model(cls: type[Message]) -> type[pydantic.BaseModel]:
+    hints = __import__("typing").get_type_hints(cls)
+    fields = {name: (hints[name], ...) for name in cls.json_fields()}
+    return pydantic.create_model(f"{cls.__name__}Fields",
+                                 __config__=pydantic.ConfigDict(extra="forbid", strict=True), **fields)
+
+
+def _check_floats(value: Any, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(Outcome.NON_FINITE, f"{where} is {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_floats(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_floats(v, f"{where}[{i}]")
+
+
+def read_header(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
+    """Parse the safetensors JSON header; returns (header, data_start). Raises MALFORMED."""
+    if len(body) < 8:
+        raise ProtocolError(Outcome.MALFORMED, f"body of {len(body)} bytes is not a safetensors payload")
+    n = int.from_bytes(bytes(body[:8]), "little")
+    if n > MAX_HEADER_BYTES or n > len(body) - 8 or n < 2:
+        raise ProtocolError(Outcome.MALFORMED, "not a safetensors payload (bad header length)")
+    try:
+        header = json.loads(bytes(body[8:8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError(Outcome.MALFORMED, "safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(Outcome.MALFORMED, "safetensors header is not an object")
+    return header, 8 + n
+
+
+def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Optional[TensorContract] = None,
+           *, max_body_bytes: Optional[int] = None) -> M:
+    """Parse and validate ``body`` as an ``expected`` message; raises :class:`ProtocolError`.
+
+    Checks, in order: body size, safetensors framing, spec version, message type, header vs
+    metadata consistency (dtype, shape, byte ranges), message tensor fields, the contract (names,
+    dtypes, shapes), content hashes, finiteness (tensors and JSON numbers), JSON field types.
+    """
+    if max_body_bytes is not None and len(body) > max_body_bytes:
+        raise ProtocolError(Outcome.BODY_TOO_LARGE, f"body of {len(body)} bytes > limit {max_body_bytes}")
+    header, data_start = read_header(body)
+    st_meta = header.pop("__metadata__", None)
+    if not isinstance(st_meta, dict) or not isinstance(st_meta.get(META_KEY), str):
+        raise ProtocolError(Outcome.MALFORMED, "safetensors payload without iota metadata")
+    try:
+        meta = json.loads(st_meta[META_KEY], parse_constant=_refuse_constant)
+    except ProtocolError:
+        raise
+    except ValueError:
+        raise ProtocolError(Outcome.MALFORMED, "iota metadata is not JSON") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(Outcome.MALFORMED, "iota metadata is not an object")
+    version = meta.get("spec_version")
+    if type(version) is not int or version != SPEC_VERSION:
+        raise ProtocolError(Outcome.SPEC_VERSION, f"spec_version {version!r}, this node speaks {SPEC_VERSION}")
+    if meta.get("type") != expected.TYPE:
+        raise ProtocolError(Outcome.MALFORMED, f"expected a {expected.TYPE}, got {meta.get('type')!r}")
+    tmeta = meta.pop("tensors", None)
+    meta.pop("type")
+    if not isinstance(tmeta, dict) or set(tmeta) != set(header):
+        raise ProtocolError(Outcome.MALFORMED, "tensor list in metadata does not match the payload")
+
+    # Header entries: dtype, shape, byte ranges, agreement with the metadata.
+    data_len = len(body) - data_start
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int, str]] = {}
+    for key, entry in header.items():
+        tm = tmeta[key]
+        try:
+            st_dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            digest = tm["sha256"]
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: incomplete header entry") from None
+        dtype = _ST_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
+        if dtype is None:
+            raise ProtocolError(Outcome.BAD_DTYPE, f"tensor {key!r}: unsupported dtype {st_dtype!r}")
+        if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)
+                or type(start) is not int or type(end) is not int or not 0 <= start <= end <= data_len
+                or not isinstance(digest, str)):
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: bad shape or data offsets")
+        numel = math.prod(shape)
+        if (end - start) != numel * torch.tensor([], dtype=dtype).element_size():
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: {end - start} bytes for shape {shape}")
+        if tm.get("dtype") != _DTYPE_NAMES[dtype] or tm.get("shape") != shape:
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: metadata disagrees with the payload")
+        layout[key] = (dtype, tuple(shape), start, end, digest)
+
+    # Tensor keys must map onto the expected message's tensor fields.
+    tfields = expected.tensor_fields()
+    present: set[str] = set()
+    for key in layout:
+        fname = key.split("/", 1)[0] if "/" in key else key
+        f = tfields.get(fname)
+        if f is None or (f.metadata["tensor"] == TENSOR_DICT) != ("/" in key):
+            raise ProtocolError(Outcome.MALFORMED, f"{expected.TYPE} has no tensor {key!r}")
+        present.add(fname)
+    for fname, f in tfields.items():
+        if f.metadata.get("required") and fname not in present:
+            raise ProtocolError(Outcome.MALFORMED, f"{expected.TYPE} needs tensor {fname!r}")
+
+    if contract is not None:
+        contract.check_header({k: (v[0], v[1]) for k, v in layout.items()})
+
+    view = memoryview(body)
+    for key, (_, _, start, end, digest) in layout.items():
+        got = hashlib.sha256(view[data_start + start:data_start + end]).hexdigest()
+        if got != digest:
+            raise ProtocolError(Outcome.HASH_MISMATCH, f"tensor {key!r}: content hash mismatch")
+
+    try:
+        loaded = safetensors.torch.load(bytes(body))
+    except Exception as e:  # safetensors raises its own error types
+        raise ProtocolError(Outcome.MALFORMED, f"safetensors: {e}") from None
+    if set(loaded) != set(layout):
+        raise ProtocolError(Outcome.MALFORMED, "safetensors payload tensors differ from its header")
+
+    for key, t in loaded.items():
+        if t.is_floating_point() and (contract is None or contract.wants_finite(key)):
+            if not bool(torch.isfinite(t).all()):
+                raise ProtocolError(Outcome.NON_FINITE, f"tensor {key!r} holds NaN or inf")
+
+    _check_floats(meta, "metadata")
+    try:
+        fields = _fields_model(expected).model_validate(meta)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ProtocolError(Outcome.MALFORMED, f"field {where}: {first.get('msg')}") from None
+
+    kwargs: dict[str, Any] = {name: getattr(fields, name) for name in expected.json_fields()}
+    for fname, f in tfields.items():
+        if f.metadata["tensor"] == TENSOR_DICT:
+            prefix = fname + "/"
+            kwargs[fname] = {k[len(prefix):]: t for k, t in loaded.items() if k.startswith(prefix)}
+        elif fname in loaded:
+            kwargs[fname] = loaded[fname]
+    return expected(**kwargs)

@@ -1,0 +1,132 @@
+"""Wire messages ("synapses"): one dataclass each.
+
+Every message carries the common header fields (``spec_version``, ``run_id``, ``stage``,
+``microbatch_id``, ``inner_step``, free-form ``info``). Fields declared with :func:`tensor_field`
+travel as safetensors tensors; every other field travels as JSON in the safetensors
+``__metadata__`` header (see :mod:`iota_subnet.protocol.codec`).
+
+Shapes (``b`` is the boundary width after the bottleneck):
+
+============== ================================================================================
+Forward        ``activations``: int64 token ids [batch, seq] into stage 0, else float [batch, seq, b];
+               ``targets`` (optional): int64 [batch, seq], sent to the last stage for the loss
+ForwardResult  ``activations``: [batch, seq, b] (not for the last stage); ``loss`` (last stage)
+Backward       ``grad``: d loss / d stage output, [batch, seq, b]
+BackwardResult ``grad``: d loss / d stage input, [batch, seq, b]; ``None`` from stage 0
+MergePayload   ``shard``: float [n], slice ``[offset, offset + n)`` of a flat parameter vector
+StateRequest   no tensors; optional ``names`` to fetch a subset
+StateResponse  ``tensors``: {parameter name: tensor}; ``state_meta`` (JSON)
+Health         no tensors
+============== ================================================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+
+SPEC_VERSION = 1
+
+TENSOR_ONE = "one"
+TENSOR_DICT = "dict"
+
+
+def tensor_field(*, required: bool = False, kind: str = TENSOR_ONE) -> Any:
+    """A field that travels as a safetensors tensor (``kind="dict"``: a dict of named tensors)."""
+    if kind == TENSOR_DICT:
+        return field(default_factory=dict, metadata={"tensor": kind, "required": required})
+    return field(default=None, metadata={"tensor": kind, "required": required})
+
+
+@dataclass(kw_only=True)
+class Message:
+    TYPE: ClassVar[str] = "Message"
+
+    run_id: str = ""
+    stage: int = 0
+    microbatch_id: str = ""
+    inner_step: int = 0
+    spec_version: int = SPEC_VERSION
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def tensor_fields(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls) if "tensor" in f.metadata}
+
+    @classmethod
+    def json_fields(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls) if "tensor" not in f.metadata}
+
+
+@dataclass(kw_only=True)
+class Forward(Message):
+    TYPE: ClassVar[str] = "Forward"
+    activations: Optional[torch.Tensor] = tensor_field(required=True)
+    targets: Optional[torch.Tensor] = tensor_field()
+    keep_for_backward: bool = True
+
+
+@dataclass(kw_only=True)
+class ForwardResult(Message):
+    TYPE: ClassVar[str] = "ForwardResult"
+    activations: Optional[torch.Tensor] = tensor_field()
+    loss: Optional[float] = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Backward(Message):
+    TYPE: ClassVar[str] = "Backward"
+    grad: Optional[torch.Tensor] = tensor_field(required=True)
+
+
+@dataclass(kw_only=True)
+class BackwardResult(Message):
+    TYPE: ClassVar[str] = "BackwardResult"
+    grad: Optional[torch.Tensor] = tensor_field()
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class MergePayload(Message):
+    TYPE: ClassVar[str] = "MergePayload"
+    epoch: int = 0
+    shard_index: int = 0
+    num_shards: int = 1
+    offset: int = 0
+    total_numel: int = 0
+    weight: float = 1.0
+    shard: Optional[torch.Tensor] = tensor_field(required=True)
+
+
+@dataclass(kw_only=True)
+class StateRequest(Message):
+    TYPE: ClassVar[str] = "StateRequest"
+    names: Optional[list[str]] = None
+    epoch: Optional[int] = None
+
+
+@dataclass(kw_only=True)
+class StateResponse(Message):
+    TYPE: ClassVar[str] = "StateResponse"
+    tensors: dict[str, torch.Tensor] = tensor_field(kind=TENSOR_DICT)
+    state_meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Health(Message):
+    TYPE: ClassVar[str] = "Health"
+    status: str = "ok"
+    ready: bool = True
+    busy: bool = False
+    hotkey: str = ""
+    uptime_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload,
+                        StateRequest, StateResponse, Health)
+}

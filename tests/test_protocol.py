@@ -1,0 +1,234 @@
+"""Wire protocol: round trips (bit-exact), contracts, and every typed refusal of decode()."""
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+
+import pytest
+import safetensors.torch
+import torch
+
+from iota_subnet.protocol import (
+    HTTP_STATUS, SPEC_VERSION, Backward, BackwardResult, Forward, ForwardResult, Health, MergePayload, Outcome,
+    ProtocolError, StateRequest, StateResponse, TensorContract, TensorSpec, decode, encode, read_header,
+)
+
+B, S, D = 2, 16, 8
+
+
+def _header(**kw):
+    base = dict(run_id="run-1", stage=1, microbatch_id="mb-7", inner_step=42, info={"note": "x"})
+    base.update(kw)
+    return base
+
+
+def _messages():
+    g = torch.Generator().manual_seed(0)
+    return [
+        Forward(**_header(stage=0), activations=torch.randint(0, 8192, (B, S), generator=g)),
+        Forward(**_header(), activations=torch.randn(B, S, D, generator=g), keep_for_backward=False),
+        Forward(**_header(stage=2), activations=torch.randn(B, S, D, generator=g).to(torch.bfloat16),
+                targets=torch.randint(0, 8192, (B, S), generator=g)),
+        ForwardResult(**_header(), activations=torch.randn(B, S, D, generator=g)),
+        ForwardResult(**_header(stage=2), loss=3.1415926535897931, stats={"tokens": 32.0, "acc": 0.25}),
+        Backward(**_header(), grad=torch.randn(B, S, D, generator=g) * 1e-30),
+        BackwardResult(**_header(), grad=torch.randn(B, S, D, generator=g).half()),
+        BackwardResult(**_header(stage=0), grad=None, stats={"grad_norm": 1.5}),
+        MergePayload(**_header(), epoch=3, shard_index=2, num_shards=4, offset=1000, total_numel=4000, weight=0.5,
+                     shard=torch.randn(1000, generator=g)),
+        StateRequest(**_header(), names=["layers.0.w", "norm"], epoch=5),
+        StateRequest(**_header()),
+        StateResponse(**_header(), tensors={"layers.0.attn.wq": torch.randn(D, D, generator=g),
+                                            "norm/weight": torch.ones(D, dtype=torch.bfloat16),
+                                            "step": torch.tensor(7)},
+                      state_meta={"epoch": 5, "weights_version": "abc", "lr": 3e-3}),
+        Health(**_header(), status="ok", ready=False, busy=True, hotkey="5Fxyz", uptime_s=12.5, stats={"q": 3.0}),
+    ]
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("msg", _messages(), ids=lambda m: type(m).__name__)
+def test_round_trip_bit_exact(msg):
+    body = encode(msg)
+    out = decode(body, type(msg))
+    assert type(out) is type(msg)
+    for name in msg.__dataclass_fields__:
+        assert _same(getattr(msg, name), getattr(out, name)), name
+    assert out.spec_version == SPEC_VERSION
+
+
+def test_body_is_plain_safetensors_with_json_metadata():
+    msg = Forward(**_header(), activations=torch.randn(B, S, D))
+    body = encode(msg)
+    header, _ = read_header(body)
+    meta = json.loads(header["__metadata__"]["iota"])
+    assert meta["type"] == "Forward" and meta["spec_version"] == SPEC_VERSION
+    assert meta["run_id"] == "run-1" and meta["microbatch_id"] == "mb-7" and meta["inner_step"] == 42
+    t = meta["tensors"]["activations"]
+    assert t["dtype"] == "float32" and t["shape"] == [B, S, D] and len(t["sha256"]) == 64
+    assert torch.equal(safetensors.torch.load(body)["activations"], msg.activations)
+
+
+def test_non_contiguous_and_tied_tensors_encode():
+    w = torch.randn(D, D)
+    msg = StateResponse(tensors={"a": w.t(), "b": w, "c": w})  # transposed view + shared storage
+    out = decode(encode(msg), StateResponse)
+    assert torch.equal(out.tensors["a"], w.t()) and torch.equal(out.tensors["c"], w)
+
+
+def _contract(seq=S, b=D, max_batch=4):
+    return TensorContract({"activations": TensorSpec(dtypes=(torch.float32, torch.bfloat16), shape=(-1, seq, b),
+                                                     max_shape=(max_batch, -1, -1)),
+                           "targets": TensorSpec(dtypes=(torch.int64,), shape=(-1, seq), required=False)})
+
+
+def _refused(body, typ, contract=None, **kw) -> Outcome:
+    with pytest.raises(ProtocolError) as ei:
+        decode(body, typ, contract, **kw)
+    assert ei.value.status == HTTP_STATUS[ei.value.outcome]
+    return ei.value.outcome
+
+
+def test_contract_accepts_valid_and_wildcards():
+    for batch in (1, 4):
+        decode(encode(Forward(activations=torch.randn(batch, S, D))), Forward, _contract())
+
+
+@pytest.mark.parametrize("act,outcome", [
+    (torch.randn(B, S + 1, D), Outcome.BAD_SHAPE),        # wrong seq
+    (torch.randn(B, S, D + 1), Outcome.BAD_SHAPE),        # wrong width
+    (torch.randn(B, S), Outcome.BAD_SHAPE),               # wrong rank
+    (torch.randn(5, S, D), Outcome.BAD_SHAPE),            # batch above the bound
+    (torch.randn(B, S, D).double(), Outcome.BAD_DTYPE),
+    (torch.randn(B, S, D).half(), Outcome.BAD_DTYPE),     # not in the allowed list
+    (torch.randint(0, 5, (B, S, D)), Outcome.BAD_DTYPE),
+])
+def test_contract_refusals(act, outcome):
+    assert _refused(encode(Forward(activations=act)), Forward, _contract()) == outcome
+
+
+def test_contract_unexpected_and_missing_tensors():
+    c = TensorContract({"activations": TensorSpec(shape=(-1, S, D))})
+    body = encode(Forward(activations=torch.randn(B, S, D), targets=torch.zeros(B, S, dtype=torch.long)))
+    assert _refused(body, Forward, c) == Outcome.MALFORMED          # targets not in the contract
+    c2 = TensorContract({"activations": TensorSpec(shape=(-1, S, D)), "targets": TensorSpec(dtypes=(torch.int64,))})
+    body = encode(Forward(activations=torch.randn(B, S, D)))
+    assert _refused(body, Forward, c2) == Outcome.MALFORMED         # required targets missing
+    # a message type's required tensor, without a contract
+    assert _refused(encode(Forward()), Forward) == Outcome.MALFORMED
+
+
+def test_glob_contract_for_state_dicts():
+    c = TensorContract({"tensors/*": TensorSpec(dtypes=(torch.float32,), max_numel=100)})
+    decode(encode(StateResponse(tensors={"a.w": torch.randn(10, 10)})), StateResponse, c)
+    assert _refused(encode(StateResponse(tensors={"a.w": torch.randn(11, 10)})), StateResponse, c) == Outcome.BAD_SHAPE
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_refused(bad):
+    x = torch.randn(B, S, D)
+    x[1, 3, 2] = bad
+    assert _refused(encode(Forward(activations=x)), Forward, _contract()) == Outcome.NON_FINITE
+    assert _refused(encode(Forward(activations=x.bfloat16())), Forward) == Outcome.NON_FINITE
+    assert _refused(encode(ForwardResult(loss=bad)), ForwardResult) == Outcome.NON_FINITE
+    assert _refused(encode(ForwardResult(stats={"a": bad})), ForwardResult) == Outcome.NON_FINITE
+
+
+def test_finite_check_can_be_waived_per_tensor():
+    x = torch.full((3,), float("inf"))
+    c = TensorContract({"shard": TensorSpec(finite=False)})
+    assert torch.isinf(decode(encode(MergePayload(shard=x)), MergePayload, c).shard).all()
+
+
+def _tamper_data(body: bytes) -> bytes:
+    b = bytearray(body)
+    b[-1] ^= 0x01
+    return bytes(b)
+
+
+def test_hash_mismatch():
+    body = encode(Backward(grad=torch.randn(B, S, D)))
+    assert _refused(_tamper_data(body), Backward) == Outcome.HASH_MISMATCH
+
+
+def _rewrite_meta(body: bytes, fn) -> bytes:
+    header, start = read_header(body)
+    meta = json.loads(header["__metadata__"]["iota"])
+    fn(meta)
+    header["__metadata__"]["iota"] = json.dumps(meta)
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + body[start:]
+
+
+def test_spec_version_refused():
+    assert _refused(encode(Health(spec_version=SPEC_VERSION + 1)), Health) == Outcome.SPEC_VERSION
+    body = _rewrite_meta(encode(Health()), lambda m: m.pop("spec_version"))
+    assert _refused(body, Health) == Outcome.SPEC_VERSION
+    body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("spec_version", "1"))
+    assert _refused(body, Health) == Outcome.SPEC_VERSION
+
+
+def test_wrong_type_and_bad_fields_malformed():
+    assert _refused(encode(Health()), Forward) == Outcome.MALFORMED                 # another message type
+    body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("stage", "zero"))
+    assert _refused(body, Health) == Outcome.MALFORMED
+    body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("evil", 1))
+    assert _refused(body, Health) == Outcome.MALFORMED
+    # metadata lying about a tensor's shape
+    body = _rewrite_meta(encode(Backward(grad=torch.randn(B, S, D))),
+                         lambda m: m["tensors"]["grad"].__setitem__("shape", [B, D, S]))
+    assert _refused(body, Backward) == Outcome.MALFORMED
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"\x00" * 7, b"garbage" * 100, bytes(range(256)) * 4, struct.pack("<Q", 10) + b"{not json}",
+    struct.pack("<Q", 2) + b"[]", safetensors.torch.save({"x": torch.zeros(2)}),   # safetensors without metadata
+], ids=["empty", "short", "text", "random", "badjson", "notobject", "nometa"])
+def test_malformed(body):
+    assert _refused(body, Forward) == Outcome.MALFORMED
+
+
+def test_random_bytes_malformed():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        body = torch.randint(0, 256, (int(torch.randint(0, 4096, (1,), generator=g)),), generator=g,
+                             dtype=torch.uint8).numpy().tobytes()
+        assert _refused(body, Forward) == Outcome.MALFORMED
+
+
+def test_pickle_payload_refused():
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('pickle was executed')",))
+
+    for obj in ({"activations": torch.randn(2, 2)}, Boom()):
+        body = pickle.dumps(obj)
+        assert _refused(body, Forward) == Outcome.MALFORMED
+    import io
+    buf = io.BytesIO()
+    torch.save({"activations": torch.randn(2, 2)}, buf)
+    assert _refused(buf.getvalue(), Forward) == Outcome.MALFORMED
+
+
+def test_body_too_large():
+    body = encode(Forward(activations=torch.randn(B, S, D)))
+    assert _refused(body, Forward, max_body_bytes=len(body) - 1) == Outcome.BODY_TOO_LARGE
+    decode(body, Forward, max_body_bytes=len(body))
+
+
+def test_outcome_statuses():
+    assert all(400 <= HTTP_STATUS[o] < 500 for o in Outcome
+               if o not in (Outcome.OK, Outcome.BUSY, Outcome.NOT_READY, Outcome.INTERNAL))
+    assert HTTP_STATUS[Outcome.BUSY] == HTTP_STATUS[Outcome.NOT_READY] == 503
+    assert HTTP_STATUS[Outcome.INTERNAL] == 500 and HTTP_STATUS[Outcome.OK] == 200
+    e = ProtocolError(Outcome.LATE, "too late")
+    assert e.status == 410 and e.to_json() == {"outcome": "LATE", "message": "too late"}
