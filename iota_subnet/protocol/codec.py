@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 from functools import lru_cache
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, get_type_hints
 
 import pydantic
 import safetensors.torch
@@ -107,7 +107,7 @@ def _refuse_constant(token: str) -> Any:
 
 @lru_cache(maxsize=None)
 def _fields_model(cls: type[Message]) -> type[pydantic.BaseModel]:
-    hints = __import__("typing").get_type_hints(cls)
+    hints = get_type_hints(cls)
     fields = {name: (hints[name], ...) for name in cls.json_fields()}
     return pydantic.create_model(f"{cls.__name__}Fields",
                                  __config__=pydantic.ConfigDict(extra="forbid", strict=True), **fields)

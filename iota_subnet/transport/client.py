@@ -1,0 +1,183 @@
+"""HTTP client for a neuron: signed POSTs of typed messages, retries, byte counters.
+
+One ``aiohttp.ClientSession`` per client (keep-alive pool, TCP_NODELAY on every socket). Each
+attempt is signed afresh (btauth/1 needs a fresh nonce per request). Retries, with exponential
+backoff, happen only for connection errors, timeouts and 503 (``BUSY`` / ``NOT_READY``); a 4xx
+is raised at once as :class:`ProtocolError` carrying the server's outcome. Network failure after
+the last retry raises :class:`TransportError`.
+
+The response is checked like a request: its btauth/1 signature (method ``RESPONSE``, bound to the
+request nonce, signed by ``receiver_hotkey``) when ``verify_responses`` is on, then
+:func:`decode` against ``response_type`` and the optional ``response_contract`` (a miner's NaN
+activations surface as ``ProtocolError(NON_FINITE)``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+from typing import Any, Optional, TypeVar
+
+import aiohttp
+from bittensor import http_auth
+from loguru import logger
+
+from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode
+from .server import HEADER_REQUEST_NONCE, RESPONSE_METHOD, response_sign_path
+
+M = TypeVar("M", bound=Message)
+
+
+class TransportError(Exception):
+    """The peer could not be reached or did not answer in time (after all retries)."""
+
+    def __init__(self, endpoint: str, message: str, attempts: int = 1):
+        self.endpoint = endpoint
+        self.attempts = attempts
+        super().__init__(f"{endpoint}: {message} (after {attempts} attempt{'s' if attempts != 1 else ''})")
+
+
+def _nodelay_socket(addr_info: Any) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    if family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _refusal_from(status: int, body: bytes) -> ProtocolError:
+    try:
+        data = json.loads(body.decode("utf-8"))
+        return ProtocolError(Outcome(data["outcome"]), str(data.get("message", "")), status=status)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        outcome = Outcome.BUSY if status == 503 else (Outcome.INTERNAL if status >= 500 else Outcome.MALFORMED)
+        return ProtocolError(outcome, f"HTTP {status} without a refusal body", status=status)
+
+
+class NeuronClient:
+    """Calls other neurons' :class:`~iota_subnet.transport.server.NeuronServer` routes.
+
+    Counters (bodies only, all attempts): ``bytes_sent``, ``bytes_received``, ``requests``,
+    ``retries``, ``failures``. Use ``async with NeuronClient(wallet) as c`` or call :meth:`close`.
+    """
+
+    def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
+                 verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20):
+        self.wallet = wallet
+        self.hotkey: str = wallet.hotkey.ss58_address
+        self.max_connections = max_connections
+        self.keepalive_timeout = keepalive_timeout
+        self.verify_responses = verify_responses
+        self.max_response_bytes = max_response_bytes
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._response_nonces = http_auth.InMemoryNonceStore(retention=60.0)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.requests = 0
+        self.retries = 0
+        self.failures = 0
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=self.keepalive_timeout,
+                                             socket_factory=_nodelay_socket)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "NeuronClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "requests": self.requests,
+                "retries": self.retries, "failures": self.failures}
+
+    async def call(self, endpoint: str, receiver_hotkey: str, path: str, msg: Message, response_type: type[M],
+                   timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2, *,
+                   response_contract: Optional[TensorContract] = None) -> M:
+        """POST ``msg`` to ``http://{endpoint}{path}`` signed for ``receiver_hotkey``; return the decoded reply."""
+        body = encode(msg)
+        return await self.call_raw(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
+                                   backoff_s, response_contract=response_contract)
+
+    async def call_raw(self, endpoint: str, receiver_hotkey: str, path: str, body: bytes, response_type: type[M],
+                       timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2, *,
+                       response_contract: Optional[TensorContract] = None) -> M:
+        """:meth:`call` with an already-encoded body."""
+        session = self._get_session()
+        url = f"http://{endpoint}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        attempts = max(1, int(retries) + 1)
+        last: Optional[BaseException] = None
+        for attempt in range(attempts):
+            if attempt:
+                self.retries += 1
+                delay = backoff_s * (2 ** (attempt - 1)) * (1.0 + 0.1 * random.random())
+                await asyncio.sleep(delay)
+            headers = http_auth.sign(self.wallet, method="POST", path=path, body=body, receiver_ss58=receiver_hotkey)
+            headers["Content-Type"] = "application/octet-stream"
+            self.requests += 1
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
+                    self.bytes_sent += len(body)
+                    data = await self._read(resp)
+                    self.bytes_received += len(data)
+                    if resp.status == 200:
+                        if self.verify_responses:
+                            self._verify_response(resp, data, path, receiver_hotkey, headers)
+                        return decode(data, response_type, response_contract)
+                    err = _refusal_from(resp.status, data)
+                    if resp.status == 503 and attempt + 1 < attempts:
+                        logger.debug("{}{}: {} (attempt {}/{}), retrying", endpoint, path, err.outcome.value,
+                                     attempt + 1, attempts)
+                        last = err
+                        continue
+                    self.failures += 1
+                    raise err
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last = e
+                logger.debug("{}{}: {} after {:.0f} ms (attempt {}/{})", endpoint, path, type(e).__name__,
+                             (time.perf_counter() - t0) * 1e3, attempt + 1, attempts)
+        self.failures += 1
+        if isinstance(last, ProtocolError):
+            raise last
+        what = "timed out" if isinstance(last, asyncio.TimeoutError) else f"{type(last).__name__}: {last}"
+        raise TransportError(endpoint, what, attempts) from last
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self.max_response_bytes
+        if limit is None:
+            return await resp.read()
+        if resp.content_length is not None and resp.content_length > limit:
+            raise ProtocolError(Outcome.BODY_TOO_LARGE, f"response of {resp.content_length} bytes > limit {limit}")
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(Outcome.BODY_TOO_LARGE, f"response over the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _verify_response(self, resp: aiohttp.ClientResponse, data: bytes, path: str, receiver_hotkey: str,
+                         request_headers: dict[str, str]) -> None:
+        nonce = request_headers[http_auth.HEADER_NONCE]
+        if resp.headers.get(HEADER_REQUEST_NONCE) != nonce:
+            raise ProtocolError(Outcome.BAD_SIGNATURE, "response is not bound to this request")
+        try:
+            caller = http_auth.verify(resp.headers, data, method=RESPONSE_METHOD, path=response_sign_path(path, nonce),
+                                      self_hotkey_ss58=self.hotkey, nonce_store=self._response_nonces,
+                                      max_age=30.0, allowed_skew=10.0)
+        except http_auth.AuthError as e:
+            raise ProtocolError(Outcome.BAD_SIGNATURE, f"response signature: {e}") from None
+        if caller.hotkey_ss58 != receiver_hotkey:
+            raise ProtocolError(Outcome.BAD_SIGNATURE, "response signed by another hotkey")

@@ -1,0 +1,302 @@
+"""HTTP server for a neuron: btauth/1-authenticated, typed, validated POST routes.
+
+Every request goes through one middleware, in this order:
+
+1. route lookup (``UNKNOWN_ROUTE`` 404 for unknown paths or non-POST methods);
+2. concurrency bound (``BUSY`` 503 when ``max_inflight`` requests are already running);
+3. body size: ``Content-Length`` above ``max_body_bytes`` is refused with 413 ``BODY_TOO_LARGE``
+   before any of the body is read; a chunked body is read only up to the limit;
+4. ``bittensor.http_auth.verify`` with our hotkey as receiver and a persistent nonce store; each
+   ``AuthError`` maps to an :class:`Outcome` (see :data:`AUTH_OUTCOMES`);
+5. ``authorizer(caller_hotkey, route)`` (sync or async), supplied by the neuron; it raises
+   ``ProtocolError(UNREGISTERED_HOTKEY | FORBIDDEN)`` to refuse;
+6. :func:`iota_subnet.protocol.decode` against the route's message type and contract;
+7. the handler ``handler(msg, ctx) -> Message`` (sync or async).
+
+Success: 200, ``application/octet-stream``, the encoded response; the response is signed with
+our hotkey (btauth/1 headers, method ``RESPONSE``, path ``<request path>#<request nonce>``,
+receiver = the caller) so a client can check which hotkey produced it. Refusal: the outcome's
+status with a JSON body ``{"outcome": "...", "message": "..."}``. An unexpected handler exception
+gives 500 ``INTERNAL`` (traceback logged) and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional, Union
+
+from aiohttp import web
+from bittensor import http_auth
+from loguru import logger
+
+from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode
+from .nonce_store import SqliteNonceStore
+
+#: bittensor.http_auth exception -> outcome.
+AUTH_OUTCOMES: dict[type[http_auth.AuthError], Outcome] = {
+    http_auth.MalformedAuth: Outcome.BAD_SIGNATURE,
+    http_auth.WrongReceiver: Outcome.WRONG_RECEIVER,
+    http_auth.StaleRequest: Outcome.STALE_REQUEST,
+    http_auth.BadSignature: Outcome.BAD_SIGNATURE,
+    http_auth.ReplayedRequest: Outcome.REPLAYED_NONCE,
+}
+#: Headers whose absence (or empty value) is MISSING_SIGNATURE rather than BAD_SIGNATURE.
+_REQUIRED_AUTH_HEADERS = (http_auth.HEADER_VERSION, http_auth.HEADER_HOTKEY, http_auth.HEADER_NONCE,
+                          http_auth.HEADER_SIGNATURE)
+#: Bodies above this size are verified / decoded in a worker thread so the event loop stays free.
+OFFLOAD_BYTES = 256 << 10
+
+RESPONSE_METHOD = "RESPONSE"
+HEADER_REQUEST_NONCE = "X-Iota-Request-Nonce"
+
+
+_MSG_KEY = web.RequestKey("iota_msg", Message)
+
+
+def response_sign_path(path: str, request_nonce: int | str) -> str:
+    """The ``path`` a response signature covers: binds the response to one request."""
+    return f"{path}#{request_nonce}"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a handler knows about the request besides the message."""
+
+    caller_hotkey: str
+    route: str
+    nonce_ns: int
+    remote: Optional[str]
+    body_bytes: int
+    received_at: float
+
+
+_CTX_KEY = web.RequestKey("iota_ctx", RequestContext)
+
+Handler = Callable[[Message, RequestContext], Union[Message, Awaitable[Message]]]
+Authorizer = Callable[[str, str], Union[None, Awaitable[None]]]
+ContractFn = Union[Callable[[], Optional[TensorContract]], TensorContract, None]
+
+
+@dataclass
+class Route:
+    path: str
+    handler: Handler
+    message_type: type[Message]
+    contract_fn: ContractFn = None
+
+    def contract(self) -> Optional[TensorContract]:
+        if self.contract_fn is None or isinstance(self.contract_fn, TensorContract):
+            return self.contract_fn
+        return self.contract_fn()
+
+
+def refusal(outcome: Outcome, message: str = "") -> web.Response:
+    err = ProtocolError(outcome, message)
+    return web.json_response(err.to_json(), status=err.status)
+
+
+def _set_nodelay(request: web.Request) -> None:
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+class NeuronServer:
+    """An aiohttp application serving signed, typed POST routes for one hotkey.
+
+    ``authorizer(caller_hotkey, route)``: ``None`` accepts every authenticated hotkey (tests only).
+    ``nonce_store_path``: SQLite file for replay protection across restarts (``None``: in memory).
+    Register routes with :meth:`add_route` before :meth:`start`.
+    """
+
+    def __init__(self, wallet: Any, host: str = "0.0.0.0", port: int = 0, authorizer: Optional[Authorizer] = None,
+                 nonce_store_path: Optional[str | os.PathLike] = None, max_body_bytes: int = 64 << 20, *,
+                 max_age: float = http_auth.DEFAULT_MAX_AGE, allowed_skew: float = http_auth.DEFAULT_ALLOWED_SKEW,
+                 max_inflight: Optional[int] = None, sign_responses: bool = True):
+        self.wallet = wallet
+        self.hotkey: str = wallet.hotkey.ss58_address
+        self.host = host
+        self.port = port
+        self.authorizer = authorizer
+        self.max_body_bytes = int(max_body_bytes)
+        self.max_age = max_age
+        self.allowed_skew = allowed_skew
+        self.max_inflight = max_inflight
+        self.sign_responses = sign_responses
+        if nonce_store_path is None:
+            logger.warning("NeuronServer without nonce_store_path: replay protection is lost on restart")
+            self.nonce_store: Any = http_auth.InMemoryNonceStore(retention=max_age + allowed_skew + 5.0)
+        else:
+            self.nonce_store = SqliteNonceStore(nonce_store_path, max_age=max_age, allowed_skew=allowed_skew)
+        if authorizer is None:
+            logger.warning("NeuronServer without authorizer: every authenticated hotkey is accepted")
+        self.routes: dict[str, Route] = {}
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
+        self._runner: Optional[web.AppRunner] = None
+        self._inflight = 0
+        #: counters: requests per outcome, bytes in/out (bodies).
+        self.outcomes: Counter[str] = Counter()
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # ------------------------------------------------------------------ routes
+    def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None) -> None:
+        if not path.startswith("/"):
+            raise ValueError(f"route path must start with '/': {path!r}")
+        if path in self.routes:
+            raise ValueError(f"route {path} registered twice")
+        if self._runner is not None:
+            raise RuntimeError("add routes before start()")
+        route = Route(path, handler, message_type, contract_fn)
+        self.routes[path] = route
+
+        async def _aiohttp_handler(request: web.Request) -> web.StreamResponse:
+            return await self._run_handler(route, request)
+
+        self.app.router.add_post(path, _aiohttp_handler)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port (useful with ``port=0``)."""
+        if self._runner is not None:
+            return self.port
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        self._runner = runner
+        addrs = runner.addresses
+        if addrs:
+            self.port = int(addrs[0][1])
+        logger.info("NeuronServer {} listening on {}:{} ({} routes)", self.hotkey[:8], self.host, self.port,
+                    len(self.routes))
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        close = getattr(self.nonce_store, "close", None)
+        if close is not None:
+            close()
+
+    async def __aenter__(self) -> "NeuronServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop()
+
+    @property
+    def endpoint(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", None) else self.host
+        return f"{host}:{self.port}"
+
+    # ------------------------------------------------------------------ request path
+    def _refuse(self, err: ProtocolError, request: web.Request) -> web.Response:
+        self.outcomes[err.outcome.value] += 1
+        level = "WARNING" if err.outcome in (Outcome.INTERNAL,) else "DEBUG"
+        logger.log(level, "refused {} from {}: {} {}", request.path, request.remote, err.outcome.value, err.message)
+        return web.json_response(err.to_json(), status=err.status)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise ProtocolError(Outcome.BODY_TOO_LARGE, f"Content-Length {declared} > limit {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await request.content.read(min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(Outcome.BODY_TOO_LARGE, f"body over the limit of {limit} bytes")
+        return b"".join(chunks)
+
+    def _verify(self, request: web.Request, body: bytes) -> http_auth.Caller:
+        headers = request.headers
+        for name in _REQUIRED_AUTH_HEADERS:
+            if not headers.get(name):
+                raise ProtocolError(Outcome.MISSING_SIGNATURE, f"missing {name}")
+        try:
+            return http_auth.verify(headers, body, method=request.method, path=request.raw_path,
+                                    self_hotkey_ss58=self.hotkey, max_age=self.max_age,
+                                    allowed_skew=self.allowed_skew, nonce_store=self.nonce_store)
+        except http_auth.AuthError as e:
+            outcome = next((o for cls, o in AUTH_OUTCOMES.items() if isinstance(e, cls)), Outcome.BAD_SIGNATURE)
+            raise ProtocolError(outcome, str(e)) from None
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:
+        _set_nodelay(request)
+        route = self.routes.get(request.path)
+        if route is None or request.method != "POST":
+            return self._refuse(ProtocolError(Outcome.UNKNOWN_ROUTE, f"no route {request.method} {request.path}"),
+                                request)
+        if self.max_inflight is not None and self._inflight >= self.max_inflight:
+            return self._refuse(ProtocolError(Outcome.BUSY, f"{self._inflight} requests in flight"), request)
+        self._inflight += 1
+        t0 = time.perf_counter()
+        try:
+            body = await self._read_body(request)
+            self.bytes_received += len(body)
+            big = len(body) > OFFLOAD_BYTES
+            caller = await asyncio.to_thread(self._verify, request, body) if big else self._verify(request, body)
+            if self.authorizer is not None:
+                res = self.authorizer(caller.hotkey_ss58, route.path)
+                if inspect.isawaitable(res):
+                    await res
+            contract = route.contract()
+            if big:
+                msg = await asyncio.to_thread(decode, body, route.message_type, contract,
+                                              max_body_bytes=self.max_body_bytes)
+            else:
+                msg = decode(body, route.message_type, contract, max_body_bytes=self.max_body_bytes)
+            request[_MSG_KEY] = msg
+            request[_CTX_KEY] = RequestContext(caller_hotkey=caller.hotkey_ss58, route=route.path,
+                                                 nonce_ns=caller.nonce_ns, remote=request.remote,
+                                                 body_bytes=len(body), received_at=t0)
+            return await handler(request)
+        except ProtocolError as e:
+            return self._refuse(e, request)
+        except (asyncio.CancelledError, web.HTTPException):
+            raise
+        except Exception as e:  # noqa: BLE001 - any handler fault must not take the server down
+            logger.exception("handler for {} failed", request.path)
+            return self._refuse(ProtocolError(Outcome.INTERNAL, f"{type(e).__name__} in handler"), request)
+        finally:
+            self._inflight -= 1
+
+    async def _run_handler(self, route: Route, request: web.Request) -> web.StreamResponse:
+        msg: Message = request[_MSG_KEY]
+        ctx: RequestContext = request[_CTX_KEY]
+        result = route.handler(msg, ctx)
+        if inspect.isawaitable(result):
+            result = await result
+        if not isinstance(result, Message):
+            raise TypeError(f"handler for {route.path} returned {type(result).__name__}, not a Message")
+        body = encode(result) if ctx.body_bytes <= OFFLOAD_BYTES else await asyncio.to_thread(encode, result)
+        headers = {"Content-Type": "application/octet-stream"}
+        if self.sign_responses:
+            headers.update(http_auth.sign(self.wallet, method=RESPONSE_METHOD,
+                                          path=response_sign_path(request.raw_path, ctx.nonce_ns),
+                                          body=body, receiver_ss58=ctx.caller_hotkey))
+            headers[HEADER_REQUEST_NONCE] = str(ctx.nonce_ns)
+        self.outcomes[Outcome.OK.value] += 1
+        self.bytes_sent += len(body)
+        logger.trace("{} from {}: OK in {:.1f} ms", route.path, ctx.caller_hotkey[:8],
+                     (time.perf_counter() - ctx.received_at) * 1e3)
+        return web.Response(body=body, status=200, headers=headers)
