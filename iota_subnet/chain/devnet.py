@@ -108,7 +108,7 @@ CREATE TABLE IF NOT EXISTS owners (hotkey TEXT PRIMARY KEY, coldkey TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS stakes (
     hotkey TEXT, coldkey TEXT, netuid INTEGER, amount INTEGER NOT NULL,
     PRIMARY KEY (hotkey, coldkey, netuid));
-CREATE TABLE IF NOT EXISTS epochs (netuid INTEGER, block INTEGER, ran_at REAL, pid INTEGER, PRIMARY KEY (netuid, block));
+CREATE TABLE IF NOT EXISTS epochs (id INTEGER PRIMARY KEY AUTOINCREMENT, netuid INTEGER, block INTEGER, ran_at REAL, pid INTEGER);
 CREATE TABLE IF NOT EXISTS extrinsics (
     id INTEGER PRIMARY KEY AUTOINCREMENT, block INTEGER NOT NULL, signer TEXT NOT NULL,
     module TEXT NOT NULL, function TEXT NOT NULL, success INTEGER NOT NULL, error TEXT, at REAL NOT NULL);
@@ -414,7 +414,7 @@ class DevnetState:
                 "UPDATE subnets SET last_epoch_block=?, epoch_index=epoch_index+1 WHERE netuid=?",
                 (epoch_block, netuid),
             )
-            c.execute("INSERT OR IGNORE INTO epochs VALUES (?,?,?,?)", (netuid, epoch_block, time.time(), os.getpid()))
+            c.execute("INSERT INTO epochs (netuid, block, ran_at, pid) VALUES (?,?,?,?)", (netuid, epoch_block, time.time(), os.getpid()))
         logger.debug("devnet: epoch of netuid {} at block {} (pid {})", netuid, epoch_block, os.getpid())
         return True
 
@@ -1380,6 +1380,6 @@ def epoch_log(db: str | os.PathLike, netuid: Optional[int] = None) -> list[dict]
         sql, args = "SELECT * FROM epochs", ()
         if netuid is not None:
             sql, args = sql + " WHERE netuid=?", (int(netuid),)
-        return [dict(r) for r in st._q(sql + " ORDER BY block", args)]
+        return [dict(r) for r in st._q(sql + " ORDER BY id", args)]
     finally:
         st.close()
