@@ -52,7 +52,7 @@ def _same(a, b):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
                 and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     return a == b and type(a) is type(b)
 
 
@@ -232,3 +232,31 @@ def test_outcome_statuses():
     assert HTTP_STATUS[Outcome.INTERNAL] == 500 and HTTP_STATUS[Outcome.OK] == 200
     e = ProtocolError(Outcome.LATE, "too late")
     assert e.status == 410 and e.to_json() == {"outcome": "LATE", "message": "too late"}
+
+
+def test_ready_made_contracts():
+    from iota_subnet.protocol import backward_contract, forward_contract, merge_contract
+
+    first = forward_contract(first=True, last=False, seq_len=S, width=D, max_batch=4, vocab_size=100)
+    decode(encode(Forward(activations=torch.randint(0, 100, (B, S)))), Forward, first)
+    assert _refused(encode(Forward(activations=torch.full((B, S), 100))), Forward, first) == Outcome.MALFORMED
+    assert _refused(encode(Forward(activations=torch.full((B, S), -1))), Forward, first) == Outcome.MALFORMED
+    assert _refused(encode(Forward(activations=torch.randn(B, S, D))), Forward, first) == Outcome.BAD_DTYPE
+    assert _refused(encode(Forward(activations=torch.randint(0, 100, (0, S)))), Forward, first) == Outcome.BAD_SHAPE
+
+    last = forward_contract(first=False, last=True, seq_len=S, width=D, max_batch=4, vocab_size=100)
+    decode(encode(Forward(activations=torch.randn(B, S, D), targets=torch.randint(0, 100, (B, S)))), Forward, last)
+    assert _refused(encode(Forward(activations=torch.randn(B, S, D))), Forward, last) == Outcome.MALFORMED
+    middle = forward_contract(first=False, last=False, seq_len=S, width=D, max_batch=4)
+    assert _refused(encode(Forward(activations=torch.randn(B, S, D), targets=torch.randint(0, 100, (B, S)))),
+                    Forward, middle) == Outcome.MALFORMED
+
+    bc = backward_contract(seq_len=S, width=D, max_batch=4)
+    decode(encode(Backward(grad=torch.randn(B, S, D))), Backward, bc)
+    decode(encode(BackwardResult(grad=torch.randn(B, S, D))), BackwardResult, bc)
+    assert _refused(encode(Backward(grad=torch.randn(B, S, 2 * D))), Backward, bc) == Outcome.BAD_SHAPE
+
+    mc = merge_contract(max_numel=1000)
+    decode(encode(MergePayload(shard=torch.randn(1000))), MergePayload, mc)
+    assert _refused(encode(MergePayload(shard=torch.randn(1001))), MergePayload, mc) == Outcome.BAD_SHAPE
+    assert _refused(encode(MergePayload(shard=torch.randn(10, 10))), MergePayload, mc) == Outcome.BAD_SHAPE

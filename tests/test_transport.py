@@ -476,3 +476,24 @@ def test_sqlite_nonce_store(tmp_path):
     assert len(s) == 2 and not s.check_and_store("hk", now)
     assert s.prune(now_ns=now + 10**12) == 2 and len(s) == 0
     s.close()
+
+
+def test_large_state_download(wallets, tmp_path):
+    """A response much larger than its request (encoded off the event loop), bit-exact."""
+    async def main():
+        async with Env(wallets, tmp_path) as env:
+            n, c, ep, hk = env.node, env.client, env.node.server.endpoint, env.node.server.hotkey
+            names = [f"layers.{i}.w" for i in range(8)]
+            st = await c.call(ep, hk, "/state", StateRequest(names=names, epoch=1), StateResponse)
+            assert list(st.tensors) == names
+            big = {f"w{i}": torch.randn(256, 1024) for i in range(4)}                  # 4 MiB
+
+            async def state(msg, ctx):
+                return StateResponse(tensors=big, state_meta={"n": len(big)})
+            n.state = state
+            n.server.routes["/state"].handler = state
+            st = await c.call(ep, hk, "/state", StateRequest(), StateResponse)
+            assert all(_bits(st.tensors[k]) == _bits(v) for k, v in big.items())
+            assert c.bytes_received > 4 * 256 * 1024 * 4
+            await _good(c, n)
+    run(main())

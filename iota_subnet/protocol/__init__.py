@@ -1,6 +1,15 @@
 """Wire protocol: typed messages, safetensors encoding, tensor contracts, typed refusals."""
-from .codec import decode, encode, read_header, tensor_sha256
-from .contract import FLOAT_DTYPES, TensorContract, TensorSpec
+from .codec import decode, encode, payload_nbytes, read_header, tensor_sha256
+from .contract import (
+    FLOAT_DTYPES,
+    TensorContract,
+    TensorSpec,
+    activation_spec,
+    backward_contract,
+    forward_contract,
+    merge_contract,
+    token_spec,
+)
 from .messages import (
     MESSAGE_TYPES,
     SPEC_VERSION,
@@ -22,4 +31,5 @@ __all__ = [
     "MESSAGE_TYPES", "MergePayload", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
     "StateResponse", "TensorContract", "TensorSpec", "decode", "encode", "read_header", "tensor_sha256",
     "tensor_field",
+    "activation_spec", "backward_contract", "forward_contract", "merge_contract", "payload_nbytes", "token_spec",
 ]

@@ -86,6 +86,19 @@ def _wire_tensors(msg: Message) -> dict[str, torch.Tensor]:
     return out
 
 
+def payload_nbytes(msg: Message) -> int:
+    """Tensor bytes ``msg`` will carry (to decide whether encoding is worth a worker thread)."""
+    total = 0
+    for name, f in type(msg).tensor_fields().items():
+        value = getattr(msg, name)
+        if value is None:
+            continue
+        for t in (value.values() if isinstance(value, dict) else (value,)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
 def encode(msg: Message) -> bytes:
     """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header."""
     if not isinstance(msg, Message):
@@ -229,6 +242,8 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
         if t.is_floating_point() and (contract is None or contract.wants_finite(key)):
             if not bool(torch.isfinite(t).all()):
                 raise ProtocolError(Outcome.NON_FINITE, f"tensor {key!r} holds NaN or inf")
+        if contract is not None:
+            contract.check_values(key, t)
 
     _check_floats(meta, "metadata")
     try:
@@ -242,7 +257,8 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
     for fname, f in tfields.items():
         if f.metadata["tensor"] == TENSOR_DICT:
             prefix = fname + "/"
-            kwargs[fname] = {k[len(prefix):]: t for k, t in loaded.items() if k.startswith(prefix)}
+            # keep the sender's order (safetensors reorders tensors by dtype and size)
+            kwargs[fname] = {k[len(prefix):]: loaded[k] for k in tmeta if k.startswith(prefix)}
         elif fname in loaded:
             kwargs[fname] = loaded[fname]
     return expected(**kwargs)

@@ -41,6 +41,9 @@ class TensorSpec:
     max_numel: Optional[int] = None
     required: bool = True
     finite: bool = True
+    #: inclusive value bounds (e.g. token ids in ``[0, vocab_size - 1]``); out of range is MALFORMED.
+    min_value: Optional[float] = None
+    max_value: Optional[float] = None
 
     def check(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> None:
         if dtype not in self.dtypes:
@@ -117,3 +120,50 @@ class TensorContract:
     def wants_finite(self, name: str) -> bool:
         spec = self.spec_for(name)
         return True if spec is None else spec.finite
+
+    def check_values(self, name: str, t: torch.Tensor) -> None:
+        spec = self.spec_for(name)
+        if spec is None or t.numel() == 0 or (spec.min_value is None and spec.max_value is None):
+            return
+        if spec.min_value is not None and bool((t < spec.min_value).any()):
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {name!r}: values below {spec.min_value}")
+        if spec.max_value is not None and bool((t > spec.max_value).any()):
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {name!r}: values above {spec.max_value}")
+
+
+# ---------------------------------------------------------------------------------------------- ready-made contracts
+
+def activation_spec(seq_len: int, width: int, max_batch: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+                    required: bool = True) -> TensorSpec:
+    """Float activations (or their gradients) ``[batch <= max_batch, seq_len, width]``."""
+    return TensorSpec(dtypes=dtypes, shape=(-1, seq_len, width), max_shape=(max_batch, -1, -1),
+                      min_shape=(1, -1, -1), required=required)
+
+
+def token_spec(seq_len: int, max_batch: int, vocab_size: Optional[int] = None, required: bool = True) -> TensorSpec:
+    """int64 token ids ``[batch <= max_batch, seq_len]`` in ``[0, vocab_size)``."""
+    return TensorSpec(dtypes=(torch.int64,), shape=(-1, seq_len), max_shape=(max_batch, -1), min_shape=(1, -1),
+                      min_value=0 if vocab_size is not None else None,
+                      max_value=vocab_size - 1 if vocab_size is not None else None, required=required)
+
+
+def forward_contract(*, first: bool, last: bool, seq_len: int, width: int, max_batch: int,
+                     vocab_size: Optional[int] = None, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
+    """What a stage accepts as :class:`~iota_subnet.protocol.messages.Forward`: token ids into the first stage,
+    activations otherwise; ``targets`` required by the last stage (and refused elsewhere)."""
+    specs = {"activations": token_spec(seq_len, max_batch, vocab_size) if first
+             else activation_spec(seq_len, width, max_batch, dtypes)}
+    if last:
+        specs["targets"] = token_spec(seq_len, max_batch, vocab_size)
+    return TensorContract(specs)
+
+
+def backward_contract(*, seq_len: int, width: int, max_batch: int,
+                      dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
+    """:class:`~iota_subnet.protocol.messages.Backward` (``grad``), also usable for ``BackwardResult``."""
+    return TensorContract({"grad": activation_spec(seq_len, width, max_batch, dtypes)})
+
+
+def merge_contract(*, max_numel: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
+    """:class:`~iota_subnet.protocol.messages.MergePayload`: a 1-D shard of at most ``max_numel`` values."""
+    return TensorContract({"shard": TensorSpec(dtypes=dtypes, shape=(-1,), max_shape=(max_numel,))})

@@ -24,8 +24,8 @@ import aiohttp
 from bittensor import http_auth
 from loguru import logger
 
-from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode
-from .server import HEADER_REQUEST_NONCE, RESPONSE_METHOD, response_sign_path
+from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
+from .server import HEADER_REQUEST_NONCE, OFFLOAD_BYTES, RESPONSE_METHOD, response_sign_path
 
 M = TypeVar("M", bound=Message)
 
@@ -105,7 +105,7 @@ class NeuronClient:
                    timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2, *,
                    response_contract: Optional[TensorContract] = None) -> M:
         """POST ``msg`` to ``http://{endpoint}{path}`` signed for ``receiver_hotkey``; return the decoded reply."""
-        body = encode(msg)
+        body = encode(msg) if payload_nbytes(msg) <= OFFLOAD_BYTES else await asyncio.to_thread(encode, msg)
         return await self.call_raw(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
                                    backoff_s, response_contract=response_contract)
 
@@ -135,6 +135,8 @@ class NeuronClient:
                     if resp.status == 200:
                         if self.verify_responses:
                             self._verify_response(resp, data, path, receiver_hotkey, headers)
+                        if len(data) > OFFLOAD_BYTES:
+                            return await asyncio.to_thread(decode, data, response_type, response_contract)
                         return decode(data, response_type, response_contract)
                     err = _refusal_from(resp.status, data)
                     if resp.status == 503 and attempt + 1 < attempts:

@@ -34,7 +34,7 @@ from aiohttp import web
 from bittensor import http_auth
 from loguru import logger
 
-from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode
+from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import SqliteNonceStore
 
 #: bittensor.http_auth exception -> outcome.
@@ -288,7 +288,7 @@ class NeuronServer:
             result = await result
         if not isinstance(result, Message):
             raise TypeError(f"handler for {route.path} returned {type(result).__name__}, not a Message")
-        body = encode(result) if ctx.body_bytes <= OFFLOAD_BYTES else await asyncio.to_thread(encode, result)
+        body = encode(result) if payload_nbytes(result) <= OFFLOAD_BYTES else await asyncio.to_thread(encode, result)
         headers = {"Content-Type": "application/octet-stream"}
         if self.sign_responses:
             headers.update(http_auth.sign(self.wallet, method=RESPONSE_METHOD,
