@@ -59,6 +59,8 @@ def _refusal_from(status: int, body: bytes) -> ProtocolError:
 class NeuronClient:
     """Calls other neurons' :class:`~iota_subnet.transport.server.NeuronServer` routes.
 
+    ``wallet``: a ``bittensor.Wallet`` (its hotkey is loaded once) or a hotkey ``Keypair``.
+
     Counters (bodies only, all attempts): ``bytes_sent``, ``bytes_received``, ``requests``,
     ``retries``, ``failures``. Use ``async with NeuronClient(wallet) as c`` or call :meth:`close`.
     """
@@ -66,7 +68,9 @@ class NeuronClient:
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
                  verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20):
         self.wallet = wallet
-        self.hotkey: str = wallet.hotkey.ss58_address
+        # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
+        self._signer = getattr(wallet, "hotkey", wallet)
+        self.hotkey: str = self._signer.ss58_address
         self.max_connections = max_connections
         self.keepalive_timeout = keepalive_timeout
         self.verify_responses = verify_responses
@@ -123,7 +127,7 @@ class NeuronClient:
                 self.retries += 1
                 delay = backoff_s * (2 ** (attempt - 1)) * (1.0 + 0.1 * random.random())
                 await asyncio.sleep(delay)
-            headers = http_auth.sign(self.wallet, method="POST", path=path, body=body, receiver_ss58=receiver_hotkey)
+            headers = http_auth.sign(self._signer, method="POST", path=path, body=body, receiver_ss58=receiver_hotkey)
             headers["Content-Type"] = "application/octet-stream"
             self.requests += 1
             t0 = time.perf_counter()
