@@ -787,6 +787,7 @@ class _View:
         self.neurons = st.neurons(netuid) if self.sub else []
         self.stakes = st.stake_of(netuid) if self.sub else {}
         self.axons = st.axons(netuid) if self.sub else {}
+        self._matrices: Optional[tuple[dict, dict]] = None
 
     def stake(self, hotkey: str) -> int:
         return sum(self.stakes.get(hotkey, {}).values())
@@ -808,8 +809,10 @@ class _View:
             "pruning_score": _u16(nr["incentive"]),
         }
         if not lite:
-            w = self.st.weights_rows(self.netuid, "weights").get(nr["uid"], [])
-            b = self.st.weights_rows(self.netuid, "bonds").get(nr["uid"], [])
+            if self._matrices is None:
+                self._matrices = (self.st.weights_rows(self.netuid, "weights"), self.st.weights_rows(self.netuid, "bonds"))
+            w = self._matrices[0].get(nr["uid"], [])
+            b = self._matrices[1].get(nr["uid"], [])
             rec["weights"] = [(int(j), int(v)) for j, v in w]
             rec["bonds"] = [(int(j), _u16(v)) for j, v in b]
         return rec
@@ -1302,6 +1305,8 @@ def create_devnet(
     name: str = "iota-devnet",
     symbol: str = "ι",
     auto_fund_tao: float = 1000.0,
+    weights_rate_limit: int = 10,
+    immunity_period: int = 100,
     exist_ok: bool = False,
     **hyperparams: Any,
 ) -> Path:
@@ -1311,8 +1316,12 @@ def create_devnet(
     ``weights_rate_limit``, ``weights_version``, ``burn`` in rao or ``burn_tao``, ``max_validators``,
     ``emission_per_block``, ...). ``auto_fund_tao`` is a faucet: an account seen for the first time
     by a signed call starts with that balance (0 disables it; then use :func:`fund`).
-    With ``exist_ok`` an existing subnet is left as it is.
+    With ``exist_ok`` an existing subnet is left as it is. ``weights_rate_limit`` and
+    ``immunity_period`` default to localnet-friendly values (10 and 100 blocks); the other
+    hyperparameters default to chain-like values (:data:`DEFAULT_HYPERPARAMS`).
     """
+    hyperparams["weights_rate_limit"] = int(weights_rate_limit)
+    hyperparams["immunity_period"] = int(immunity_period)
     if "burn_tao" in hyperparams:
         hyperparams["burn"] = _to_rao(hyperparams.pop("burn_tao"))
     st = DevnetState(db, create=True)
