@@ -10,7 +10,8 @@ Shapes (``b`` is the boundary width after the bottleneck):
 ============== ================================================================================
 Forward        ``activations``: int64 token ids [batch, seq] into stage 0, else float [batch, seq, b];
                ``targets`` (optional): int64 [batch, seq], sent to the last stage for the loss
-ForwardResult  ``activations``: [batch, seq, b] (not for the last stage); ``loss`` (last stage)
+ForwardResult  ``activations``: [batch, seq, b] (not for the last stage); ``loss`` and ``grad``
+               [batch, seq, b] (last stage: it runs its backward at once)
 Backward       ``grad``: d loss / d stage output, [batch, seq, b]
 BackwardResult ``grad``: d loss / d stage input, [batch, seq, b]; ``None`` from stage 0
 MergePayload   ``shard``: float [n], slice ``[offset, offset + n)`` of a flat parameter vector
@@ -72,6 +73,8 @@ class Forward(Message):
 class ForwardResult(Message):
     TYPE: ClassVar[str] = "ForwardResult"
     activations: Optional[torch.Tensor] = tensor_field()
+    #: from the last stage only: d loss / d its input [batch, seq, b] (it runs its backward at once)
+    grad: Optional[torch.Tensor] = tensor_field()
     loss: Optional[float] = None
     stats: dict[str, float] = field(default_factory=dict)
 

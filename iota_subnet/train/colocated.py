@@ -80,7 +80,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
 
     Raises ConfigError / DataError / CheckpointError with messages that name the fix.
     """
-    from iota_subnet.data import build_dataset  # heavy imports kept off the CLI start-up path
+    from iota_subnet.data import build_dataset, describe  # heavy imports kept off the CLI start-up path
 
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
     if steps < 1:
@@ -113,7 +113,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
     b, _ = bottleneck_dims(cfg.model, cfg.pipeline)
     every = checkpoint_every if checkpoint_every is not None else cfg.train.checkpoint_every
     logger.info(f"co-located training: {config_summary(cfg)} params={params:,} tokens/step={B * T} "
-                f"steps={start}->{steps} device={dev} data={dataset.description}")
+                f"steps={start}->{steps} device={dev} data={describe(dataset.spec)}")
 
     def _save(step: int) -> None:
         save_checkpoint(ckpt, model, opt, {"step": step, "config_fingerprint": fp, "config_summary": config_summary(cfg),
@@ -146,7 +146,9 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
                     loss = model(x, y)
                 (loss / n_micro).backward()
                 loss_sum += float(loss.detach())
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
+            # Each stage clips its own gradient norm, exactly as a miner holding that stage does.
+            gnorm = math.sqrt(sum(float(torch.nn.utils.clip_grad_norm_(st.parameters(), cfg.train.grad_clip)) ** 2
+                                  for st in model.stages))
             opt.step()
             opt.zero_grad(set_to_none=True)
             trained_tokens += B * T
@@ -181,7 +183,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
         "final_loss": metrics.final_loss(), "last_step_loss": metrics.rows[-1]["loss"] if metrics.rows else None,
         "val_loss": val_loss, "params": params, "compression_ratio": cfg.pipeline.compression_ratio,
         "bottleneck_width": b, "stages": cfg.pipeline.stages, "flops_per_token": model.flops_per_token(T),
-        "device": str(dev), "data": dataset.description, "vocab_size": tok.vocab_size,
+        "device": str(dev), "data": describe(dataset.spec), "vocab_size": tok.vocab_size,
         "elapsed_s": metrics.last_elapsed_s, "final_loss_window": 10,
     }
     write_summary(out / "summary.json", summary)

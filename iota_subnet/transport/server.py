@@ -144,6 +144,7 @@ class NeuronServer:
         if authorizer is None:
             logger.warning("NeuronServer without authorizer: every authenticated hotkey is accepted")
         self.routes: dict[str, Route] = {}
+        self.public_gets: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {}
         self.app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         self._runner: Optional[web.AppRunner] = None
         self._inflight = 0
@@ -167,6 +168,13 @@ class NeuronServer:
             return await self._run_handler(route, request)
 
         self.app.router.add_post(path, _aiohttp_handler)
+
+    def add_public_get(self, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        """An unauthenticated GET route (Prometheus ``/metrics``); it must expose nothing secret."""
+        if self._runner is not None:
+            raise RuntimeError("add routes before start()")
+        self.public_gets[path] = handler
+        self.app.router.add_get(path, handler)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> int:
@@ -246,6 +254,8 @@ class NeuronServer:
     async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                           ) -> web.StreamResponse:
         _set_nodelay(request)
+        if request.method == "GET" and request.path in self.public_gets:
+            return await self.public_gets[request.path](request)
         route = self.routes.get(request.path)
         if route is None or request.method != "POST":
             return self._refuse(ProtocolError(Outcome.UNKNOWN_ROUTE, f"no route {request.method} {request.path}"),

@@ -1,0 +1,93 @@
+"""Stage workers chained by hand reproduce the co-located trainer's steps; the cache is bounded."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iota_subnet.config import load_config
+from iota_subnet.miner import ActivationCache, StageWorker, UnknownMicrobatch
+from iota_subnet.model import StagedModel, build_stages
+from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
+
+OVR = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                 "vocab_size": 256},
+       "data": {"seq_len": 16, "vocab_size": 256},
+       "pipeline": {"stages": 3, "compression_ratio": 4},
+       "train": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1, "total_steps": 3, "grad_clip": 0.5}}
+
+
+def _batches(cfg, steps):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=g) for _ in range(steps)]
+
+
+def test_chained_workers_match_colocated_training(tmp_path):
+    cfg = load_config("configs/tiny.yaml", OVR)
+    data = _batches(cfg, 3)
+    # reference: the co-located update rule (per-stage clipping, same schedule)
+    stages = build_stages(cfg, seed=7)
+    model = StagedModel(stages)
+    opt = make_optimizer(model, cfg.train)
+    mb = cfg.train.micro_batch
+    for step, rows in enumerate(data):
+        set_lr(opt, lr_at(step, 3, cfg.train))
+        for m in range(0, rows.shape[0], mb):
+            x, y = rows[m:m + mb, :-1], rows[m:m + mb, 1:]
+            (model(x, y) / (cfg.train.batch_size // mb)).backward()
+        for st in stages:
+            torch.nn.utils.clip_grad_norm_(st.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    # three workers, activations and gradients passed by hand as the network would
+    workers = [StageWorker(cfg, s, seed=7, total_steps=3) for s in range(3)]
+    losses = []
+    for step, rows in enumerate(data):
+        for m in range(0, rows.shape[0], mb):
+            mid = f"{step}-{m}"
+            x, y = rows[m:m + mb, :-1], rows[m:m + mb, 1:]
+            a0 = workers[0].forward(mid, x)["activations"]
+            a1 = workers[1].forward(mid, a0)["activations"]
+            out = workers[2].forward(mid, a1, y)
+            losses.append(out["loss"])
+            g1 = workers[1].backward(mid, out["grad"])
+            assert workers[0].backward(mid, g1) is None
+    assert all(w.inner_step == 3 for w in workers)
+    for w, st in zip(workers, stages):
+        ref = dict(st.named_parameters())
+        for n, p in w.module.named_parameters():
+            assert torch.allclose(p, ref[n], atol=1e-5, rtol=1e-4), (w.stage, n)
+    assert len(losses) == 6 and all(l > 0 for l in losses)
+
+
+def test_checkpoint_resume_and_wrong_stage(tmp_path):
+    cfg = load_config("configs/tiny.yaml", OVR)
+    w = StageWorker(cfg, 1, seed=1)
+    w.step()
+    path = w.save(tmp_path / "s1.safetensors")
+    w2 = StageWorker(cfg, 1, seed=2)
+    assert w2.load(path) and w2.inner_step == 1
+    for (n, a), b in zip(w.module.state_dict().items(), w2.module.state_dict().values()):
+        assert torch.equal(a, b), n
+    from iota_subnet.train.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="another config"):
+        StageWorker(cfg, 2).load(path)
+
+
+def test_unknown_microbatch_and_bad_gradient_shape():
+    cfg = load_config("configs/tiny.yaml", OVR)
+    w = StageWorker(cfg, 1)
+    with pytest.raises(UnknownMicrobatch):
+        w.backward("nope", torch.zeros(2, 16, 16))
+    w.forward("a", torch.randn(2, 16, 16))
+    with pytest.raises(ValueError, match="gradient shape"):
+        w.backward("a", torch.zeros(2, 16, 15))
+
+
+def test_activation_cache_ttl_and_byte_cap():
+    now = [0.0]
+    c = ActivationCache(ttl_s=10, max_bytes=3 * 400, clock=lambda: now[0])
+    for i in range(4):
+        c.put(str(i), None, torch.zeros(100))      # 400 bytes each
+    assert len(c) == 3 and "0" not in c and c.evictions["bytes"] == 1
+    now[0] = 11.0
+    assert c.pop("3") is None and c.evictions["ttl"] == 3 and c.bytes == 0
