@@ -59,14 +59,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
-    from iota_subnet.config import ConfigError
-    from iota_subnet.train.checkpoint import CheckpointError
-    known: tuple = (ConfigError, CheckpointError)
-    try:
-        from iota_subnet.data import DataError
-        known = known + (DataError,)
-    except ImportError:
-        pass
+    from iota_subnet.errors import known_errors
+    known = known_errors()
     try:
         return int(args.func(args) or 0)
     except known as e:

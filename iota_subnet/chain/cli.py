@@ -1,0 +1,88 @@
+"""Subcommands ``chain metagraph`` and ``register`` of ``iota-subnet``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+
+def _cmd_metagraph(a: argparse.Namespace) -> int:
+    from iota_subnet.chain import metagraph_json, open_chain
+
+    async def go():
+        if a.chain_db:
+            if not Path(a.chain_db).exists():
+                from iota_subnet.chain import ChainError
+                raise ChainError(f"devnet file {a.chain_db} does not exist; start one with `iota-subnet localnet`")
+            chain = await open_chain("devnet", a.chain_db)
+        else:
+            chain = await open_chain(a.network)
+        try:
+            return await metagraph_json(chain, a.netuid)
+        finally:
+            await chain.close()
+    rows = asyncio.run(go())
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    cols = ["uid", "hotkey", "stake", "validator_permit", "incentive", "dividends", "emission", "axon", "last_update"]
+    print("  ".join(f"{c:>10}" for c in cols))
+    for r in rows:
+        print("  ".join(f"{(r[c][:10] if isinstance(r[c], str) else round(r[c], 5) if isinstance(r[c], float) else r[c])!s:>10}"
+                        for c in cols))
+    return 0
+
+
+def _cmd_register(a: argparse.Namespace) -> int:
+    from iota_subnet.chain import open_chain
+    from iota_subnet.wallets import load_wallet
+
+    wallet = load_wallet(a.wallet_name, a.wallet_hotkey, a.wallet_path)
+
+    async def go():
+        chain = await open_chain(a.network, a.chain_db)
+        try:
+            hk = wallet.hotkey.ss58_address
+            uid = await chain.uid(hk, a.netuid)
+            if uid is not None:
+                print(f"hotkey {hk} is already registered on netuid {a.netuid} as uid {uid}")
+                return 0
+            cost = await chain.registration_cost(a.netuid)
+            print(f"registering hotkey {hk} on netuid {a.netuid} ({a.network}) burns {cost:.9f} TAO "
+                  f"from coldkey {wallet.coldkeypub.ss58_address}")
+            if not a.yes:
+                if not sys.stdin.isatty():
+                    print("refusing to pay without confirmation: pass --yes")
+                    return 2
+                if input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
+                    print("cancelled")
+                    return 1
+            reg = await chain.register(wallet, a.netuid)
+            print(f"registered: uid {reg.uid}")
+            return 0
+        finally:
+            await chain.close()
+    return asyncio.run(go())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("chain", help="chain reads")
+    csub = c.add_subparsers(dest="chain_command", required=True)
+    m = csub.add_parser("metagraph", help="print the metagraph of a subnet")
+    m.add_argument("--chain-db", default=None, help="devnet SQLite file (else --network)")
+    m.add_argument("--network", default="finney")
+    m.add_argument("--netuid", type=int, default=9)
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_metagraph)
+
+    r = sub.add_parser("register", help="burned registration of a hotkey (shows the cost first)")
+    r.add_argument("--wallet-name", default="default")
+    r.add_argument("--wallet-hotkey", default="default")
+    r.add_argument("--wallet-path", default="~/.bittensor/wallets")
+    r.add_argument("--network", default="finney")
+    r.add_argument("--chain-db", default=None)
+    r.add_argument("--netuid", type=int, default=9)
+    r.add_argument("--yes", action="store_true", help="pay without asking")
+    r.set_defaults(func=_cmd_register)

@@ -1,0 +1,61 @@
+"""``python neurons/miner.py`` / ``iota-subnet miner``: argument parsing and the process lifecycle."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+from iota_subnet.neuron_common import add_common_args, install_stop, run_id_for, setup_process
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="miner", description="IOTA subnet miner: trains one pipeline stage")
+    add_common_args(p)
+    m = p.add_argument_group("miner")
+    m.add_argument("--stage", type=int, default=None, help="stage to hold (default: the stage with fewest replicas)")
+    m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
+    m.add_argument("--no-register", action="store_true", help="fail instead of registering (burns TAO) when unregistered")
+    return p
+
+
+async def run_miner(args: argparse.Namespace) -> int:
+    from iota_subnet.chain import open_chain
+    from iota_subnet.config import load_config
+    from iota_subnet.miner.service import MinerService
+    from iota_subnet.train.colocated import pick_device
+    from iota_subnet.wallets import load_wallet
+
+    cfg = load_config(args.config)
+    wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
+    out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
+    chain = await open_chain(args.network, args.chain_db)
+    svc = MinerService(cfg, wallet, chain, netuid=args.netuid, run_id=run_id_for(args), stage=args.stage, out_dir=out,
+                       host=args.host, port=args.port, external_ip=args.external_ip,
+                       device=str(pick_device(args.device)), total_steps=args.steps,
+                       checkpoint_every=args.checkpoint_every, register=not args.no_register)
+    stop = install_stop(asyncio.get_running_loop())
+    try:
+        await svc.start()
+        await svc.run(stop)
+    finally:
+        await chain.close()
+    logger.info("miner stopped")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_process(args, "miner")
+    from iota_subnet.errors import known_errors
+    try:
+        return asyncio.run(run_miner(args))
+    except known_errors() as e:
+        logger.error(str(e))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

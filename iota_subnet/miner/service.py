@@ -1,0 +1,307 @@
+"""The miner process: a :class:`StageWorker` behind a signed HTTP server, registered on chain.
+
+Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
+
+* ``/forward``  Forward -> ForwardResult   (validators with a permit)
+* ``/backward`` Backward -> BackwardResult (validators with a permit; same caller as the forward)
+* ``/state``    StateRequest -> StateResponse (validators, and miners of the same stage)
+* ``/health``   Health -> Health           (any registered hotkey)
+* ``GET /metrics`` Prometheus text (unauthenticated, counters only)
+
+Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
+while a stage computes. Micro-batches are keyed by (caller hotkey, micro-batch id): one
+validator cannot backpropagate through another's forward.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from aiohttp import web
+from loguru import logger
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from iota_subnet.chain import Chain
+from iota_subnet.config import RunConfig
+from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
+from iota_subnet.model import bottleneck_dims
+from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, Outcome, ProtocolError,
+                                  StateRequest, StateResponse, backward_contract, forward_contract)
+from iota_subnet.protocol.commitment import StageCommitment
+from iota_subnet.train.checkpoint import CheckpointError
+from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
+from iota_subnet.utils.atomic import atomic_write_json
+
+#: Largest micro-batch (rows) a miner accepts; bounds the memory one request can claim.
+MAX_MICRO_BATCH_ROWS = 64
+
+
+class MinerService:
+    """One miner: registration, stage choice, serving, checkpoints, status.
+
+    ``stage``: the stage to hold, or None to take the stage with the fewest replicas of this run.
+    ``total_steps``: inner steps of the learning-rate schedule. ``out_dir``: checkpoint, nonce store, status.
+    """
+
+    def __init__(self, cfg: RunConfig, wallet: Any, chain: Chain, *, netuid: int, run_id: str,
+                 stage: Optional[int], out_dir: str | Path, host: str = "0.0.0.0", port: int = 0,
+                 external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
+                 checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True):
+        self.cfg, self.wallet, self.chain = cfg, wallet, chain
+        self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.host, self.port, self.external_ip, self.device = host, port, external_ip, device
+        self.total_steps = total_steps or cfg.train.total_steps
+        self.checkpoint_every = checkpoint_every
+        self.refresh_s = metagraph_refresh_s
+        self.do_register = register
+        self.hotkey: str = wallet.hotkey.ss58_address
+        self.uid: Optional[int] = None
+        self.stage: Optional[int] = None
+        self.worker: Optional[StageWorker] = None
+        self.server: Optional[NeuronServer] = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self._neurons: dict[str, Any] = {}
+        self._stages: dict[str, int] = {}
+        self._last_refresh = 0.0
+        self._refresh_lock = asyncio.Lock()
+        self._last_ckpt_step = 0
+        self.started_at = time.time()
+        self.registry = CollectorRegistry()
+        self.m_requests = Counter("iota_miner_requests", "requests served by route and outcome", ["route", "outcome"],
+                                  registry=self.registry)
+        self.m_inner_step = Gauge("iota_miner_inner_step", "inner optimizer steps taken", registry=self.registry)
+        self.m_tokens = Gauge("iota_miner_tokens", "tokens processed (forward+backward)", registry=self.registry)
+        self.m_cache_bytes = Gauge("iota_miner_activation_cache_bytes", "bytes held for pending backwards",
+                                   registry=self.registry)
+        self.m_evictions = Gauge("iota_miner_activation_evictions", "activation cache evictions", ["reason"],
+                                 registry=self.registry)
+
+    # ---- chain view ----------------------------------------------------------------------------
+    async def refresh(self, force: bool = False) -> None:
+        """Re-read metagraph and commitments (at most once a second when forced)."""
+        async with self._refresh_lock:
+            now = time.monotonic()
+            if not force and now - self._last_refresh < self.refresh_s:
+                return
+            if force and now - self._last_refresh < 1.0:
+                return
+            mg = await self.chain.metagraph(self.netuid)
+            commits = await self.chain.commitments(self.netuid)
+            self._neurons = {n.hotkey: n for n in mg.neurons}
+            stages = {}
+            for hk, raw in commits.items():
+                c = StageCommitment.decode(raw)
+                if c is not None and c.run == self.run_id and hk in self._neurons:
+                    stages[hk] = c.stage
+            self._stages = stages
+            self._last_refresh = time.monotonic()
+
+    async def authorize(self, hotkey: str, route: str) -> None:
+        if hotkey not in self._neurons:
+            await self.refresh(force=True)
+        n = self._neurons.get(hotkey)
+        if n is None:
+            raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid {self.netuid}")
+        if route in ("/forward", "/backward") and not n.validator_permit:
+            raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for validators with a permit; uid {n.uid} has none")
+        if route == "/state" and not (n.validator_permit or self._stages.get(hotkey) == self.stage):
+            raise ProtocolError(Outcome.FORBIDDEN, "/state is for validators and replicas of the same stage")
+
+    def choose_stage(self) -> int:
+        if self.requested_stage is not None:
+            if not 0 <= self.requested_stage < self.cfg.pipeline.stages:
+                raise ValueError(f"--stage {self.requested_stage} out of range: this run has "
+                                 f"{self.cfg.pipeline.stages} stages (0..{self.cfg.pipeline.stages - 1})")
+            return self.requested_stage
+        counts = [0] * self.cfg.pipeline.stages
+        for hk, s in self._stages.items():
+            if hk != self.hotkey and 0 <= s < len(counts):
+                counts[s] += 1
+        stage = min(range(len(counts)), key=lambda s: (counts[s], s))
+        logger.info(f"automatic stage choice: replicas per stage {counts} -> stage {stage}")
+        return stage
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / f"stage{self.stage}.safetensors"
+
+    async def start(self) -> int:
+        """Register (if needed), pick the stage, load weights, serve and publish. Returns the port."""
+        if self.do_register:
+            reg = await self.chain.register(self.wallet, self.netuid)
+            self.uid = reg.uid
+        else:
+            self.uid = await self.chain.require_uid(self.hotkey, self.netuid)
+        await self.refresh(force=True)
+        self.stage = self.choose_stage()
+        self.worker = StageWorker(self.cfg, self.stage, device=self.device, seed=self.cfg.train.seed,
+                                  total_steps=self.total_steps)
+        await self._load_weights()
+        self._last_ckpt_step = self.worker.inner_step
+        T, mb = self.cfg.data.seq_len, MAX_MICRO_BATCH_ROWS
+        b, _ = bottleneck_dims(self.cfg.model, self.cfg.pipeline)
+        spec = self.worker.spec
+        fwd_contract = forward_contract(first=spec.is_head, last=spec.is_tail, seq_len=T, width=b, max_batch=mb,
+                                        vocab_size=self.cfg.model.vocab_size)
+        bwd_contract = backward_contract(seq_len=T, width=b, max_batch=mb)
+        self.server = NeuronServer(self.wallet, self.host, self.port, authorizer=self.authorize,
+                                   nonce_store_path=self.out / "nonces.sqlite",
+                                   max_body_bytes=mb * T * max(b, 2) * 4 * 2 + (1 << 20))
+        self.server.add_route("/forward", self._forward, Forward, lambda: fwd_contract)
+        self.server.add_route("/backward", self._backward, Backward, lambda: bwd_contract)
+        self.server.add_route("/state", self._state, StateRequest, None)
+        self.server.add_route("/health", self._health, Health, None)
+        self.server.add_public_get("/metrics", self._metrics)
+        self.port = await self.server.start()
+        await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)
+        await self.chain.publish(self.wallet, self.netuid, StageCommitment(self.run_id, self.stage).encode())
+        logger.info(f"miner uid {self.uid} ({self.hotkey[:10]}) serves stage {self.stage} "
+                    f"(layers {spec.layers.start}-{spec.layers.stop - 1}, {self.worker.module.param_count():,} params) "
+                    f"on {self.external_ip}:{self.port}, inner step {self.worker.inner_step}")
+        self.write_status()
+        return self.port
+
+    async def _load_weights(self) -> None:
+        """Latest own checkpoint, else a replica of the same stage, else the run's seeded init."""
+        try:
+            if await asyncio.get_running_loop().run_in_executor(self.pool, self.worker.load, self.checkpoint_path):
+                return
+        except CheckpointError as e:
+            logger.warning(f"ignoring checkpoint: {e}")
+        peers = [hk for hk, s in self._stages.items() if s == self.stage and hk != self.hotkey]
+        if not peers:
+            logger.info(f"stage {self.stage}: starting from the run's seeded initialisation")
+            return
+        async with NeuronClient(self.wallet) as client:
+            for hk in peers:
+                n = self._neurons.get(hk)
+                if n is None or not n.axon or n.axon.startswith("0.0.0.0:0"):
+                    continue
+                try:
+                    resp = await client.call(n.axon, hk, "/state", StateRequest(run_id=self.run_id, stage=self.stage),
+                                             StateResponse, timeout_s=30, retries=1)
+                    self.worker.module.load_state_dict(resp.tensors, strict=True)
+                    self.worker.inner_step = int(resp.state_meta.get("step", 0))
+                    logger.info(f"stage {self.stage}: weights synced from uid {n.uid} at inner step {self.worker.inner_step}")
+                    return
+                except (TransportError, ProtocolError, RuntimeError) as e:
+                    logger.warning(f"state sync from {hk[:10]} failed: {e}")
+        logger.info(f"stage {self.stage}: no peer answered; starting from the run's seeded initialisation")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set: refresh the chain view, checkpoint, write status."""
+        try:
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                try:
+                    await self.refresh()
+                except Exception as e:  # noqa: BLE001 - a chain hiccup must not stop serving
+                    logger.warning(f"metagraph refresh failed: {e}")
+                if self.worker.inner_step - self._last_ckpt_step >= self.checkpoint_every:
+                    await self.checkpoint()
+                self.write_status()
+        finally:
+            await self.stop()
+
+    async def checkpoint(self) -> None:
+        step = self.worker.inner_step
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.worker.save, self.checkpoint_path)
+        self._last_ckpt_step = step
+        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path}")
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+            if self.worker is not None:
+                await self.checkpoint()
+            self.write_status()
+        self.pool.shutdown(wait=False)
+
+    def status(self) -> dict:
+        w = self.worker
+        d = {"hotkey": self.hotkey, "uid": self.uid, "stage": self.stage, "port": self.port,
+             "uptime_s": round(time.time() - self.started_at, 1)}
+        if w is not None:
+            d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
+                      "tokens": w.tokens, "cache": w.cache.stats()})
+        if self.server is not None:
+            d["outcomes"] = dict(self.server.outcomes)
+        return d
+
+    def write_status(self) -> None:
+        atomic_write_json(self.out / "status.json", self.status())
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def _check_header(self, msg) -> None:
+        if msg.run_id != self.run_id:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this miner trains run {self.run_id!r}, not {msg.run_id!r}")
+        if msg.stage != self.stage:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
+
+    async def _compute(self, fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+
+    async def _forward(self, msg: Forward, ctx) -> ForwardResult:
+        self._check_header(msg)
+        key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
+        out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
+        self.m_requests.labels("/forward", "OK").inc()
+        return ForwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
+                             inner_step=self.worker.inner_step, activations=out.get("activations"),
+                             grad=out.get("grad"), loss=out.get("loss"))
+
+    async def _backward(self, msg: Backward, ctx) -> BackwardResult:
+        self._check_header(msg)
+        key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
+        try:
+            g = await self._compute(self.worker.backward, key, msg.grad)
+        except UnknownMicrobatch:
+            raise ProtocolError(Outcome.UNKNOWN_MICROBATCH,
+                                f"no pending forward for micro-batch {msg.microbatch_id} (never seen or evicted)") from None
+        except ValueError as e:
+            raise ProtocolError(Outcome.BAD_SHAPE, str(e)) from None
+        self.m_requests.labels("/backward", "OK").inc()
+        return BackwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
+                              inner_step=self.worker.inner_step, grad=g)
+
+    async def _state(self, msg: StateRequest, ctx) -> StateResponse:
+        if msg.stage != self.stage:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
+
+        def snapshot():
+            with self.worker.lock:
+                sd = {k: v.detach().clone() for k, v in self.worker.module.state_dict().items()}
+                return sd, self.worker.meta()
+        tensors, meta = await self._compute(snapshot)
+        if msg.names:
+            tensors = {k: v for k, v in tensors.items() if k in set(msg.names)}
+        return StateResponse(run_id=self.run_id, stage=self.stage, inner_step=meta["step"], tensors=tensors,
+                             state_meta=meta)
+
+    async def _health(self, msg: Health, ctx) -> Health:
+        w = self.worker
+        return Health(run_id=self.run_id, stage=self.stage, inner_step=w.inner_step, status="ok", ready=True,
+                      hotkey=self.hotkey, uptime_s=time.time() - self.started_at,
+                      stats={"stage": self.stage, "inner_step": w.inner_step, "forwards": w.forwards,
+                             "backwards": w.backwards, "tokens": w.tokens, "cache_bytes": w.cache.bytes,
+                             "evictions_ttl": w.cache.evictions["ttl"], "evictions_bytes": w.cache.evictions["bytes"]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        w = self.worker
+        self.m_inner_step.set(w.inner_step)
+        self.m_tokens.set(w.tokens)
+        self.m_cache_bytes.set(w.cache.bytes)
+        for reason, n in w.cache.evictions.items():
+            self.m_evictions.labels(reason).set(n)
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")

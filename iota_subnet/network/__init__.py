@@ -1,0 +1,1 @@
+"""Running a whole network: the one-machine local network (``localnet``)."""

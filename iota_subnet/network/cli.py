@@ -1,0 +1,56 @@
+"""Subcommands ``localnet``, ``miner`` and ``validator`` of ``iota-subnet``."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _cmd_localnet(a: argparse.Namespace) -> int:
+    from iota_subnet.network.localnet import run_localnet
+    summary = run_localnet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config, data=a.data,
+                           steps=a.steps, out=a.out, block_time=a.block_time, tempo=a.tempo,
+                           restart_dead=not a.no_restart, adversary=a.adversary, device=a.device,
+                           timeout_s=a.timeout)
+    short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
+    print(json.dumps(short, indent=2))
+    print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
+    return 0
+
+
+def _cmd_miner(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from iota_subnet.miner.main import run_miner
+    from iota_subnet.neuron_common import setup_process
+    setup_process(a, "miner")
+    return asyncio.run(run_miner(a))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("localnet", help="run a whole subnet (devnet chain, miners, validators) on this machine")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=2, help="miners per stage")
+    p.add_argument("--validators", type=int, default=1)
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--data", default=None, help="text source (default: FineWeb-Edu online, else an offline corpus)")
+    p.add_argument("--steps", type=int, default=150, help="inner optimizer steps per miner")
+    p.add_argument("--out", default="runs/localnet")
+    p.add_argument("--block-time", type=float, default=1.0, help="devnet seconds per block")
+    p.add_argument("--tempo", type=int, default=20, help="blocks per epoch (weights and emission)")
+    p.add_argument("--no-restart", action="store_true", help="do not restart miners that die")
+    p.add_argument("--adversary", default=None, help="run one replica of a middle stage as this adversary kind")
+    p.add_argument("--device", default=None)
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.set_defaults(func=_cmd_localnet)
+
+    from iota_subnet.miner.main import build_parser as miner_parser
+    m = sub.add_parser("miner", help="run a miner (same options as neurons/miner.py)")
+    miner_parser(m)
+    m.set_defaults(func=_cmd_miner)
+    try:
+        from iota_subnet.validator.main import build_parser as validator_parser, run_validator_cli
+    except ImportError:
+        return
+    v = sub.add_parser("validator", help="run a validator (same options as neurons/validator.py)")
+    validator_parser(v)
+    v.set_defaults(func=run_validator_cli)

@@ -1,0 +1,346 @@
+"""``iota-subnet localnet``: a whole subnet on one machine, every neuron its own OS process.
+
+1. throwaway wallets (no password) under ``OUT/wallets``; a devnet chain in ``OUT/chain.db``
+   (one SQLite file; block height follows the wall clock) with subnet 9;
+2. validators registered and staked (they alone hold validator permits), miners registered;
+3. data and tokenizer prepared once (children load them from the shared cache);
+4. miners (``--stages x --replicas``) and validators started as processes; a miner that dies is
+   restarted after ``restart_delay_s`` (it resumes from its checkpoint);
+5. progress shown until the validators finish ``--steps`` inner steps per lane and have set
+   weights that an epoch has turned into incentive;
+6. ``OUT/metrics.jsonl`` and ``OUT/summary.json`` written; every process stopped (SIGTERM, then
+   SIGKILL), also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from loguru import logger
+
+from iota_subnet.config import RunConfig, load_config
+from iota_subnet.train.metrics import write_summary
+from iota_subnet.utils.atomic import atomic_write_text
+
+NETUID = 9
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    kind: str                      # "miner" | "validator"
+    argv: list[str]
+    log: Path
+    out: Path
+    stage: Optional[int] = None
+    proc: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    died_at: Optional[float] = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def resolved_config_yaml(cfg: RunConfig) -> str:
+    d = cfg.to_dict()
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+class LocalNet:
+    def __init__(self, *, stages: int, replicas: int, validators: int, config: str, data: Optional[str], steps: int,
+                 out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
+                 restart_delay_s: float = 3.0, progress: Optional[bool] = None, adversary: Optional[str] = None,
+                 extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
+                 timeout_s: Optional[float] = None):
+        if stages < 1 or replicas < 1 or validators < 1:
+            raise ValueError("--stages, --replicas and --validators must each be >= 1")
+        self.out = Path(out).resolve()
+        self.cfg = load_config(config, {"pipeline": {"stages": stages}, "train": {"total_steps": steps}})
+        self.stages, self.replicas, self.n_validators = stages, replicas, validators
+        self.data, self.steps = data, steps
+        self.block_time, self.tempo = block_time, tempo
+        self.restart_dead, self.restart_delay_s = restart_dead, restart_delay_s
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.adversary = adversary
+        self.extra_miner_args = extra_miner_args or []
+        self.device = device
+        self.timeout_s = timeout_s
+        self.children: list[Child] = []
+        self.run_id = f"localnet-{self.cfg.model.name}"
+        self.chain_db = self.out / "chain.db"
+        self.config_path = self.out / "config.yaml"
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        from iota_subnet.chain import add_stake, create_devnet
+        from iota_subnet.data import build_dataset, default_source
+        from iota_subnet.wallets import create_wallet
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        atomic_write_text(self.config_path, resolved_config_yaml(self.cfg))
+        if self.data is None:
+            self.data, why = default_source()
+            logger.info(f"no --data given: using {self.data} ({why})")
+        tok, ds = build_dataset(self.cfg.data, self.data)
+        logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
+        create_devnet(self.chain_db, NETUID, tempo=self.tempo, block_time=self.block_time, weights_rate_limit=2,
+                      immunity_period=10_000, exist_ok=True, max_validators=self.n_validators,
+                      max_uids=max(64, 2 * (self.stages * self.replicas + self.n_validators)))
+        wallets = self.out / "wallets"
+        self.val_wallets = [create_wallet(f"validator{v}", "default", wallets) for v in range(self.n_validators)]
+        self.miner_wallets = {(s, r): create_wallet(f"miner-s{s}-r{r}", "default", wallets)
+                              for s in range(self.stages) for r in range(self.replicas)}
+        asyncio.run(self._register_all())
+        for w in self.val_wallets:
+            add_stake(self.chain_db, w.hotkey.ss58_address, w.coldkey.ss58_address, 1000.0, netuid=NETUID)
+        self._make_children()
+
+    async def _register_all(self) -> None:
+        from iota_subnet.chain import open_chain
+        chain = await open_chain("devnet", self.chain_db)
+        try:
+            for w in [*self.val_wallets, *self.miner_wallets.values()]:
+                await chain.register(w, NETUID)
+        finally:
+            await chain.close()
+
+    def _common(self, wallet_name: str) -> list[str]:
+        a = ["--wallet-name", wallet_name, "--wallet-hotkey", "default", "--wallet-path", str(self.out / "wallets"),
+             "--network", "devnet", "--chain-db", str(self.chain_db), "--netuid", str(NETUID),
+             "--config", str(self.config_path), "--run-id", self.run_id, "--steps", str(self.steps),
+             "--host", "127.0.0.1", "--external-ip", "127.0.0.1", "--threads", "1"]
+        if self.device:
+            a += ["--device", self.device]
+        return a
+
+    def _make_children(self) -> None:
+        py = sys.executable
+        for (s, r), w in self.miner_wallets.items():
+            name = f"miner-s{s}-r{r}"
+            out = self.out / "miners" / name
+            argv = [py, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out", str(out),
+                    "--no-register", *self.extra_miner_args]
+            if self.adversary and s == self.stages // 2 and r == self.replicas - 1:
+                argv += ["--adversary", self.adversary]
+            self.children.append(Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s))
+        for v, w in enumerate(self.val_wallets):
+            name = f"validator{v}"
+            out = self.out / "validators" / name
+            argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
+                    "--data", str(self.data)]
+            self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
+
+    # ---- processes -----------------------------------------------------------------------------
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IOTA_DIE_WITH_PARENT": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def start(self, child: Child) -> None:
+        child.out.mkdir(parents=True, exist_ok=True)
+        logf = open(child.log, "ab")
+        child.proc = subprocess.Popen(child.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=self._env())
+        logf.close()
+        child.died_at = None
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        for c in self.children:
+            if c.alive():
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning(f"{c.name} did not stop in {grace_s:.0f}s: killing it")
+                c.proc.kill()
+                c.proc.wait()
+
+    def miner(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    # ---- monitoring ----------------------------------------------------------------------------
+    def validator_status(self) -> list[dict]:
+        out = []
+        for c in self.children:
+            if c.kind != "validator":
+                continue
+            try:
+                out.append(json.loads((c.out / "status.json").read_text()))
+            except (OSError, ValueError):
+                out.append({})
+        return out
+
+    def _supervise(self) -> None:
+        now = time.monotonic()
+        for c in self.children:
+            if c.alive() or c.proc is None:
+                continue
+            if c.died_at is None:
+                c.died_at = now
+                logger.warning(f"{c.name} exited with code {c.proc.returncode}; see {c.log}")
+                if c.kind == "validator":
+                    raise RuntimeError(f"{c.name} died (exit code {c.proc.returncode}); see {c.log}")
+            elif self.restart_dead and c.kind == "miner" and now - c.died_at >= self.restart_delay_s:
+                c.restarts += 1
+                logger.info(f"restarting {c.name} (restart #{c.restarts})")
+                self.start(c)
+
+    def run(self) -> dict:
+        """Set up, run to completion and return the summary. Always stops every process."""
+        t_setup = time.monotonic()
+        self.prepare()
+        logger.info(f"devnet {self.chain_db}: {self.n_validators} validator(s), "
+                    f"{self.stages} stages x {self.replicas} replicas; logs in {self.out / 'logs'}")
+        bar = None
+        try:
+            for c in self.children:
+                self.start(c)
+            t0 = time.monotonic()
+            if self.progress:
+                from tqdm import tqdm
+                bar = tqdm(total=self.steps, desc="localnet", unit="step", dynamic_ncols=True)
+            last_log = 0.0
+            done_at = None
+            while True:
+                time.sleep(1.0)
+                self._supervise()
+                st = self.validator_status()
+                steps_done = min((min(s.get("steps_done", {"0": 0}).values() or [0]) if s else 0) for s in st)
+                line = self._progress_line(st)
+                if bar is not None:
+                    bar.n = steps_done
+                    bar.set_postfix_str(line)
+                    bar.refresh()
+                elif time.monotonic() - last_log > 10:
+                    logger.info(f"step {steps_done}/{self.steps} {line}")
+                    last_log = time.monotonic()
+                if all(s.get("done") for s in st):
+                    done_at = done_at or time.monotonic()
+                    if self._weights_landed(st):
+                        break
+                    if time.monotonic() - done_at > 6 * self.tempo * self.block_time + 60:
+                        logger.warning("training done but weights/incentive did not land in time; summarising anyway")
+                        break
+                if self.timeout_s and time.monotonic() - t0 > self.timeout_s:
+                    raise TimeoutError(f"localnet did not finish within {self.timeout_s:.0f}s")
+            summary = self.summarize(time.monotonic() - t_setup)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.stop_all()
+        return summary
+
+    def _progress_line(self, st: list[dict]) -> str:
+        live = sum(1 for c in self.children if c.kind == "miner" and c.alive())
+        tok_s = sum(s.get("tokens_per_s") or 0 for s in st)
+        losses = [s["loss"] for s in st if s.get("loss") is not None]
+        loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
+        reroutes = sum(s.get("reroutes", 0) for s in st)
+        return (f"loss {loss} tok/s {tok_s:.0f} miners {live}/{self.stages * self.replicas} "
+                f"reroutes {reroutes}")
+
+    def _weights_landed(self, st: list[dict]) -> bool:
+        """Each validator set weights after it finished, and an epoch has paid incentive since."""
+        rows = self.metagraph()
+        if not rows:
+            return False
+        for s in st:
+            if not s.get("weights_set_blocks") or s["weights_set_blocks"][-1] < s.get("done_block", 0):
+                return False
+        worked = {int(u) for s in st for u, m in (s.get("miners") or {}).items() if m.get("work", 0) > 0}
+        by_uid = {r["uid"]: r for r in rows}
+        return bool(worked) and all(by_uid.get(u, {}).get("incentive", 0) > 0 for u in worked)
+
+    def metagraph(self) -> list[dict]:
+        from iota_subnet.chain import metagraph_rows
+        try:
+            return asyncio.run(metagraph_rows(self.chain_db, NETUID))
+        except Exception as e:  # noqa: BLE001 - a busy database is retried next second
+            logger.debug(f"metagraph read failed: {e}")
+            return []
+
+    # ---- results -------------------------------------------------------------------------------
+    def summarize(self, wall_s: float) -> dict:
+        st = self.validator_status()
+        B, T = self.cfg.train.batch_size, self.cfg.data.seq_len
+        rows = []
+        for c in self.children:
+            if c.kind == "validator" and (c.out / "metrics.jsonl").exists():
+                for line in (c.out / "metrics.jsonl").read_text().splitlines():
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        pass
+        by_step: dict[int, list[dict]] = {}
+        for r in rows:
+            by_step.setdefault(int(r["step"]), []).append(r)
+        n_lanes = max((len(v) for v in by_step.values()), default=0)
+        metrics = []
+        for k in sorted(by_step):
+            rs = by_step[k]
+            metrics.append({"step": k, "tokens": (k + 1) * B * T * n_lanes,
+                            "loss": sum(r["loss"] for r in rs) / len(rs), "lr": rs[0].get("lr"),
+                            "elapsed_s": max(r["elapsed_s"] for r in rs), "lanes": len(rs)})
+        atomic_write_text(self.out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
+        tokens = sum(s.get("tokens", 0) for s in st)
+        train_s = max((s.get("train_s") or 0 for s in st), default=0) or None
+        wire = sum(s.get("wire_bytes", 0) for s in st)
+        last = metrics[-10:]
+        chain_rows = {r["uid"]: r for r in self.metagraph()}
+        miners = []
+        work: dict[int, dict] = {}
+        for s in st:
+            for u, m in (s.get("miners") or {}).items():
+                w = work.setdefault(int(u), {"work": 0.0, "hotkey": m.get("hotkey"), "stage": m.get("stage")})
+                w["work"] += float(m.get("work", 0))
+        for c in self.children:
+            if c.kind != "miner":
+                continue
+            try:
+                ms = json.loads((c.out / "status.json").read_text())
+            except (OSError, ValueError):
+                ms = {}
+            uid = ms.get("uid")
+            ch = chain_rows.get(uid, {})
+            miners.append({"name": c.name, "uid": uid, "hotkey": ms.get("hotkey"), "stage": c.stage,
+                           "work": work.get(uid, {}).get("work", 0.0), "inner_step": ms.get("inner_step"),
+                           "incentive": ch.get("incentive", 0.0), "emission": ch.get("emission", 0.0),
+                           "restarts": c.restarts})
+        vals = [{"name": c.name, "uid": s.get("uid"), "hotkey": s.get("hotkey"),
+                 "dividends": chain_rows.get(s.get("uid"), {}).get("dividends", 0.0),
+                 "weights_set_blocks": s.get("weights_set_blocks", []), "val_loss": s.get("val_loss")}
+                for c, s in zip([c for c in self.children if c.kind == "validator"], st)]
+        val_losses = [s["val_loss"] for s in st if s.get("val_loss") is not None]
+        summary = {
+            "stages": self.stages, "replicas": self.replicas, "validators": self.n_validators, "steps": self.steps,
+            "tokens": tokens, "tokens_per_s": tokens / train_s if train_s else None,
+            "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
+            "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
+            "wire_bytes": wire, "wire_bytes_per_token": wire / tokens if tokens else None,
+            "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
+            "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
+            "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),
+            "train_s": train_s, "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
+        }
+        write_summary(self.out / "summary.json", summary)
+        return summary
+
+
+def run_localnet(**kw) -> dict:
+    return LocalNet(**kw).run()

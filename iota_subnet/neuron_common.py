@@ -1,0 +1,69 @@
+"""Arguments and process plumbing shared by the miner and validator entry points."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("wallet and chain")
+    g.add_argument("--wallet-name", default="default", help="coldkey wallet name")
+    g.add_argument("--wallet-hotkey", default="default", help="hotkey name")
+    g.add_argument("--wallet-path", default="~/.bittensor/wallets", help="wallets folder")
+    g.add_argument("--network", default="finney", help="finney | test | local | ws://host:port | devnet")
+    g.add_argument("--chain-db", default=None, help="devnet SQLite file (with --network devnet)")
+    g.add_argument("--netuid", type=int, default=9)
+    r = p.add_argument_group("run")
+    r.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (must match the subnet's run)")
+    r.add_argument("--run-id", default=None, help="run identifier shared by the run's neurons (default: config name)")
+    r.add_argument("--steps", type=int, default=None, help="inner steps of the run (default: train.total_steps)")
+    r.add_argument("--out", default=None, help="state folder (checkpoints, nonce store, status.json)")
+    r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    r.add_argument("--log-level", default="INFO")
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="0.0.0.0", help="bind address")
+    n.add_argument("--port", type=int, default=0, help="listen port (0: any free port)")
+    n.add_argument("--external-ip", default="127.0.0.1", help="address published on chain")
+
+
+def setup_process(args: argparse.Namespace, name: str) -> None:
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level,
+               format="<green>{time:HH:mm:ss}</green> " + name + " <level>{level: <7}</level> {message}")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGTERM us if the process that started us dies (no orphans)."""
+    if os.environ.get("IOTA_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:
+            os._exit(0)
+    except OSError:
+        pass
+
+
+def install_stop(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def run_id_for(args: argparse.Namespace) -> str:
+    return args.run_id or Path(args.config).stem
