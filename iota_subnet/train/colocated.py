@@ -75,9 +75,12 @@ def config_summary(cfg: RunConfig) -> str:
 def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: int, out: str | Path, *,
                     seed: Optional[int] = None, device: Optional[str] = None, progress: Optional[bool] = None,
                     cache_dir: Optional[Path] = None, overrides: Optional[dict] = None,
-                    checkpoint_every: Optional[int] = None, eval_at_end: bool = True) -> dict:
+                    checkpoint_every: Optional[int] = None, eval_at_end: bool = True,
+                    stop_after: Optional[int] = None) -> dict:
     """Train the staged model in one process for ``steps`` optimizer steps; returns the summary dict.
 
+    ``stop_after``: behave as if interrupted once that step is reached (checkpoint, then raise
+    KeyboardInterrupt): the same path as Ctrl-C.
     Raises ConfigError / DataError / CheckpointError with messages that name the fix.
     """
     from iota_subnet.data import build_dataset, describe  # heavy imports kept off the CLI start-up path
@@ -166,7 +169,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
                             f"tok/s {trained_tokens / (time.perf_counter() - t0):.0f}")
             if every and (step + 1) % every == 0 and step + 1 < steps:
                 _save(step + 1)
-            if stop["flag"]:
+            if stop["flag"] or (stop_after is not None and step + 1 >= stop_after):
                 _save(step + 1)
                 raise KeyboardInterrupt
         train_s = time.perf_counter() - t0
