@@ -1,0 +1,275 @@
+"""Routing: which miner serves which hop of which micro-batch. Pure logic, no network.
+
+Discovery
+    A miner announces its stage with a chain commitment ``{"v": 1, "run": <run id>, "stage": k}``.
+    :func:`discover` joins the metagraph (uid, hotkey, axon) with the commitments and keeps the
+    miners of our run with a served axon; anything else (another run, bad JSON, stage out of
+    range, no axon) is ignored.
+
+Lanes
+    Replica ``r`` of every stage (ordered by uid) forms lane ``r``: a fixed chain of replicas that
+    carries one micro-batch stream. Replicas of a stage are not merged (yet), so they diverge; a
+    fixed lane keeps each replica's optimizer on one consistent stream. Lane membership is sticky:
+    once assigned, a replica keeps its slot while it stays registered with the same hotkey; a
+    freed slot goes to the lowest unassigned uid. ``n_lanes`` is the smallest replica count over
+    the stages (extra replicas are spares that only take rerouted hops).
+
+Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
+    When a hop fails (timeout, refusal, bad reply), the hop is re-sent to another replica of the
+    same stage drawn with probability proportional to an exponential moving average of its
+    measured throughput (tokens/s), excluding replicas in a failure cooldown and those already
+    tried for this hop. A failing replica enters a cooldown that doubles with each consecutive
+    failure (capped); when the cooldown has run out it is *due for a probe* and comes back into
+    its lane only after a successful ``/health`` (:meth:`Router.mark_healthy`).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+COMMITMENT_VERSION = 1
+
+Key = tuple[int, str]  # (uid, hotkey)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One miner serving one stage of our run."""
+
+    uid: int
+    hotkey: str
+    endpoint: str  # "ip:port"
+    stage: int
+
+    @property
+    def key(self) -> Key:
+        return (self.uid, self.hotkey)
+
+    def short(self) -> str:
+        return f"uid{self.uid}/{self.hotkey[:6]}@s{self.stage}"
+
+
+def parse_commitment(raw: Optional[str], run_id: str, n_stages: int) -> Optional[int]:
+    """The stage a commitment announces for ``run_id``, or None (absent, malformed, other run, bad stage)."""
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(d, dict) or d.get("v") != COMMITMENT_VERSION or str(d.get("run", "")) != str(run_id):
+        return None
+    stage = d.get("stage")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
+        return None
+    return stage
+
+
+def served_endpoint(axon: Any) -> Optional[str]:
+    """``"ip:port"`` of a served axon, else None (unserved: ip 0.0.0.0 or port 0)."""
+    if axon is None:
+        return None
+    if not isinstance(axon, str):  # an AxonInfo-like object
+        ip, port = getattr(axon, "ip", None), getattr(axon, "port", None)
+        axon = f"{ip}:{port}"
+    host, _, port = str(axon).rpartition(":")
+    if not host or host in ("0.0.0.0", "0", "::", "[::]", "None") or not port.isdigit() or int(port) == 0:
+        return None
+    return f"{host}:{port}"
+
+
+def discover(neurons: Iterable[Any], commitments: Mapping[str, str], run_id: str,
+             n_stages: int) -> dict[int, list[Replica]]:
+    """Stage -> replicas (sorted by uid) of run ``run_id``.
+
+    ``neurons``: metagraph neurons (``uid``, ``hotkey``, ``axon``); ``commitments``: hotkey -> text.
+    """
+    out: dict[int, list[Replica]] = {s: [] for s in range(n_stages)}
+    for n in neurons:
+        stage = parse_commitment(commitments.get(n.hotkey), run_id, n_stages)
+        if stage is None:
+            continue
+        ep = served_endpoint(getattr(n, "axon", None))
+        if ep is None:
+            continue
+        out[stage].append(Replica(int(n.uid), str(n.hotkey), ep, stage))
+    for s in out:
+        out[s].sort(key=lambda r: r.uid)
+    return out
+
+
+@dataclass
+class ReplicaHealth:
+    """What the router has measured about one replica."""
+
+    throughput: Optional[float] = None  # EMA of tokens/s over successful hops
+    successes: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    cooldown_until: float = 0.0
+    needs_probe: bool = False  # failed; back only after a good /health
+    last_error: str = ""
+
+
+@dataclass
+class Router:
+    """Lanes, SWARM-style rerouting and failure cooldowns over the discovered replicas.
+
+    ``clock``: monotonic seconds (injectable for tests); ``rng``: a ``random.Random``.
+    """
+
+    n_stages: int
+    ema_alpha: float = 0.3
+    cooldown_base_s: float = 2.0
+    cooldown_max_s: float = 60.0
+    default_throughput: Optional[float] = None  # prior for replicas never measured (None: mean of measured, else 1)
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        self.replicas: dict[int, list[Replica]] = {s: [] for s in range(self.n_stages)}
+        self.health: dict[Key, ReplicaHealth] = {}
+        self._slots: dict[int, list[Optional[Key]]] = {s: [] for s in range(self.n_stages)}
+
+    # ---------------------------------------------------------------- topology
+    def update(self, replicas: Mapping[int, Sequence[Replica]]) -> None:
+        """Replace the topology (after a metagraph sync). Measurements of miners still present are kept."""
+        self.replicas = {s: sorted(replicas.get(s, []), key=lambda r: r.uid) for s in range(self.n_stages)}
+        present = {r.key for rs in self.replicas.values() for r in rs}
+        self.health = {k: h for k, h in self.health.items() if k in present}
+        for s in range(self.n_stages):
+            keys = [r.key for r in self.replicas[s]]
+            slots = [k if k in keys else None for k in self._slots.get(s, [])]
+            free = [k for k in keys if k not in slots]
+            for i, k in enumerate(slots):
+                if k is None and free:
+                    slots[i] = free.pop(0)
+            slots.extend(free)
+            while slots and slots[-1] is None:
+                slots.pop()
+            self._slots[s] = slots
+
+    @property
+    def n_lanes(self) -> int:
+        """Complete lanes available now: the smallest replica count over the stages."""
+        if self.n_stages == 0:
+            return 0
+        return min(len(self.replicas[s]) for s in range(self.n_stages))
+
+    def stage_counts(self) -> list[int]:
+        return [len(self.replicas[s]) for s in range(self.n_stages)]
+
+    def live_replicas(self) -> list[Replica]:
+        return [r for s in range(self.n_stages) for r in self.replicas[s]]
+
+    def get(self, key: Key) -> Optional[Replica]:
+        for rs in self.replicas.values():
+            for r in rs:
+                if r.key == key:
+                    return r
+        return None
+
+    def lane_member(self, lane: int, stage: int) -> Optional[Replica]:
+        """The replica holding slot ``lane`` of ``stage`` (whether healthy or not), or None."""
+        slots = self._slots.get(stage, [])
+        if 0 <= lane < len(slots) and slots[lane] is not None:
+            return self.get(slots[lane])
+        return None
+
+    def lanes(self) -> list[list[Optional[Replica]]]:
+        """``[lane][stage]`` membership for the complete lanes (for status output)."""
+        return [[self.lane_member(l, s) for s in range(self.n_stages)] for l in range(self.n_lanes)]
+
+    # ---------------------------------------------------------------- health
+    def _h(self, key: Key) -> ReplicaHealth:
+        h = self.health.get(key)
+        if h is None:
+            h = self.health[key] = ReplicaHealth()
+        return h
+
+    def is_available(self, r: Replica) -> bool:
+        """Not cooling down and not waiting for a good /health probe."""
+        h = self.health.get(r.key)
+        return h is None or not h.needs_probe
+
+    def cooldown_s(self, consecutive_failures: int) -> float:
+        return min(self.cooldown_max_s, self.cooldown_base_s * 2 ** max(0, consecutive_failures - 1))
+
+    def record_failure(self, r: Replica, error: str = "") -> float:
+        """A hop to ``r`` failed: start (or extend) its cooldown. Returns the cooldown in seconds."""
+        h = self._h(r.key)
+        h.failures += 1
+        h.consecutive_failures += 1
+        h.needs_probe = True
+        h.last_error = error
+        cd = self.cooldown_s(h.consecutive_failures)
+        h.cooldown_until = self.clock() + cd
+        return cd
+
+    def record_success(self, r: Replica, tokens: int, seconds: float) -> None:
+        """A hop to ``r`` succeeded: update its throughput EMA (tokens/s)."""
+        h = self._h(r.key)
+        h.successes += 1
+        h.consecutive_failures = 0
+        tput = float(tokens) / max(float(seconds), 1e-6)
+        h.throughput = tput if h.throughput is None else (1 - self.ema_alpha) * h.throughput + self.ema_alpha * tput
+
+    def probe_due(self) -> list[Replica]:
+        """Failed replicas whose cooldown has run out: probe them with /health."""
+        now = self.clock()
+        return [r for r in self.live_replicas()
+                if (h := self.health.get(r.key)) is not None and h.needs_probe and now >= h.cooldown_until]
+
+    def mark_healthy(self, r: Replica) -> None:
+        """A /health probe succeeded: the replica is back (in its lane and as a reroute target)."""
+        h = self._h(r.key)
+        h.needs_probe = False
+        h.cooldown_until = 0.0
+
+    def probe_failed(self, r: Replica, error: str = "") -> float:
+        """A /health probe failed: a longer cooldown."""
+        return self.record_failure(r, error or "health probe failed")
+
+    # ---------------------------------------------------------------- choice
+    def throughput(self, r: Replica) -> float:
+        h = self.health.get(r.key)
+        if h is not None and h.throughput is not None:
+            return h.throughput
+        if self.default_throughput is not None:
+            return self.default_throughput
+        known = [h.throughput for h in self.health.values() if h.throughput is not None]
+        return sum(known) / len(known) if known else 1.0
+
+    def choose(self, stage: int, exclude: Iterable[Key] = ()) -> Optional[Replica]:
+        """A replica of ``stage`` drawn with probability proportional to its throughput EMA
+        (SWARM's stochastic wiring), among available replicas not in ``exclude``; None if none."""
+        ex = set(exclude)
+        cands = [r for r in self.replicas.get(stage, []) if r.key not in ex and self.is_available(r)]
+        if not cands:
+            return None
+        weights = [max(self.throughput(r), 1e-9) for r in cands]
+        return self.rng.choices(cands, weights=weights, k=1)[0]
+
+    def route(self, lane: int, stage: int, exclude: Iterable[Key] = ()) -> Optional[Replica]:
+        """The replica for a hop: the lane's own member when available and not excluded, else a
+        SWARM choice among the other replicas of the stage."""
+        ex = set(exclude)
+        r = self.lane_member(lane, stage)
+        if r is not None and r.key not in ex and self.is_available(r):
+            return r
+        return self.choose(stage, ex)
+
+    def snapshot(self) -> list[dict]:
+        """JSON-ready view of every replica (status output)."""
+        out = []
+        for r in self.live_replicas():
+            h = self.health.get(r.key) or ReplicaHealth()
+            lane = next((i for i, k in enumerate(self._slots.get(r.stage, [])) if k == r.key), None)
+            out.append({"uid": r.uid, "hotkey": r.hotkey, "stage": r.stage, "endpoint": r.endpoint,
+                        "lane": lane if lane is not None and lane < self.n_lanes else None,
+                        "available": self.is_available(r), "throughput": h.throughput,
+                        "successes": h.successes, "failures": h.failures})
+        return out
