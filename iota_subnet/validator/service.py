@@ -1,0 +1,421 @@
+"""The validator process.
+
+Start-up: load the wallet, open the chain, require a uid and a validator permit on ``netuid``
+(clear :class:`ValidatorError` otherwise), load the run config and the data, open the state file
+(``<out>/validator.sqlite``; a restarted validator resumes at the first lane step it had not
+committed), wait until every stage has a replica of our run.
+
+Then, concurrently:
+
+* the driver runs ``steps`` lane steps per lane (this validator's share of them, see
+  :mod:`.driver`), then evaluates through lane 0 (``train.eval_batches`` micro-batches);
+* the metagraph + commitments are re-read every ``sync_interval_s`` (routing, uid -> hotkey) and
+  failed replicas whose cooldown is over are probed with ``/health``;
+* weights are set every tempo (when ``block - last_set >= max(tempo, weights_rate_limit)``) with
+  ``version_key``; a refusal is logged and retried at the next check;
+* ``status.json`` is rewritten (atomically) every ``status_interval_s``; ``metrics.jsonl`` gets a row
+  per completed lane step.
+
+After the steps and the evaluation, weights keep being set every tempo until SIGTERM / SIGINT
+(or, with ``exit_when_done``, until the first weights after the evaluation are set).
+
+status.json fields: ``hotkey, uid, run_id, netuid, lanes, lane_members, steps_done (per lane),
+next_step (per lane), total_steps, validator_index, n_validators, tokens, tokens_per_s, loss (mean of
+the last step of each lane), losses (per lane), reroutes, failures, microbatches_ok,
+microbatches_failed, live_miners, stage_replicas, val_loss, done, weights_set_blocks,
+last_weights, elapsed_s, updated_at``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from loguru import logger
+
+from iota_subnet.chain import Chain, ChainError, open_chain
+from iota_subnet.config import RunConfig, load_config
+from iota_subnet.train.optim import lr_at
+from iota_subnet.transport import NeuronClient
+from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
+
+from .driver import LaneStepResult, PipelineDriver
+from .routing import Router, discover
+from .scoring import stage_compute_shares
+from .state import ValidatorState
+
+#: Version key sent with the weights; the chain refuses keys older than the subnet's ``weights_version``.
+WEIGHTS_VERSION_KEY = 1
+
+
+class ValidatorError(RuntimeError):
+    """The validator cannot start; the message says how to fix it."""
+
+
+@dataclass
+class ValidatorOptions:
+    wallet_name: str = "default"
+    wallet_hotkey: str = "default"
+    wallet_path: str = "~/.bittensor/wallets"
+    network: str = "devnet"
+    chain_db: Optional[str] = None
+    netuid: int = 9
+    config: str = "configs/tiny.yaml"
+    data: Optional[str] = None
+    cache_dir: Optional[str] = None
+    steps: int = 10
+    out: str = "runs/validator"
+    run_id: str = "iota"
+    port: int = 0  # reserved for the JSON endpoint (issue 5); 0 = none
+    n_lanes: Optional[int] = None  # cap on the lanes driven (default: every complete lane)
+    sync_interval_s: float = 5.0
+    status_interval_s: float = 1.0
+    weights_check_s: float = 2.0
+    hop_timeout_s: float = 30.0
+    version_key: int = WEIGHTS_VERSION_KEY
+    wait_miners_s: float = 600.0
+    exit_when_done: bool = False
+
+
+def load_wallet(name: str, hotkey: str, path: str) -> Any:
+    import bittensor as bt
+
+    p = Path(path).expanduser()
+    hk = p / name / "hotkeys" / hotkey
+    if not hk.exists():
+        raise ValidatorError(f"no hotkey file {hk}; create the wallet (btcli wallet new_coldkey / new_hotkey "
+                             f"--wallet.name {name} --wallet.hotkey {hotkey}) or pass --wallet-path")
+    w = bt.Wallet(name=name, hotkey=hotkey, path=str(p))
+    try:
+        _ = w.hotkey.ss58_address
+    except Exception as e:  # noqa: BLE001 - the SDK raises several types for unreadable keys
+        raise ValidatorError(f"cannot read hotkey {hk}: {e}") from e
+    return w
+
+
+class MetricsWriter:
+    """``metrics.jsonl``: one row per completed lane step; on resume keeps only committed steps."""
+
+    def __init__(self, path: Path, next_steps: dict[int, int]):
+        self.path = path
+        rows: list[str] = []
+        if path.exists() and next_steps:
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                if row.get("step", 0) < next_steps.get(row.get("lane"), 0):
+                    rows.append(json.dumps(row))
+        atomic_write_text(path, "".join(r + "\n" for r in rows))
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class ValidatorService:
+    """One validator. ``wallet``/``chain``/``cfg``/``dataset`` may be injected (tests)."""
+
+    def __init__(self, opts: ValidatorOptions, *, wallet: Any = None, chain: Optional[Chain] = None,
+                 cfg: Optional[RunConfig] = None, dataset: Any = None):
+        self.opts = opts
+        self.out = Path(opts.out).expanduser()
+        self.wallet, self.chain, self.cfg, self.dataset = wallet, chain, cfg, dataset
+        self._own_chain = chain is None
+        self.hotkey: str = ""
+        self.uid: Optional[int] = None
+        self.router: Optional[Router] = None
+        self.driver: Optional[PipelineDriver] = None
+        self.state: Optional[ValidatorState] = None
+        self.client: Optional[NeuronClient] = None
+        self.metrics: Optional[MetricsWriter] = None
+        self.current: dict[int, str] = {}  # uid -> hotkey (metagraph)
+        self.validators: list[str] = []
+        self.validator_index, self.n_validators = 0, 1
+        self.n_lanes = 0
+        self.next_steps: dict[int, int] = {}
+        self.steps_done: dict[int, int] = {}
+        self.lane_loss: dict[int, Optional[float]] = {}
+        self.lane_tokens: dict[int, int] = {}
+        self.val_loss: Optional[float] = None
+        self.done = False
+        self.weights_blocks: list[int] = []
+        self.last_weights: dict[int, float] = {}
+        self.started = time.time()
+        self.elapsed_offset = 0.0
+        self.tokens_at_start = 0
+        self.stop_event = asyncio.Event()
+        self._tempo = 0
+        self._rate_limit = 0
+
+    # ---------------------------------------------------------------- start-up
+    async def start(self) -> None:
+        o = self.opts
+        if self.wallet is None:
+            self.wallet = load_wallet(o.wallet_name, o.wallet_hotkey, o.wallet_path)
+        self.hotkey = self.wallet.hotkey.ss58_address
+        if self.chain is None:
+            try:
+                self.chain = await open_chain(o.network, o.chain_db)
+            except ChainError as e:
+                raise ValidatorError(str(e)) from e
+        try:
+            self.uid = await self.chain.require_uid(self.hotkey, o.netuid)
+        except ChainError as e:
+            raise ValidatorError(str(e)) from e
+        graph = await self.chain.metagraph(o.netuid)
+        me = next((n for n in graph.neurons if n.uid == self.uid), None)
+        if me is None or not bool(me.validator_permit):
+            raise ValidatorError(
+                f"hotkey {self.hotkey} (uid {self.uid}) has no validator permit on netuid {o.netuid} ({o.network}); "
+                "stake to it (it must be among the top max_validators by stake) and wait for the next epoch")
+        if self.cfg is None:
+            self.cfg = load_config(o.config)
+        if self.dataset is None:
+            from iota_subnet.data import build_dataset
+
+            _, self.dataset = await asyncio.to_thread(build_dataset, self.cfg.data, o.data,
+                                                      Path(o.cache_dir) if o.cache_dir else None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.state = ValidatorState(self.out / "validator.sqlite")
+        shares = stage_compute_shares(self.cfg)
+        self.ledger = self.state.load_ledger(shares)
+        self.weights_blocks = self.state.weights_blocks()
+        self.router = Router(self.cfg.pipeline.stages)
+        self.client = NeuronClient(self.wallet)
+        hp = await self.chain.hyperparameters(o.netuid)
+        self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
+        self._rate_limit = int(hp.get("weights_rate_limit", 0) or 0)
+        await self.sync()
+        logger.info("validator uid {} ({}) on netuid {}: run {!r}, {} stages, replicas per stage {}", self.uid,
+                    self.hotkey[:10], o.netuid, o.run_id, self.cfg.pipeline.stages, self.router.stage_counts())
+
+    async def sync(self) -> None:
+        """Re-read metagraph and commitments: routing, uid -> hotkey, the validator split."""
+        o = self.opts
+        graph = await self.chain.metagraph(o.netuid)
+        commits = await self.chain.commitments(o.netuid)
+        self.router.update(discover(graph.neurons, commits, o.run_id, self.cfg.pipeline.stages))
+        self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
+        miners = {r.hotkey for r in self.router.live_replicas()}
+        self.validators = sorted(str(n.hotkey) for n in graph.neurons
+                                 if bool(n.validator_permit) and n.hotkey not in miners)
+        if self.hotkey not in self.validators:
+            self.validators = sorted(self.validators + [self.hotkey])
+
+    async def wait_for_lanes(self) -> int:
+        deadline = time.monotonic() + self.opts.wait_miners_s
+        while self.router.n_lanes == 0:
+            if time.monotonic() > deadline:
+                raise ValidatorError(f"no complete pipeline after {self.opts.wait_miners_s:.0f} s: replicas per stage "
+                                     f"{self.router.stage_counts()} for run {self.opts.run_id!r}; start miners for every stage")
+            if self.stop_event.is_set():
+                return 0
+            logger.info("waiting for miners: replicas per stage {}", self.router.stage_counts())
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), timeout=min(2.0, self.opts.sync_interval_s))
+            except asyncio.TimeoutError:
+                pass
+            await self.sync()
+        return self.router.n_lanes
+
+    # ---------------------------------------------------------------- progress
+    def _on_step(self, res: LaneStepResult, next_step: int) -> None:
+        self.state.commit_lane_step(res.lane, res.step, next_step, [m.row() for m in res.microbatches],
+                                    self.ledger, res.loss)
+        self.next_steps[res.lane] = next_step
+        self.steps_done[res.lane] = self.steps_done.get(res.lane, 0) + 1
+        self.lane_loss[res.lane] = res.loss
+        self.lane_tokens[res.lane] = self.lane_tokens.get(res.lane, 0) + res.tokens
+        self.metrics.write({"step": res.step, "lane": res.lane, "tokens": sum(self.lane_tokens.values()),
+                            "lane_tokens": self.lane_tokens[res.lane], "loss": res.loss,
+                            "lr": lr_at(res.step, self.cfg.train.total_steps, self.cfg.train),
+                            "elapsed_s": round(self.elapsed_s(), 3), "reroutes": res.reroutes,
+                            "failures": res.failures, "microbatches_ok": res.ok_count})
+
+    def elapsed_s(self) -> float:
+        return self.elapsed_offset + time.time() - self.started
+
+    def status(self) -> dict:
+        tokens = sum(self.lane_tokens.values())
+        el = time.time() - self.started
+        losses = [l for l in self.lane_loss.values() if l is not None and math.isfinite(l)]
+        d = self.driver
+        return {
+            "hotkey": self.hotkey, "uid": self.uid, "run_id": self.opts.run_id, "netuid": self.opts.netuid,
+            "lanes": self.n_lanes,
+            "lane_members": [[r.uid if r is not None else None for r in lane] for lane in self.router.lanes()]
+            if self.router else [],
+            "steps_done": {str(k): v for k, v in sorted(self.steps_done.items())},
+            "next_step": {str(k): v for k, v in sorted(self.next_steps.items())},
+            "total_steps": self.opts.steps, "validator_index": self.validator_index,
+            "n_validators": self.n_validators, "tokens": tokens,
+            "tokens_per_s": (tokens - self.tokens_at_start) / el if el > 0 else 0.0,
+            "loss": sum(losses) / len(losses) if losses else None,
+            "losses": {str(k): v for k, v in sorted(self.lane_loss.items())},
+            "reroutes": d.reroutes if d else 0, "failures": d.failures if d else 0,
+            "microbatches_ok": d.microbatches_ok if d else 0, "microbatches_failed": d.microbatches_failed if d else 0,
+            "live_miners": sum(1 for r in self.router.live_replicas() if self.router.is_available(r)) if self.router else 0,
+            "stage_replicas": self.router.stage_counts() if self.router else [],
+            "val_loss": self.val_loss, "done": self.done, "weights_set_blocks": list(self.weights_blocks),
+            "last_weights": {str(k): v for k, v in self.last_weights.items()},
+            "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
+        }
+
+    def write_status(self) -> None:
+        atomic_write_json(self.out / "status.json", self.status())
+
+    # ---------------------------------------------------------------- weights
+    async def maybe_set_weights(self) -> bool:
+        """Set weights if a tempo (and the rate limit) has passed since the last set. True if set."""
+        block = await self.chain.block()
+        last = self.weights_blocks[-1] if self.weights_blocks else None
+        every = max(self._tempo, self._rate_limit, 1)
+        if last is not None and block - last < every:
+            return False
+        weights = self.ledger.weights(self.current, exclude_uids=[self.uid])
+        if not weights:
+            return False
+        uids = sorted(weights)
+        vals = [weights[u] for u in uids]
+        try:
+            await self.chain.set_weights(self.wallet, self.opts.netuid, uids, vals, version_key=self.opts.version_key)
+        except ChainError as e:
+            logger.warning("set_weights refused at block {}: {}", block, e)
+            return False
+        self.weights_blocks.append(block)
+        self.last_weights = dict(zip(uids, vals))
+        self.state.log_weights(block, uids, vals)
+        self.state.save_ledger(self.ledger)
+        logger.info("weights set at block {}: {}", block, {u: round(w, 4) for u, w in zip(uids, vals)})
+        return True
+
+    # ---------------------------------------------------------------- loops
+    async def _every(self, period: float, fn, what: str) -> None:
+        while not self.stop_event.is_set():
+            try:
+                r = fn()
+                if asyncio.iscoroutine(r):
+                    await r
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a background loop must survive a bad round
+                logger.warning("{} failed: {}: {}", what, type(e).__name__, e)
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), timeout=period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _sync_and_probe(self) -> None:
+        await self.sync()
+        if self.driver is not None:
+            await self.driver.probe()
+
+    async def _weights_round(self) -> None:
+        if await self.maybe_set_weights() and self.done and self.opts.exit_when_done:
+            self.stop_event.set()
+
+    async def _train(self) -> None:
+        o = self.opts
+        available = await self.wait_for_lanes()
+        if self.stop_event.is_set():
+            return
+        if o.n_lanes:
+            available = min(available, int(o.n_lanes))
+        self.n_lanes = self.state.bind_run(o.run_id, available)
+        if self.n_lanes > self.router.n_lanes:
+            logger.warning("resuming with {} lanes but only {} complete lanes now: the missing members are "
+                           "replaced by rerouting", self.n_lanes, self.router.n_lanes)
+        progress = self.state.lane_progress()
+        self.next_steps = {l: progress.get(l, {}).get("next_step", 0) for l in range(self.n_lanes)}
+        self.steps_done = {l: progress.get(l, {}).get("steps_done", 0) for l in range(self.n_lanes)}
+        self.lane_tokens = {l: progress.get(l, {}).get("tokens", 0) for l in range(self.n_lanes)}
+        self.lane_loss = {l: progress.get(l, {}).get("last_loss") for l in range(self.n_lanes)}
+        self.tokens_at_start = sum(self.lane_tokens.values())
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", self.next_steps)
+        self.elapsed_offset = float(self.state.get_meta("elapsed_s", "0") or 0)
+        self.validator_index = self.validators.index(self.hotkey)
+        self.n_validators = len(self.validators)
+        self.driver = PipelineDriver(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
+                                     dataset=self.dataset, ledger=self.ledger, n_lanes=self.n_lanes,
+                                     validator_index=self.validator_index, n_validators=self.n_validators,
+                                     hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6])
+        logger.info("driving {} lanes, lane steps {} of {} (validator {} of {}: steps k with k % {} == {})",
+                    self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
+                    self.n_validators, self.validator_index)
+        await self.driver.run(self.next_steps, o.steps, on_step=self._on_step, stop=self.stop_event)
+        if self.stop_event.is_set():
+            return
+        self.val_loss = await self.driver.evaluate(self.cfg.train.eval_batches, lane=0)
+        self.state.set_meta("val_loss", self.val_loss)
+        self.done = True
+        self.write_status()
+        logger.info("done: {} lane steps per lane, val loss {}", o.steps,
+                    f"{self.val_loss:.4f}" if self.val_loss is not None else "-")
+
+    async def run(self) -> int:
+        """Run until stopped (signal, :meth:`request_stop`, or ``exit_when_done``). Returns an exit code."""
+        await self.start()
+        self.write_status()
+        loops = [asyncio.create_task(self._every(self.opts.status_interval_s, self.write_status, "status")),
+                 asyncio.create_task(self._every(self.opts.sync_interval_s, self._sync_and_probe, "metagraph sync")),
+                 asyncio.create_task(self._every(self.opts.weights_check_s, self._weights_round, "weights"))]
+        train = asyncio.create_task(self._train())
+        stop = asyncio.create_task(self.stop_event.wait())
+        try:
+            await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if train.done() and train.exception() is not None:
+                raise train.exception()
+            await self.stop_event.wait()
+        finally:
+            self.stop_event.set()
+            for t in (*loops, train, stop):
+                t.cancel()
+            await asyncio.gather(*loops, train, stop, return_exceptions=True)
+            await self.close()
+        return 0
+
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+    async def close(self) -> None:
+        if self.state is not None:
+            try:
+                self.state.set_meta("elapsed_s", self.elapsed_s())
+                self.state.save_ledger(self.ledger)
+                self.write_status()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("final save failed: {}", e)
+            self.state.close()
+            self.state = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.client is not None:
+            await self.client.close()
+        if self.chain is not None and self._own_chain:
+            await self.chain.close()
+
+
+async def run_validator(opts: ValidatorOptions) -> int:
+    """Run a validator with SIGTERM / SIGINT mapped to a clean shutdown."""
+    svc = ValidatorService(opts)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, svc.request_stop)
+        except (NotImplementedError, RuntimeError):
+            pass
+    return await svc.run()
