@@ -11,7 +11,7 @@ Lanes
     carries one micro-batch stream. Replicas of a stage are not merged (yet), so they diverge; a
     fixed lane keeps each replica's optimizer on one consistent stream. Lane membership is sticky:
     once assigned, a replica keeps its slot while it stays registered with the same hotkey; a
-    freed slot goes to the lowest unassigned uid. ``n_lanes`` is the smallest replica count over
+    freed slot goes to the lowest unassigned uid, else to the replica of the stage's highest slot. ``n_lanes`` is the smallest replica count over
     the stages (extra replicas are spares that only take rerouted hops).
 
 Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
@@ -148,6 +148,12 @@ class Router:
                 if k is None and free:
                     slots[i] = free.pop(0)
             slots.extend(free)
+            # a hole left by a departed replica is filled by the highest slot (a spare first)
+            for i in range(len(slots)):
+                while slots and slots[-1] is None:
+                    slots.pop()
+                if i < len(slots) and slots[i] is None:
+                    slots[i] = slots.pop()
             while slots and slots[-1] is None:
                 slots.pop()
             self._slots[s] = slots

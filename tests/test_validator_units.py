@@ -1,0 +1,230 @@
+"""Validator pure logic: discovery, lanes, SWARM rerouting, cooldowns; scoring; state persistence."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from types import SimpleNamespace as NS
+
+import pytest
+
+from iota_subnet.config import load_config
+from iota_subnet.model import PipelineStage
+from iota_subnet.validator.driver import sample_start, steps_of
+from iota_subnet.validator.routing import Replica, Router, discover, parse_commitment, served_endpoint
+from iota_subnet.validator.scoring import Ledger, MinerRecord, compute_weights, stage_compute_shares
+from iota_subnet.validator.state import StateError, ValidatorState
+
+
+def c(stage, run="r1", v=1):
+    return json.dumps({"v": v, "run": run, "stage": stage})
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def topo(counts: list[int]) -> dict[int, list[Replica]]:
+    out, uid = {}, 1
+    for s, n in enumerate(counts):
+        out[s] = []
+        for _ in range(n):
+            out[s].append(Replica(uid, f"hk{uid}", f"127.0.0.1:{9000 + uid}", s))
+            uid += 1
+    return out
+
+
+# ------------------------------------------------------------------------------------------ routing
+
+def test_parse_commitment_and_endpoints():
+    assert parse_commitment(c(1), "r1", 3) == 1
+    for bad in (None, "", "{", "[]", c(1, run="other"), c(3), c(-1), c(1, v=2), json.dumps({"v": 1, "run": "r1"}),
+                json.dumps({"v": 1, "run": "r1", "stage": True}), json.dumps({"v": 1, "run": "r1", "stage": "1"})):
+        assert parse_commitment(bad, "r1", 3) is None, bad
+    assert served_endpoint("1.2.3.4:80") == "1.2.3.4:80"
+    assert served_endpoint("0.0.0.0:0") is None and served_endpoint("1.2.3.4:0") is None and served_endpoint(None) is None
+    assert served_endpoint(NS(ip="10.0.0.1", port=8091)) == "10.0.0.1:8091"
+
+
+def test_discover_keeps_our_run_sorted_by_uid():
+    neurons = [NS(uid=u, hotkey=f"hk{u}", axon=f"127.0.0.1:{9000 + u}") for u in range(8)]
+    neurons[6].axon = "0.0.0.0:0"    # committed but not served
+    commits = {"hk0": "", "hk1": c(0), "hk2": c(1), "hk3": c(0), "hk4": c(1, run="other"), "hk5": "junk",
+               "hk6": c(1), "hk7": c(2)}
+    got = discover(neurons, commits, "r1", 3)
+    assert {s: [r.uid for r in rs] for s, rs in got.items()} == {0: [1, 3], 1: [2], 2: [7]}
+    assert got[0][0] == Replica(1, "hk1", "127.0.0.1:9001", 0)
+
+
+def test_lanes_are_replica_r_of_each_stage_and_sticky():
+    r = Router(3)
+    t = topo([2, 3, 2])
+    r.update(t)
+    assert r.n_lanes == 2 and r.stage_counts() == [2, 3, 2]
+    assert [[x.uid for x in lane] for lane in r.lanes()] == [[1, 3, 6], [2, 4, 7]]
+    # uid 4 leaves; the spare uid 5 takes its slot; uid 3 keeps lane 0
+    t2 = {0: t[0], 1: [t[1][0], t[1][2]], 2: t[2]}
+    r.update(t2)
+    assert [[x.uid for x in lane] for lane in r.lanes()] == [[1, 3, 6], [2, 5, 7]]
+    # a new lower uid does not reshuffle existing lanes
+    t3 = {0: t[0], 1: [Replica(0, "hk0", "x:1", 1)] + t2[1], 2: t[2]}
+    r.update(t3)
+    assert r.lane_member(0, 1).uid == 3 and r.lane_member(1, 1).uid == 5 and r.lane_member(2, 1).uid == 0
+    # a uid re-registered to another hotkey is another replica
+    t4 = {0: t[0], 1: [Replica(3, "new", "x:2", 1), t[1][2]], 2: t[2]}
+    r.update(t4)
+    assert r.lane_member(0, 1).key == (3, "new") and r.lane_member(1, 1).uid == 5
+    assert r.get((3, "hk3")) is None
+    assert Router(2).n_lanes == 0
+
+
+def test_reroute_cooldown_backoff_and_probe():
+    clock = Clock()
+    r = Router(2, cooldown_base_s=2.0, cooldown_max_s=10.0, clock=clock, rng=random.Random(0))
+    r.update(topo([2, 3]))
+    a = r.lane_member(0, 1)
+    assert r.route(0, 1).key == a.key
+    assert r.record_failure(a, "timeout") == 2.0
+    assert not r.is_available(a)
+    alt = r.route(0, 1)
+    assert alt is not None and alt.key != a.key and alt.stage == 1
+    assert r.route(0, 1, exclude=[x.key for x in r.replicas[1] if x.key != a.key]) is None
+    assert r.probe_due() == []
+    clock.t += 2.0
+    assert r.probe_due() == [a]
+    assert r.probe_failed(a) == 4.0          # backoff doubles
+    assert r.record_failure(a) == 8.0 and r.record_failure(a) == 10.0   # capped
+    clock.t += 10.0
+    assert r.probe_due() == [a]
+    r.mark_healthy(a)
+    assert r.is_available(a) and r.route(0, 1).key == a.key
+    r.record_success(a, 100, 1.0)
+    assert r.health[a.key].consecutive_failures == 0
+    snap = {s["uid"]: s for s in r.snapshot()}
+    assert snap[a.uid]["lane"] == 0 and snap[a.uid]["available"]
+
+
+def test_swarm_choice_is_proportional_to_throughput_ema():
+    r = Router(1, ema_alpha=0.5, rng=random.Random(42))
+    r.update(topo([3]))
+    a, b, c_ = r.replicas[0]
+    r.record_success(a, 300, 1.0)
+    r.record_success(b, 100, 1.0)
+    r.record_success(c_, 100, 1.0)
+    r.record_success(c_, 300, 1.0)     # EMA: 0.5*100 + 0.5*300 = 200
+    assert r.throughput(c_) == pytest.approx(200.0)
+    n = 6000
+    counts = Counter(r.choose(0).uid for _ in range(n))
+    assert counts[a.uid] / n == pytest.approx(0.5, abs=0.03)
+    assert counts[b.uid] / n == pytest.approx(1 / 6, abs=0.03)
+    assert counts[c_.uid] / n == pytest.approx(1 / 3, abs=0.03)
+    r.record_failure(a)                 # cooling down: never chosen
+    assert all(r.choose(0).uid != a.uid for _ in range(200))
+    # an unmeasured replica gets the mean of the measured ones as its prior
+    r2 = Router(1)
+    r2.update(topo([2]))
+    r2.record_success(r2.replicas[0][0], 50, 1.0)
+    assert r2.throughput(r2.replicas[0][1]) == pytest.approx(50.0)
+
+
+def test_step_split_between_validators_and_addressing():
+    assert steps_of(0, 1, 0, 4) == [0, 1, 2, 3]
+    assert steps_of(0, 2, 0, 5) == [0, 2, 4] and steps_of(1, 2, 0, 5) == [1, 3]
+    assert steps_of(1, 3, 2, 9) == [4, 7]
+    starts = {sample_start(l, k, m, 3, 8, 2) for l in range(3) for k in range(4) for m in range(4)}
+    assert starts == set(range(0, 3 * 4 * 8, 2))   # every row once, no overlap between lanes
+
+
+# ------------------------------------------------------------------------------------------ scoring
+
+def test_stage_shares_follow_flops():
+    cfg = load_config("configs/tiny.yaml")
+    shares = stage_compute_shares(cfg)
+    flops = [PipelineStage(cfg.model, cfg.pipeline, s, init=False).flops_per_token(cfg.data.seq_len) for s in range(3)]
+    assert sum(shares) == pytest.approx(1.0)
+    assert shares == pytest.approx([f / sum(flops) for f in flops])
+    assert shares[2] > shares[0]          # the tail carries the LM head
+    assert stage_compute_shares([1, 1, float("nan")]) == pytest.approx([0.5, 0.5, 0.0])
+    assert stage_compute_shares([0, 0]) == [0.5, 0.5]
+
+
+def test_weights_per_stage_budget_and_hotkey_change():
+    led = Ledger([0.25, 0.25, 0.5])
+    for _ in range(3):
+        led.credit(1, "a", 0, 100)
+        led.credit(2, "b", 1, 100)
+        led.credit(3, "c", 2, 100)
+    led.credit(4, "d", 2, 100)          # stage 2: uid 3 did 3x uid 4's tokens
+    led.forward_ok(5, "e", 0)
+    w = led.weights({1: "a", 2: "b", 3: "c", 4: "d", 5: "e"})
+    assert w == pytest.approx({1: 0.25, 2: 0.25, 3: 0.375, 4: 0.125})
+    assert led.records[(3, "c")].work == pytest.approx(300 * 0.5)
+    # uid 1 re-registered to hotkey "z": the old record earns it nothing; budgets renormalise
+    w2 = led.weights({1: "z", 2: "b", 3: "c", 4: "d"})
+    assert 1 not in w2 and sum(w2.values()) == pytest.approx(1.0)
+    assert w2[2] == pytest.approx(0.25 / 0.75)
+    # excluded uid (the validator itself) and failures lower reliability
+    led.fail(4, "d", 2)
+    w3 = led.weights({1: "a", 2: "b", 3: "c", 4: "d"}, exclude_uids=[2])
+    assert 2 not in w3 and w3[4] < w[4] * 1.34
+    assert led.totals()["failures"] == 1
+
+
+def test_weights_non_finite_and_empty():
+    recs = [MinerRecord(1, "a", 0, completed=1, tokens=float("nan")), MinerRecord(2, "b", 0, completed=1, tokens=10),
+            MinerRecord(3, "c", 1, completed=1, tokens=float("inf")), MinerRecord(4, "d", 1, completed=1, tokens=-5),
+            MinerRecord(5, "e", 7, completed=1, tokens=10)]
+    w = compute_weights(recs, [0.5, 0.5], {1: "a", 2: "b", 3: "c", 4: "d", 5: "e"})
+    assert w == {2: 1.0}
+    assert compute_weights(recs, [float("nan"), 0.0], {2: "b"}) == {}
+    assert compute_weights([], [1.0], {}) == {}
+    assert all(math.isfinite(v) for v in w.values())
+
+
+# ------------------------------------------------------------------------------------------ state
+
+def test_state_persists_progress_ledger_and_log(tmp_path):
+    p = tmp_path / "v.sqlite"
+    st = ValidatorState(p)
+    assert st.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert st.bind_run("run1", 2) == 2
+    led = Ledger([0.5, 0.5])
+    led.credit(1, "a", 0, 64)
+    led.fail(2, "b", 1)
+    mb = {"idx": 0, "microbatch_id": "x", "ok": True, "loss": 5.5, "tokens": 64,
+          "pathway": [{"stage": 0, "uid": 1, "hotkey": "a"}, {"stage": 1, "uid": 3, "hotkey": "c"}],
+          "reroutes": 1, "failures": [{"stage": 1, "uid": 2}], "latency_s": 0.1, "bytes_sent": 10, "bytes_received": 20}
+    st.commit_lane_step(0, 0, 1, [mb, {**mb, "idx": 1, "ok": False, "loss": None}], led, 5.5)
+    st.commit_lane_step(1, 0, 1, [mb], led, 5.0)
+    st.commit_lane_step(0, 1, 2, [mb], led, 4.0)
+    st.log_weights(17, [1], [1.0])
+    st.close()
+
+    st = ValidatorState(p)
+    assert st.bind_run("run1", 5) == 2           # resume keeps the stored lane count
+    assert st.next_steps() == {0: 2, 1: 1}
+    prog = st.lane_progress()
+    assert prog[0]["steps_done"] == 2 and prog[0]["tokens"] == 128 and prog[0]["last_loss"] == 4.0
+    log = st.microbatch_log(lane=0)
+    assert len(log) == 3 and log[0]["pathway"][1]["uid"] == 3 and log[1]["ok"] is False and log[0]["reroutes"] == 1
+    led2 = st.load_ledger([0.5, 0.5])
+    assert led2.records[(1, "a")].tokens == 64 and led2.records[(2, "b")].failures == 1
+    assert st.weights_blocks() == [17]
+    with pytest.raises(StateError, match="run1"):
+        st.bind_run("run2", 1)
+    st.close()
+
+
+def test_state_commit_is_atomic(tmp_path):
+    st = ValidatorState(tmp_path / "v.sqlite")
+    st.bind_run("r", 1)
+    bad = {"idx": 0, "microbatch_id": "x", "ok": True, "loss": 1.0, "tokens": "not-a-number"}
+    with pytest.raises(ValueError):
+        st.commit_lane_step(0, 0, 1, [bad], Ledger([1.0]), 1.0)
+    assert st.next_steps() == {} and st.microbatch_log() == []
+    st.close()
