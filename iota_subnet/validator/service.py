@@ -40,7 +40,7 @@ from typing import Any, Optional
 from loguru import logger
 
 from iota_subnet.chain import Chain, ChainError, open_chain
-from iota_subnet.config import RunConfig, load_config
+from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
@@ -181,13 +181,19 @@ class ValidatorService:
             raise ValidatorError(
                 f"hotkey {self.hotkey} (uid {self.uid}) has no validator permit on netuid {o.netuid} ({o.network}); "
                 "stake to it (it must be among the top max_validators by stake) and wait for the next epoch")
-        if self.cfg is None:
-            self.cfg = load_config(o.config)
-        if self.dataset is None:
-            from iota_subnet.data import build_dataset
+        try:
+            if self.cfg is None:
+                self.cfg = load_config(o.config)
+            if self.dataset is None:
+                from iota_subnet.data import DataError, build_dataset
 
-            _, self.dataset = await asyncio.to_thread(build_dataset, self.cfg.data, o.data,
-                                                      Path(o.cache_dir) if o.cache_dir else None)
+                try:
+                    _, self.dataset = await asyncio.to_thread(build_dataset, self.cfg.data, o.data,
+                                                              Path(o.cache_dir) if o.cache_dir else None)
+                except DataError as e:
+                    raise ValidatorError(f"data: {e}") from e
+        except ConfigError as e:
+            raise ValidatorError(f"config: {e}") from e
         self.out.mkdir(parents=True, exist_ok=True)
         self.state = ValidatorState(self.out / "validator.sqlite")
         shares = stage_compute_shares(self.cfg)

@@ -1,0 +1,98 @@
+"""``neurons/validator.py`` as a real process against the lead's MinerService miners (in this
+process) on a SQLite devnet with WikiText-2 data: runs its steps, evaluates, sets weights, and
+exits cleanly on SIGTERM; errors are one clear line and exit code 2."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.config import load_config
+from iota_subnet.miner.service import MinerService
+from test_validator_driver import OVR, make_wallet
+
+pytestmark = pytest.mark.timeout(180)
+NETUID = 9
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_cli_errors_are_clear(tmp_home, tmp_path):
+    r = subprocess.run([sys.executable, "neurons/validator.py", "--wallet-name", "nobody", "--wallet-path",
+                        str(tmp_path / "w"), "--chain-db", str(tmp_path / "none.db")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no hotkey file" in r.stderr
+    make_wallet(tmp_path / "w", "v")
+    r = subprocess.run([sys.executable, "neurons/validator.py", "--wallet-name", "v", "--wallet-path",
+                        str(tmp_path / "w"), "--chain-db", str(tmp_path / "none.db")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, cache_dir):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({**OVR, "model": {**OVR["model"], "vocab_size": 300},
+                                        "data": {**OVR["data"], "vocab_size": 300},
+                                        "train": {**OVR["train"], "eval_batches": 2}}))
+    cfg = load_config(cfg_path)
+    root = tmp_home / "wallets"
+    vali = make_wallet(root, "vali")
+    mws = [make_wallet(root, f"m{i}") for i in range(3)]
+    db = create_devnet(tmp_path / "chain.db", NETUID, tempo=4, block_time=0.1, weights_rate_limit=1,
+                       immunity_period=0)
+    out = tmp_path / "vout"
+
+    async def main():
+        chain = await open_chain("devnet", db)
+        await chain.register(vali, NETUID)
+        add_stake(db, vali.hotkey.ss58_address, vali.coldkeypub.ss58_address, 100.0, netuid=NETUID)
+        miners = []
+        try:
+            for s, w in enumerate(mws):
+                m = MinerService(cfg, w, chain, netuid=NETUID, run_id="cli", stage=s, out_dir=tmp_path / f"m{s}",
+                                 host="127.0.0.1", external_ip="127.0.0.1", metagraph_refresh_s=0.5)
+                await m.start()
+                miners.append(m)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "neurons/validator.py", "--wallet-name", "vali", "--wallet-hotkey", "default",
+                "--wallet-path", str(root), "--network", "devnet", "--chain-db", str(db), "--netuid", str(NETUID),
+                "--config", str(cfg_path), "--data", str(wikitext_path), "--cache-dir", str(cache_dir),
+                "--steps", "4", "--out", str(out), "--run-id", "cli", "--sync-interval", "0.5",
+                cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            st = {}
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.returncode is None:
+                await asyncio.sleep(0.5)
+                try:
+                    st = json.loads((out / "status.json").read_text())
+                except (FileNotFoundError, json.JSONDecodeError):
+                    continue
+                if st.get("done") and st.get("weights_set_blocks"):
+                    break
+            if proc.returncode is not None:
+                err = (await proc.stderr.read()).decode()[-3000:]
+                pytest.fail(f"validator exited early ({proc.returncode}): {err}")
+            assert st.get("done"), st
+            proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.wait_for(proc.wait(), 30)
+            await proc.stderr.read()
+            assert rc == 0
+            assert st["steps_done"] == {"0": 4} and st["lanes"] == 1
+            assert st["val_loss"] is not None and st["loss"] is not None and st["tokens"] == 4 * 4 * 16
+            assert all(m.worker.inner_step == 4 for m in miners)
+            rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["loss"] > 0 for r in rows)
+            weights = dict(await chain.weights(NETUID))
+            assert {u for u, _ in weights[0]} == {1, 2, 3}
+        finally:
+            for m in miners:
+                await m.stop()
+            await chain.close()
+
+    asyncio.run(main())
