@@ -94,7 +94,7 @@ def test_reroute_cooldown_backoff_and_probe():
     alt = r.route(0, 1)
     assert alt is not None and alt.key != a.key and alt.stage == 1
     assert r.route(0, 1, exclude=[x.key for x in r.replicas[1] if x.key != a.key]) is None
-    assert r.probe_due() == []
+    assert r.probe_due() == [] and r.next_probe_in() == pytest.approx(2.0)
     clock.t += 2.0
     assert r.probe_due() == [a]
     assert r.probe_failed(a) == 4.0          # backoff doubles

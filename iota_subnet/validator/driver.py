@@ -130,7 +130,7 @@ class PipelineDriver:
     def __init__(self, cfg: RunConfig, *, run_id: str, router: Router, client: Any, dataset: Any, ledger: Ledger,
                  n_lanes: int, validator_index: int = 0, n_validators: int = 1, seed: Optional[int] = None,
                  hop_timeout_s: float = 30.0, retries: int = 1, backoff_s: float = 0.1, max_hop_attempts: int = 3,
-                 microbatch_retries: int = 2, empty_step_wait_s: float = 1.0, tag: str = ""):
+                 microbatch_retries: int = 2, empty_step_wait_s: float = 1.0, eval_retries: int = 3, tag: str = ""):
         self.cfg, self.run_id, self.router, self.client = cfg, run_id, router, client
         self.dataset, self.ledger = dataset, ledger
         self.n_stages = cfg.pipeline.stages
@@ -141,6 +141,7 @@ class PipelineDriver:
         self.max_hop_attempts = max(1, int(max_hop_attempts))
         self.microbatch_retries = max(0, int(microbatch_retries))
         self.empty_step_wait_s = empty_step_wait_s
+        self.eval_retries = max(0, int(eval_retries))
         self.tag = tag or uuid.uuid4().hex[:6]
         self.mb = cfg.train.micro_batch
         self.micro_per_step = cfg.train.batch_size // self.mb
@@ -177,6 +178,12 @@ class PipelineDriver:
                 return True
 
             return sum(await asyncio.gather(*(one(r) for r in due)))
+
+    async def wait_and_probe(self, max_wait_s: float) -> None:
+        """Sleep until the next failed replica is due for a probe (at most ``max_wait_s``), then probe."""
+        wait = self.router.next_probe_in()
+        await asyncio.sleep(min(max_wait_s, wait if wait is not None else max_wait_s))
+        await self.probe()
 
     # ---------------------------------------------------------------- one micro-batch
     def _check(self, t: Optional[torch.Tensor], shape: tuple[int, ...], what: str) -> torch.Tensor:
@@ -336,9 +343,8 @@ class PipelineDriver:
             await self.probe()
             res = await self.run_lane_step(lane, k)
             if res.ok_count == 0:
-                logger.warning("lane {} step {}: no micro-batch completed; retrying in {:.1f} s", lane, k,
-                               self.empty_step_wait_s)
-                await asyncio.sleep(self.empty_step_wait_s)
+                logger.warning("lane {} step {}: no micro-batch completed; retrying", lane, k)
+                await self.wait_and_probe(self.empty_step_wait_s)
                 continue
             i += 1
             next_step = todo[i] if i < len(todo) else total_steps
@@ -365,8 +371,20 @@ class PipelineDriver:
         (``keep_for_backward=False``: the miners cache nothing). None if none completed."""
         n = self.cfg.train.eval_batches if n_batches is None else int(n_batches)
         rows = [self.dataset.val_batch(i * self.mb, self.mb) for i in range(n)]
-        results = await asyncio.gather(*(self.run_microbatch(lane, -1, i, r, train=False) for i, r in enumerate(rows)))
-        losses = [r.loss for r in results if r.ok and r.loss is not None]
+        losses: dict[int, float] = {}
+        for attempt in range(1 + self.eval_retries):
+            if attempt:
+                await self.wait_and_probe(self.empty_step_wait_s * 2)
+            else:
+                await self.probe()
+            todo = [i for i in range(n) if i not in losses]
+            results = await asyncio.gather(*(self.run_microbatch(lane, -1, i, rows[i], train=False) for i in todo))
+            losses.update({r.idx: r.loss for r in results if r.ok and r.loss is not None})
+            if len(losses) == n:
+                break
+        if len(losses) < n:
+            logger.warning("evaluation: {} of {} micro-batches completed", len(losses), n)
+        losses = list(losses.values())
         if not losses:
             return None
         return sum(losses) / len(losses)

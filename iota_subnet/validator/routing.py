@@ -229,6 +229,13 @@ class Router:
         return [r for r in self.live_replicas()
                 if (h := self.health.get(r.key)) is not None and h.needs_probe and now >= h.cooldown_until]
 
+    def next_probe_in(self) -> Optional[float]:
+        """Seconds until the next failed replica is due for a probe (0 if one is due), None if none failed."""
+        now = self.clock()
+        waits = [max(0.0, h.cooldown_until - now) for r in self.live_replicas()
+                 if (h := self.health.get(r.key)) is not None and h.needs_probe]
+        return min(waits) if waits else None
+
     def mark_healthy(self, r: Replica) -> None:
         """A /health probe succeeded: the replica is back (in its lane and as a reroute target)."""
         h = self._h(r.key)
