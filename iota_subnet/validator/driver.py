@@ -28,7 +28,12 @@ Several validators
     ``V`` validators (those with a validator permit, ordered by hotkey; this one has index
     ``v``) split every lane's steps: validator ``v`` drives the lane steps ``k`` with
     ``k % V == v``. They address the same rows for the same ``(lane, k)``, so the union of their
-    work is one consistent stream per lane.
+    work is one consistent stream per lane. Their steps of one lane run at the same time, so a
+    lane's miners see micro-batches of two steps interleaved (as a replica that takes rerouted
+    hops of another lane does): the miner must tolerate an optimizer step between a micro-batch's
+    forward and its backward. Today's ``StageWorker`` does not (autograd refuses the backward after
+    the in-place update; the miner answers INTERNAL), so such micro-batches are lost and counted as
+    failures of that miner; see the validator report.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping
 
 from iota_subnet.config import RunConfig
 

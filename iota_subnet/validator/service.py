@@ -22,7 +22,8 @@ After the steps and the evaluation, weights keep being set every tempo until SIG
 status.json fields: ``hotkey, uid, run_id, netuid, lanes, lane_members, steps_done (per lane),
 next_step (per lane), total_steps, validator_index, n_validators, tokens, tokens_per_s, loss (mean of
 the last step of each lane), losses (per lane), reroutes, failures, microbatches_ok,
-microbatches_failed, live_miners, stage_replicas, val_loss, done, weights_set_blocks,
+microbatches_failed, live_miners, stage_replicas, miners (per replica: uid, hotkey, stage, endpoint,
+lane, available, throughput, successes, failures), val_loss, done, weights_set_blocks,
 last_weights, elapsed_s, updated_at``.
 """
 from __future__ import annotations
@@ -275,6 +276,7 @@ class ValidatorService:
             "microbatches_ok": d.microbatches_ok if d else 0, "microbatches_failed": d.microbatches_failed if d else 0,
             "live_miners": sum(1 for r in self.router.live_replicas() if self.router.is_available(r)) if self.router else 0,
             "stage_replicas": self.router.stage_counts() if self.router else [],
+            "miners": self.router.snapshot() if self.router else [],
             "val_loss": self.val_loss, "done": self.done, "weights_set_blocks": list(self.weights_blocks),
             "last_weights": {str(k): v for k, v in self.last_weights.items()},
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
