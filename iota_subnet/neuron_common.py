@@ -16,7 +16,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wallet-name", default="default", help="coldkey wallet name")
     g.add_argument("--wallet-hotkey", default="default", help="hotkey name")
     g.add_argument("--wallet-path", default="~/.bittensor/wallets", help="wallets folder")
-    g.add_argument("--network", default="finney", help="finney | test | local | ws://host:port | devnet")
+    g.add_argument("--network", default=None,
+                   help="finney | test | local | ws://host:port | devnet (default: devnet with --chain-db, else finney)")
     g.add_argument("--chain-db", default=None, help="devnet SQLite file (with --network devnet)")
     g.add_argument("--netuid", type=int, default=9)
     r = p.add_argument_group("run")
@@ -34,6 +35,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def setup_process(args: argparse.Namespace, name: str) -> None:
+    if args.network is None:
+        args.network = "devnet" if args.chain_db else "finney"
     logger.remove()
     logger.add(sys.stderr, level=args.log_level,
                format="<green>{time:HH:mm:ss}</green> " + name + " <level>{level: <7}</level> {message}")

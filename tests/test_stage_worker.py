@@ -91,3 +91,22 @@ def test_activation_cache_ttl_and_byte_cap():
     assert len(c) == 3 and "0" not in c and c.evictions["bytes"] == 1
     now[0] = 11.0
     assert c.pop("3") is None and c.evictions["ttl"] == 3 and c.bytes == 0
+
+
+def test_backward_after_an_inner_step_recomputes_instead_of_failing():
+    """A rerouted or second-validator micro-batch may see the stage step between its forward and
+    backward; the miner recomputes the forward with the new weights."""
+    cfg = load_config("configs/tiny.yaml", OVR)
+    for stage in (0, 1):
+        w = StageWorker(cfg, stage)
+        x = torch.randint(0, 256, (2, 16)) if stage == 0 else torch.randn(2, 16, 16)
+        w.forward("a", x)
+        w.forward("b", x)
+        w.backward("a", torch.randn(2, 16, 16))
+        w.step()                                   # weights change while "b" waits for its backward
+        g = w.backward("b", torch.randn(2, 16, 16))
+        assert w.recomputes == 1
+        assert (g is None) == (stage == 0)
+        if g is not None:
+            assert g.shape == (2, 16, 16) and torch.isfinite(g).all()
+        assert any(p.grad is not None for p in w.module.parameters())

@@ -51,6 +51,8 @@ class StageWorker:
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.total_steps = int(total_steps or cfg.train.total_steps)
         self.inner_step = 0
+        self.version = 0                    # bumped by every optimizer step (see _recompute_backward)
+        self.recomputes = 0
         self.pending = 0                    # backward passes accumulated since the last inner step
         self.forwards = self.backwards = 0
         self.tokens = 0                     # tokens processed forward+backward (training only)
@@ -78,6 +80,7 @@ class StageWorker:
                         return {"loss": float(self.module(x, targets.to(self.device)))}
                     return {"activations": self.module(x).float()}
             inp = None
+            tokens_in = x
             if not self.spec.is_head:
                 inp = x.detach().float().requires_grad_(True)
                 x = inp
@@ -98,7 +101,8 @@ class StageWorker:
                 if grad is not None:
                     res["grad"] = grad
                 return res
-            self.cache.put(mb_id, inp, out, tokens=int(x.shape[0] * x.shape[1]))
+            self.cache.put(mb_id, inp, out, tokens=int(x.shape[0] * x.shape[1]), version=self.version,
+                           token_ids=tokens_in if self.spec.is_head else None)
             return {"activations": out.detach().float()}
 
     def backward(self, mb_id: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -114,10 +118,28 @@ class StageWorker:
                 raise UnknownMicrobatch(mb_id)
             if tuple(grad.shape) != tuple(entry.outputs.shape):
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {tuple(entry.outputs.shape)}")
-            entry.outputs.backward(grad.to(self.device, entry.outputs.dtype))
-            gin = entry.inputs.grad.detach() if entry.inputs is not None else None
+            if entry.meta.get("version") == self.version:
+                entry.outputs.backward(grad.to(self.device, entry.outputs.dtype))
+                gin = entry.inputs.grad.detach() if entry.inputs is not None else None
+            else:
+                gin = self._recompute_backward(entry, grad)
             self._count_backward(entry.meta.get("tokens", 0))
             return gin
+
+    def _recompute_backward(self, entry, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The weights changed (an inner step) since this micro-batch's forward: its cached graph
+        refers to overwritten tensors, so recompute the forward with the current weights and
+        backpropagate through that (activation recomputation, as in Chen et al. 2016)."""
+        self.recomputes += 1
+        entry.outputs = None  # drop the stale graph before building a new one
+        if self.spec.is_head:
+            x = entry.meta["token_ids"]
+        else:
+            x = entry.inputs.detach().requires_grad_(True)
+        with autocast_ctx(self.device):
+            out = self.module(x)
+        out.backward(grad.to(self.device, out.dtype))
+        return None if self.spec.is_head else x.grad.detach()
 
     def _count_backward(self, tokens: int) -> None:
         self.backwards += 1
@@ -137,6 +159,7 @@ class StageWorker:
                 logger.warning(f"stage {self.stage}: non-finite gradient norm at inner step {self.inner_step}; step skipped")
             self.opt.zero_grad(set_to_none=True)
             self.inner_step += 1
+            self.version += 1
             self.pending = 0
 
     # ---- state -------------------------------------------------------------------------------

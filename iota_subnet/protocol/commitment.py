@@ -26,7 +26,8 @@ class StageCommitment:
             return None
         try:
             d = json.loads(raw)
-            if d.get("v") != COMMITMENT_VERSION or not isinstance(d.get("stage"), int) or d["stage"] < 0:
+            stage = d.get("stage")
+            if d.get("v") != COMMITMENT_VERSION or isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
                 return None
             return StageCommitment(str(d.get("run", "")), int(d["stage"]))
         except (ValueError, TypeError, AttributeError):

@@ -24,13 +24,13 @@ Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
 """
 from __future__ import annotations
 
-import json
+from iota_subnet.protocol.commitment import StageCommitment
+
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-COMMITMENT_VERSION = 1
 
 Key = tuple[int, str]  # (uid, hotkey)
 
@@ -54,18 +54,10 @@ class Replica:
 
 def parse_commitment(raw: Optional[str], run_id: str, n_stages: int) -> Optional[int]:
     """The stage a commitment announces for ``run_id``, or None (absent, malformed, other run, bad stage)."""
-    if not raw:
+    c = StageCommitment.decode(raw)
+    if c is None or c.run != str(run_id) or not 0 <= c.stage < n_stages:
         return None
-    try:
-        d = json.loads(raw)
-    except (ValueError, TypeError):
-        return None
-    if not isinstance(d, dict) or d.get("v") != COMMITMENT_VERSION or str(d.get("run", "")) != str(run_id):
-        return None
-    stage = d.get("stage")
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
-        return None
-    return stage
+    return c.stage
 
 
 def served_endpoint(axon: Any) -> Optional[str]:

@@ -85,19 +85,12 @@ class ValidatorOptions:
 
 
 def load_wallet(name: str, hotkey: str, path: str) -> Any:
-    import bittensor as bt
-
-    p = Path(path).expanduser()
-    hk = p / name / "hotkeys" / hotkey
-    if not hk.exists():
-        raise ValidatorError(f"no hotkey file {hk}; create the wallet (btcli wallet new_coldkey / new_hotkey "
-                             f"--wallet.name {name} --wallet.hotkey {hotkey}) or pass --wallet-path")
-    w = bt.Wallet(name=name, hotkey=hotkey, path=str(p))
+    from iota_subnet.wallets import WalletError
+    from iota_subnet.wallets import load_wallet as _load
     try:
-        _ = w.hotkey.ss58_address
-    except Exception as e:  # noqa: BLE001 - the SDK raises several types for unreadable keys
-        raise ValidatorError(f"cannot read hotkey {hk}: {e}") from e
-    return w
+        return _load(name, hotkey, path)
+    except WalletError as e:
+        raise ValidatorError(str(e)) from e
 
 
 class MetricsWriter:
@@ -151,6 +144,8 @@ class ValidatorService:
         self.lane_loss: dict[int, Optional[float]] = {}
         self.lane_tokens: dict[int, int] = {}
         self.val_loss: Optional[float] = None
+        self.done_block: Optional[int] = None
+        self.train_s: Optional[float] = None
         self.done = False
         self.weights_blocks: list[int] = []
         self.last_weights: dict[int, float] = {}
@@ -279,6 +274,12 @@ class ValidatorService:
             "miners": self.router.snapshot() if self.router else [],
             "val_loss": self.val_loss, "done": self.done, "weights_set_blocks": list(self.weights_blocks),
             "last_weights": {str(k): v for k, v in self.last_weights.items()},
+            "miners": {str(r.uid): {"hotkey": r.hotkey, "stage": r.stage, "work": r.work, "tokens": r.tokens,
+                                    "completed": r.completed, "failures": r.failures, "reroutes": r.reroutes}
+                       for r in self.ledger.records.values() if self.current.get(r.uid) == r.hotkey}
+            if getattr(self, "ledger", None) else {},
+            "done_block": self.done_block, "train_s": self.train_s,
+            "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
         }
 
@@ -363,11 +364,14 @@ class ValidatorService:
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {}: steps k with k % {} == {})",
                     self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
                     self.n_validators, self.validator_index)
+        t_train = time.monotonic()
         await self.driver.run(self.next_steps, o.steps, on_step=self._on_step, stop=self.stop_event)
         if self.stop_event.is_set():
             return
+        self.train_s = time.monotonic() - t_train
         self.val_loss = await self.driver.evaluate(self.cfg.train.eval_batches, lane=0)
         self.state.set_meta("val_loss", self.val_loss)
+        self.done_block = await self.chain.block()
         self.done = True
         self.write_status()
         logger.info("done: {} lane steps per lane, val loss {}", o.steps,

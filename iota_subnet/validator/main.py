@@ -1,0 +1,57 @@
+"""``python neurons/validator.py`` / ``iota-subnet validator``: argument parsing and the process lifecycle."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+from iota_subnet.neuron_common import add_common_args, run_id_for, setup_process
+from iota_subnet.validator.service import WEIGHTS_VERSION_KEY, ValidatorError, ValidatorOptions, run_validator
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="validator", description="IOTA subnet validator: drives micro-batches "
+                                     "through the miners, scores verified work, sets weights every tempo")
+    add_common_args(p)
+    v = p.add_argument_group("validator")
+    v.add_argument("--data", default=None, help="data source (default: FineWeb-Edu online, else an offline corpus)")
+    v.add_argument("--cache-dir", default=None)
+    v.add_argument("--lanes", type=int, default=None, help="drive at most this many lanes")
+    v.add_argument("--hop-timeout", type=float, default=30.0, help="seconds per forward/backward hop")
+    v.add_argument("--sync-interval", type=float, default=5.0, help="seconds between metagraph syncs")
+    v.add_argument("--version-key", type=int, default=WEIGHTS_VERSION_KEY)
+    v.add_argument("--exit-when-done", action="store_true",
+                   help="exit once the steps, the evaluation and one round of weights are done")
+    return p
+
+
+def options_from(a: argparse.Namespace) -> ValidatorOptions:
+    from iota_subnet.config import load_config
+    steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
+    out = a.out or str(Path("~/.iota-subnet/validators").expanduser() / a.wallet_name)
+    return ValidatorOptions(wallet_name=a.wallet_name, wallet_hotkey=a.wallet_hotkey, wallet_path=a.wallet_path,
+                            network=a.network, chain_db=a.chain_db, netuid=a.netuid, config=a.config, data=a.data,
+                            cache_dir=a.cache_dir, steps=steps, out=out, run_id=run_id_for(a), port=a.port,
+                            n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
+                            version_key=a.version_key, exit_when_done=a.exit_when_done)
+
+
+def run_validator_cli(a: argparse.Namespace) -> int:
+    setup_process(a, "validator")
+    from iota_subnet.errors import known_errors
+    try:
+        return asyncio.run(run_validator(options_from(a)))
+    except (ValidatorError, *known_errors()) as e:
+        logger.error(str(e))
+        return 2
+
+
+def main(argv=None) -> int:
+    return run_validator_cli(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
