@@ -1,0 +1,135 @@
+"""End to end: a devnet local network of real processes on 127.0.0.1 (3 stages x 2 replicas).
+
+The loss falls, a miner killed with SIGKILL is routed around and rejoins after its restart,
+weights land on chain and become incentive, and no process outlives the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import yaml
+
+from iota_subnet.chain import open_chain
+from iota_subnet.network.localnet import NETUID, LocalNet
+
+pytestmark = pytest.mark.timeout(600)
+
+CFG = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                 "vocab_size": 512},
+       "pipeline": {"stages": 3, "compression_ratio": 4},
+       "data": {"vocab_size": 512, "seq_len": 32},
+       "train": {"batch_size": 8, "micro_batch_size": 4, "lr": 1.0e-2, "warmup_steps": 2, "eval_batches": 2}}
+
+
+def _config(tmp_path):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(CFG))
+    return str(p)
+
+
+def _chain_weights(db):
+    async def go():
+        chain = await open_chain("devnet", db)
+        try:
+            return await chain.weights(NETUID)
+        finally:
+            await chain.close()
+    return asyncio.run(go())
+
+
+def _status(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_localnet_trains_survives_a_killed_miner_and_pays(tmp_path, tmp_home, wikitext_path, monkeypatch):
+    monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
+    net = LocalNet(stages=3, replicas=2, validators=1, config=_config(tmp_path), data=str(wikitext_path), steps=300,
+                   out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, restart_delay_s=1.0,
+                   timeout_s=420)
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.update(summary=net.run()), daemon=True)
+    th.start()
+    vstatus = tmp_path / "ln" / "validators" / "validator0" / "status.json"
+    victim = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and th.is_alive():
+        st = _status(vstatus)
+        if min((st.get("steps_done") or {"0": 0}).values()) >= 10:
+            victim = next(c for c in net.children if c.name == "miner-s1-r0")
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    assert victim is not None, "training never reached step 10"
+    killed_pid = victim.proc.pid
+    # wait for the restart, then note how much work the restarted process had resumed with
+    while th.is_alive() and victim.restarts == 0:
+        time.sleep(0.2)
+    mstatus = victim.out / "status.json"
+    resumed_backwards = None
+    while th.is_alive() and resumed_backwards is None:
+        st = _status(mstatus)
+        if st.get("uptime_s", 1e9) < 30 and "backwards" in st:
+            resumed_backwards = st["backwards"]
+        time.sleep(0.2)
+    th.join(timeout=420)
+    assert not th.is_alive()
+    s = result["summary"]
+
+    rows = [json.loads(l) for l in (tmp_path / "ln" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(300))
+    assert all({"step", "tokens", "loss", "lr", "elapsed_s"} <= set(r) for r in rows)
+    assert s["final_loss"] < rows[0]["loss"] - 0.8, (rows[0]["loss"], s["final_loss"])
+    assert s["val_loss"] is not None and s["val_loss"] < rows[0]["loss"]
+    for k in ("tokens_per_s", "wire_bytes_per_token", "reroutes"):
+        assert s[k] is not None
+    assert s["reroutes"] > 0                                   # the killed miner's hops went elsewhere
+    assert s["miner_restarts"] >= 1 and resumed_backwards is not None
+    by_name = {m["name"]: m for m in s["miners"]}
+    assert by_name["miner-s1-r0"]["restarts"] >= 1
+    final_backwards = _status(mstatus).get("backwards", 0)
+    assert final_backwards > resumed_backwards, "the restarted miner never served again"
+    # weights on chain -> incentive for every miner that did work
+    weights = _chain_weights(tmp_path / "ln" / "chain.db")
+    vuid = s["validators_detail"][0]["uid"]
+    assert any(u == vuid and row for u, row in weights)
+    worked = [m for m in s["miners"] if m["work"] > 0]
+    assert len(worked) == 6
+    assert all(m["incentive"] > 0 for m in worked), [(m["name"], m["incentive"]) for m in worked]
+    # nothing outlives the run
+    assert _dead(killed_pid)
+    for c in net.children:
+        assert c.proc.poll() is not None, c.name
+
+
+def test_localnet_with_two_validators(tmp_path, tmp_home, wikitext_path, monkeypatch):
+    monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
+    s = LocalNet(stages=3, replicas=2, validators=2, config=_config(tmp_path), data=str(wikitext_path), steps=16,
+                 out=tmp_path / "ln2", block_time=0.5, tempo=10, progress=False, timeout_s=300).run()
+    weights = _chain_weights(tmp_path / "ln2" / "chain.db")
+    setters = {u for u, row in weights if row}
+    vuids = {v["uid"] for v in s["validators_detail"]}
+    assert len(vuids) == 2 and vuids <= setters              # both validators' weights reached the chain
+    assert all(v["weights_set_blocks"] for v in s["validators_detail"])
+    assert all(m["incentive"] > 0 for m in s["miners"] if m["work"] > 0)
+    assert s["final_loss"] is not None and s["tokens"] == 16 * 2 * 8 * 32
