@@ -60,11 +60,14 @@ class LocalNet:
                  out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
                  restart_delay_s: float = 3.0, progress: Optional[bool] = None, adversary: Optional[str] = None,
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, overrides: Optional[dict] = None):
         if stages < 1 or replicas < 1 or validators < 1:
             raise ValueError("--stages, --replicas and --validators must each be >= 1")
         self.out = Path(out).resolve()
-        self.cfg = load_config(config, {"pipeline": {"stages": stages}, "train": {"total_steps": steps}})
+        ovr = {k: dict(v) for k, v in (overrides or {}).items()}
+        ovr.setdefault("pipeline", {})["stages"] = stages
+        ovr.setdefault("train", {})["total_steps"] = steps
+        self.cfg = load_config(config, ovr)
         self.stages, self.replicas, self.n_validators = stages, replicas, validators
         self.data, self.steps = data, steps
         self.block_time, self.tempo = block_time, tempo
