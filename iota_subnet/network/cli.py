@@ -9,7 +9,7 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
     from iota_subnet.network.localnet import run_localnet
     summary = run_localnet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config, data=a.data,
                            steps=a.steps, out=a.out, block_time=a.block_time, tempo=a.tempo,
-                           restart_dead=not a.no_restart, adversary=a.adversary, device=a.device,
+                           restart_dead=not a.no_restart, device=a.device,
                            timeout_s=a.timeout)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
@@ -38,7 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-time", type=float, default=1.0, help="devnet seconds per block")
     p.add_argument("--tempo", type=int, default=20, help="blocks per epoch (weights and emission)")
     p.add_argument("--no-restart", action="store_true", help="do not restart miners that die")
-    p.add_argument("--adversary", default=None, help="run one replica of a middle stage as this adversary kind")
     p.add_argument("--device", default=None)
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.set_defaults(func=_cmd_localnet)

@@ -58,7 +58,7 @@ def resolved_config_yaml(cfg: RunConfig) -> str:
 class LocalNet:
     def __init__(self, *, stages: int, replicas: int, validators: int, config: str, data: Optional[str], steps: int,
                  out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
-                 restart_delay_s: float = 3.0, progress: Optional[bool] = None, adversary: Optional[str] = None,
+                 restart_delay_s: float = 3.0, progress: Optional[bool] = None,
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
                  timeout_s: Optional[float] = None, overrides: Optional[dict] = None):
         if stages < 1 or replicas < 1 or validators < 1:
@@ -73,7 +73,6 @@ class LocalNet:
         self.block_time, self.tempo = block_time, tempo
         self.restart_dead, self.restart_delay_s = restart_dead, restart_delay_s
         self.progress = sys.stderr.isatty() if progress is None else progress
-        self.adversary = adversary
         self.extra_miner_args = extra_miner_args or []
         self.device = device
         self.timeout_s = timeout_s
@@ -133,8 +132,6 @@ class LocalNet:
             out = self.out / "miners" / name
             argv = [py, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out", str(out),
                     "--no-register", *self.extra_miner_args]
-            if self.adversary and s == self.stages // 2 and r == self.replicas - 1:
-                argv += ["--adversary", self.adversary]
             self.children.append(Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s))
         for v, w in enumerate(self.val_wallets):
             name = f"validator{v}"
