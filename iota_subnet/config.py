@@ -153,12 +153,75 @@ class TrainConfig:
         return self.micro_batch_size or self.batch_size
 
 
+MERGE_QUANTIZATIONS = ("none", "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Merging the replicas of a stage (DiLoCo outer step over a butterfly all-reduce; see
+    :mod:`iota_subnet.merge`).
+
+    ``every_steps``: merge after every H inner steps (0: never by steps); ``every_blocks``: merge
+    every M chain blocks (0: never by blocks). Both 0 turns merging off.
+    ``outer_lr`` / ``outer_momentum`` / ``nesterov``: the outer SGD applied to the mean pseudo-gradient
+    (DiLoCo, arXiv 2311.08105: lr 0.7, Nesterov momentum 0.9).
+    ``quantization``: merge payloads as ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax scales
+    over ``int8_block`` values); accumulation is always fp32.
+    ``join_timeout_s``: how long a replica waits at a merge boundary for its peers;
+    ``phase_timeout_s``: deadline of each all-reduce phase; ``max_attempts``: tries per epoch before the
+    merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
+    since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
+    requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk.
+    """
+
+    every_steps: int = 0
+    every_blocks: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    quantization: str = "none"
+    int8_block: int = 256
+    join_timeout_s: float = 30.0
+    phase_timeout_s: float = 30.0
+    max_attempts: int = 2
+    min_work_steps: int = 1
+    max_concurrent_transfers: int = 2
+    sync_chunk_numel: int = 1 << 20
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0 or self.every_blocks > 0
+
+    def validate(self) -> "MergeConfig":
+        for k in ("every_steps", "every_blocks", "min_work_steps"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"merge.{k} must be an integer >= 0 (0 = off), got {v!r}")
+        if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= 10):
+            raise ConfigError(f"merge.outer_lr must be in (0, 10], got {self.outer_lr!r} (DiLoCo uses 0.7)")
+        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
+            raise ConfigError(f"merge.outer_momentum must be in [0, 1), got {self.outer_momentum!r} (DiLoCo uses 0.9)")
+        if self.quantization not in MERGE_QUANTIZATIONS:
+            raise ConfigError(f"merge.quantization {self.quantization!r} unknown; choose one of {list(MERGE_QUANTIZATIONS)}")
+        if not isinstance(self.int8_block, int) or self.int8_block < 16:
+            raise ConfigError(f"merge.int8_block must be an integer >= 16, got {self.int8_block!r}")
+        for k in ("join_timeout_s", "phase_timeout_s"):
+            if not (isinstance(getattr(self, k), (int, float)) and getattr(self, k) > 0):
+                raise ConfigError(f"merge.{k} must be a positive number of seconds, got {getattr(self, k)!r}")
+        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"merge.{k} must be an integer >= 1, got {v!r}")
+        return self
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=lambda: MODEL_CONFIGS["tiny"])
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -175,6 +238,7 @@ class RunConfig:
                 f"train.batch_size={self.train.batch_size} is not a multiple of train.micro_batch_size={self.train.micro_batch}")
         if self.pipeline.compression_ratio < 1:
             raise ConfigError("pipeline.compression_ratio must be >= 1 (1 turns the bottleneck off)")
+        self.merge.validate()
         return self
 
 
@@ -208,9 +272,9 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         if sec == "model" and isinstance(raw[sec], str):
             raw[sec] = {"name": raw[sec]}
         raw[sec] = {**raw[sec], **vals}
-    unknown = sorted(set(raw) - {"model", "pipeline", "data", "train"})
+    unknown = sorted(set(raw) - {"model", "pipeline", "data", "train", "merge"})
     if unknown:
-        raise ConfigError(f"unknown section(s) {unknown} in config; allowed: model, pipeline, data, train")
+        raise ConfigError(f"unknown section(s) {unknown} in config; allowed: model, pipeline, data, train, merge")
     model = model_config(raw.get("model", "tiny"))
     data_raw = dict(raw.get("data") or {})
     data_raw.setdefault("vocab_size", model.vocab_size)
@@ -219,6 +283,7 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         pipeline=PipelineConfig(**_checked_fields(PipelineConfig, dict(raw.get("pipeline") or {}), "pipeline")),
         data=DataConfig(**_checked_fields(DataConfig, data_raw, "data")),
         train=TrainConfig(**_checked_fields(TrainConfig, dict(raw.get("train") or {}), "train")),
+        merge=MergeConfig(**_checked_fields(MergeConfig, dict(raw.get("merge") or {}), "merge")),
     )
     return cfg.validate()
 
@@ -228,4 +293,5 @@ def config_from_dict(d: dict) -> RunConfig:
     return RunConfig(
         model=ModelConfig(**d["model"]), pipeline=PipelineConfig(**d["pipeline"]),
         data=DataConfig(**d["data"]), train=TrainConfig(**d["train"]),
+        merge=MergeConfig(**d.get("merge", {})),
     ).validate()

@@ -8,6 +8,7 @@ from .contract import (
     backward_contract,
     forward_contract,
     merge_contract,
+    merge_payload_contract,
     token_spec,
 )
 from .messages import (
@@ -18,9 +19,15 @@ from .messages import (
     Forward,
     ForwardResult,
     Health,
+    MergeAck,
+    MergeJoin,
     MergePayload,
+    MergeResult,
+    MergeResultRequest,
     Message,
     StateRequest,
+    StateChunk,
+    StateChunkRequest,
     StateResponse,
     tensor_field,
 )
@@ -28,8 +35,9 @@ from .outcome import HTTP_STATUS, Outcome, ProtocolError
 
 __all__ = [
     "Backward", "BackwardResult", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",
-    "MESSAGE_TYPES", "MergePayload", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
+    "MESSAGE_TYPES", "MergeAck", "MergeJoin", "MergePayload", "MergeResult", "MergeResultRequest",
+    "StateChunk", "StateChunkRequest", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
     "StateResponse", "TensorContract", "TensorSpec", "decode", "encode", "read_header", "tensor_sha256",
     "tensor_field",
-    "activation_spec", "backward_contract", "forward_contract", "merge_contract", "payload_nbytes", "token_spec",
+    "activation_spec", "backward_contract", "forward_contract", "merge_contract", "merge_payload_contract", "payload_nbytes", "token_spec",
 ]

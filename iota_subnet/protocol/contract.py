@@ -167,3 +167,13 @@ def backward_contract(*, seq_len: int, width: int, max_batch: int,
 def merge_contract(*, max_numel: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
     """:class:`~iota_subnet.protocol.messages.MergePayload`: a 1-D shard of at most ``max_numel`` values."""
     return TensorContract({"shard": TensorSpec(dtypes=dtypes, shape=(-1,), max_shape=(max_numel,))})
+
+
+def merge_payload_contract(*, max_numel: int, block: int = 256) -> TensorContract:
+    """A merge contribution: ``shard`` float [n <= max_numel] or int8 [n] (then ``scales`` float32
+    [ceil(n / block)] required by the receiver's own check), 1-D."""
+    return TensorContract({
+        "shard": TensorSpec(dtypes=FLOAT_DTYPES + (torch.int8,), shape=(-1,), max_shape=(max_numel,)),
+        "scales": TensorSpec(dtypes=(torch.float32,), shape=(-1,), max_shape=(max_numel // max(1, block) + 1,),
+                             required=False),
+    })

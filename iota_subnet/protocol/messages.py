@@ -14,7 +14,13 @@ ForwardResult  ``activations``: [batch, seq, b] (not for the last stage); ``loss
                [batch, seq, b] (last stage: it runs its backward at once)
 Backward       ``grad``: d loss / d stage output, [batch, seq, b]
 BackwardResult ``grad``: d loss / d stage input, [batch, seq, b]; ``None`` from stage 0
-MergePayload   ``shard``: float [n], slice ``[offset, offset + n)`` of a flat parameter vector
+MergePayload   ``shard``: float [n] (or int8 [n] with ``scales`` float32 [ceil(n / block)]), slice
+               ``[offset, offset + n)`` of a stage's flat pseudo-gradient (see :mod:`iota_subnet.merge`)
+MergeJoin      no tensors: a replica's merge readiness (request and reply)
+MergeResultRequest / MergeResult
+               ``mean``: float32 [n], the weighted mean pseudo-gradient of one shard (optional: hashes only)
+StateChunkRequest / StateChunk
+               ``data``: float32 [n], slice of the flat state-sync snapshot (weights, anchor, momentum)
 StateRequest   no tensors; optional ``names`` to fetch a subset
 StateResponse  ``tensors``: {parameter name: tensor}; ``state_meta`` (JSON)
 Health         no tensors
@@ -101,7 +107,86 @@ class MergePayload(Message):
     offset: int = 0
     total_numel: int = 0
     weight: float = 1.0
+    attempt: int = 0
+    plan_id: str = ""
+    #: payload encoding: "none" (float32), "bf16", "int8" (then ``scales`` holds per-block absmax / 127)
+    quant: str = "none"
     shard: Optional[torch.Tensor] = tensor_field(required=True)
+    scales: Optional[torch.Tensor] = tensor_field()
+
+
+@dataclass(kw_only=True)
+class MergeJoin(Message):
+    """Merge readiness of a replica. ``ready_epoch``: the epoch it waits to merge (-1: none);
+    ``merged_epoch``: the last epoch it applied; ``attempt``/``participants``: its current plan."""
+    TYPE: ClassVar[str] = "MergeJoin"
+    epoch: int = 0
+    attempt: int = 0
+    ready_epoch: int = -1
+    merged_epoch: int = -1
+    participants: list[str] = field(default_factory=list)
+    in_sync: bool = True
+
+
+@dataclass(kw_only=True)
+class MergeAck(Message):
+    TYPE: ClassVar[str] = "MergeAck"
+    status: str = "ok"
+
+
+@dataclass(kw_only=True)
+class MergeResultRequest(Message):
+    """Ask a reducer for its result for one shard (``with_tensor``: include the mean), or (route
+    ``/merge/contribution``) ask a contributor for the pseudo-gradient shard it sent."""
+    TYPE: ClassVar[str] = "MergeResultRequest"
+    epoch: int = 0
+    attempt: int = 0
+    plan_id: str = ""
+    shard_index: int = 0
+    with_tensor: bool = True
+
+
+@dataclass(kw_only=True)
+class MergeResult(Message):
+    """A reducer's result for one shard. ``status``: ``ok`` | ``incomplete`` (``missing`` names the
+    contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``);
+    ``contribution_sha256``: per contributor (same order as ``contributors``), of the dequantized values
+    it used: the evidence a third party checks."""
+    TYPE: ClassVar[str] = "MergeResult"
+    epoch: int = 0
+    attempt: int = 0
+    plan_id: str = ""
+    shard_index: int = 0
+    status: str = "ok"
+    contributors: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    contribution_sha256: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    mean_sha256: str = ""
+    shard_sha256: str = ""
+    momentum_sha256: str = ""
+    mean: Optional[torch.Tensor] = tensor_field()
+
+
+@dataclass(kw_only=True)
+class StateChunkRequest(Message):
+    """One chunk ``[offset, offset + numel)`` of the snapshot ``snapshot_id`` (empty: describe the
+    current snapshot: the reply has no data, only its manifest in ``manifest``)."""
+    TYPE: ClassVar[str] = "StateChunkRequest"
+    snapshot_id: str = ""
+    offset: int = 0
+    numel: int = 0
+
+
+@dataclass(kw_only=True)
+class StateChunk(Message):
+    TYPE: ClassVar[str] = "StateChunk"
+    snapshot_id: str = ""
+    offset: int = 0
+    #: manifest (describe requests): total_numel, sha256 of the whole, chunk sha256 list, chunk_numel,
+    #: merged_epoch, step, layout (name, numel) ...
+    manifest: dict[str, Any] = field(default_factory=dict)
+    data: Optional[torch.Tensor] = tensor_field()
 
 
 @dataclass(kw_only=True)
@@ -130,6 +215,7 @@ class Health(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload,
+    c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload, MergeJoin, MergeAck,
+                        MergeResultRequest, MergeResult, StateChunkRequest, StateChunk,
                         StateRequest, StateResponse, Health)
 }

@@ -1,0 +1,101 @@
+"""The merge plan: the flat parameter vector cut into shards, two distinct reducers per shard.
+
+Every participant computes the same plan from ``(epoch seed, attempt, sorted participants,
+total_numel, weights)``, with no coordinator (as in IOTA's butterfly all-reduce, arXiv 2507.17766,
+and hivemind's ``averaging/partition.py``).
+
+Layout, for N >= 2 participants: N shards of (almost) equal size; a permutation ``perm`` of the
+participants is drawn from ``sha256(seed | attempt | participants)``; shard ``s`` is reduced by
+``perm[s]`` and ``perm[(s + 1) % N]``. Each replica reduces exactly two shards (2P/N values), so
+the bytes a replica sends and receives per merge stay below 3P whatever N is (P = parameters of
+the stage, see :meth:`MergePlan.expected_bytes`). With one participant there is nothing to reduce.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+
+def epoch_seed(run_id: str, stage: int, epoch: int) -> bytes:
+    """The seed of merge epoch ``epoch`` of ``stage`` (32 bytes)."""
+    return hashlib.sha256(f"iota-merge|{run_id}|{stage}|{epoch}".encode()).digest()
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """``bounds[s] = (offset, numel)``; ``reducers[s] = (a, b)`` (hotkeys, a != b when N >= 2);
+    ``weights[hotkey]`` the participant's weight in the mean (> 0)."""
+
+    epoch: int
+    attempt: int
+    participants: tuple[str, ...]
+    total_numel: int
+    bounds: tuple[tuple[int, int], ...]
+    reducers: tuple[tuple[str, str], ...]
+    weights: tuple[tuple[str, float], ...]
+    plan_id: str
+
+    @classmethod
+    def make(cls, epoch: int, attempt: int, seed: bytes, participants: Sequence[str], total_numel: int,
+             weights: Optional[Mapping[str, float]] = None) -> "MergePlan":
+        """Raises ValueError for no participants, duplicates, a non-positive size or weight."""
+        parts = tuple(sorted(participants))
+        if not parts:
+            raise ValueError("a merge plan needs at least one participant")
+        if len(set(parts)) != len(parts):
+            raise ValueError("duplicate participants")
+        if total_numel <= 0:
+            raise ValueError(f"total_numel must be positive, got {total_numel}")
+        w = {hk: float((weights or {}).get(hk, 1.0)) for hk in parts}
+        if any(not (v > 0) for v in w.values()):
+            raise ValueError(f"merge weights must be > 0 (exclude a participant instead): {w}")
+        n = len(parts)
+        n_shards = max(1, min(n, total_numel))
+        base, extra = divmod(total_numel, n_shards)
+        bounds, off = [], 0
+        for s in range(n_shards):
+            size = base + (1 if s < extra else 0)
+            bounds.append((off, size))
+            off += size
+        digest = hashlib.sha256(seed + f"|{attempt}|".encode() + "|".join(parts).encode()).digest()
+        # Deterministic permutation: sort participants by a per-participant hash of the digest.
+        perm = sorted(parts, key=lambda hk: hashlib.sha256(digest + hk.encode()).digest())
+        if n == 1:
+            reducers = [(perm[0], perm[0])]
+        else:
+            reducers = [(perm[s % n], perm[(s + 1) % n]) for s in range(n_shards)]
+        wt = tuple(sorted(w.items()))
+        pid = hashlib.sha256(json.dumps([epoch, attempt, seed.hex(), parts, total_numel, wt]).encode()).hexdigest()[:32]
+        return cls(epoch, attempt, parts, total_numel, tuple(bounds), tuple(reducers), wt, pid)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.bounds)
+
+    def weight(self, hotkey: str) -> float:
+        return dict(self.weights)[hotkey]
+
+    def shards_of(self, hotkey: str) -> list[int]:
+        """Shards ``hotkey`` reduces."""
+        return [s for s, pair in enumerate(self.reducers) if hotkey in pair]
+
+    def primary_for(self, hotkey: str, shard: int) -> str:
+        """Which reducer of ``shard`` a non-reducer fetches the mean from (load spread evenly)."""
+        a, b = self.reducers[shard]
+        h = hashlib.sha256(f"{self.plan_id}|{hotkey}|{shard}".encode()).digest()[0]
+        return a if h % 2 == 0 else b
+
+    def expected_bytes(self, bytes_per_value: float = 4.0) -> dict[str, float]:
+        """Payload bytes per replica per merge (tensor data only), averaged over replicas.
+
+        scatter: each replica sends its slice of every shard to both reducers (minus itself);
+        gather: it fetches each shard it did not reduce once. Sent = received on average.
+        """
+        n, p = len(self.participants), self.total_numel * bytes_per_value
+        if n < 2:
+            return {"sent": 0.0, "received": 0.0}
+        scatter = (2 * n - 2) / n * p
+        gather = (n - 2) / n * p
+        return {"sent": scatter + gather, "received": scatter + gather}

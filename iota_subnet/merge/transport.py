@@ -1,0 +1,99 @@
+"""Peer transports for :class:`~iota_subnet.merge.engine.MergeEngine`.
+
+* :class:`InProcessTransport`: engines in one process (tests, ``scripts/bench_merge.py``). Every
+  message is encoded and decoded with the wire codec (safetensors + JSON, the same validation as
+  over HTTP), so the byte counts are the exact body sizes HTTP would carry (headers excluded).
+  ``kill(hotkey)`` makes a peer unreachable; ``delay`` adds latency.
+* :class:`HttpTransport`: signed HTTP through :class:`~iota_subnet.transport.NeuronClient`; peers
+  resolved from hotkey to ``ip:port`` by ``resolve(hotkey)``.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+from iota_subnet.protocol import Message, ProtocolError, decode, encode, merge_payload_contract, payload_nbytes
+
+MERGE_ROUTES = ("/merge/join", "/merge/contribute", "/merge/result", "/merge/contribution")
+
+
+class PeerUnreachable(ConnectionError):
+    """The peer is not there (killed, or never registered with the in-process transport)."""
+
+
+class InProcessTransport:
+    """A registry of handlers ``hotkey -> async handle(route, msg, caller) -> Message``; each engine
+    gets a :meth:`view` bound to its own hotkey (the caller identity, as a signature would give)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.handlers: dict[str, Callable[..., Any]] = {}
+        self.dead: set[str] = set()
+        self.delay_s = delay_s
+        self.sent: dict[str, int] = {}
+        self.received: dict[str, int] = {}
+
+    def register(self, hotkey: str, handler: Callable[..., Any]) -> None:
+        self.handlers[hotkey] = handler
+        self.dead.discard(hotkey)
+
+    def kill(self, hotkey: str) -> None:
+        self.dead.add(hotkey)
+
+    def view(self, me: str) -> "_View":
+        return _View(self, me)
+
+    def reset_counters(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+    async def _call(self, me: str, peer: str, route: str, msg: Message, rtype: type) -> tuple[Any, int, int]:
+        if me in self.dead:
+            raise PeerUnreachable(f"{me[:10]} is dead")
+        h = self.handlers.get(peer)
+        if h is None or peer in self.dead:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            raise PeerUnreachable(f"{peer[:10]} unreachable")
+        body = encode(msg)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        req = decode(body, type(msg), merge_payload_contract(max_numel=1 << 31) if route == "/merge/contribute" else None)
+        reply = await h(route, req, me)
+        if peer in self.dead:
+            raise PeerUnreachable(f"{peer[:10]} died while answering")
+        rbody = encode(reply)
+        for k, n in ((me, len(body)), (peer, len(rbody))):
+            self.sent[k] = self.sent.get(k, 0) + n
+        for k, n in ((peer, len(body)), (me, len(rbody))):
+            self.received[k] = self.received.get(k, 0) + n
+        return decode(rbody, rtype), len(body), len(rbody)
+
+
+class _View:
+    def __init__(self, net: InProcessTransport, me: str):
+        self.net, self.me = net, me
+
+    async def call(self, peer: str, route: str, msg: Message, response_type: type) -> tuple[Any, int, int]:
+        return await self.net._call(self.me, peer, route, msg, response_type)
+
+
+class HttpTransport:
+    """Signed HTTP calls to peers. ``client``: a :class:`~iota_subnet.transport.NeuronClient`;
+    ``resolve(hotkey) -> "ip:port" | None``. Refusals arrive as ProtocolError; an unknown or
+    unreachable peer raises :class:`PeerUnreachable` / ``TransportError``."""
+
+    def __init__(self, client: Any, resolve: Callable[[str], Optional[str]], timeout_s: float = 30.0):
+        self.client, self.resolve, self.timeout_s = client, resolve, timeout_s
+
+    async def call(self, peer: str, route: str, msg: Message, response_type: type) -> tuple[Any, int, int]:
+        ep = self.resolve(peer)
+        if not ep:
+            raise PeerUnreachable(f"no endpoint for {peer[:10]}")
+        body = encode(msg) if payload_nbytes(msg) < (256 << 10) else await asyncio.to_thread(encode, msg)
+        reply = await self.client.call_raw(ep, peer, route, body, response_type, timeout_s=self.timeout_s, retries=1,
+                                           backoff_s=0.1)
+        # received: tensor bytes of the reply (+ its small JSON header, not counted)
+        return reply, len(body), payload_nbytes(reply)
+
+
+__all__ = ["HttpTransport", "InProcessTransport", "MERGE_ROUTES", "PeerUnreachable", "ProtocolError"]

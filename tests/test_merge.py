@@ -1,0 +1,236 @@
+"""Merging replicas with no network: the plan, the outer step, quantization, and the all-reduce
+state machine over the in-process transport (every message still goes through the wire codec)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from iota_subnet.config import ConfigError, MergeConfig, load_config
+from iota_subnet.merge import MergeEngine, MergePlan, ModuleParams, dequantize, epoch_seed, outer_step, quantize
+from iota_subnet.merge.transport import InProcessTransport
+from iota_subnet.protocol import MergePayload, Outcome, ProtocolError, tensor_sha256
+
+pytestmark = pytest.mark.timeout(60)
+
+HK = [f"5Hotkey{i:02d}" for i in range(8)]
+
+
+def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None):
+    net = transport or InProcessTransport()
+    engines, mods = [], []
+    for i in range(n):
+        torch.manual_seed(seed)                         # same init on every replica (as StageWorker)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        mods.append(m)
+        e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
+                        tamper=(tamper if tamper and tamper[0] == i else None) and tamper[1])
+        net.register(HK[i], e.handle)
+        engines.append(e)
+    # local training: different data per replica
+    for i, m in enumerate(mods):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + i)
+        for _ in range(steps):
+            x = torch.randn(4, 16, generator=g)
+            loss = m(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return net, engines, mods
+
+
+def flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+async def merge_all(engines, epoch, alive=None):
+    peers = [e.me for e in engines]
+    idx = range(len(engines)) if alive is None else alive
+    return await asyncio.gather(*(engines[i].merge(epoch, peers) for i in idx))
+
+
+FAST = dict(join_timeout_s=2.0, phase_timeout_s=2.0, max_attempts=2)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def test_plan_is_deterministic_and_balanced():
+    seed = epoch_seed("run", 1, 7)
+    for n in (2, 3, 4, 8):
+        parts = HK[:n]
+        p1 = MergePlan.make(7, 0, seed, parts, 1000)
+        p2 = MergePlan.make(7, 0, seed, list(reversed(parts)), 1000)
+        assert p1 == p2                                          # no coordinator: same plan everywhere
+        assert p1.num_shards == n and sum(sz for _, sz in p1.bounds) == 1000
+        assert all(a != b for a, b in p1.reducers)                 # two distinct reducers per shard
+        assert all(len(p1.shards_of(h)) == 2 for h in parts)       # each replica reduces 2 shards
+        assert p1.bounds[0][0] == 0 and all(p1.bounds[i][0] + p1.bounds[i][1] == p1.bounds[i + 1][0]
+                                            for i in range(n - 1))
+    a = MergePlan.make(7, 0, seed, HK[:4], 1000)
+    b = MergePlan.make(8, 0, epoch_seed("run", 1, 8), HK[:4], 1000)
+    c = MergePlan.make(7, 1, seed, HK[:3], 1000)                  # one excluded: its shards reassigned
+    assert a.plan_id != b.plan_id and a.plan_id != c.plan_id
+    assert HK[3] not in {r for pair in c.reducers for r in pair}
+    with pytest.raises(ValueError):
+        MergePlan.make(7, 0, seed, [], 10)
+    with pytest.raises(ValueError):
+        MergePlan.make(7, 0, seed, HK[:2], 10, {HK[0]: 0.0})
+    # bytes per replica do not grow with the number of replicas (bounded by 3P)
+    e2 = MergePlan.make(0, 0, seed, HK[:2], 10**6).expected_bytes()["sent"]
+    e8 = MergePlan.make(0, 0, seed, HK[:8], 10**6).expected_bytes()["sent"]
+    assert e8 < 3 * 4 * 10**6 and e2 <= e8
+
+
+def test_outer_step_is_torch_nesterov_sgd():
+    torch.manual_seed(0)
+    anchor, delta, mom = torch.randn(100), torch.randn(100), torch.randn(100)
+    p = torch.nn.Parameter(anchor.clone())
+    opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    opt.state[p]["momentum_buffer"] = mom.clone()
+    p.grad = delta.clone()
+    opt.step()
+    new, m = outer_step(anchor, mom, delta, lr=0.7, mu=0.9)
+    assert torch.allclose(new, p.detach(), atol=1e-6) and torch.allclose(m, opt.state[p]["momentum_buffer"])
+    # lr 1, no momentum: the plain average of the replicas' weights
+    new, _ = outer_step(anchor, torch.zeros(100), delta, lr=1.0, mu=0.0)
+    assert torch.allclose(new, anchor - delta)
+
+
+def test_quantization_roundtrip():
+    x = torch.randn(1000) * 3
+    q, s = quantize(x, "none")
+    assert s is None and torch.equal(dequantize(q, s, "none"), x)
+    q, s = quantize(x, "bf16")
+    assert q.dtype == torch.bfloat16 and (dequantize(q, s, "bf16") - x).abs().max() < 0.05
+    q, s = quantize(x, "int8", 256)
+    assert q.dtype == torch.int8 and s.numel() == 4
+    err = (dequantize(q, s, "int8", 256) - x).abs().max()
+    assert err <= x.abs().max() / 127 * 0.51
+    with pytest.raises(ValueError):
+        dequantize(q, s[:2], "int8", 256)
+    with pytest.raises(ValueError):
+        quantize(x, "fp8")
+
+
+def test_merge_config_validation():
+    cfg = load_config("configs/tiny.yaml", {"merge": {"every_steps": 5, "outer_lr": 0.5, "quantization": "int8"}})
+    assert cfg.merge.enabled and cfg.merge.outer_lr == 0.5
+    for bad, word in (({"quantization": "fp4"}, "quantization"), ({"outer_momentum": 1.0}, "outer_momentum"),
+                      ({"every_steps": -1}, "every_steps"), ({"bogus": 1}, "unknown key")):
+        with pytest.raises(ConfigError, match=word):
+            load_config("configs/tiny.yaml", {"merge": bad})
+
+
+# ---------------------------------------------------------------------------------------------- all-reduce
+@pytest.mark.parametrize("n,quant", [(2, "none"), (3, "none"), (5, "none"), (3, "int8"), (4, "bf16")])
+def test_merge_bit_identical_and_correct(n, quant):
+    cfg = MergeConfig(every_steps=1, quantization=quant, **FAST)
+    net, engines, mods = make_replicas(n, cfg)
+    anchor = engines[0].anchor.clone()
+    deltas = [anchor - flat(m) for m in mods]
+    reps = asyncio.run(merge_all(engines, 0))
+    assert all(r.status == "merged" for r in reps), [r.reason for r in reps]
+    ws = [flat(m) for m in mods]
+    assert all(torch.equal(ws[0], w) for w in ws[1:])             # bit-identical
+    assert len({e.anchor.numpy().tobytes() for e in engines}) == 1
+    assert len({tensor_sha256(e.momentum) for e in engines}) == 1
+    if quant == "none":
+        mean = sum(deltas) / n
+        ref, _ = outer_step(anchor, torch.zeros_like(anchor), mean, lr=0.7, mu=0.9)
+        assert torch.allclose(ws[0], ref, atol=1e-6)
+    # bytes reported, and bounded by ~3P x 4 bytes (+ headers) whatever n
+    P = anchor.numel()
+    assert all(0 < r.bytes_sent < 3 * 4 * P + 20_000 for r in reps)
+    # a second epoch continues from the merged anchor; a contribution for epoch 0 is now LATE
+    reps = asyncio.run(merge_all(engines, 1))
+    assert all(r.applied for r in reps)
+    with pytest.raises(ProtocolError) as ei:
+        engines[0]._on_contribute(MergePayload(epoch=0, plan_id="x", total_numel=P, shard=torch.zeros(3)), HK[1])
+    assert ei.value.outcome == Outcome.LATE and ei.value.status == 410
+
+
+def test_tampered_shard_detected_and_merge_correct():
+    cfg = MergeConfig(every_steps=1, **FAST)
+    evil = 1
+
+    def tamper(s, mean):
+        return mean + 0.01
+
+    net, engines, mods = make_replicas(4, cfg, tamper=(evil, tamper))
+    anchor = engines[0].anchor.clone()
+    mean = sum(anchor - flat(m) for m in mods) / 4
+    ref, _ = outer_step(anchor, torch.zeros_like(anchor), mean, lr=0.7, mu=0.9)
+    reps = asyncio.run(merge_all(engines, 0))
+    assert all(r.applied for r in reps)
+    for i, m in enumerate(mods):
+        assert torch.allclose(flat(m), ref, atol=1e-6)
+    ws = [flat(m) for m in mods]
+    assert all(torch.equal(ws[0], w) for w in ws[1:])
+    reports = [ev for e in engines for ev in e.reports]
+    assert reports, "the mismatch was not reported"
+    assert all(ev["wrong"] == [HK[evil]] for ev in reports)
+    assert all(set(ev["reducers"]) >= {HK[evil]} and ev["recomputed_sha256"] for ev in reports)
+
+
+def test_replica_killed_mid_merge_leaves_others_consistent():
+    cfg = MergeConfig(every_steps=1, **FAST)
+    net, engines, mods = make_replicas(4, cfg)
+    victim = 2
+    before = flat(mods[victim]).clone()
+    orig = engines[victim]._reduce
+
+    async def dying_reduce(sess, s):       # dies after joining, before reducing its shards
+        net.kill(HK[victim])
+        raise asyncio.CancelledError()
+    engines[victim]._reduce = dying_reduce
+
+    async def run():
+        peers = [e.me for e in engines]
+        alive = [0, 1, 3]
+        tasks = [asyncio.create_task(engines[i].merge(0, peers)) for i in alive]
+        vt = asyncio.create_task(engines[victim].merge(0, peers))
+        res = await asyncio.gather(*tasks)
+        try:
+            await vt
+        except asyncio.CancelledError:
+            pass
+        return res
+    reps = asyncio.run(run())
+    engines[victim]._reduce = orig
+    assert all(r.status == "merged" for r in reps), [(r.status, r.reason) for r in reps]
+    assert all(r.attempts == 2 and HK[victim] in r.missing for r in reps)   # excluded, shards reassigned
+    ws = [flat(mods[i]) for i in (0, 1, 3)]
+    assert all(torch.equal(ws[0], w) for w in ws[1:])
+    assert torch.equal(flat(mods[victim]), before)                 # nothing half-applied on the victim
+    assert engines[0].merged_epoch == 0 and engines[victim].merged_epoch == -1
+
+
+def test_merge_abandoned_when_it_cannot_complete():
+    cfg = MergeConfig(every_steps=1, join_timeout_s=0.5, phase_timeout_s=0.5, max_attempts=1)
+    net, engines, mods = make_replicas(3, cfg)
+    before = [flat(m).clone() for m in mods]
+
+    async def never(sess, s):
+        await asyncio.sleep(1.5)
+    engines[2]._reduce = never                                     # a reducer that never answers in time
+    reps = asyncio.run(merge_all(engines, 0))
+    assert all(r.status == "abandoned" for r in reps)
+    for m, b in zip(mods, before):
+        assert torch.equal(flat(m), b)                              # no half-applied merge
+    assert all(e.merged_epoch == -1 for e in engines)
+    # retried next epoch: everyone healthy again, the next merge applies
+    engines[2]._reduce = MergeEngine._reduce.__get__(engines[2])
+    assert all(r.applied for r in asyncio.run(merge_all(engines, 1)))
+    assert torch.equal(flat(mods[0]), flat(mods[2]))
+
+
+def test_alone_and_late():
+    cfg = MergeConfig(every_steps=1, **FAST)
+    net, engines, mods = make_replicas(3, cfg)
+    reps = asyncio.run(merge_all(engines[:2], 0))                  # replica 2 not at the boundary yet
+    # engines[:2] only know each other as peers in this call
+    assert all(r.applied for r in reps)
+    late = asyncio.run(engines[2].merge(0, [e.me for e in engines]))
+    assert late.status == "late"                                   # pulls the merged weights instead
+
