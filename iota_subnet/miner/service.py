@@ -257,15 +257,18 @@ class MinerService:
         key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
         out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
         self.m_requests.labels("/forward", "OK").inc()
+        stats = {"weights_step": float(out.get("weights_step", self.worker.inner_step)),
+                 "bf16": 1.0 if self.worker.precision == "bf16" else 0.0}
         return ForwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
                              inner_step=self.worker.inner_step, activations=out.get("activations"),
-                             grad=out.get("grad"), loss=out.get("loss"))
+                             grad=out.get("grad"), loss=out.get("loss"), stats=stats)
 
     async def _backward(self, msg: Backward, ctx) -> BackwardResult:
         self._check_header(msg)
         key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
+        w = self.worker
         try:
-            g = await self._compute(self.worker.backward, key, msg.grad)
+            g, used = await self._compute(lambda: (w.backward(key, msg.grad), w.last_weights_step))
         except UnknownMicrobatch:
             raise ProtocolError(Outcome.UNKNOWN_MICROBATCH,
                                 f"no pending forward for micro-batch {msg.microbatch_id} (never seen or evicted)") from None
@@ -273,7 +276,7 @@ class MinerService:
             raise ProtocolError(Outcome.BAD_SHAPE, str(e)) from None
         self.m_requests.labels("/backward", "OK").inc()
         return BackwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
-                              inner_step=self.worker.inner_step, grad=g)
+                              inner_step=self.worker.inner_step, grad=g, stats={"weights_step": float(used)})
 
     async def _state(self, msg: StateRequest, ctx) -> StateResponse:
         if msg.stage != self.stage:

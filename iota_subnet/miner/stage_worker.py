@@ -58,6 +58,10 @@ class StageWorker:
         self.tokens = 0                     # tokens processed forward+backward (training only)
         self.fingerprint = config_fingerprint(cfg.model, cfg.pipeline, stage)
         self.lock = threading.RLock()
+        #: inner step of the weights the last backward used (reported to validators for spot checks)
+        self.last_weights_step = 0
+        #: "bf16" under autocast on GPU, else "fp32" (sets the validator's replay tolerance)
+        self.precision = "bf16" if self.device.type == "cuda" else "fp32"
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
@@ -68,8 +72,17 @@ class StageWorker:
         Returns ``{"activations": [B, T, b]}`` for head/body; for the tail (``targets`` [B, T]
         required) ``{"loss": float, "grad": [B, T, b]}``: the tail does its backward at once and
         returns the activation gradient for the previous stage. With ``train=False`` nothing is
-        cached or accumulated (evaluation) and the tail returns only the loss.
+        cached or accumulated (evaluation) and the tail returns only the loss. Every result also
+        carries ``weights_step``: the inner step of the weights used (spot checks replay with them).
         """
+        with self.lock:
+            step = self.inner_step
+            res = self._forward(mb_id, x, targets, train=train)
+            res.setdefault("weights_step", step)
+            return res
+
+    def _forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                 train: bool = True) -> dict:
         with self.lock:
             x = x.to(self.device)
             if not train:
@@ -102,7 +115,7 @@ class StageWorker:
                     res["grad"] = grad
                 return res
             self.cache.put(mb_id, inp, out, tokens=int(x.shape[0] * x.shape[1]), version=self.version,
-                           token_ids=tokens_in if self.spec.is_head else None)
+                           token_ids=tokens_in if self.spec.is_head else None, step=self.inner_step)
             return {"activations": out.detach().float()}
 
     def backward(self, mb_id: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -119,9 +132,11 @@ class StageWorker:
             if tuple(grad.shape) != tuple(entry.outputs.shape):
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {tuple(entry.outputs.shape)}")
             if entry.meta.get("version") == self.version:
+                self.last_weights_step = int(entry.meta.get("step", self.inner_step))
                 entry.outputs.backward(grad.to(self.device, entry.outputs.dtype))
                 gin = entry.inputs.grad.detach() if entry.inputs is not None else None
             else:
+                self.last_weights_step = self.inner_step
                 gin = self._recompute_backward(entry, grad)
             self._count_backward(entry.meta.get("tokens", 0))
             return gin

@@ -135,7 +135,8 @@ class PipelineDriver:
     def __init__(self, cfg: RunConfig, *, run_id: str, router: Router, client: Any, dataset: Any, ledger: Ledger,
                  n_lanes: int, validator_index: int = 0, n_validators: int = 1, seed: Optional[int] = None,
                  hop_timeout_s: float = 30.0, retries: int = 1, backoff_s: float = 0.1, max_hop_attempts: int = 3,
-                 microbatch_retries: int = 2, empty_step_wait_s: float = 1.0, eval_retries: int = 3, tag: str = ""):
+                 microbatch_retries: int = 2, empty_step_wait_s: float = 1.0, eval_retries: int = 3, tag: str = "",
+                 verifier: Any = None):
         self.cfg, self.run_id, self.router, self.client = cfg, run_id, router, client
         self.dataset, self.ledger = dataset, ledger
         self.n_stages = cfg.pipeline.stages
@@ -148,6 +149,8 @@ class PipelineDriver:
         self.empty_step_wait_s = empty_step_wait_s
         self.eval_retries = max(0, int(eval_retries))
         self.tag = tag or uuid.uuid4().hex[:6]
+        #: a :class:`~iota_subnet.validator.verification.SpotChecker` (or None): sees every verified hop
+        self.verifier = verifier
         self.mb = cfg.train.micro_batch
         self.micro_per_step = cfg.train.batch_size // self.mb
         self.width = bottleneck_dims(cfg.model, cfg.pipeline)[0]
@@ -245,6 +248,9 @@ class PipelineDriver:
                 continue
             self.router.record_success(r, res.tokens, time.perf_counter() - t0)
             self.ledger.forward_ok(r.uid, r.hotkey, stage)
+            if self.verifier is not None:
+                self.verifier.on_forward(res.lane, res.step, res.microbatch_id, r, x,
+                                         targets if last and train else None, reply, train)
             return r, reply
         raise HopFailed(f"no replica of stage {stage} completed the forward (tried {len(tried)})")
 
@@ -263,6 +269,8 @@ class PipelineDriver:
             raise HopFailed(f"backward of stage {r.stage} failed") from e
         self.router.record_success(r, res.tokens, time.perf_counter() - t0)
         self.ledger.credit(r.uid, r.hotkey, r.stage, res.tokens)
+        if self.verifier is not None:
+            self.verifier.on_backward(res.microbatch_id, r, grad, out, reply)
         return out
 
     async def run_microbatch(self, lane: int, step: int, idx: int, rows: torch.Tensor, *,
@@ -328,7 +336,11 @@ class PipelineDriver:
         t0 = time.perf_counter()
         batches = [self.dataset.batch(self.seed, self.sample_start(lane, step, m), self.mb)
                    for m in range(self.micro_per_step)]
+        if self.verifier is not None:
+            await self.verifier.before_step(lane, step, [self.router.lane_member(lane, s) for s in range(self.n_stages)])
         results = await asyncio.gather(*(self.run_microbatch(lane, step, m, rows) for m, rows in enumerate(batches)))
+        if self.verifier is not None:
+            await self.verifier.after_step(lane, step)
         return LaneStepResult(lane, step, list(results), time.perf_counter() - t0)
 
     async def run_lane(self, lane: int, start_step: int, total_steps: int,
@@ -393,3 +405,45 @@ class PipelineDriver:
         if not losses:
             return None
         return sum(losses) / len(losses)
+
+    # ---------------------------------------------------------------- CLASP probes
+    async def clasp_round(self, round_id: int, paths: int, rng, batch_index: Optional[int] = None) -> list[dict]:
+        """One CLASP probe round (:mod:`.clasp`): one held-out micro-batch forward-only through
+        ``paths`` pathways drawn uniformly per stage among available replicas. Returns
+        ``[{"round", "loss", "pathway"}]`` for the pathways that completed (a failed hop drops its
+        pathway; it is not counted against the miner here)."""
+        from .clasp import choose_pathway
+
+        by_stage = {s: [r for r in self.router.live_replicas() if r.stage == s and self.router.is_available(r)]
+                    for s in range(self.n_stages)}
+        n_val = max(1, int(getattr(self.dataset, "n_val_rows", 0) or 64))
+        idx = rng.randrange(max(1, n_val - self.mb)) if batch_index is None else int(batch_index)
+        rows = self.dataset.val_batch(idx, self.mb)
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+        async def one(p: int) -> Optional[dict]:
+            path = choose_pathway(by_stage, rng)
+            if path is None:
+                return None
+            act = x
+            mb_id = f"{self.tag}-clasp{round_id}-p{p}-{uuid.uuid4().hex[:6]}"
+            for r in path:
+                last = r.stage == self.n_stages - 1
+                msg = Forward(run_id=self.run_id, stage=r.stage, microbatch_id=mb_id, inner_step=0, activations=act,
+                              targets=y if last else None, keep_for_backward=False)
+                try:
+                    reply = await self.client.call(r.endpoint, r.hotkey, "/forward", msg, ForwardResult,
+                                                   timeout_s=self.hop_timeout_s, retries=0)
+                    if last:
+                        if reply.loss is None or not math.isfinite(float(reply.loss)):
+                            raise HopFailed("loss not finite")
+                        return {"round": int(round_id), "loss": float(reply.loss),
+                                "pathway": [{"stage": q.stage, "uid": q.uid, "hotkey": q.hotkey} for q in path]}
+                    act = self._check(reply.activations, (int(x.shape[0]), int(x.shape[1]), self.width), "activations")
+                except (ProtocolError, TransportError, HopFailed) as e:
+                    logger.debug("CLASP probe {} through {} failed: {}", mb_id, r.short(), e)
+                    return None
+            return None
+
+        got = await asyncio.gather(*(one(p) for p in range(max(2, int(paths)))))
+        return [g for g in got if g is not None]

@@ -157,3 +157,117 @@ def compute_weights(records: Iterable[MinerRecord], shares: list[float], current
     if not math.isfinite(z) or z <= 0:
         return {}
     return {u: w / z for u, w in sorted(out.items()) if _finite(w / z) > 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores smoothed over tempos, with quality factors (spot checks, CLASP)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ScoreEntry:
+    """One miner's smoothed score and the reasons behind its latest update."""
+
+    uid: int
+    hotkey: str
+    stage: int
+    score: float = 0.0         # smoothed work rate x quality (work units per tempo)
+    last_work: float = 0.0     # ledger work at the previous update
+    new_work: float = 0.0      # verified work since the previous update
+    quality: float = 1.0       # the latest quality factor, in [0, 1]
+    weight: float = 0.0        # the latest weight this validator computed
+    updates: int = 0
+    why: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Scoreboard:
+    """Scores smoothed over tempos (an exponential moving average of verified work per tempo).
+
+    At every update (one per tempo, before weights are set), for each miner record:
+
+    * ``new_work`` = verified work (tokens x stage compute share, :class:`Ledger`) since the last update;
+    * ``quality`` = product of the factors given (spot checks: 0 when flagged; CLASP: ``clasp_penalty``
+      when flagged), clipped to [0, 1], so a penalty never raises a score;
+    * ``score = quality x ((1 - alpha) x score + alpha x new_work)``: a miner with no new verified
+      work (not evaluated this tempo) decays by ``1 - alpha`` per tempo instead of keeping a stale
+      score; a flagged miner's score is 0 at once; anything non-finite becomes 0.
+
+    Weights (:func:`balanced_weights`): each stage's budget is proportional to its compute share;
+    inside a stage the budget is split in proportion to the scores.
+    """
+
+    alpha: float = 0.5
+    entries: dict[Key, ScoreEntry] = field(default_factory=dict)
+
+    def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None) -> None:
+        quality = quality or {}
+        a = min(1.0, max(0.0, float(self.alpha)))
+        for key, rec in ledger.records.items():
+            e = self.entries.get(key)
+            if e is None:
+                e = self.entries[key] = ScoreEntry(rec.uid, rec.hotkey, rec.stage)
+            e.stage = rec.stage
+            work = _finite(rec.work)
+            e.new_work = _finite(work - e.last_work)
+            e.last_work = work
+            q, why = quality.get(key, (1.0, []))
+            q = _finite(q)
+            q = min(1.0, q)
+            e.quality = q
+            e.score = _finite(q * ((1 - a) * _finite(e.score) + a * e.new_work))
+            e.updates += 1
+            e.why = list(why) if why else ([f"verified work {e.new_work:.1f} units this tempo"] if e.new_work > 0
+                                            else ["no verified work this tempo: score decays"])
+
+    def weights(self, shares: list[float], current: Mapping[int, str], exclude_uids: Iterable[int] = ()) -> dict[int, float]:
+        w = balanced_weights({k: e.score for k, e in self.entries.items()},
+                             {k: e.stage for k, e in self.entries.items()}, shares, current, exclude_uids)
+        for k, e in self.entries.items():
+            e.weight = w.get(e.uid, 0.0) if current.get(e.uid) == e.hotkey else 0.0
+        return w
+
+    def to_dict(self) -> dict:
+        return {"alpha": self.alpha, "entries": [e.to_dict() for e in self.entries.values()]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Scoreboard":
+        sb = cls(alpha=float(d.get("alpha", 0.5)))
+        for row in d.get("entries", []):
+            e = ScoreEntry(**row)
+            sb.entries[(e.uid, e.hotkey)] = e
+        return sb
+
+
+def balanced_weights(scores: Mapping[Key, float], stages: Mapping[Key, int], shares: list[float],
+                     current: Mapping[int, str], exclude_uids: Iterable[int] = ()) -> dict[int, float]:
+    """uid -> weight (sums to 1, or empty): stage budgets proportional to ``shares`` (over the stages
+    with a positive score), split inside a stage in proportion to ``scores``. Keys whose hotkey no
+    longer holds the uid, excluded uids and non-finite / non-positive scores get nothing."""
+    excluded = set(int(u) for u in exclude_uids)
+    per_stage: dict[int, dict[int, float]] = {}
+    for key, sc in scores.items():
+        uid, hk = key
+        s = stages.get(key, -1)
+        if uid in excluded or current.get(uid) != hk or not 0 <= s < len(shares):
+            continue
+        sc = _finite(sc)
+        if sc <= 0:
+            continue
+        per_stage.setdefault(s, {})
+        per_stage[s][uid] = per_stage[s].get(uid, 0.0) + sc
+    budgets = {s: _finite(shares[s]) for s in per_stage}
+    total = sum(budgets.values())
+    if total <= 0:
+        return {}
+    out: dict[int, float] = {}
+    for s, sc in per_stage.items():
+        tot = sum(sc.values())
+        for uid, v in sc.items():
+            out[uid] = out.get(uid, 0.0) + budgets[s] / total * v / tot
+    z = sum(out.values())
+    if not math.isfinite(z) or z <= 0:
+        return {}
+    return {u: w / z for u, w in sorted(out.items()) if _finite(w / z) > 0}

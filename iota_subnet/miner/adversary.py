@@ -1,0 +1,219 @@
+"""The cheater suite: cheap ways to fake pipeline work, installed into a :class:`StageWorker`.
+
+Used by tests (in-process miners) and by ``iota-subnet miner --adversary KIND`` /
+``iota-subnet localnet --adversary KIND``. Every kind answers the protocol well formed (right
+shapes, finite numbers), so only verification can tell it from an honest miner:
+
+``random``  activations / gradients / loss drawn at random (scaled like real ones); no compute.
+``zero``    constant outputs: zero activations and gradients, a constant loss; no compute.
+``lazy``    skips every other transformer block of its stage (all of them when it holds one),
+            forward and backward; trains the blocks it runs. ``/state`` holds every block.
+``replay``  computes its first micro-batch honestly, then returns that micro-batch's outputs and
+            gradients for every later one.
+``copy``    returns outputs computed with another replica's weights (fetched from that peer:
+            ``peer_state()``), never training its own; its ``/state`` shows its own weights.
+``stale``   computes honestly but never applies an optimizer update (the inner step counter
+            still advances, as if it had stepped).
+``claim``   claims backward work it did not do: acknowledges ``/backward`` with a zero gradient
+            without backpropagating (so its weights never learn) and reports inflated counters.
+``poison``  (merge-shard poisoning) is not implemented: it needs the merging protocol of issue 4.
+
+How each is caught: see :mod:`iota_subnet.validator.verification` (replay of sampled hops for
+all but ``stale``; ``stale`` and a head-stage ``claim`` by the weights-changed check).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+#: Adversary kinds this module implements (``poison`` waits for merging).
+ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim")
+
+
+class AdversaryError(ValueError):
+    """Unknown adversary kind."""
+
+
+def install(worker: Any, kind: str, *, peer_state: Optional[Callable[[], dict]] = None, seed: int = 0) -> "Adversary":
+    """Turn ``worker`` (a :class:`~iota_subnet.miner.stage_worker.StageWorker`) into adversary ``kind``.
+
+    ``peer_state``: for ``copy``, a callable returning another replica's state dict (called when
+    the copier has none yet and after each of its inner steps). Raises :class:`AdversaryError`.
+    """
+    if kind not in ADVERSARY_KINDS:
+        raise AdversaryError(f"unknown adversary {kind!r}; one of {', '.join(ADVERSARY_KINDS)}"
+                             + (" (poison needs the merging protocol)" if kind == "poison" else ""))
+    adv = Adversary(worker, kind, peer_state=peer_state, seed=seed)
+    adv.apply()
+    return adv
+
+
+class Adversary:
+    def __init__(self, worker: Any, kind: str, *, peer_state: Optional[Callable[[], dict]] = None, seed: int = 0):
+        self.w, self.kind, self.peer_state = worker, kind, peer_state
+        self.gen = torch.Generator().manual_seed(seed + 7919)
+        self.first_out: Optional[dict] = None
+        self.first_grad: Optional[torch.Tensor] = None
+        self.peer_module: Optional[nn.Module] = None
+        self.peer_step = -1
+        self._orig_forward = worker._forward
+        self._orig_backward = worker.backward
+
+    def apply(self) -> None:
+        w = self.w
+        if self.kind in ("random", "zero"):
+            w._forward, w.backward = self._fake_forward, self._fake_backward
+        elif self.kind == "lazy":
+            self._make_lazy(w.module)
+        elif self.kind == "replay":
+            w._forward, w.backward = self._replay_forward, self._replay_backward
+        elif self.kind == "copy":
+            w._forward = self._copy_forward
+        elif self.kind == "stale":
+            w.step = self._stale_step
+        elif self.kind == "claim":
+            w.backward = self._claim_backward
+
+    # ---- shapes ---------------------------------------------------------------------------------
+    def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        return (int(x.shape[0]), int(x.shape[1]), int(self.w.spec.out_width))
+
+    def _noise(self, shape, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen) * scale
+
+    # ---- random / zero ---------------------------------------------------------------------------
+    def _fake_forward(self, mb_id, x, targets=None, *, train=True) -> dict:
+        w = self.w
+        w.forwards += 1
+        if w.spec.is_tail:
+            loss = math.log(w.cfg.model.vocab_size) * (1.0 if self.kind == "zero" else float(0.9 + 0.2 * torch.rand(1, generator=self.gen)))
+            out: dict = {"loss": loss}
+            if train and not w.spec.is_head:
+                shape = tuple(x.shape)
+                out["grad"] = torch.zeros(shape) if self.kind == "zero" else self._noise(shape, 1e-3)
+                w._count_backward(int(x.shape[0] * x.shape[1]))
+            return out
+        shape = self._out_shape(x)
+        act = torch.zeros(shape) if self.kind == "zero" else self._noise(shape)
+        if train:
+            w.cache.put(mb_id, None, act, tokens=int(x.shape[0] * x.shape[1]), version=w.version, step=w.inner_step,
+                        in_shape=tuple(x.shape))
+        return {"activations": act}
+
+    def _fake_backward(self, mb_id, grad):
+        w = self.w
+        with w.lock:
+            entry = w.cache.pop(mb_id)
+            if entry is None:
+                from iota_subnet.miner.stage_worker import UnknownMicrobatch
+                raise UnknownMicrobatch(mb_id)
+            w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+            w._count_backward(entry.meta.get("tokens", 0))
+            if w.spec.is_head:
+                return None
+            shape = entry.meta["in_shape"]
+            return torch.zeros(shape) if self.kind == "zero" else self._noise(shape, float(grad.std()) or 1e-3)
+
+    # ---- lazy ------------------------------------------------------------------------------------
+    def _make_lazy(self, module: nn.Module) -> None:
+        full = module.layers
+        names = list(full.keys())
+        keep = nn.ModuleDict({k: full[k] for i, k in enumerate(names) if i % 2 == 1 and len(names) > 1})
+        cls_forward = type(module).forward
+
+        def lazy_forward(x, targets=None):
+            module._modules["layers"] = keep
+            try:
+                return cls_forward(module, x, targets)
+            finally:
+                module._modules["layers"] = full
+
+        module.forward = lazy_forward
+
+    # ---- replay ----------------------------------------------------------------------------------
+    def _replay_forward(self, mb_id, x, targets=None, *, train=True) -> dict:
+        w = self.w
+        if self.first_out is None or not train:
+            out = self._orig_forward(mb_id, x, targets, train=train)
+            if train and self.first_out is None:
+                self.first_out = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+            return out
+        w.forwards += 1
+        out = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.first_out.items()}
+        if w.spec.is_tail:
+            w._count_backward(int(x.shape[0] * x.shape[1]))
+        else:
+            w.cache.put(mb_id, None, out["activations"], tokens=int(x.shape[0] * x.shape[1]), version=w.version,
+                        step=w.inner_step, replayed=True)
+        return out
+
+    def _replay_backward(self, mb_id, grad):
+        w = self.w
+        with w.lock:
+            entry = w.cache._d.get(mb_id)
+            replayed = entry is not None and entry.meta.get("replayed")
+            if not replayed:
+                g = self._orig_backward(mb_id, grad)
+                if self.first_grad is None and g is not None:
+                    self.first_grad = g.clone()
+                return g
+            w.cache.pop(mb_id)
+            w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+            w._count_backward(entry.meta.get("tokens", 0))
+            return None if w.spec.is_head else (self.first_grad.clone() if self.first_grad is not None
+                                                else torch.zeros_like(grad))
+
+    # ---- copy ------------------------------------------------------------------------------------
+    def _peer(self) -> Optional[nn.Module]:
+        w = self.w
+        if self.peer_state is None:
+            return None
+        if self.peer_module is None or self.peer_step != w.inner_step:
+            sd = self.peer_state()
+            if sd:
+                from iota_subnet.model import PipelineStage
+                if self.peer_module is None:
+                    self.peer_module = PipelineStage(w.cfg.model, w.cfg.pipeline, w.stage, init=False).to(w.device)
+                self.peer_module.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=True)
+                self.peer_step = w.inner_step
+        return self.peer_module
+
+    def _copy_forward(self, mb_id, x, targets=None, *, train=True) -> dict:
+        w = self.w
+        peer = self._peer()
+        if peer is None:
+            return self._orig_forward(mb_id, x, targets, train=train)
+        own = w.module
+        w.module = peer   # compute with the peer's weights; its own module never gets gradients
+        try:
+            out = self._orig_forward(mb_id, x, targets, train=train)
+        finally:
+            w.module = own
+        peer.zero_grad(set_to_none=True)
+        return out
+
+    # ---- stale -----------------------------------------------------------------------------------
+    def _stale_step(self) -> None:
+        w = self.w
+        with w.lock:
+            w.opt.zero_grad(set_to_none=True)   # throws the accumulated gradients away
+            w.inner_step += 1
+            w.version += 1
+            w.pending = 0
+
+    # ---- claim -----------------------------------------------------------------------------------
+    def _claim_backward(self, mb_id, grad):
+        w = self.w
+        with w.lock:
+            entry = w.cache.pop(mb_id)
+            if entry is None:
+                from iota_subnet.miner.stage_worker import UnknownMicrobatch
+                raise UnknownMicrobatch(mb_id)
+            w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+            w._count_backward(2 * int(entry.meta.get("tokens", 0)))   # claims twice the tokens, did none
+            if w.spec.is_head:
+                return None
+            return torch.zeros_like(entry.inputs) if entry.inputs is not None else torch.zeros_like(grad)
