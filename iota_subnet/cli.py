@@ -51,7 +51,8 @@ def _load_extra_commands() -> None:
             if e.name and mod.startswith(e.name):
                 continue
             raise
-        _EXTRA_COMMANDS.append(m.register)
+        if m.register not in _EXTRA_COMMANDS:   # main() may run more than once in a process (tests)
+            _EXTRA_COMMANDS.append(m.register)
 
 
 def main(argv=None) -> int:

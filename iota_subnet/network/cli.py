@@ -26,7 +26,27 @@ def _cmd_miner(a: argparse.Namespace) -> int:
     return asyncio.run(run_miner(a))
 
 
+def _cmd_scores(a: argparse.Namespace) -> int:
+    from iota_subnet.validator import explain
+    try:
+        d = explain.load(a.validator_state)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    if a.uid is not None:
+        d = {**d, "miners": [m for m in d.get("miners", []) if m["uid"] == a.uid]}
+    print(json.dumps(d, indent=2) if a.json else explain.format_table(d))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    sc = sub.add_parser("scores", help="explain a validator's scores: per miner work, spot checks, CLASP, weight, why")
+    sc.add_argument("--validator-state", required=True,
+                    help="the validator's output folder or its validator.sqlite")
+    sc.add_argument("--uid", type=int, default=None, help="only this miner")
+    sc.add_argument("--json", action="store_true", help="JSON instead of a table")
+    sc.set_defaults(func=_cmd_scores)
+
     p = sub.add_parser("localnet", help="run a whole subnet (devnet chain, miners, validators) on this machine")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--replicas", type=int, default=2, help="miners per stage")

@@ -23,6 +23,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     v.add_argument("--hop-timeout", type=float, default=30.0, help="seconds per forward/backward hop")
     v.add_argument("--sync-interval", type=float, default=5.0, help="seconds between metagraph syncs")
     v.add_argument("--version-key", type=int, default=WEIGHTS_VERSION_KEY)
+    v.add_argument("--check-rate", type=float, default=0.1,
+                   help="fraction of forward/backward hops replayed as spot checks (0: off)")
+    v.add_argument("--snapshot-every", type=int, default=1,
+                   help="lane steps between /state snapshots used by the replays (1: checks are blind)")
+    v.add_argument("--clasp-interval", type=float, default=5.0,
+                   help="seconds between CLASP probe rounds (random pathways, forward only; 0: off)")
+    v.add_argument("--clasp-paths", type=int, default=6, help="pathways per CLASP probe round")
+    v.add_argument("--score-alpha", type=float, default=0.5, help="EMA weight of the latest tempo's work in scores")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
     return p
@@ -36,7 +44,9 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             network=a.network, chain_db=a.chain_db, netuid=a.netuid, config=a.config, data=a.data,
                             cache_dir=a.cache_dir, steps=steps, out=out, run_id=run_id_for(a), port=a.port,
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
-                            version_key=a.version_key, exit_when_done=a.exit_when_done)
+                            version_key=a.version_key, exit_when_done=a.exit_when_done,
+                            check_rate=a.check_rate, snapshot_every=a.snapshot_every,
+                            clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_alpha=a.score_alpha)
 
 
 def run_validator_cli(a: argparse.Namespace) -> int:

@@ -14,7 +14,13 @@ Then, concurrently:
 * weights are set every tempo (when ``block - last_set >= max(tempo, weights_rate_limit)``) with
   ``version_key``; a refusal is logged and retried at the next check;
 * ``status.json`` is rewritten (atomically) every ``status_interval_s``; ``metrics.jsonl`` gets a row
-  per completed lane step.
+  per completed lane step;
+* verification (:mod:`.verification`, :mod:`.clasp`): a ``check_rate`` fraction of hops is replayed
+  against ``/state`` snapshots, and a CLASP probe round runs every ``clasp_interval_s``; at each
+  weights round the :class:`~.scoring.Scoreboard` is updated (quality 0 for a miner flagged by spot
+  checks, ``clasp_penalty`` for one flagged by CLASP) and the weights come from it; the explained
+  scores (:mod:`.explain`) go to the state file, ``status.json`` (``scores``) and, with ``port > 0``,
+  ``GET http://HOST:PORT/scores`` (JSON, read-only, unauthenticated).
 
 After the steps and the evaluation, weights keep being set every tempo until SIGTERM / SIGINT
 (or, with ``exit_when_done``, until the first weights after the evaluation are set).
@@ -46,10 +52,13 @@ from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 
+from . import explain
+from .clasp import attribute, quality_factors
 from .driver import LaneStepResult, PipelineDriver
 from .routing import Router, discover
-from .scoring import stage_compute_shares
+from .scoring import Scoreboard, stage_compute_shares
 from .state import ValidatorState
+from .verification import SpotChecker
 
 #: Version key sent with the weights; the chain refuses keys older than the subnet's ``weights_version``.
 WEIGHTS_VERSION_KEY = 1
@@ -73,7 +82,15 @@ class ValidatorOptions:
     steps: int = 10
     out: str = "runs/validator"
     run_id: str = "iota"
-    port: int = 0  # reserved for the JSON endpoint (issue 5); 0 = none
+    port: int = 0  # the JSON scores endpoint (GET /scores); 0 = none
+    host: str = "0.0.0.0"
+    check_rate: float = 0.1  # fraction of hops replayed (spot checks); 0 = off
+    snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
+    clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
+    clasp_paths: int = 6  # pathways per CLASP round
+    clasp_window: int = 600  # most recent probes used for attribution
+    clasp_penalty: float = 0.5  # quality factor of a CLASP-flagged miner
+    score_alpha: float = 0.5  # EMA weight of the latest tempo's work
     n_lanes: Optional[int] = None  # cap on the lanes driven (default: every complete lane)
     sync_interval_s: float = 5.0
     status_interval_s: float = 1.0
@@ -155,6 +172,13 @@ class ValidatorService:
         self.stop_event = asyncio.Event()
         self._tempo = 0
         self._rate_limit = 0
+        self.checker: Optional[SpotChecker] = None
+        self.board = Scoreboard(alpha=opts.score_alpha)
+        self.probes: list[dict] = []
+        self.clasp_rounds = 0
+        self.attribution: dict = {}
+        self.explained: dict = {}
+        self._http: Any = None
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> None:
@@ -197,6 +221,7 @@ class ValidatorService:
         self.weights_blocks = self.state.weights_blocks()
         self.router = Router(self.cfg.pipeline.stages)
         self.client = NeuronClient(self.wallet)
+        self._load_verification()
         hp = await self.chain.hyperparameters(o.netuid)
         self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
         self._rate_limit = int(hp.get("weights_rate_limit", 0) or 0)
@@ -279,6 +304,7 @@ class ValidatorService:
                        for r in self.ledger.records.values() if self.current.get(r.uid) == r.hotkey}
             if getattr(self, "ledger", None) else {},
             "done_block": self.done_block, "train_s": self.train_s,
+            "scores": self.explained.get("miners", []),
             "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
         }
@@ -294,7 +320,7 @@ class ValidatorService:
         every = max(self._tempo, self._rate_limit, 1)
         if last is not None and block - last < every:
             return False
-        weights = self.ledger.weights(self.current, exclude_uids=[self.uid])
+        weights = self.update_scores(block)
         if not weights:
             return False
         uids = sorted(weights)
@@ -308,6 +334,7 @@ class ValidatorService:
         self.last_weights = dict(zip(uids, vals))
         self.state.log_weights(block, uids, vals)
         self.state.save_ledger(self.ledger)
+        self._save_verification()
         logger.info("weights set at block {}: {}", block, {u: round(w, 4) for u, w in zip(uids, vals)})
         return True
 
@@ -357,10 +384,11 @@ class ValidatorService:
         self.elapsed_offset = float(self.state.get_meta("elapsed_s", "0") or 0)
         self.validator_index = self.validators.index(self.hotkey)
         self.n_validators = len(self.validators)
+        self.checker.single_validator = self.n_validators == 1
         self.driver = PipelineDriver(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
                                      dataset=self.dataset, ledger=self.ledger, n_lanes=self.n_lanes,
                                      validator_index=self.validator_index, n_validators=self.n_validators,
-                                     hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6])
+                                     hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6], verifier=self.checker)
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {}: steps k with k % {} == {})",
                     self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
                     self.n_validators, self.validator_index)
@@ -384,6 +412,9 @@ class ValidatorService:
         loops = [asyncio.create_task(self._every(self.opts.status_interval_s, self.write_status, "status")),
                  asyncio.create_task(self._every(self.opts.sync_interval_s, self._sync_and_probe, "metagraph sync")),
                  asyncio.create_task(self._every(self.opts.weights_check_s, self._weights_round, "weights"))]
+        if self.opts.clasp_interval_s > 0:
+            loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
+        await self._serve_scores()
         train = asyncio.create_task(self._train())
         stop = asyncio.create_task(self.stop_event.wait())
         try:
@@ -402,7 +433,79 @@ class ValidatorService:
     def request_stop(self) -> None:
         self.stop_event.set()
 
+    # ---------------------------------------------------------------- verification and scores
+    def _load_verification(self) -> None:
+        o = self.opts
+        self.checker = SpotChecker(self.cfg, run_id=o.run_id, client=self.client, rate=o.check_rate,
+                                   snapshot_every=o.snapshot_every, state_timeout_s=o.hop_timeout_s)
+        raw = self.state.get_meta("spot_checks")
+        if raw:
+            self.checker.load_dict(json.loads(raw))
+        raw = self.state.get_meta("scoreboard")
+        if raw:
+            self.board = Scoreboard.from_dict(json.loads(raw))
+        raw = self.state.get_meta("clasp_probes")
+        if raw:
+            self.probes = json.loads(raw)
+            self.clasp_rounds = 1 + max((p.get("round", 0) for p in self.probes), default=-1)
+        raw = self.state.get_meta("scores")
+        if raw:
+            self.explained = json.loads(raw)
+
+    def _save_verification(self) -> None:
+        self.state.set_meta("spot_checks", json.dumps(self.checker.to_dict()))
+        self.state.set_meta("scoreboard", json.dumps(self.board.to_dict()))
+        self.state.set_meta("clasp_probes", json.dumps(self.probes[-self.opts.clasp_window:]))
+        self.state.set_meta("scores", json.dumps(self.explained))
+
+    def update_scores(self, block: Optional[int] = None) -> dict[int, float]:
+        """One tempo's scoring: CLASP attribution, quality factors, Scoreboard update, weights
+        (uid -> weight, summing to 1, or empty), explained scores. See :mod:`.scoring`."""
+        flagged = self.checker.flagged() if self.checker is not None else set()
+        self.attribution = attribute(self.probes[-self.opts.clasp_window:], exclude=flagged)
+        qf = quality_factors(self.attribution, self.opts.clasp_penalty)
+        quality = {}
+        for key in self.ledger.records:
+            f, why = qf.get(key, (1.0, []))
+            if key in flagged:
+                f, why = 0.0, ["spot check failed: " + "; ".join(self.checker.stats[key].reasons)] + list(why)
+            quality[key] = (f, why)
+        self.board.update(self.ledger, quality)
+        weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
+        self.explained = explain.build(self.ledger, self.checker, self.attribution, self.board, self.current, block)
+        return weights
+
+    async def _clasp_round(self) -> None:
+        if self.driver is None or self.router is None or self.router.n_lanes == 0:
+            return
+        import random as _random
+        rng = getattr(self, "_clasp_rng", None) or _random.Random(int.from_bytes(os.urandom(8), "little"))
+        self._clasp_rng = rng
+        got = await self.driver.clasp_round(self.clasp_rounds, self.opts.clasp_paths, rng)
+        self.clasp_rounds += 1
+        self.probes.extend(got)
+        del self.probes[:-self.opts.clasp_window]
+
+    async def _serve_scores(self) -> None:
+        if not self.opts.port:
+            return
+        from aiohttp import web
+
+        async def scores(_request):
+            return web.json_response(self.explained or {"miners": []})
+
+        app = web.Application()
+        app.router.add_get("/scores", scores)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, self.opts.host, int(self.opts.port)).start()
+        self._http = runner
+        logger.info("scores served on http://{}:{}/scores", self.opts.host, self.opts.port)
+
     async def close(self) -> None:
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
         if self.state is not None:
             try:
                 self.state.set_meta("elapsed_s", self.elapsed_s())

@@ -1,0 +1,82 @@
+"""Explained scores: per miner its work, spot checks, CLASP attribution, quality, score, weight and why.
+
+Built by the validator at every weights round (:func:`build`), stored in its state file (``meta``
+key ``scores``), served as JSON (``GET /scores`` on ``--port``), written into ``status.json``
+(``scores``) and shown by ``iota-subnet scores --validator-state PATH`` (:func:`load`, :func:`format_table`).
+
+One row (``miners[]``): ``uid, hotkey, stage, work`` (verified work units: tokens x stage compute
+share), ``tokens, completed, failures`` (hops that failed), ``checks`` (``sampled, passed, failed,
+unverifiable, no_snapshot, stale_checks, stale_failed, max_err_passed, flagged``), ``clasp``
+(``n_in, excess`` nats, ``rel_excess, z, flagged`` or null), ``quality`` (0..1), ``score``,
+``weight`` (the latest weight this validator computed for the uid), ``why`` (sentences).
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+
+def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: Mapping[int, str],
+          block: Optional[int] = None) -> dict:
+    rows = []
+    for key, rec in sorted(ledger.records.items()):
+        if current and current.get(rec.uid) != rec.hotkey:
+            continue
+        st = checker.stats.get(key) if checker is not None else None
+        a = attribution.get(key)
+        e = board.entries.get(key) if board is not None else None
+        why = list(e.why) if e is not None else []
+        if st is not None and st.flagged:
+            why = [f"flagged by spot checks: {r}" for r in st.reasons] + [w for w in why if not w.startswith("spot check")]
+        elif st is not None and st.passed:
+            why.append(f"{st.passed} of {st.sampled} sampled hops replayed within tolerance "
+                       f"(max rel err {st.max_err_passed:.1e})")
+        rows.append({
+            "uid": rec.uid, "hotkey": rec.hotkey, "stage": rec.stage, "work": rec.work, "tokens": rec.tokens,
+            "completed": rec.completed, "failures": rec.failures,
+            "checks": None if st is None else {k: getattr(st, k) for k in (
+                "sampled", "passed", "failed", "unverifiable", "no_snapshot", "stale_checks", "stale_failed",
+                "max_err_passed", "flagged")},
+            "clasp": None if a is None else {k: getattr(a, k) for k in ("n_in", "excess", "rel_excess", "z", "flagged")},
+            "quality": e.quality if e is not None else None, "score": e.score if e is not None else None,
+            "weight": e.weight if e is not None else 0.0, "why": why,
+        })
+    return {"block": block, "updated_at": time.time(), "miners": rows}
+
+
+def load(path: str | Path) -> dict:
+    """The explained scores stored in a validator's state (``validator.sqlite`` or its folder).
+
+    Raises FileNotFoundError when there is no state file, ValueError when it holds no scores yet."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "validator.sqlite"
+    if not p.exists():
+        raise FileNotFoundError(f"no validator state at {p}")
+    conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key='scores'").fetchone()
+    finally:
+        conn.close()
+    if row is None:
+        raise ValueError(f"{p} holds no scores yet (the validator writes them when it first sets weights)")
+    return json.loads(row[0])
+
+
+def format_table(d: Mapping) -> str:
+    lines = [f"scores at block {d.get('block')} ({len(d.get('miners', []))} miners)",
+             f"{'uid':>4} {'stage':>5} {'work':>10} {'checks ok/fail/skip':>19} {'CLASP excess (z)':>17} "
+             f"{'quality':>7} {'weight':>7}  why"]
+    for m in d.get("miners", []):
+        c = m.get("checks") or {}
+        cl = m.get("clasp")
+        cls = f"{cl['excess']:+.3f} ({cl['z']:+.1f})" + ("!" if cl.get("flagged") else "") if cl else "-"
+        chk = f"{c.get('passed', 0)}/{c.get('failed', 0)}/{c.get('unverifiable', 0) + c.get('no_snapshot', 0)}"
+        q = m.get("quality")
+        lines.append(f"{m['uid']:>4} {m['stage']:>5} {m['work']:>10.1f} {chk:>19} {cls:>17} "
+                     f"{(f'{q:.2f}' if q is not None else '-'):>7} {m.get('weight', 0.0):>7.4f}  "
+                     + ("; ".join(m.get("why") or []))[:300])
+    return "\n".join(lines)
