@@ -5,7 +5,9 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 * ``/forward``  Forward -> ForwardResult   (validators with a permit)
 * ``/backward`` Backward -> BackwardResult (validators with a permit; same caller as the forward)
 * ``/state``    StateRequest -> StateResponse (validators, and miners of the same stage)
-* ``/health``   Health -> Health           (any registered hotkey)
+* ``/health``   Health -> Health           (any registered hotkey; ``ready`` is False while syncing)
+* ``/merge/join|contribute|result|contribution``, ``/state/chunk``: replica merging and state sync
+  (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured
 * ``GET /metrics`` Prometheus text (unauthenticated, counters only)
 
 Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
@@ -29,8 +31,9 @@ from iota_subnet.chain import Chain
 from iota_subnet.config import RunConfig
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
-from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, Outcome, ProtocolError,
-                                  StateRequest, StateResponse, backward_contract, forward_contract)
+from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeJoin, MergePayload,
+                                  MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
+                                  StateResponse, backward_contract, forward_contract, merge_payload_contract)
 from iota_subnet.protocol.commitment import StageCommitment
 from iota_subnet.train.checkpoint import CheckpointError
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
@@ -94,6 +97,7 @@ class MinerService:
             mg = await self.chain.metagraph(self.netuid)
             commits = await self.chain.commitments(self.netuid)
             self._neurons = {n.hotkey: n for n in mg.neurons}
+            self._commitments = dict(commits)
             stages = {}
             for hk, raw in commits.items():
                 c = StageCommitment.decode(raw)
@@ -112,6 +116,11 @@ class MinerService:
             raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for validators with a permit; uid {n.uid} has none")
         if route == "/state" and not (n.validator_permit or self._stages.get(hotkey) == self.stage):
             raise ProtocolError(Outcome.FORBIDDEN, "/state is for validators and replicas of the same stage")
+        if route.startswith("/merge/") or route == "/state/chunk":
+            if self._stages.get(hotkey) != self.stage:
+                await self.refresh(force=True)
+            if self._stages.get(hotkey) != self.stage or hotkey == self.hotkey:
+                raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for other replicas of stage {self.stage}")
 
     def choose_stage(self) -> int:
         if self.requested_stage is not None:
@@ -158,6 +167,8 @@ class MinerService:
         self.server.add_route("/backward", self._backward, Backward, lambda: bwd_contract)
         self.server.add_route("/state", self._state, StateRequest, None)
         self.server.add_route("/health", self._health, Health, None)
+        if self.cfg.merge.enabled:
+            self._setup_merge()
         self.server.add_public_get("/metrics", self._metrics)
         self.port = await self.server.start()
         await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)
@@ -165,8 +176,178 @@ class MinerService:
         logger.info(f"miner uid {self.uid} ({self.hotkey[:10]}) serves stage {self.stage} "
                     f"(layers {spec.layers.start}-{spec.layers.stop - 1}, {self.worker.module.param_count():,} params) "
                     f"on {self.external_ip}:{self.port}, inner step {self.worker.inner_step}")
+        if self.merge is not None:
+            self._sync_task = asyncio.create_task(self._catch_up())
         self.write_status()
         return self.port
+
+    # ---- merging (iota_subnet.merge) -------------------------------------------------------------
+    merge = None
+    donor = None
+    _sync_task = None
+    _merge_task = None
+    merge_client = None
+
+    @property
+    def merge_state_path(self) -> Path:
+        return self.out / f"stage{self.stage}.merge.safetensors"
+
+    def _setup_merge(self) -> None:
+        from iota_subnet.merge import MergeEngine, ModuleParams
+        from iota_subnet.merge.sync import SnapshotDonor
+        from iota_subnet.merge.transport import HttpTransport
+        mc = self.cfg.merge
+        self.merge_client = NeuronClient(self.wallet)
+        transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
+        self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock), transport,
+                                 run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
+                                 on_applied=self._on_merged)
+        self.merge.in_sync = False
+        self._load_merge_state()
+        self.donor = SnapshotDonor(self.run_id, self.stage, mc.sync_chunk_numel, mc.max_concurrent_transfers)
+        self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch, self.worker.inner_step)
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._last_epoch = self._epoch_at(self.worker.inner_step)
+        P = self.merge.params.numel
+        self.server.add_route("/merge/join", self._merge_route, MergeJoin, None)
+        self.server.add_route("/merge/contribute", self._merge_route, MergePayload,
+                              merge_payload_contract(max_numel=P, block=mc.int8_block))
+        self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
+        self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
+        self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)
+
+    def _epoch_at(self, step: int) -> int:
+        """Merge epoch k closes at inner step (k + 1) * H: the last closed epoch at ``step``."""
+        H = self.cfg.merge.every_steps
+        return step // H - 1 if H else -1
+
+    def _endpoint_of(self, hotkey: str) -> Optional[str]:
+        n = self._neurons.get(hotkey)
+        if n is None or not n.axon or n.axon.startswith("0.0.0.0:0"):
+            return None
+        return n.axon
+
+    def _peers(self) -> list[str]:
+        return sorted(hk for hk, s in self._stages.items() if s == self.stage and hk != self.hotkey)
+
+    def _merge_weights(self, participants: list[str]) -> dict[str, float]:
+        from iota_subnet.validator.merge_weights import weights_from_commitments
+        return weights_from_commitments(getattr(self, "_commitments", {}), self._neurons, self.run_id, self.stage,
+                                        participants)
+
+    async def _merge_route(self, msg, ctx):
+        self._check_header(msg)
+        return await self.merge.handle(ctx.route, msg, ctx.caller_hotkey)
+
+    async def _chunk_route(self, msg, ctx):
+        self._check_header(msg)
+        return await self.donor.handle(msg, ctx.caller_hotkey)
+
+    def _load_merge_state(self) -> None:
+        from iota_subnet.train.checkpoint import read_checkpoint
+        p = self.merge_state_path
+        if not p.exists():
+            return
+        try:
+            tensors, meta = read_checkpoint(p)
+            self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=False)
+        except Exception as e:  # noqa: BLE001 - a bad file means: sync from peers
+            logger.warning(f"ignoring merge state {p}: {e}")
+
+    def _save_merge_state(self) -> None:
+        import safetensors.torch
+        from iota_subnet.utils.atomic import atomic_write_bytes
+        import json as _json
+        data = safetensors.torch.save({"anchor": self.merge.anchor.contiguous(), "momentum": self.merge.momentum.contiguous()},
+                                      metadata={"meta": _json.dumps({"merged_epoch": self.merge.merged_epoch,
+                                                                     "step": self.worker.inner_step})})
+        atomic_write_bytes(self.merge_state_path, data)
+
+    async def _on_merged(self, rep) -> None:
+        self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch, self.worker.inner_step)
+        await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
+        logger.info(f"stage {self.stage}: merge epoch {rep.epoch} applied with {len(rep.participants)} replicas "
+                    f"in {rep.wall_s:.2f}s ({rep.bytes_sent:,} B sent, {rep.bytes_received:,} B received)")
+
+    async def _catch_up(self) -> None:
+        """On start: sync from peers when they merged an epoch this replica has not; then in sync."""
+        from iota_subnet.merge.transport import HttpTransport  # noqa: F401 - engine transport already set
+        try:
+            peers = self._peers()
+            newest = -1
+            for p in peers:
+                try:
+                    j = await self.merge._call(p, "/merge/join", MergeJoin(run_id=self.run_id, stage=self.stage,
+                                                                            epoch=-1), MergeJoin)
+                    newest = max(newest, j.merged_epoch)
+                except Exception as e:  # noqa: BLE001
+                    logger.debug(f"catch-up: {p[:10]}: {e}")
+            if newest > self.merge.merged_epoch:
+                await self.pull_merged_state(min_epoch=newest)
+        finally:
+            self.merge.in_sync = True
+
+    async def pull_merged_state(self, min_epoch: int = -1) -> bool:
+        """State sync from every peer at once; applies all or nothing. Returns True when applied."""
+        from iota_subnet.merge.sync import SyncError, sync_state
+        self.merge.in_sync = False
+        try:
+            for attempt in range(3):
+                try:
+                    anchor, mom, man = await sync_state(self._peers(), self.merge.transport, run_id=self.run_id,
+                                                        stage=self.stage, param_numel=self.merge.params.numel,
+                                                        work_dir=self.out / "sync", min_epoch=min_epoch)
+                except SyncError as e:
+                    logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
+                    await asyncio.sleep(1.0)
+                    continue
+
+                def apply():
+                    with self.worker.lock:
+                        self.merge.set_state(anchor, mom, man["merged_epoch"])
+                        H = self.cfg.merge.every_steps
+                        if H:
+                            self.worker.inner_step = max(self.worker.inner_step, (man["merged_epoch"] + 1) * H)
+                        self.worker.opt.zero_grad(set_to_none=True)
+                        self.worker.pending = 0
+                await self._compute(apply)
+                self._last_epoch = max(self._last_epoch, man["merged_epoch"])
+                self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch,
+                                   self.worker.inner_step)
+                await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
+                logger.info(f"stage {self.stage}: synced merged state of epoch {man['merged_epoch']} from "
+                            f"{len(man['sync']['donors'])} peers ({man['sync']})")
+                return True
+            return False
+        finally:
+            self.merge.in_sync = True
+
+    def _maybe_merge(self) -> None:
+        """After a compute: start the merge of the epoch that just closed (by inner steps or blocks)."""
+        if self.merge is None or (self._merge_task is not None and not self._merge_task.done()):
+            return
+        epoch = self._epoch_at(self.worker.inner_step)
+        if epoch > self._last_epoch:
+            self._start_merge(epoch)
+
+    def _start_merge(self, epoch: int) -> None:
+        self._last_epoch = epoch
+        self._gate.clear()
+        self._merge_task = asyncio.create_task(self._run_merge(epoch))
+
+    async def _run_merge(self, epoch: int) -> None:
+        try:
+            await self.refresh()
+            rep = await self.merge.merge(epoch, self._peers())
+            if rep.status == "late":
+                await self.pull_merged_state(min_epoch=epoch)
+            elif rep.status != "merged":
+                logger.info(f"stage {self.stage}: merge epoch {epoch} {rep.status}: {rep.reason}")
+        except Exception:  # noqa: BLE001 - a merge failure must never stop serving
+            logger.exception(f"merge epoch {epoch} failed")
+        finally:
+            self._gate.set()
 
     async def _load_weights(self) -> None:
         """Latest own checkpoint, else a replica of the same stage, else the run's seeded init."""
@@ -207,6 +388,13 @@ class MinerService:
                     await self.refresh()
                 except Exception as e:  # noqa: BLE001 - a chain hiccup must not stop serving
                     logger.warning(f"metagraph refresh failed: {e}")
+                if self.merge is not None and self.cfg.merge.every_blocks:
+                    try:
+                        epoch = await self.chain.block() // self.cfg.merge.every_blocks - 1
+                        if epoch > self._last_epoch and (self._merge_task is None or self._merge_task.done()):
+                            self._start_merge(epoch)
+                    except Exception as e:  # noqa: BLE001
+                        logger.warning(f"block-clock merge check failed: {e}")
                 if self.worker.inner_step - self._last_ckpt_step >= self.checkpoint_every:
                     await self.checkpoint()
                 self.write_status()
@@ -216,10 +404,17 @@ class MinerService:
     async def checkpoint(self) -> None:
         step = self.worker.inner_step
         await asyncio.get_running_loop().run_in_executor(self.pool, self.worker.save, self.checkpoint_path)
+        if self.merge is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
         self._last_ckpt_step = step
         logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path}")
 
     async def stop(self) -> None:
+        for t in (self._merge_task, self._sync_task):
+            if t is not None and not t.done():
+                t.cancel()
+        if self.merge_client is not None:
+            await self.merge_client.close()
         if self.server is not None:
             await self.server.stop()
             self.server = None
@@ -237,6 +432,9 @@ class MinerService:
                       "tokens": w.tokens, "cache": w.cache.stats()})
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
+        if self.merge is not None:
+            d["merge"] = self.merge.status()
+            d["merge"]["mismatch_evidence"] = self.merge.reports[-10:]
         return d
 
     def write_status(self) -> None:
@@ -255,7 +453,18 @@ class MinerService:
     async def _forward(self, msg: Forward, ctx) -> ForwardResult:
         self._check_header(msg)
         key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
+        if self.merge is not None and msg.keep_for_backward:
+            if not self.merge.in_sync:
+                raise ProtocolError(Outcome.NOT_READY, "syncing the stage's merged weights from peers")
+            if not self._gate.is_set():       # training pauses while the replicas merge
+                mc = self.cfg.merge
+                try:
+                    await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
+                except asyncio.TimeoutError:
+                    raise ProtocolError(Outcome.BUSY, "merging with the other replicas") from None
         out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
+        if msg.keep_for_backward:
+            self._maybe_merge()
         self.m_requests.labels("/forward", "OK").inc()
         stats = {"weights_step": float(out.get("weights_step", self.worker.inner_step)),
                  "bf16": 1.0 if self.worker.precision == "bf16" else 0.0}
@@ -274,6 +483,7 @@ class MinerService:
                                 f"no pending forward for micro-batch {msg.microbatch_id} (never seen or evicted)") from None
         except ValueError as e:
             raise ProtocolError(Outcome.BAD_SHAPE, str(e)) from None
+        self._maybe_merge()
         self.m_requests.labels("/backward", "OK").inc()
         return BackwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
                               inner_step=self.worker.inner_step, grad=g, stats={"weights_step": float(used)})
@@ -294,7 +504,9 @@ class MinerService:
 
     async def _health(self, msg: Health, ctx) -> Health:
         w = self.worker
-        return Health(run_id=self.run_id, stage=self.stage, inner_step=w.inner_step, status="ok", ready=True,
+        ready = self.merge is None or self.merge.in_sync
+        return Health(run_id=self.run_id, stage=self.stage, inner_step=w.inner_step,
+                      status="ok" if ready else "syncing", ready=ready,
                       hotkey=self.hotkey, uptime_s=time.time() - self.started_at,
                       stats={"stage": self.stage, "inner_step": w.inner_step, "forwards": w.forwards,
                              "backwards": w.backwards, "tokens": w.tokens, "cache_bytes": w.cache.bytes,

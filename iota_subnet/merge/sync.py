@@ -1,0 +1,169 @@
+"""State sync for a joining or restarting replica: the stage's merged weights and outer momentum.
+
+Donor side (:class:`SnapshotDonor`): after every applied merge the replica keeps an immutable
+snapshot ``concat(anchor, momentum)`` (float32 [2P]) with a manifest (``snapshot_id``,
+``merged_epoch``, ``step``, ``total_numel``, ``chunk_numel``, per-chunk sha256 and the whole
+sha256). All replicas of a stage hold the same snapshot after a merge, so a joiner can fetch
+different chunks from different donors and check every chunk against one manifest. A running
+merge never blocks it (the snapshot is swapped by reference when a merge is applied). A donor
+serves at most ``max_concurrent`` chunk requests at once; more get ``BUSY`` (503).
+
+Joiner side (:func:`sync_state`): describe the snapshot at every peer, pick the newest one
+(highest ``merged_epoch``) and its donors, fetch chunks from all of them at once (one request per
+donor at a time), verify each chunk's hash, store it atomically under ``work_dir`` (so an
+interrupted sync resumes), replace a donor that fails or lies by the others, and only when every
+chunk is there and the whole hash matches hand ``(anchor, momentum, manifest)`` to the caller,
+which applies them in one step. Raises :class:`SyncError` (nothing applied) when it cannot finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest, tensor_sha256
+from iota_subnet.utils.atomic import atomic_write_bytes
+
+
+class SyncError(RuntimeError):
+    """State sync could not finish; nothing was applied (verified chunks stay on disk for a resume)."""
+
+
+class SnapshotDonor:
+    """Serves ``/state/chunk``. ``publish`` a new snapshot after each merge (and at start)."""
+
+    def __init__(self, run_id: str, stage: int, chunk_numel: int = 1 << 20, max_concurrent: int = 2):
+        self.run_id, self.stage = run_id, stage
+        self.chunk_numel, self.max_concurrent = int(chunk_numel), int(max_concurrent)
+        self.flat: Optional[torch.Tensor] = None
+        self.manifest: dict[str, Any] = {}
+        self.active = 0
+        self.served_chunks = 0
+        self.refused_busy = 0
+
+    def publish(self, anchor: torch.Tensor, momentum: torch.Tensor, merged_epoch: int, step: int) -> None:
+        flat = torch.cat([anchor.detach().float().reshape(-1), momentum.detach().float().reshape(-1)]).contiguous()
+        n = flat.numel()
+        chunks = [tensor_sha256(flat[o:o + self.chunk_numel]) for o in range(0, n, self.chunk_numel)]
+        whole = tensor_sha256(flat)
+        manifest = {"snapshot_id": f"{merged_epoch}-{whole[:16]}", "merged_epoch": int(merged_epoch), "step": int(step),
+                    "total_numel": n, "param_numel": anchor.numel(), "chunk_numel": self.chunk_numel,
+                    "chunk_sha256": chunks, "sha256": whole}
+        self.flat, self.manifest = flat, manifest      # swapped by reference: readers keep the old one
+
+    async def handle(self, msg: StateChunkRequest, caller: str = "") -> StateChunk:
+        flat, man = self.flat, self.manifest
+        if flat is None:
+            raise ProtocolError(Outcome.NOT_READY, "no snapshot yet")
+        if not msg.snapshot_id:
+            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], manifest=man)
+        if msg.snapshot_id != man["snapshot_id"]:
+            raise ProtocolError(Outcome.LATE, f"snapshot {msg.snapshot_id} replaced by {man['snapshot_id']}")
+        if msg.offset < 0 or msg.numel <= 0 or msg.numel > self.chunk_numel or msg.offset + msg.numel > flat.numel():
+            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk [{msg.offset}, +{msg.numel}) outside the snapshot of "
+                                                   f"{flat.numel()} values (chunks of at most {self.chunk_numel})")
+        if self.active >= self.max_concurrent:
+            self.refused_busy += 1
+            raise ProtocolError(Outcome.BUSY, f"{self.active} state transfers in progress (cap {self.max_concurrent})")
+        self.active += 1
+        try:
+            await asyncio.sleep(0)          # let concurrent requests see the cap
+            data = flat[msg.offset:msg.offset + msg.numel].clone()
+            self.served_chunks += 1
+            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], offset=msg.offset,
+                              data=data)
+        finally:
+            self.active -= 1
+
+
+async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: int, param_numel: int,
+                     work_dir: str | Path, min_epoch: int = -1, busy_retry_s: float = 0.2,
+                     max_rounds: int = 200) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Fetch the newest snapshot from ``peers`` (hotkeys) through ``transport`` (``call(peer, route,
+    msg, type)``). Returns ``(anchor [P], momentum [P], manifest)``; raises :class:`SyncError`."""
+    async def describe(p: str):
+        try:
+            r, _, _ = await transport.call(p, "/state/chunk", StateChunkRequest(run_id=run_id, stage=stage), StateChunk)
+            return p, r.manifest
+        except Exception as e:  # noqa: BLE001 - a peer that cannot describe is not a donor
+            logger.debug(f"state sync: {p[:10]} cannot describe its snapshot: {e}")
+            return p, None
+    manifests = {p: m for p, m in await asyncio.gather(*(describe(p) for p in peers)) if isinstance(m, dict)}
+    valid = {p: m for p, m in manifests.items()
+             if m.get("param_numel") == param_numel and m.get("total_numel") == 2 * param_numel
+             and isinstance(m.get("chunk_sha256"), list) and int(m.get("chunk_numel", 0)) > 0
+             and len(m["chunk_sha256"]) == math.ceil(2 * param_numel / int(m["chunk_numel"]))}
+    if not valid:
+        raise SyncError(f"no peer offers a snapshot for {param_numel} parameters (asked {len(peers)})")
+    best = max(valid.values(), key=lambda m: (m["merged_epoch"], sum(1 for v in valid.values()
+                                                                       if v["snapshot_id"] == m["snapshot_id"])))
+    if best["merged_epoch"] < min_epoch:
+        raise SyncError(f"newest snapshot is epoch {best['merged_epoch']} < {min_epoch}")
+    sid, cn, hashes = best["snapshot_id"], int(best["chunk_numel"]), list(best["chunk_sha256"])
+    donors = [p for p, m in valid.items() if m["snapshot_id"] == sid]
+    total = int(best["total_numel"])
+    wd = Path(work_dir) / sid.replace("/", "_")
+    wd.mkdir(parents=True, exist_ok=True)
+    have: dict[int, torch.Tensor] = {}
+    for i, h in enumerate(hashes):                       # resume: keep verified chunks from an earlier try
+        f = wd / f"chunk{i:06d}.bin"
+        if f.exists():
+            t = torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.float32)
+            if tensor_sha256(t) == h:
+                have[i] = t
+    resumed = len(have)
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(hashes)):
+        if i not in have:
+            todo.put_nowait(i)
+    alive = list(donors)
+    stats = {"donors": list(donors), "dropped": [], "chunks": len(hashes), "resumed": resumed, "busy": 0}
+
+    async def worker(p: str) -> None:
+        rounds = 0
+        while not todo.empty() and p in alive:
+            i = await todo.get()
+            off = i * cn
+            n = min(cn, total - off)
+            try:
+                r, _, _ = await transport.call(p, "/state/chunk", StateChunkRequest(
+                    run_id=run_id, stage=stage, snapshot_id=sid, offset=off, numel=n), StateChunk)
+                d = r.data
+                if d is None or d.dtype != torch.float32 or d.numel() != n or tensor_sha256(d) != hashes[i]:
+                    raise SyncError(f"chunk {i} from {p[:10]} does not match the manifest")
+                await asyncio.to_thread(atomic_write_bytes, wd / f"chunk{i:06d}.bin", d.contiguous().numpy().tobytes())
+                have[i] = d
+            except ProtocolError as e:
+                todo.put_nowait(i)
+                if e.outcome.retryable and rounds < max_rounds:
+                    stats["busy"] += 1
+                    rounds += 1
+                    await asyncio.sleep(busy_retry_s)
+                    continue
+                alive.remove(p)
+                stats["dropped"].append(p)
+                logger.warning(f"state sync: donor {p[:10]} refused ({e}); replaced by the others")
+            except Exception as e:  # noqa: BLE001 - a dead or lying donor is replaced, never fatal
+                todo.put_nowait(i)
+                if p in alive:
+                    alive.remove(p)
+                    stats["dropped"].append(p)
+                logger.warning(f"state sync: donor {p[:10]} failed ({type(e).__name__}: {e}); replaced by the others")
+
+    while not todo.empty() and alive:
+        await asyncio.gather(*(worker(p) for p in list(alive)))
+    if len(have) != len(hashes):
+        raise SyncError(f"{len(hashes) - len(have)} of {len(hashes)} chunks missing: every donor failed "
+                        f"({[p[:10] for p in stats['dropped']]}); verified chunks kept in {wd} for a resume")
+    flat = torch.cat([have[i] for i in range(len(hashes))])
+    if tensor_sha256(flat) != best["sha256"]:
+        raise SyncError("assembled snapshot does not match the manifest hash")
+    anchor, momentum = flat[:param_numel].clone(), flat[param_numel:].clone()
+    shutil.rmtree(wd, ignore_errors=True)
+    manifest = dict(best, sync=stats)
+    return anchor, momentum, manifest

@@ -1,0 +1,216 @@
+"""Merging real MinerService replicas over signed HTTP on 127.0.0.1 (devnet chain): bit-identical
+weights, a tampering reducer caught, a replica dying mid-merge, LATE refusals, and a joiner syncing
+from several donors (one of which dies mid-transfer) then answering like its peers."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.config import load_config
+from iota_subnet.merge import outer_step
+from iota_subnet.miner.service import MinerService
+from iota_subnet.protocol import (Forward, ForwardResult, Health, MergePayload, MergeAck, Outcome, ProtocolError,
+                                  StateChunk, StateChunkRequest)
+from iota_subnet.transport import NeuronClient
+from iota_subnet.wallets import create_wallet
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "merge-run"
+OVR = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                 "vocab_size": 256},
+       "data": {"seq_len": 16, "vocab_size": 256},
+       "pipeline": {"stages": 3, "compression_ratio": 4},
+       "train": {"batch_size": 4, "micro_batch_size": 2},
+       "merge": {"every_steps": 2, "join_timeout_s": 3.0, "phase_timeout_s": 3.0, "max_attempts": 2,
+                 "sync_chunk_numel": 4096, "max_concurrent_transfers": 1}}
+
+
+def flat(svc):
+    return torch.cat([p.detach().reshape(-1) for p in svc.worker.module.parameters()])
+
+
+class Net:
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.db = tmp / "chain.db"
+        create_devnet(self.db, 9, tempo=50, block_time=0.5, weights_rate_limit=1, max_validators=1)
+        self.cfg = load_config("configs/tiny.yaml", OVR)
+        self.svcs: list[MinerService] = []
+
+    async def start(self, n):
+        self.chain = await open_chain("devnet", self.db)
+        self.val = create_wallet("val", "default", self.tmp / "wallets")
+        await self.chain.register(self.val, 9)
+        add_stake(self.db, self.val.hotkey.ss58_address, self.val.coldkey.ss58_address, 100.0)
+        for _ in range(n):
+            await self.add()
+
+    async def add(self):
+        i = len(self.svcs)
+        w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
+        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=1, out_dir=self.tmp / f"m{i}",
+                           host="127.0.0.1", external_ip="127.0.0.1")
+        await svc.start()
+        self.svcs.append(svc)
+        for s in self.svcs:
+            await s.refresh(force=True) if s is svc else None
+            s._last_refresh = 0
+            await s.refresh()
+        return svc
+
+    async def close(self):
+        for s in self.svcs:
+            try:
+                await s.stop()
+            except Exception:  # noqa: BLE001 - already stopped
+                pass
+        await self.chain.close()
+
+
+def train_locally(svc, k):
+    """Stand-in for inner steps on different data: move every replica's weights differently."""
+    g = torch.Generator().manual_seed(10 + k)
+    with torch.no_grad():
+        for p in svc.worker.module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+
+
+async def merge_epoch(svcs, epoch):
+    for s in svcs:
+        s._start_merge(epoch)
+    await asyncio.gather(*(s._merge_task for s in svcs))
+    return [s.merge.history[-1] for s in svcs]
+
+
+def test_merge_over_http_identical_tamper_kill_late(tmp_path, tmp_home):
+    async def main():
+        net = Net(tmp_path)
+        await net.start(3)
+        try:
+            a, b, c = net.svcs
+            assert all(s.merge.in_sync for s in net.svcs) or await asyncio.sleep(0.5) is None
+            anchor = a.merge.anchor.clone()
+            assert all(torch.equal(anchor, s.merge.anchor) for s in net.svcs)   # same seeded init
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            mean = sum(anchor - flat(s) for s in net.svcs) / 3
+            ref, _ = outer_step(anchor, torch.zeros_like(anchor), mean, lr=0.7, mu=0.9)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.status == "merged" for r in reps), [(r.status, r.reason) for r in reps]
+            ws = [flat(s) for s in net.svcs]
+            assert all(torch.equal(ws[0], w) for w in ws[1:])                  # bit-identical after the merge
+            assert torch.allclose(ws[0], ref, atol=1e-6)
+            assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in reps)
+            assert (tmp_path / "m0" / "stage1.merge.safetensors").exists()
+
+            # a late contribution for epoch 0: typed, non-fatal 410 LATE
+            async with NeuronClient(a.wallet) as cl:
+                with pytest.raises(ProtocolError) as ei:
+                    await cl.call(b.server.endpoint, b.hotkey, "/merge/contribute", MergePayload(
+                        run_id=RUN, stage=1, epoch=0, plan_id="p", total_numel=a.merge.params.numel,
+                        shard=torch.zeros(8)), MergeAck, retries=0)
+                assert ei.value.outcome == Outcome.LATE and ei.value.status == 410
+                # the validator may not take part in merges
+            async with NeuronClient(net.val) as cl:
+                with pytest.raises(ProtocolError) as ei:
+                    await cl.call(b.server.endpoint, b.hotkey, "/state/chunk", StateChunkRequest(run_id=RUN, stage=1),
+                                  StateChunk, retries=0)
+                assert ei.value.outcome == Outcome.FORBIDDEN
+            assert (await NeuronClient(net.val).call(b.server.endpoint, b.hotkey, "/health",
+                                                     Health(run_id=RUN, stage=1), Health, retries=0)).ready
+
+            # a reducer that publishes tampered means: detected, evidence names it, merge still correct
+            b.merge.tamper = lambda s, m: m * 1.5
+            for k, s in enumerate(net.svcs):
+                train_locally(s, 10 + k)
+            anchor1, mom1 = a.merge.anchor.clone(), a.merge.momentum.clone()
+            mean = sum(anchor1 - flat(s) for s in net.svcs) / 3
+            ref, _ = outer_step(anchor1, mom1, mean, lr=0.7, mu=0.9)
+            reps = await merge_epoch(net.svcs, 1)
+            b.merge.tamper = None
+            assert all(r.applied for r in reps)
+            for s in (a, c):
+                assert torch.allclose(flat(s), ref, atol=1e-6)
+            assert torch.equal(flat(a), flat(c)) and torch.equal(flat(a), flat(b))
+            evidence = [ev for s in (a, c) for ev in s.merge.reports]
+            assert evidence and all(ev["wrong"] == [b.hotkey] for ev in evidence)
+            from iota_subnet.validator.merge_weights import penalised_from_evidence
+            assert penalised_from_evidence(evidence) == {b.hotkey}
+            assert a.status()["merge"]["mismatch_evidence"]
+
+            # a replica killed mid-merge (after joining): the others exclude it and stay consistent
+            before_c = flat(c).clone()
+
+            async def die(plan, rep):
+                await c.server.stop()
+                c.server = None
+                await asyncio.sleep(10)
+            c.merge._allreduce = die
+            for k, s in enumerate(net.svcs):
+                train_locally(s, 20 + k)
+            for s in (a, b, c):
+                s._start_merge(2)
+            await asyncio.gather(a._merge_task, b._merge_task)
+            ra, rb = a.merge.history[-1], b.merge.history[-1]
+            assert ra.applied and rb.applied and c.hotkey in ra.missing
+            assert torch.equal(flat(a), flat(b))
+            assert not torch.equal(flat(a), before_c) and c.merge.merged_epoch == 1    # nothing half-applied
+            c._merge_task.cancel()
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_joiner_syncs_from_peers_despite_dying_donor(tmp_path, tmp_home):
+    async def main():
+        net = Net(tmp_path)
+        await net.start(3)
+        try:
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.applied for r in reps)
+            d0, d1, d2 = net.svcs
+            # donor d1 dies after serving its first chunk
+            orig = d1.donor.handle
+            served = []
+
+            async def dying(msg, caller=""):
+                r = await orig(msg, caller)
+                if msg.snapshot_id:
+                    served.append(1)
+                    if len(served) == 1:
+                        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(d1.server.stop()))
+                return r
+            d1.donor.handle = dying
+            joiner = await net.add()
+            for s in net.svcs:
+                s._last_refresh = 0
+                await s.refresh()
+            # the joiner is not ready (validators do not route to it) until it has synced
+            for _ in range(100):
+                if joiner._sync_task.done():
+                    break
+                await asyncio.sleep(0.1)
+            assert joiner._sync_task.done() and joiner._sync_task.exception() is None
+            assert joiner.merge.in_sync and joiner.merge.merged_epoch == 0
+            assert torch.equal(flat(joiner), flat(d0))
+            assert joiner.worker.inner_step == 2                      # the step at which epoch 0 closed
+            assert served, "the dying donor never served"
+            # same outputs as its peers
+            x = torch.randn(2, 16, 16)
+            async with NeuronClient(net.val) as cl:
+                outs = []
+                for s in (d0, d2, joiner):
+                    r = await cl.call(s.server.endpoint, s.hotkey, "/forward", Forward(
+                        run_id=RUN, stage=1, microbatch_id="eval", activations=x, keep_for_backward=False),
+                        ForwardResult, retries=0)
+                    outs.append(r.activations)
+                assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+        finally:
+            await net.close()
+    asyncio.run(main())
