@@ -28,10 +28,14 @@ def _cmd_metagraph(a: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     cols = ["uid", "hotkey", "stake", "validator_permit", "incentive", "dividends", "emission", "axon", "last_update"]
-    print("  ".join(f"{c:>10}" for c in cols))
-    for r in rows:
-        print("  ".join(f"{(r[c][:10] if isinstance(r[c], str) else round(r[c], 5) if isinstance(r[c], float) else r[c])!s:>10}"
-                        for c in cols))
+    def cell(c, v):
+        if c == "hotkey":
+            return str(v)[:10]
+        return str(round(v, 5) if isinstance(v, float) else v)
+    table = [cols] + [[cell(c, r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    for row in table:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
     return 0
 
 

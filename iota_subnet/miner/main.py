@@ -17,6 +17,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m = p.add_argument_group("miner")
     m.add_argument("--stage", type=int, default=None, help="stage to hold (default: the stage with fewest replicas)")
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
+    m.add_argument("--adversary", default=None, metavar="KIND",
+                   help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim; "
+                        "see iota_subnet/miner/adversary.py) so validators' verification can be exercised")
     m.add_argument("--no-register", action="store_true", help="fail instead of registering (burns TAO) when unregistered")
     return p
 
@@ -28,6 +31,10 @@ async def run_miner(args: argparse.Namespace) -> int:
     from iota_subnet.train.colocated import pick_device
     from iota_subnet.wallets import load_wallet
 
+    if args.adversary:
+        from iota_subnet.miner.adversary import ADVERSARY_KINDS
+        if args.adversary not in ADVERSARY_KINDS:
+            raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
     cfg = load_config(args.config)
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
@@ -35,7 +42,8 @@ async def run_miner(args: argparse.Namespace) -> int:
     svc = MinerService(cfg, wallet, chain, netuid=args.netuid, run_id=run_id_for(args), stage=args.stage, out_dir=out,
                        host=args.host, port=args.port, external_ip=args.external_ip,
                        device=str(pick_device(args.device)), total_steps=args.steps,
-                       checkpoint_every=args.checkpoint_every, register=not args.no_register)
+                       checkpoint_every=args.checkpoint_every, register=not args.no_register,
+                       adversary=args.adversary)
     stop = install_stop(asyncio.get_running_loop())
     try:
         await svc.start()

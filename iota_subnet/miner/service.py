@@ -53,7 +53,8 @@ class MinerService:
     def __init__(self, cfg: RunConfig, wallet: Any, chain: Chain, *, netuid: int, run_id: str,
                  stage: Optional[int], out_dir: str | Path, host: str = "0.0.0.0", port: int = 0,
                  external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
-                 checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True):
+                 checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
+                 adversary: Optional[str] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
         self.out = Path(out_dir)
@@ -63,6 +64,9 @@ class MinerService:
         self.checkpoint_every = checkpoint_every
         self.refresh_s = metagraph_refresh_s
         self.do_register = register
+        #: a cheater-suite kind (:mod:`iota_subnet.miner.adversary`) for verification tests; None = honest
+        self.adversary = adversary
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.hotkey: str = wallet.hotkey.ss58_address
         self.uid: Optional[int] = None
         self.stage: Optional[int] = None
@@ -153,6 +157,11 @@ class MinerService:
         self.worker = StageWorker(self.cfg, self.stage, device=self.device, seed=self.cfg.train.seed,
                                   total_steps=self.total_steps)
         await self._load_weights()
+        if self.adversary:
+            from iota_subnet.miner.adversary import install
+            self._loop = asyncio.get_running_loop()
+            install(self.worker, self.adversary, peer_state=self._peer_state_blocking, seed=self.uid or 0)
+            logger.warning(f"ADVERSARY {self.adversary!r}: this miner cheats (verification testing)")
         self._last_ckpt_step = self.worker.inner_step
         T, mb = self.cfg.data.seq_len, MAX_MICRO_BATCH_ROWS
         b, _ = bottleneck_dims(self.cfg.model, self.cfg.pipeline)
@@ -376,6 +385,31 @@ class MinerService:
                     logger.warning(f"state sync from {hk[:10]} failed: {e}")
         logger.info(f"stage {self.stage}: no peer answered; starting from the run's seeded initialisation")
 
+    def _peer_state_blocking(self) -> dict:
+        """(``copy`` adversary, from the compute thread) a replica's weights via ``/state``, or {}."""
+        if self._loop is None:
+            return {}
+        try:
+            return asyncio.run_coroutine_threadsafe(self._peer_state(), self._loop).result(timeout=30)
+        except Exception as e:  # noqa: BLE001
+            logger.warning(f"peer state fetch failed: {e}")
+            return {}
+
+    async def _peer_state(self) -> dict:
+        peers = [hk for hk, s in self._stages.items() if s == self.stage and hk != self.hotkey]
+        async with NeuronClient(self.wallet) as client:
+            for hk in peers:
+                n = self._neurons.get(hk)
+                if n is None or not n.axon or n.axon.startswith("0.0.0.0:0"):
+                    continue
+                try:
+                    resp = await client.call(n.axon, hk, "/state", StateRequest(run_id=self.run_id, stage=self.stage),
+                                             StateResponse, timeout_s=20, retries=0)
+                    return dict(resp.tensors)
+                except (TransportError, ProtocolError) as e:
+                    logger.debug(f"peer {hk[:8]} /state failed: {e}")
+        return {}
+
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set: refresh the chain view, checkpoint, write status."""
         try:
@@ -427,6 +461,8 @@ class MinerService:
         w = self.worker
         d = {"hotkey": self.hotkey, "uid": self.uid, "stage": self.stage, "port": self.port,
              "uptime_s": round(time.time() - self.started_at, 1)}
+        if self.adversary:
+            d["adversary"] = self.adversary
         if w is not None:
             d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
                       "tokens": w.tokens, "cache": w.cache.stats()})

@@ -10,7 +10,7 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
     summary = run_localnet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config, data=a.data,
                            steps=a.steps, out=a.out, block_time=a.block_time, tempo=a.tempo,
                            restart_dead=not a.no_restart, device=a.device,
-                           timeout_s=a.timeout)
+                           timeout_s=a.timeout, adversary=a.adversary)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-restart", action="store_true", help="do not restart miners that die")
     p.add_argument("--device", default=None)
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument("--adversary", default=None, metavar="KIND",
+                   help="one replica of the middle stage cheats this way (random, zero, lazy, replay, copy, stale, "
+                        "claim); summary.json lists adversary_uids and each miner's weight")
     p.set_defaults(func=_cmd_localnet)
 
     from iota_subnet.miner.main import build_parser as miner_parser

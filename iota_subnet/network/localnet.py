@@ -60,7 +60,8 @@ class LocalNet:
                  out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
                  restart_delay_s: float = 3.0, progress: Optional[bool] = None,
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
-                 timeout_s: Optional[float] = None, overrides: Optional[dict] = None):
+                 timeout_s: Optional[float] = None, overrides: Optional[dict] = None,
+                 adversary: Optional[str] = None):
         if stages < 1 or replicas < 1 or validators < 1:
             raise ValueError("--stages, --replicas and --validators must each be >= 1")
         self.out = Path(out).resolve()
@@ -76,6 +77,9 @@ class LocalNet:
         self.extra_miner_args = extra_miner_args or []
         self.device = device
         self.timeout_s = timeout_s
+        #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
+        self.adversary = adversary
+        self.adversary_pos = (stages // 2, replicas - 1) if adversary else None
         self.children: list[Child] = []
         self.run_id = f"localnet-{self.cfg.model.name}"
         self.chain_db = self.out / "chain.db"
@@ -132,6 +136,8 @@ class LocalNet:
             out = self.out / "miners" / name
             argv = [py, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out", str(out),
                     "--no-register", *self.extra_miner_args]
+            if self.adversary_pos == (s, r):
+                argv += ["--adversary", str(self.adversary)]
             self.children.append(Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s))
         for v, w in enumerate(self.val_wallets):
             name = f"validator{v}"
@@ -264,6 +270,7 @@ class LocalNet:
             if not s.get("weights_set_blocks") or s["weights_set_blocks"][-1] < s.get("done_block", 0):
                 return False
         worked = {int(u) for s in st for u, m in (s.get("miners") or {}).items() if m.get("work", 0) > 0}
+        worked -= set(self.adversary_uids())
         by_uid = {r["uid"]: r for r in rows}
         return bool(worked) and all(by_uid.get(u, {}).get("incentive", 0) > 0 for u in worked)
 
@@ -273,6 +280,15 @@ class LocalNet:
             return asyncio.run(metagraph_rows(self.chain_db, NETUID))
         except Exception as e:  # noqa: BLE001 - a busy database is retried next second
             logger.debug(f"metagraph read failed: {e}")
+            return []
+
+    def adversary_uids(self) -> list[int]:
+        if not self.adversary_pos:
+            return []
+        s, r = self.adversary_pos
+        try:
+            return [int(json.loads((self.miner(f"miner-s{s}-r{r}").out / "status.json").read_text())["uid"])]
+        except (OSError, ValueError, KeyError, TypeError, StopIteration):
             return []
 
     # ---- results -------------------------------------------------------------------------------
@@ -321,7 +337,11 @@ class LocalNet:
             miners.append({"name": c.name, "uid": uid, "hotkey": ms.get("hotkey"), "stage": c.stage,
                            "work": work.get(uid, {}).get("work", 0.0), "inner_step": ms.get("inner_step"),
                            "incentive": ch.get("incentive", 0.0), "emission": ch.get("emission", 0.0),
-                           "restarts": c.restarts})
+                           "restarts": c.restarts,
+                           # mean over validators of the latest weight each set for this uid
+                           "weight": (sum(float((v.get("last_weights") or {}).get(str(uid), 0.0)) for v in st)
+                                      / len(st)) if st else 0.0,
+                           "adversary": ms.get("adversary")})
         vals = [{"name": c.name, "uid": s.get("uid"), "hotkey": s.get("hotkey"),
                  "dividends": chain_rows.get(s.get("uid"), {}).get("dividends", 0.0),
                  "weights_set_blocks": s.get("weights_set_blocks", []), "val_loss": s.get("val_loss")}
@@ -336,7 +356,8 @@ class LocalNet:
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
             "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),
-            "train_s": train_s, "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
+            "train_s": train_s, "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
+            "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
         }
         write_summary(self.out / "summary.json", summary)
         return summary
