@@ -337,7 +337,7 @@ class LocalNet:
             miners.append({"name": c.name, "uid": uid, "hotkey": ms.get("hotkey"), "stage": c.stage,
                            "work": work.get(uid, {}).get("work", 0.0), "inner_step": ms.get("inner_step"),
                            "incentive": ch.get("incentive", 0.0), "emission": ch.get("emission", 0.0),
-                           "restarts": c.restarts,
+                           "restarts": c.restarts, "merge": ms.get("merge"),
                            # mean over validators of the latest weight each set for this uid
                            "weight": (sum(float((v.get("last_weights") or {}).get(str(uid), 0.0)) for v in st)
                                       / len(st)) if st else 0.0,
@@ -356,7 +356,11 @@ class LocalNet:
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
             "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),
-            "train_s": train_s, "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
+            "train_s": train_s,
+            "merge": {"every_steps": self.cfg.merge.every_steps, "every_blocks": self.cfg.merge.every_blocks,
+                      "merges_applied": sum((m.get("merge") or {}).get("merges", 0) for m in miners),
+                      "mismatch_reports": sum((m.get("merge") or {}).get("mismatch_reports", 0) for m in miners)},
+            "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
             "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
         }
         write_summary(self.out / "summary.json", summary)

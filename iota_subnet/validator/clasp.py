@@ -15,7 +15,8 @@ Attribution
     ``excess(m) = mean r over probes through m - mean r over probes through the other replicas of
     s``. With independent uniform choices at the other stages, their effects average out of this
     difference (it is the per-stage regression coefficient of the residual on membership
-    ``1[m in pathway]``). Its standard error is Welch's ``sqrt(var_in / n_in + var_out / n_out)``,
+    ``1[m in pathway]``); centring within a round of ``P`` pathways shrinks a true effect ``d`` to
+    about ``d (1 - 1/P)`` (measured 0.51 for d = 0.6, P = 6). Its standard error is Welch's ``sqrt(var_in / n_in + var_out / n_out)``,
     ``z = excess / se``.
 
 Flag (both must hold, and ``n_in >= min_n``)

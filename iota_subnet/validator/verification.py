@@ -34,13 +34,18 @@ Comparison and tolerances
       replay of the same fp32 computation differs only by reduction order / kernel choice
       (measured ``< 1e-5`` for the tiny model on CPU; a GPU's TF32 matmuls reach ``~1e-3`` on long
       chains, which is why a GPU miner must report bf16 or disable TF32).
-    * ``bf16`` (autocast on GPU, fp32 master weights): ``tol = 5e-2``. bf16 keeps 8 mantissa bits
-      (unit round-off 2^-8 = 3.9e-3 per rounding); a few layers of rounded matmuls accumulate
-      ``1e-2`` relative error in the activations and somewhat more in gradients.
+    * ``bf16`` (autocast on GPU, fp32 master weights): ``tol = 2e-2``. bf16 keeps 8 mantissa bits
+      (unit round-off 2^-8 = 3.9e-3 per rounding, partly averaging out in long dot products):
+      measured bf16-autocast vs fp32 replay of stage 1 of the ``tiny`` model (3 blocks, 4 x 256
+      tokens): 2.1e-3 on activations and 2.2e-3 on input gradients, so 2e-2 leaves a ~10x margin.
+      The cheapest cheat it must still catch, skipping 1 of those 3 blocks, is off by 3.3e-2 at
+      initialisation (more once blocks have learned): only ~1.6x above the bf16 tolerance, so lazy
+      miners that skip a small fraction of a deep stage's blocks need the fp32 tolerance (or
+      CLASP) to be caught; the fp32 margin for the same cheat is 33x.
 
-    A miner that lies about its precision only gets the looser bf16 tolerance; every cheat in the
-    suite (random, zero, replayed, copied, lazy, fabricated gradients) is off by ``>= 0.1`` (measured,
-    see ``tests/test_verification.py``).
+    A miner that lies about its precision only gets the looser bf16 tolerance. Measured errors of
+    the cheats in the suite on the test model (fp32): lazy 4e-2..1e-1, claim (zero gradient) 1.0,
+    zero 1.0, replayed / copied outputs 0.5..1.5 (``tests/test_adversaries.py``).
 
 Stale weights
     Between two snapshots of the same miner, if this validator delivered at least ``micro_per_step``
@@ -81,7 +86,7 @@ from iota_subnet.transport import TransportError
 Key = tuple[int, str]
 
 #: Relative L2 tolerance of a replayed hop, by the precision the miner computes in (see the module docstring).
-TOLERANCES = {"fp32": 1e-3, "bf16": 5e-2}
+TOLERANCES = {"fp32": 1e-3, "bf16": 2e-2}
 
 
 def rel_err(got: Any, ref: Any) -> float:
