@@ -219,8 +219,9 @@ class MergeEngine:
         return sess
 
     def _prune(self) -> None:
+        # A finished attempt's results stay served for a while: a slower peer may still be gathering.
         for key, sess in list(self.sessions.items()):
-            if self._late(key[0], key[1]) or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s
+            if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s
                                                                                      + self.cfg.phase_timeout_s):
                 sess.closed = True
                 del self.sessions[key]
@@ -321,8 +322,12 @@ class MergeEngine:
         want = [p for p in peers if p != self.me and p not in exclude]
         ready: set[str] = set()
         ahead: list[str] = []
+        first = True
         while True:
-            todo = [p for p in want if p not in ready]
+            # excluded peers are still asked once: one of them may have completed this epoch (then we are late)
+            todo = [p for p in want if p not in ready] + ([p for p in peers if p in exclude and p != self.me]
+                                                          if first else [])
+            first = False
 
             async def ask(p: str):
                 try:
@@ -334,7 +339,7 @@ class MergeEngine:
                 if isinstance(r, MergeJoin):
                     if r.merged_epoch >= epoch:
                         ahead.append(p)
-                    elif r.ready_epoch == epoch and r.in_sync:
+                    elif r.ready_epoch == epoch and r.in_sync and p not in exclude:
                         ready.add(p)
             if ahead:
                 return [], ahead
