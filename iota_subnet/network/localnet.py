@@ -227,7 +227,7 @@ class LocalNet:
                 time.sleep(1.0)
                 self._supervise()
                 st = self.validator_status()
-                steps_done = min((min(s.get("steps_done", {"0": 0}).values() or [0]) if s else 0) for s in st)
+                steps_done = self._steps_done(st)
                 line = self._progress_line(st)
                 if bar is not None:
                     bar.n = steps_done
@@ -251,6 +251,15 @@ class LocalNet:
                 bar.close()
             self.stop_all()
         return summary
+
+    @staticmethod
+    def _steps_done(st: list[dict]) -> int:
+        """Inner steps completed on the slowest lane, over all validators (they split each lane's steps)."""
+        per_lane: dict[str, int] = {}
+        for s in st:
+            for lane, n in (s.get("steps_done") or {}).items():
+                per_lane[lane] = per_lane.get(lane, 0) + int(n)
+        return min(per_lane.values()) if per_lane else 0
 
     def _progress_line(self, st: list[dict]) -> str:
         live = sum(1 for c in self.children if c.kind == "miner" and c.alive())
