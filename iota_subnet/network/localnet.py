@@ -143,7 +143,7 @@ class LocalNet:
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
-                    "--data", str(self.data)]
+                    "--data", str(self.data), "--min-lanes", str(self.replicas)]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     v.add_argument("--hop-timeout", type=float, default=30.0, help="seconds per forward/backward hop")
     v.add_argument("--sync-interval", type=float, default=5.0, help="seconds between metagraph syncs")
     v.add_argument("--version-key", type=int, default=WEIGHTS_VERSION_KEY)
+    v.add_argument("--min-lanes", type=int, default=1,
+                   help="wait (up to 10 minutes) for this many complete lanes before driving")
     v.add_argument("--check-rate", type=float, default=0.1,
                    help="fraction of forward/backward hops replayed as spot checks (0: off)")
     v.add_argument("--snapshot-every", type=int, default=1,
@@ -45,7 +47,7 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             cache_dir=a.cache_dir, steps=steps, out=out, run_id=run_id_for(a), port=a.port,
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
                             version_key=a.version_key, exit_when_done=a.exit_when_done,
-                            check_rate=a.check_rate, snapshot_every=a.snapshot_every,
+                            check_rate=a.check_rate, min_lanes=a.min_lanes, snapshot_every=a.snapshot_every,
                             clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_alpha=a.score_alpha)
 
 
