@@ -362,6 +362,7 @@ class LocalNet:
             "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
             "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
             "wire_bytes": wire, "wire_bytes_per_token": wire / tokens if tokens else None,
+            "verification_bytes": sum(s.get("verification_bytes", 0) for s in st),
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
             "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),

@@ -138,6 +138,8 @@ class PipelineDriver:
                  microbatch_retries: int = 2, empty_step_wait_s: float = 1.0, eval_retries: int = 3, tag: str = "",
                  verifier: Any = None):
         self.cfg, self.run_id, self.router, self.client = cfg, run_id, router, client
+        #: client for CLASP probe traffic (kept apart so wire bytes count training hops only)
+        self.probe_client = client
         self.dataset, self.ledger = dataset, ledger
         self.n_stages = cfg.pipeline.stages
         self.n_lanes = int(n_lanes)
@@ -432,7 +434,7 @@ class PipelineDriver:
                 msg = Forward(run_id=self.run_id, stage=r.stage, microbatch_id=mb_id, inner_step=0, activations=act,
                               targets=y if last else None, keep_for_backward=False)
                 try:
-                    reply = await self.client.call(r.endpoint, r.hotkey, "/forward", msg, ForwardResult,
+                    reply = await self.probe_client.call(r.endpoint, r.hotkey, "/forward", msg, ForwardResult,
                                                    timeout_s=self.hop_timeout_s, retries=0)
                     if last:
                         if reply.loss is None or not math.isfinite(float(reply.loss)):

@@ -221,7 +221,8 @@ class ValidatorService:
         self.ledger = self.state.load_ledger(shares)
         self.weights_blocks = self.state.weights_blocks()
         self.router = Router(self.cfg.pipeline.stages)
-        self.client = NeuronClient(self.wallet)
+        self.client = NeuronClient(self.wallet)          # training hops: forward, backward, evaluation
+        self.verify_client = NeuronClient(self.wallet)   # spot-check snapshots and CLASP probes
         self._load_verification()
         hp = await self.chain.hyperparameters(o.netuid)
         self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
@@ -311,6 +312,8 @@ class ValidatorService:
             "done_block": self.done_block, "train_s": self.train_s,
             "scores": self.explained.get("miners", []),
             "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
+            "verification_bytes": (self.verify_client.bytes_sent + self.verify_client.bytes_received)
+            if getattr(self, "verify_client", None) else 0,
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
         }
 
@@ -394,6 +397,7 @@ class ValidatorService:
                                      dataset=self.dataset, ledger=self.ledger, n_lanes=self.n_lanes,
                                      validator_index=self.validator_index, n_validators=self.n_validators,
                                      hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6], verifier=self.checker)
+        self.driver.probe_client = self.verify_client
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {}: steps k with k % {} == {})",
                     self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
                     self.n_validators, self.validator_index)
@@ -441,7 +445,7 @@ class ValidatorService:
     # ---------------------------------------------------------------- verification and scores
     def _load_verification(self) -> None:
         o = self.opts
-        self.checker = SpotChecker(self.cfg, run_id=o.run_id, client=self.client, rate=o.check_rate,
+        self.checker = SpotChecker(self.cfg, run_id=o.run_id, client=self.verify_client, rate=o.check_rate,
                                    snapshot_every=o.snapshot_every, state_timeout_s=o.hop_timeout_s)
         raw = self.state.get_meta("spot_checks")
         if raw:
@@ -525,6 +529,8 @@ class ValidatorService:
             self.metrics = None
         if self.client is not None:
             await self.client.close()
+            if getattr(self, "verify_client", None) is not None:
+                await self.verify_client.close()
         if self.chain is not None and self._own_chain:
             await self.chain.close()
 
