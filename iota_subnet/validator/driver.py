@@ -146,6 +146,8 @@ class PipelineDriver:
         self.validator_index, self.n_validators = int(validator_index), max(1, int(n_validators))
         self.seed = cfg.train.seed if seed is None else int(seed)
         self.hop_timeout_s, self.retries, self.backoff_s = hop_timeout_s, retries, backoff_s
+        self._turn_base: dict[int, int] = {}   # lane -> head inner step after our last step (await_turn)
+        self._no_turns: set[int] = set()       # lanes that stopped waiting for other validators
         self.max_hop_attempts = max(1, int(max_hop_attempts))
         self.microbatch_retries = max(0, int(microbatch_retries))
         self.empty_step_wait_s = empty_step_wait_s
@@ -345,6 +347,46 @@ class PipelineDriver:
             await self.verifier.after_step(lane, step)
         return LaneStepResult(lane, step, list(results), time.perf_counter() - t0)
 
+    async def _head_step(self, lane: int) -> Optional[int]:
+        head = self.router.lane_member(lane, 0)
+        if head is None or not self.router.is_available(head):
+            return None
+        try:
+            h = await self.client.call(head.endpoint, head.hotkey, "/health", Health(run_id=self.run_id, stage=0),
+                                       Health, timeout_s=5.0, retries=0)
+            return int(h.inner_step)
+        except (ProtocolError, TransportError):
+            return None
+
+    async def await_turn(self, lane: int, step: int, stop: Optional[asyncio.Event] = None,
+                         timeout_s: float = 30.0, poll_s: float = 0.05) -> bool:
+        """With several validators, start lane step ``step`` only once the steps before it (driven by
+        the other validators) are finished, so every lane stays synchronous as with one validator:
+        no miner mixes two steps of a lane, and the run matches the co-located update rule.
+
+        The lane's head miner is the clock: it takes its inner step last (after every backward of
+        a step). After our previous step of the lane its inner step was ``base``; the other V - 1
+        validators' steps are done when it reaches ``base + V - 1`` (before our first step: when
+        it reaches ``step``). A head that restarted (its step went backwards), an unreachable head,
+        or no progress within ``timeout_s`` (a validator gone) ends the wait; after a time-out the
+        lane stops waiting for the rest of the run. Returns True when the turn came."""
+        if self.n_validators <= 1 or lane in self._no_turns:
+            return False
+        base = self._turn_base.get(lane)
+        need = base + self.n_validators - 1 if base is not None else step
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                return False
+            cur = await self._head_step(lane)
+            if cur is None or cur >= need or (base is not None and cur < base):
+                return cur is not None and cur >= need
+            await asyncio.sleep(poll_s)
+        self._no_turns.add(lane)
+        logger.warning("lane {}: the other validators' steps did not finish within {:.0f} s; "
+                       "driving without waiting from now on", lane, timeout_s)
+        return False
+
     async def run_lane(self, lane: int, start_step: int, total_steps: int,
                        on_step: Optional[Callable[[LaneStepResult, int], Awaitable[None] | None]] = None,
                        stop: Optional[asyncio.Event] = None) -> int:
@@ -360,6 +402,7 @@ class PipelineDriver:
                 break
             k = todo[i]
             await self.probe()
+            await self.await_turn(lane, k, stop)
             res = await self.run_lane_step(lane, k)
             if res.ok_count == 0:
                 logger.warning("lane {} step {}: no micro-batch completed; retrying", lane, k)
@@ -367,6 +410,10 @@ class PipelineDriver:
                 continue
             i += 1
             next_step = todo[i] if i < len(todo) else total_steps
+            if self.n_validators > 1:
+                self._turn_base[lane] = await self._head_step(lane)
+                if self._turn_base[lane] is None:
+                    del self._turn_base[lane]
             if on_step is not None:
                 out = on_step(res, next_step)
                 if asyncio.iscoroutine(out):
