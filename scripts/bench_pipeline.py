@@ -3,7 +3,9 @@
 
 Prints the ratio of trained tokens per second (the whole local network, all replicas together,
 over the co-located trainer; both use the whole machine) and the wire bytes per trained token
-with the configured bottleneck and without it (a short second local network at ratio 1).
+with the configured bottleneck and without it (a short second local network at ratio 1). The
+pipeline is measured with verification off (``ratio``) and as shipped, with the validator's spot
+checks and CLASP probes at their defaults (``verified_ratio``, ``verification_bytes_per_token``).
 
 Usage:
     python scripts/bench_pipeline.py --config configs/tiny.yaml \
@@ -39,10 +41,14 @@ def main(argv=None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_pipeline-"))
+    # the pipeline alone (verification off), then as shipped (spot checks + CLASP at their defaults)
     ln = LocalNet(stages=a.stages, replicas=a.replicas, validators=1, config=a.config, data=a.data, steps=a.steps,
-                  out=root / "localnet", progress=False).run()
+                  out=root / "localnet", progress=False,
+                  extra_validator_args=["--check-rate", "0", "--clasp-interval", "0"]).run()
     co = train_colocated(a.config, a.data, a.steps, root / "colocated", progress=False,
                          overrides={"pipeline": {"stages": a.stages}})
+    ver = LocalNet(stages=a.stages, replicas=a.replicas, validators=1, config=a.config, data=a.data, steps=a.steps,
+                   out=root / "localnet-verified", progress=False).run()
     raw = LocalNet(stages=a.stages, replicas=a.replicas, validators=1, config=a.config, data=a.data,
                    steps=a.uncompressed_steps, out=root / "localnet-ratio1", progress=False,
                    overrides={"pipeline": {"compression_ratio": 1}}).run()
@@ -55,7 +61,11 @@ def main(argv=None) -> int:
         "wire_bytes_per_token_uncompressed": raw["wire_bytes_per_token"],
         "localnet_final_loss": ln["final_loss"], "colocated_final_loss": co["final_loss"],
         "localnet_val_loss": ln["val_loss"], "colocated_val_loss": co["val_loss"],
-        "reroutes": ln["reroutes"], "out": str(root),
+        "reroutes": ln["reroutes"],
+        "verified_localnet_tokens_per_s": ver["tokens_per_s"],
+        "verified_ratio": ver["tokens_per_s"] / co["tokens_per_s"],
+        "verification_bytes_per_token": ver["verification_bytes"] / ver["tokens"] if ver["tokens"] else None,
+        "out": str(root),
     }
     if a.json:
         print(json.dumps(result))

@@ -61,7 +61,7 @@ class LocalNet:
                  restart_delay_s: float = 3.0, progress: Optional[bool] = None,
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
                  timeout_s: Optional[float] = None, overrides: Optional[dict] = None,
-                 adversary: Optional[str] = None):
+                 adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None):
         if stages < 1 or replicas < 1 or validators < 1:
             raise ValueError("--stages, --replicas and --validators must each be >= 1")
         self.out = Path(out).resolve()
@@ -75,6 +75,7 @@ class LocalNet:
         self.restart_dead, self.restart_delay_s = restart_dead, restart_delay_s
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.extra_miner_args = extra_miner_args or []
+        self.extra_validator_args = extra_validator_args or []
         self.device = device
         self.timeout_s = timeout_s
         #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
@@ -143,7 +144,7 @@ class LocalNet:
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
-                    "--data", str(self.data), "--min-lanes", str(self.replicas)]
+                    "--data", str(self.data), "--min-lanes", str(self.replicas), *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------
