@@ -12,6 +12,7 @@ Every error raised here is a :class:`ConfigError` whose message says how to fix 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -52,6 +53,10 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     def validate(self) -> "ModelConfig":
+        for k in ("n_heads", "n_kv_heads", "dim", "n_layers", "ffn_dim", "vocab_size", "max_seq_len"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"model.{k} must be a positive integer, got {v!r}")
         if self.dim % self.n_heads:
             raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim")
         if self.n_heads % self.n_kv_heads:
@@ -228,6 +233,11 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         self.model.validate()
+        _check_ranges(self)
+        from iota_subnet.model.bottleneck import bottleneck_dims   # model imports config: import here
+        from iota_subnet.model.stages import split_layers
+        split_layers(self.model.n_layers, self.pipeline.stages, self.pipeline.layer_split)
+        bottleneck_dims(self.model, self.pipeline)
         if self.data.vocab_size != self.model.vocab_size:
             raise ConfigError(
                 f"data.vocab_size={self.data.vocab_size} differs from model.vocab_size={self.model.vocab_size}; set them equal")
@@ -242,12 +252,48 @@ class RunConfig:
         return self
 
 
-def _checked_fields(cls, mapping: dict, section: str) -> dict:
+def _checked_fields(cls, mapping: Any, section: str) -> dict:
+    """Refuse unknown keys and values of the wrong type (an int where a float is expected is fine)."""
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"section {section!r} must be a mapping of keys to values, got {mapping!r}")
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(mapping) - names)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in section {section!r}; allowed: {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    for k, v in mapping.items():
+        want = hints.get(k)
+        if v is None and typing.get_origin(want) is typing.Union and type(None) in typing.get_args(want):
+            continue
+        base = next((t for t in typing.get_args(want) if t is not type(None)), want) if typing.get_origin(want) \
+            is typing.Union else want
+        base = typing.get_origin(base) or base
+        ok = (isinstance(v, bool) if base is bool else
+              isinstance(v, int) and not isinstance(v, bool) if base is int else
+              isinstance(v, (int, float)) and not isinstance(v, bool) if base is float else
+              isinstance(v, base) if isinstance(base, type) else True)
+        if not ok:
+            raise ConfigError(f"{section}.{k} must be {getattr(base, '__name__', base)}, got {v!r}")
     return mapping
+
+
+def _check_ranges(cfg: "RunConfig") -> None:
+    t, d, p = cfg.train, cfg.data, cfg.pipeline
+    for name, v, lo in (("train.batch_size", t.batch_size, 1), ("train.micro_batch_size", t.micro_batch, 1),
+                        ("train.total_steps", t.total_steps, 1), ("train.eval_batches", t.eval_batches, 1),
+                        ("train.warmup_steps", t.warmup_steps, 0), ("train.checkpoint_every", t.checkpoint_every, 0),
+                        ("data.seq_len", d.seq_len, 1), ("data.vocab_size", d.vocab_size, 2),
+                        ("pipeline.stages", p.stages, 1), ("pipeline.compression_ratio", p.compression_ratio, 1)):
+        if v < lo:
+            raise ConfigError(f"{name} must be >= {lo}, got {v}")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        raise ConfigError(f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
 
 
 def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> RunConfig:
@@ -262,7 +308,12 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         if not p.exists():
             raise ConfigError(f"config file {str(p)!r} not found; pass a path such as configs/tiny.yaml or a model name "
                               f"({', '.join(sorted(MODEL_CONFIGS))})")
-        raw = yaml.safe_load(p.read_text()) or {}
+        if p.is_dir():
+            raise ConfigError(f"{p} is a folder; pass a config file such as {p / 'tiny.yaml'}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: top level must be a mapping with sections model/pipeline/data/train")
     else:
@@ -276,14 +327,17 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in config; allowed: model, pipeline, data, train, merge")
     model = model_config(raw.get("model", "tiny"))
-    data_raw = dict(raw.get("data") or {})
+    data_raw = raw.get("data") or {}
+    if not isinstance(data_raw, dict):
+        raise ConfigError(f"section 'data' must be a mapping of keys to values, got {data_raw!r}")
+    data_raw = dict(data_raw)
     data_raw.setdefault("vocab_size", model.vocab_size)
     cfg = RunConfig(
         model=model,
-        pipeline=PipelineConfig(**_checked_fields(PipelineConfig, dict(raw.get("pipeline") or {}), "pipeline")),
+        pipeline=PipelineConfig(**_checked_fields(PipelineConfig, raw.get("pipeline") or {}, "pipeline")),
         data=DataConfig(**_checked_fields(DataConfig, data_raw, "data")),
-        train=TrainConfig(**_checked_fields(TrainConfig, dict(raw.get("train") or {}), "train")),
-        merge=MergeConfig(**_checked_fields(MergeConfig, dict(raw.get("merge") or {}), "merge")),
+        train=TrainConfig(**_checked_fields(TrainConfig, raw.get("train") or {}, "train")),
+        merge=MergeConfig(**_checked_fields(MergeConfig, raw.get("merge") or {}, "merge")),
     )
     return cfg.validate()
 

@@ -139,7 +139,7 @@ def test_chain_interface_and_commitments(db, wallets):
                 await chain.serve(wallets[2], NETUID, "127.0.0.1", 1)
             await chain.serve(wallets[1], NETUID, "127.0.0.1", 9100)
             await chain.add_stake(wallets[0], NETUID, 10)
-            await chain.client.wait_for_block(await chain.block() + 1, timeout=5)  # rate limit counts from registration
+            await chain.client.wait_for_block(await chain.block() + 1, timeout=60)  # rate limit counts from registration
             with pytest.raises(ChainError, match="validator permit"):
                 await chain.set_weights(wallets[0], NETUID, [1], [1.0], version_key=3)
             m = await chain.metagraph(NETUID)
@@ -222,3 +222,28 @@ def test_registration_needs_funds_without_faucet(tmp_path, wallets):
             assert (await client.balances.get(wallets[0].coldkey.ss58_address)).rao == 3 * 10**9
 
     run(main())
+
+
+def test_halted_devnet_keeps_its_block_and_resumes_where_it_stopped(tmp_path):
+    import time as _time
+
+    from iota_subnet.chain import create_devnet, halt_devnet, resume_devnet
+    from iota_subnet.chain.devnet import DevnetState
+    db = tmp_path / "halt.db"
+    create_devnet(db, 9, tempo=5, block_time=0.1)
+    _time.sleep(0.35)
+    b = halt_devnet(db)
+    _time.sleep(0.5)
+    st = DevnetState(db)
+    try:
+        assert st.block() == b                       # the clock stopped: reads run no new epochs
+    finally:
+        st.close()
+    b2 = resume_devnet(db)
+    assert b <= b2 <= b + 1                           # continues where it stopped, not 5 blocks later
+    _time.sleep(0.3)
+    st = DevnetState(db)
+    try:
+        assert st.block() >= b2 + 2
+    finally:
+        st.close()

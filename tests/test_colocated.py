@@ -101,3 +101,30 @@ def test_cli_empty_data_file(tmp_path):
     r = _cli("train-colocated", "--config", "configs/tiny.yaml", "--data", str(empty), "--steps", "1",
              "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "no text" in r.stderr.lower(), r.stderr
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, wikitext_path, cache_dir):
+    first = _train(tmp_path, wikitext_path, cache_dir, 3)
+    ckpt = tmp_path / "run" / "checkpoint.safetensors"
+    before = (ckpt.read_bytes(), (tmp_path / "run" / "summary.json").read_text())
+    again = _train(tmp_path, wikitext_path, cache_dir, 3)
+    assert again == first
+    assert (ckpt.read_bytes(), (tmp_path / "run" / "summary.json").read_text()) == before
+    with pytest.raises(CheckpointError, match="past --steps 2"):
+        _train(tmp_path, wikitext_path, cache_dir, 2)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model: tiny\npipeline: 3\n", "must be a mapping"),
+    ("model: tiny\ntrain: {lr: fast}\n", "train.lr must be float"),
+    ("model: tiny\ntrain: {batch_size: 0}\n", "train.batch_size must be >= 1"),
+    ("model: {name: tiny, n_heads: 0}\n", "model.n_heads must be a positive integer"),
+    ("model: tiny\ndata: {val_fraction: 1.5}\n", "data.val_fraction must be in"),
+    ("model: tiny\ntrain: {lr: [\n", "not valid YAML"),
+])
+def test_bad_config_values_name_the_problem(tmp_path, text, needle):
+    from iota_subnet.config import ConfigError, load_config
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
+        load_config(p)

@@ -44,6 +44,8 @@ def _cmd_register(a: argparse.Namespace) -> int:
     from iota_subnet.wallets import load_wallet
 
     wallet = load_wallet(a.wallet_name, a.wallet_hotkey, a.wallet_path)
+    if a.network is None:
+        a.network = "devnet" if a.chain_db else "finney"
 
     async def go():
         chain = await open_chain(a.network, a.chain_db)
@@ -76,17 +78,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     csub = c.add_subparsers(dest="chain_command", required=True)
     m = csub.add_parser("metagraph", help="print the metagraph of a subnet")
     m.add_argument("--chain-db", default=None, help="devnet SQLite file (else --network)")
-    m.add_argument("--network", default="finney")
+    m.add_argument("--network", default="finney", help="used when no --chain-db is given")
     m.add_argument("--netuid", type=int, default=9)
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="one JSON list instead of a table")
     m.set_defaults(func=_cmd_metagraph)
 
     r = sub.add_parser("register", help="burned registration of a hotkey (shows the cost first)")
     r.add_argument("--wallet-name", default="default")
     r.add_argument("--wallet-hotkey", default="default")
     r.add_argument("--wallet-path", default="~/.bittensor/wallets")
-    r.add_argument("--network", default="finney")
-    r.add_argument("--chain-db", default=None)
+    r.add_argument("--network", default=None, help="finney | test | local | ws://... | devnet "
+                   "(default: devnet with --chain-db, else finney)")
+    r.add_argument("--chain-db", default=None, help="devnet SQLite file")
     r.add_argument("--netuid", type=int, default=9)
     r.add_argument("--yes", action="store_true", help="pay without asking")
     r.set_defaults(func=_cmd_register)

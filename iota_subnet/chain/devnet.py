@@ -243,6 +243,7 @@ class DevnetState:
         if "genesis_time" in rows:
             self._genesis = float(rows["genesis_time"])
             self._block_time = float(rows["block_time"])
+        self._halted_at = float(rows["halted_at"]) if rows.get("halted_at") else None
 
     def init_meta(self, block_time: float, genesis_time: Optional[float] = None) -> None:
         with self.tx() as c:
@@ -279,7 +280,11 @@ class DevnetState:
 
     def block(self, now: Optional[float] = None) -> int:
         now = time.time() if now is None else now
-        return max(0, int(math.floor((now - self.genesis) / self.block_time)))
+        genesis = self.genesis   # loads meta (halted_at too)
+        halted = getattr(self, "_halted_at", None)
+        if halted is not None:
+            now = min(now, halted)   # a halted devnet keeps its last block: reads change nothing
+        return max(0, int(math.floor((now - genesis) / self.block_time)))
 
     def block_timestamp_ms(self, block: int) -> int:
         return int((self.genesis + block * self.block_time) * 1000)
@@ -1369,6 +1374,37 @@ def add_stake(db: str | os.PathLike, hotkey_ss58: str, coldkey_ss58: str, tao: f
         if refresh_permits:
             st.refresh_permits(netuid)
         return sum(st.stake_of(netuid).get(hotkey_ss58, {}).values())
+    finally:
+        st.close()
+
+
+def halt_devnet(db: str | os.PathLike) -> int:
+    """Stop the devnet's clock (a local network has ended): the block height stays where it is, so
+    later reads (``iota-subnet chain metagraph``) show the chain as the run left it and run no
+    epochs. Returns the halted block. :func:`resume_devnet` restarts the clock."""
+    st = DevnetState(db)
+    try:
+        block = st.block()
+        if st.meta("halted_at") is None:
+            st.set_meta("halted_at", repr(time.time()))
+        return block
+    finally:
+        st.close()
+
+
+def resume_devnet(db: str | os.PathLike) -> int:
+    """Restart a halted devnet's clock where it stopped (genesis moved forward by the pause).
+    Returns the current block. A devnet that is not halted is left alone."""
+    st = DevnetState(db)
+    try:
+        halted = st.meta("halted_at")
+        if halted is not None:
+            pause = time.time() - float(halted)
+            with st.tx() as c:
+                c.execute("UPDATE meta SET value=? WHERE key='genesis_time'", (repr(st.genesis + pause),))
+                c.execute("DELETE FROM meta WHERE key='halted_at'")
+            st._load_meta()
+        return st.block()
     finally:
         st.close()
 

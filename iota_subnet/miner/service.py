@@ -28,7 +28,7 @@ from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from iota_subnet.chain import Chain
-from iota_subnet.config import RunConfig
+from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeJoin, MergePayload,
@@ -129,7 +129,7 @@ class MinerService:
     def choose_stage(self) -> int:
         if self.requested_stage is not None:
             if not 0 <= self.requested_stage < self.cfg.pipeline.stages:
-                raise ValueError(f"--stage {self.requested_stage} out of range: this run has "
+                raise ConfigError(f"--stage {self.requested_stage} out of range: this run has "
                                  f"{self.cfg.pipeline.stages} stages (0..{self.cfg.pipeline.stages - 1})")
             return self.requested_stage
         counts = [0] * self.cfg.pipeline.stages

@@ -27,7 +27,7 @@ from typing import Optional
 import yaml
 from loguru import logger
 
-from iota_subnet.config import RunConfig, load_config
+from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.train.metrics import write_summary
 from iota_subnet.utils.atomic import atomic_write_text
 
@@ -63,7 +63,7 @@ class LocalNet:
                  timeout_s: Optional[float] = None, overrides: Optional[dict] = None,
                  adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None):
         if stages < 1 or replicas < 1 or validators < 1:
-            raise ValueError("--stages, --replicas and --validators must each be >= 1")
+            raise ConfigError("--stages, --replicas and --validators must each be >= 1")
         self.out = Path(out).resolve()
         ovr = {k: dict(v) for k, v in (overrides or {}).items()}
         ovr.setdefault("pipeline", {})["stages"] = stages
@@ -100,6 +100,9 @@ class LocalNet:
             logger.info(f"no --data given: using {self.data} ({why})")
         tok, ds = build_dataset(self.cfg.data, self.data)
         logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
+        if self.chain_db.exists():
+            from iota_subnet.chain import resume_devnet
+            resume_devnet(self.chain_db)   # a rerun in the same folder continues the same chain
         create_devnet(self.chain_db, NETUID, tempo=self.tempo, block_time=self.block_time, weights_rate_limit=2,
                       immunity_period=10_000, exist_ok=True, max_validators=self.n_validators,
                       max_uids=max(64, 2 * (self.stages * self.replicas + self.n_validators)))
@@ -251,7 +254,18 @@ class LocalNet:
             if bar is not None:
                 bar.close()
             self.stop_all()
+            self._halt_chain()
         return summary
+
+    def _halt_chain(self) -> None:
+        """The network is gone: stop the devnet's clock so later reads show it as the run left it."""
+        if self.chain_db.exists():
+            from iota_subnet.chain import halt_devnet
+            try:
+                block = halt_devnet(self.chain_db)
+                logger.info(f"devnet halted at block {block} (rerunning in {self.out} resumes it)")
+            except Exception as e:  # noqa: BLE001 - never mask the run's own outcome
+                logger.warning(f"could not halt the devnet: {e}")
 
     @staticmethod
     def _steps_done(st: list[dict]) -> int:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from loguru import logger
 
-from iota_subnet.config import RunConfig, load_config
+from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.model import StagedModel, bottleneck_dims, build_stages
 from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, read_checkpoint, restore,
                                           save_checkpoint)
@@ -87,7 +87,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
 
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
     if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seed = cfg.train.seed if seed is None else seed
@@ -99,6 +99,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
     fp = config_fingerprint(cfg.model, cfg.pipeline)
     ckpt = out / "checkpoint.safetensors"
     start = 0
+    eval_only = False
     if ckpt.exists():
         tensors, meta = read_checkpoint(ckpt)
         meta.setdefault("config_summary", "")
@@ -106,6 +107,15 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
         if meta.get("tokenizer") and meta["tokenizer"] != tok.fingerprint:
             raise CheckpointError(f"{ckpt} was trained with another tokenizer; use the same data/tokenizer or a new --out")
         start = int(meta["step"])
+        if start > steps:
+            raise CheckpointError(f"{ckpt} is at step {start}, past --steps {steps}; pass --steps {start} or more, "
+                                  "or a new --out")
+        if start == steps:
+            logger.info(f"{out} already holds a finished run of {steps} steps; nothing to do")
+            done = out / "summary.json"
+            if done.exists():
+                return json.loads(done.read_text())
+            eval_only = True
         logger.info(f"resuming from {ckpt} at step {start}")
     atomic_write_json(out / "config.json", cfg.to_dict())
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=start)
@@ -173,7 +183,8 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
                 _save(step + 1)
                 raise KeyboardInterrupt
         train_s = time.perf_counter() - t0
-        _save(steps)
+        if not eval_only:
+            _save(steps)
     finally:
         if bar is not None:
             bar.close()
@@ -187,11 +198,12 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
         "val_loss": val_loss, "params": params, "compression_ratio": cfg.pipeline.compression_ratio,
         "bottleneck_width": b, "stages": cfg.pipeline.stages, "flops_per_token": model.flops_per_token(T),
         "device": str(dev), "data": describe(dataset.spec), "vocab_size": tok.vocab_size,
-        "elapsed_s": metrics.last_elapsed_s, "final_loss_window": 10,
+        "elapsed_s": metrics.last_elapsed_s, "final_loss_window": min(10, len(metrics.rows)),
     }
     write_summary(out / "summary.json", summary)
-    logger.info(f"done: final_loss {summary['final_loss']:.4f} val_loss {val_loss if val_loss is None else round(val_loss, 4)} "
-                f"tokens/s {summary['tokens_per_s']:.0f} -> {out}")
+    tps = summary["tokens_per_s"]
+    logger.info(f"done: final_loss {summary['final_loss']} val_loss {val_loss if val_loss is None else round(val_loss, 4)} "
+                f"tokens/s {'-' if tps is None else round(tps)} -> {out}")
     return summary
 
 

@@ -59,6 +59,8 @@ def load(path: str | Path) -> dict:
     conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
     try:
         row = conn.execute("SELECT value FROM meta WHERE key='scores'").fetchone()
+    except sqlite3.DatabaseError as e:   # not a database, or not a validator's
+        raise ValueError(f"{p} is not a validator state file ({e}); pass the validator's --out folder") from None
     finally:
         conn.close()
     if row is None:

@@ -237,6 +237,13 @@ class ValidatorService:
         graph = await self.chain.metagraph(o.netuid)
         commits = await self.chain.commitments(o.netuid)
         self.router.update(discover(graph.neurons, commits, o.run_id, self.cfg.pipeline.stages))
+        from iota_subnet.protocol.commitment import StageCommitment
+        others: dict[str, int] = {}
+        for raw in commits.values():
+            c = StageCommitment.decode(raw)
+            if c is not None and c.run != o.run_id:
+                others[c.run] = others.get(c.run, 0) + 1
+        self.other_runs = others
         self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
         miners = {r.hotkey for r in self.router.live_replicas()}
         self.validators = sorted(str(n.hotkey) for n in graph.neurons
@@ -256,7 +263,10 @@ class ValidatorService:
                                      f"{self.router.stage_counts()} for run {self.opts.run_id!r}; start miners for every stage")
             if self.stop_event.is_set():
                 return 0
-            logger.info("waiting for miners: replicas per stage {}", self.router.stage_counts())
+            others = getattr(self, "other_runs", {})
+            logger.info("waiting for miners of run {!r}: replicas per stage {}{}", self.opts.run_id,
+                        self.router.stage_counts(),
+                        f"; miners of other runs seen: {others} (pass --run-id to join one)" if others else "")
             try:
                 await asyncio.wait_for(self.stop_event.wait(), timeout=min(2.0, self.opts.sync_interval_s))
             except asyncio.TimeoutError:
