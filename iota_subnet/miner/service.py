@@ -365,25 +365,17 @@ class MinerService:
                 return
         except CheckpointError as e:
             logger.warning(f"ignoring checkpoint: {e}")
-        peers = [hk for hk, s in self._stages.items() if s == self.stage and hk != self.hotkey]
-        if not peers:
-            logger.info(f"stage {self.stage}: starting from the run's seeded initialisation")
-            return
-        async with NeuronClient(self.wallet) as client:
-            for hk in peers:
-                n = self._neurons.get(hk)
-                if n is None or not n.axon or n.axon.startswith("0.0.0.0:0"):
-                    continue
-                try:
-                    resp = await client.call(n.axon, hk, "/state", StateRequest(run_id=self.run_id, stage=self.stage),
-                                             StateResponse, timeout_s=30, retries=1)
-                    self.worker.module.load_state_dict(resp.tensors, strict=True)
-                    self.worker.inner_step = int(resp.state_meta.get("step", 0))
-                    logger.info(f"stage {self.stage}: weights synced from uid {n.uid} at inner step {self.worker.inner_step}")
-                    return
-                except (TransportError, ProtocolError, RuntimeError) as e:
-                    logger.warning(f"state sync from {hk[:10]} failed: {e}")
-        logger.info(f"stage {self.stage}: no peer answered; starting from the run's seeded initialisation")
+        got = await self._peer_state_response(timeout_s=30, retries=1)
+        if got is not None:
+            uid, resp = got
+            try:
+                self.worker.module.load_state_dict(resp.tensors, strict=True)
+                self.worker.inner_step = int(resp.state_meta.get("step", 0))
+                logger.info(f"stage {self.stage}: weights synced from uid {uid} at inner step {self.worker.inner_step}")
+                return
+            except RuntimeError as e:
+                logger.warning(f"state from uid {uid} does not fit this stage: {e}")
+        logger.info(f"stage {self.stage}: no usable peer state; starting from the run's seeded initialisation")
 
     def _peer_state_blocking(self) -> dict:
         """(``copy`` adversary, from the compute thread) a replica's weights via ``/state``, or {}."""
@@ -395,7 +387,8 @@ class MinerService:
             logger.warning(f"peer state fetch failed: {e}")
             return {}
 
-    async def _peer_state(self) -> dict:
+    async def _peer_state_response(self, timeout_s: float, retries: int) -> Optional[tuple[int, StateResponse]]:
+        """(uid, /state answer) of the first replica of this stage that answers, or None."""
         peers = [hk for hk, s in self._stages.items() if s == self.stage and hk != self.hotkey]
         async with NeuronClient(self.wallet) as client:
             for hk in peers:
@@ -404,11 +397,15 @@ class MinerService:
                     continue
                 try:
                     resp = await client.call(n.axon, hk, "/state", StateRequest(run_id=self.run_id, stage=self.stage),
-                                             StateResponse, timeout_s=20, retries=0)
-                    return dict(resp.tensors)
+                                             StateResponse, timeout_s=timeout_s, retries=retries)
+                    return n.uid, resp
                 except (TransportError, ProtocolError) as e:
-                    logger.debug(f"peer {hk[:8]} /state failed: {e}")
-        return {}
+                    logger.warning(f"state from {hk[:10]} failed: {e}")
+        return None
+
+    async def _peer_state(self) -> dict:
+        got = await self._peer_state_response(timeout_s=20, retries=0)
+        return dict(got[1].tensors) if got is not None else {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set: refresh the chain view, checkpoint, write status."""
