@@ -148,6 +148,7 @@ class PipelineDriver:
         self.hop_timeout_s, self.retries, self.backoff_s = hop_timeout_s, retries, backoff_s
         self._turn_base: dict[int, int] = {}   # lane -> head inner step after our last step (await_turn)
         self._no_turns: set[int] = set()       # lanes that stopped waiting for other validators
+        self._turn_timeouts: dict[int, int] = {}
         self.max_hop_attempts = max(1, int(max_hop_attempts))
         self.microbatch_retries = max(0, int(microbatch_retries))
         self.empty_step_wait_s = empty_step_wait_s
@@ -359,7 +360,7 @@ class PipelineDriver:
             return None
 
     async def await_turn(self, lane: int, step: int, stop: Optional[asyncio.Event] = None,
-                         timeout_s: float = 30.0, poll_s: float = 0.05) -> bool:
+                         timeout_s: float = 120.0, poll_s: float = 0.05, give_up_after: int = 3) -> bool:
         """With several validators, start lane step ``step`` only once the steps before it (driven by
         the other validators) are finished, so every lane stays synchronous as with one validator:
         no miner mixes two steps of a lane, and the run matches the co-located update rule.
@@ -367,24 +368,35 @@ class PipelineDriver:
         The lane's head miner is the clock: it takes its inner step last (after every backward of
         a step). After our previous step of the lane its inner step was ``base``; the other V - 1
         validators' steps are done when it reaches ``base + V - 1`` (before our first step: when
-        it reaches ``step``). A head that restarted (its step went backwards), an unreachable head,
-        or no progress within ``timeout_s`` (a validator gone) ends the wait; after a time-out the
-        lane stops waiting for the rest of the run. Returns True when the turn came."""
+        it reaches ``step``). A head that restarted (its step went backwards) or is unreachable ends
+        the wait. Without progress for ``timeout_s`` we go ahead with this step; after
+        ``give_up_after`` such time-outs in a row (another validator is gone) the lane stops waiting
+        for the rest of the run. Returns True when the turn came."""
         if self.n_validators <= 1 or lane in self._no_turns:
             return False
         base = self._turn_base.get(lane)
         need = base + self.n_validators - 1 if base is not None else step
         deadline = time.monotonic() + timeout_s
+        last = None
         while time.monotonic() < deadline:
             if stop is not None and stop.is_set():
                 return False
             cur = await self._head_step(lane)
             if cur is None or cur >= need or (base is not None and cur < base):
+                self._turn_timeouts[lane] = 0
                 return cur is not None and cur >= need
+            if cur != last:                     # progress: the other validator is alive
+                deadline = time.monotonic() + timeout_s
+                last = cur
             await asyncio.sleep(poll_s)
-        self._no_turns.add(lane)
-        logger.warning("lane {}: the other validators' steps did not finish within {:.0f} s; "
-                       "driving without waiting from now on", lane, timeout_s)
+        self._turn_timeouts[lane] = self._turn_timeouts.get(lane, 0) + 1
+        if self._turn_timeouts[lane] >= give_up_after:
+            self._no_turns.add(lane)
+            logger.warning("lane {}: {} waits in a row for the other validators timed out; driving without "
+                           "waiting from now on", lane, give_up_after)
+        else:
+            logger.warning("lane {} step {}: no progress from the other validators in {:.0f} s; going ahead",
+                           lane, step, timeout_s)
         return False
 
     async def run_lane(self, lane: int, start_step: int, total_steps: int,
