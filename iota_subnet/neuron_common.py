@@ -30,8 +30,15 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--log-level", default="INFO")
     n = p.add_argument_group("network")
     n.add_argument("--host", default="0.0.0.0", help="bind address")
-    n.add_argument("--port", type=int, default=0, help="listen port (0: any free port)")
+    n.add_argument("--port", type=_port, default=0, help="listen port (0: any free port)")
     n.add_argument("--external-ip", default="127.0.0.1", help="address published on chain")
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {v}")
+    return v
 
 
 def setup_process(args: argparse.Namespace, name: str) -> None:

@@ -96,3 +96,11 @@ def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, ca
             await chain.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("flag, value, needle", [("--check-rate", "5", "--check-rate must be in [0, 1]"),
+                                                 ("--hop-timeout", "0", "--hop-timeout must be > 0")])
+def test_cli_refuses_out_of_range_values(tmp_home, tmp_path, flag, value, needle):
+    r = subprocess.run([sys.executable, "neurons/validator.py", flag, value, "--chain-db", str(tmp_path / "x.db")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr

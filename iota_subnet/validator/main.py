@@ -40,6 +40,18 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 def options_from(a: argparse.Namespace) -> ValidatorOptions:
     from iota_subnet.config import load_config
+    for name, ok, want in (("--check-rate", 0 <= a.check_rate <= 1, "in [0, 1]"),
+                           ("--snapshot-every", a.snapshot_every >= 1, ">= 1"),
+                           ("--lanes", a.lanes is None or a.lanes >= 1, ">= 1"),
+                           ("--min-lanes", a.min_lanes >= 1, ">= 1"),
+                           ("--hop-timeout", a.hop_timeout > 0, "> 0"),
+                           ("--sync-interval", a.sync_interval > 0, "> 0"),
+                           ("--clasp-interval", a.clasp_interval >= 0, ">= 0 (0 = off)"),
+                           ("--clasp-paths", a.clasp_paths >= 1, ">= 1"),
+                           ("--score-alpha", 0 < a.score_alpha <= 1, "in (0, 1]"),
+                           ("--steps", a.steps is None or a.steps >= 1, ">= 1")):
+        if not ok:
+            raise ValidatorError(f"{name} must be {want}")
     steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
     out = a.out or str(Path("~/.iota-subnet/validators").expanduser() / a.wallet_name)
     return ValidatorOptions(wallet_name=a.wallet_name, wallet_hotkey=a.wallet_hotkey, wallet_path=a.wallet_path,
