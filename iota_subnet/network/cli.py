@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def _cmd_localnet(a: argparse.Namespace) -> int:
@@ -31,10 +32,13 @@ def _cmd_scores(a: argparse.Namespace) -> int:
     try:
         d = explain.load(a.validator_state)
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if a.uid is not None:
         d = {**d, "miners": [m for m in d.get("miners", []) if m["uid"] == a.uid]}
+        if not d["miners"]:
+            print(f"error: no miner with uid {a.uid} in these scores", file=sys.stderr)
+            return 2
     print(json.dumps(d, indent=2) if a.json else explain.format_table(d))
     return 0
 
