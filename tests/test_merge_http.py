@@ -34,11 +34,11 @@ def flat(svc):
 
 
 class Net:
-    def __init__(self, tmp):
-        self.tmp = tmp
+    def __init__(self, tmp, stage=1, ovr=OVR):
+        self.tmp, self.stage = tmp, stage
         self.db = tmp / "chain.db"
         create_devnet(self.db, 9, tempo=50, block_time=0.5, weights_rate_limit=1, max_validators=1)
-        self.cfg = load_config("configs/tiny.yaml", OVR)
+        self.cfg = load_config("configs/tiny.yaml", ovr)
         self.svcs: list[MinerService] = []
 
     async def start(self, n):
@@ -52,7 +52,7 @@ class Net:
     async def add(self):
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
-        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=1, out_dir=self.tmp / f"m{i}",
+        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
                            host="127.0.0.1", external_ip="127.0.0.1")
         await svc.start()
         self.svcs.append(svc)
@@ -211,6 +211,29 @@ def test_joiner_syncs_from_peers_despite_dying_donor(tmp_path, tmp_home):
                         ForwardResult, retries=0)
                     outs.append(r.activations)
                 assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_merge_of_a_stage_larger_than_an_activation_body(tmp_path, tmp_home):
+    """Stage 0 with a 16k-token embedding: each replica's slice (~2 MB) is larger than the body limit
+    of an activation route (~1.2 MB); the merge routes have their own limit, so the merge completes."""
+    ovr = {**OVR, "model": {**OVR["model"], "vocab_size": 16384}, "data": {"seq_len": 16, "vocab_size": 16384}}
+
+    async def main():
+        net = Net(tmp_path, stage=0, ovr=ovr)
+        await net.start(2)
+        try:
+            a, b = net.svcs
+            P = a.merge.params.numel
+            assert 4 * P // 2 > a.server.max_body_bytes          # a slice would not fit an activation body
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.status == "merged" for r in reps), [(r.status, r.reason) for r in reps]
+            assert torch.equal(flat(a), flat(b))
+            assert all(r.bytes_sent >= 4 * P // 2 for r in reps)
         finally:
             await net.close()
     asyncio.run(main())

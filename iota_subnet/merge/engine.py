@@ -455,7 +455,7 @@ class MergeEngine:
                 late = True
             else:
                 unreachable.add(r)
-            logger.debug(f"merge: contribution to {r[:10]} failed: {e}")
+            logger.warning(f"merge: contribution to {r[:10]} failed: {e}")
         await reducers
         if late:
             return False, [], "a reducer refused as LATE (it merged or closed this attempt)"

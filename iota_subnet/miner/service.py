@@ -220,8 +220,10 @@ class MinerService:
         self._last_epoch = self._epoch_at(self.worker.inner_step)
         P = self.merge.params.numel
         self.server.add_route("/merge/join", self._merge_route, MergeJoin, None)
+        # a slice holds at most the whole stage (fp32) plus int8 scales and the JSON header
         self.server.add_route("/merge/contribute", self._merge_route, MergePayload,
-                              merge_payload_contract(max_numel=P, block=mc.int8_block))
+                              merge_payload_contract(max_numel=P, block=mc.int8_block),
+                              max_body_bytes=4 * P + 4 * (P // mc.int8_block + 1) + (1 << 20))
         self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)

@@ -88,6 +88,7 @@ class Route:
     handler: Handler
     message_type: type[Message]
     contract_fn: ContractFn = None
+    max_body_bytes: Optional[int] = None     #: this route's body limit (None: the server's)
 
     def contract(self) -> Optional[TensorContract]:
         if self.contract_fn is None or isinstance(self.contract_fn, TensorContract):
@@ -154,14 +155,18 @@ class NeuronServer:
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ routes
-    def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None) -> None:
+    def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None,
+                  *, max_body_bytes: Optional[int] = None) -> None:
+        """Serve POST ``path``: bodies decode to ``message_type`` checked against ``contract_fn``;
+        ``max_body_bytes`` overrides the server's body limit for this route (merge payloads of a
+        whole stage are far larger than an activation)."""
         if not path.startswith("/"):
             raise ValueError(f"route path must start with '/': {path!r}")
         if path in self.routes:
             raise ValueError(f"route {path} registered twice")
         if self._runner is not None:
             raise RuntimeError("add routes before start()")
-        route = Route(path, handler, message_type, contract_fn)
+        route = Route(path, handler, message_type, contract_fn, None if max_body_bytes is None else int(max_body_bytes))
         self.routes[path] = route
 
         async def _aiohttp_handler(request: web.Request) -> web.StreamResponse:
@@ -220,8 +225,7 @@ class NeuronServer:
         logger.log(level, "refused {} from {}: {} {}", request.path, request.remote, err.outcome.value, err.message)
         return web.json_response(err.to_json(), status=err.status)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.max_body_bytes
+    async def _read_body(self, request: web.Request, limit: int) -> bytes:
         declared = request.content_length
         if declared is not None and declared > limit:
             raise ProtocolError(Outcome.BODY_TOO_LARGE, f"Content-Length {declared} > limit {limit}")
@@ -265,7 +269,8 @@ class NeuronServer:
         self._inflight += 1
         t0 = time.perf_counter()
         try:
-            body = await self._read_body(request)
+            limit = route.max_body_bytes or self.max_body_bytes
+            body = await self._read_body(request, limit)
             self.bytes_received += len(body)
             big = len(body) > OFFLOAD_BYTES
             caller = await asyncio.to_thread(self._verify, request, body) if big else self._verify(request, body)
@@ -275,10 +280,9 @@ class NeuronServer:
                     await res
             contract = route.contract()
             if big:
-                msg = await asyncio.to_thread(decode, body, route.message_type, contract,
-                                              max_body_bytes=self.max_body_bytes)
+                msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit)
             else:
-                msg = decode(body, route.message_type, contract, max_body_bytes=self.max_body_bytes)
+                msg = decode(body, route.message_type, contract, max_body_bytes=limit)
             request[_MSG_KEY] = msg
             request[_CTX_KEY] = RequestContext(caller_hotkey=caller.hotkey_ss58, route=route.path,
                                                  nonce_ns=caller.nonce_ns, remote=request.remote,
