@@ -40,7 +40,7 @@ from loguru import logger
 
 from iota_subnet.config import MergeConfig
 from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult, MergeResultRequest, Message,
-                                  Outcome, ProtocolError, tensor_sha256)
+                                  Outcome, ProtocolError, payload_nbytes, tensor_sha256)
 
 from .outer import dequantize, outer_step, quantize, weighted_mean
 from .plan import MergePlan, epoch_seed
@@ -63,13 +63,15 @@ def flat_numel(module: torch.nn.Module) -> int:
 
 class ModuleParams:
     """Flat float32 view of a module's parameters (in ``module.parameters()`` order), read and
-    written under ``lock`` (the stage worker's lock)."""
+    written under ``lock`` (the stage worker's lock); ``on_write()`` runs under the lock after
+    every write (the stage worker's :meth:`~iota_subnet.miner.stage_worker.StageWorker.weights_replaced`)."""
 
-    def __init__(self, module: torch.nn.Module, lock: Any = None):
+    def __init__(self, module: torch.nn.Module, lock: Any = None, on_write: Optional[Callable[[], Any]] = None):
         import threading
         self.module = module
         self.lock = lock or threading.RLock()
         self.numel = flat_numel(module)
+        self.on_write = on_write
 
     def read(self) -> torch.Tensor:
         with self.lock, torch.no_grad():
@@ -84,6 +86,8 @@ class ModuleParams:
                 n = p.numel()
                 p.copy_(flat[off:off + n].view_as(p).to(p.dtype))
                 off += n
+            if self.on_write is not None:
+                self.on_write()
 
 
 @dataclass
@@ -187,7 +191,13 @@ class MergeEngine:
     # ------------------------------------------------------------------ server side
     async def handle(self, route: str, msg: Message, caller: str) -> Message:
         """Serve a peer's merge request (``route`` in ``/merge/join``, ``/merge/contribute``,
-        ``/merge/result``, ``/merge/contribution``). Raises ProtocolError for refusals."""
+        ``/merge/result``, ``/merge/contribution``). Raises ProtocolError for refusals. Tensor bytes
+        served and received here count in this replica's merge byte totals."""
+        reply = await self._handle(route, msg, caller)
+        self._count(payload_nbytes(reply), payload_nbytes(msg))
+        return reply
+
+    async def _handle(self, route: str, msg: Message, caller: str) -> Message:
         if route == "/merge/join":
             return self._on_join(msg)
         if route == "/merge/contribute":

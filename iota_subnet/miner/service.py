@@ -208,7 +208,8 @@ class MinerService:
         mc = self.cfg.merge
         self.merge_client = NeuronClient(self.wallet)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
-        self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock), transport,
+        self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
+                                                                on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
                                  on_applied=self._on_merged)
         self.merge.in_sync = False
@@ -488,10 +489,12 @@ class MinerService:
     async def _forward(self, msg: Forward, ctx) -> ForwardResult:
         self._check_header(msg)
         key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
-        if self.merge is not None and msg.keep_for_backward:
-            if not self.merge.in_sync:
+        if self.merge is not None:
+            if msg.keep_for_backward and not self.merge.in_sync:
                 raise ProtocolError(Outcome.NOT_READY, "syncing the stage's merged weights from peers")
-            if not self._gate.is_set():       # training pauses while the replicas merge
+            # training and evaluation pause while the replicas merge (an evaluation must not see
+            # merged weights on one stage and unmerged ones on the next)
+            if not self._gate.is_set():
                 mc = self.cfg.merge
                 try:
                     await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
@@ -502,6 +505,7 @@ class MinerService:
             self._maybe_merge()
         self.m_requests.labels("/forward", "OK").inc()
         stats = {"weights_step": float(out.get("weights_step", self.worker.inner_step)),
+                 "weights_merges": float(out.get("weights_merges", self.worker.merges)),
                  "bf16": 1.0 if self.worker.precision == "bf16" else 0.0}
         return ForwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
                              inner_step=self.worker.inner_step, activations=out.get("activations"),
@@ -512,7 +516,8 @@ class MinerService:
         key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
         w = self.worker
         try:
-            g, used = await self._compute(lambda: (w.backward(key, msg.grad), w.last_weights_step))
+            g, used, merges = await self._compute(lambda: (w.backward(key, msg.grad), w.last_weights_step,
+                                                           w.last_weights_merges))
         except UnknownMicrobatch:
             raise ProtocolError(Outcome.UNKNOWN_MICROBATCH,
                                 f"no pending forward for micro-batch {msg.microbatch_id} (never seen or evicted)") from None
@@ -521,11 +526,19 @@ class MinerService:
         self._maybe_merge()
         self.m_requests.labels("/backward", "OK").inc()
         return BackwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
-                              inner_step=self.worker.inner_step, grad=g, stats={"weights_step": float(used)})
+                              inner_step=self.worker.inner_step, grad=g, stats={"weights_step": float(used),
+                                                                                  "weights_merges": float(merges)})
 
     async def _state(self, msg: StateRequest, ctx) -> StateResponse:
         if msg.stage != self.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
+        if self.merge is not None and not self._gate.is_set():
+            # a snapshot taken mid-merge would name weights the next step no longer uses
+            mc = self.cfg.merge
+            try:
+                await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
+            except asyncio.TimeoutError:
+                raise ProtocolError(Outcome.BUSY, "merging with the other replicas") from None
 
         def snapshot():
             with self.worker.lock:

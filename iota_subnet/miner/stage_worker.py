@@ -60,6 +60,10 @@ class StageWorker:
         self.lock = threading.RLock()
         #: inner step of the weights the last backward used (reported to validators for spot checks)
         self.last_weights_step = 0
+        #: weights replaced from outside the inner optimizer (replica merges, state syncs): with the
+        #: inner step it names the weights a result was computed with
+        self.merges = 0
+        self.last_weights_merges = 0
         #: "bf16" under autocast on GPU, else "fp32" (sets the validator's replay tolerance)
         self.precision = "bf16" if self.device.type == "cuda" else "fp32"
 
@@ -79,6 +83,7 @@ class StageWorker:
             step = self.inner_step
             res = self._forward(mb_id, x, targets, train=train)
             res.setdefault("weights_step", step)
+            res.setdefault("weights_merges", self.merges)
             return res
 
     def _forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
@@ -115,7 +120,8 @@ class StageWorker:
                     res["grad"] = grad
                 return res
             self.cache.put(mb_id, inp, out, tokens=int(x.shape[0] * x.shape[1]), version=self.version,
-                           token_ids=tokens_in if self.spec.is_head else None, step=self.inner_step)
+                           token_ids=tokens_in if self.spec.is_head else None, step=self.inner_step,
+                           merges=self.merges)
             return {"activations": out.detach().float()}
 
     def backward(self, mb_id: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -133,10 +139,11 @@ class StageWorker:
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {tuple(entry.outputs.shape)}")
             if entry.meta.get("version") == self.version:
                 self.last_weights_step = int(entry.meta.get("step", self.inner_step))
+                self.last_weights_merges = int(entry.meta.get("merges", self.merges))
                 entry.outputs.backward(grad.to(self.device, entry.outputs.dtype))
                 gin = entry.inputs.grad.detach() if entry.inputs is not None else None
             else:
-                self.last_weights_step = self.inner_step
+                self.last_weights_step, self.last_weights_merges = self.inner_step, self.merges
                 gin = self._recompute_backward(entry, grad)
             self._count_backward(entry.meta.get("tokens", 0))
             return gin
@@ -177,9 +184,17 @@ class StageWorker:
             self.version += 1
             self.pending = 0
 
+    def weights_replaced(self) -> None:
+        """Call (under :attr:`lock`) after overwriting the weights from outside (a replica merge,
+        a state sync): cached forwards are recomputed at their backward, and results name the new
+        weights (``weights_merges``) so spot checks never compare them with an older snapshot."""
+        with self.lock:
+            self.version += 1
+            self.merges += 1
+
     # ---- state -------------------------------------------------------------------------------
     def meta(self) -> dict:
-        return {"step": self.inner_step, "stage": self.stage, "config_fingerprint": self.fingerprint,
+        return {"step": self.inner_step, "merges": self.merges, "stage": self.stage, "config_fingerprint": self.fingerprint,
                 "forwards": self.forwards, "backwards": self.backwards, "tokens": self.tokens,
                 "saved_at": time.time()}
 

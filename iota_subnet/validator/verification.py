@@ -116,6 +116,7 @@ class Snapshot:
     step: int
     tensors: dict[str, torch.Tensor]
     taken_at: float = field(default_factory=time.time)
+    merges: Optional[int] = None     #: weights replaced by replica merges so far (``state_meta.merges``)
 
 
 @dataclass
@@ -138,6 +139,8 @@ class Sample:
     grad_in: Optional[torch.Tensor] = None   # body/head backward: the gradient sent
     grad_back: Optional[torch.Tensor] = None  # body backward: the gradient it returned
     backward_step: Optional[int] = None
+    weights_merges: Optional[int] = None      # stats.weights_merges of the forward
+    backward_merges: Optional[int] = None
 
 
 @dataclass
@@ -238,8 +241,10 @@ class SpotChecker:
         try:
             resp = await self.client.call(r.endpoint, r.hotkey, "/state", StateRequest(run_id=self.run_id, stage=r.stage),
                                           StateResponse, timeout_s=self.state_timeout_s, retries=1)
+            merges = resp.state_meta.get("merges")
             snap = Snapshot(r.uid, r.hotkey, r.stage, int(resp.state_meta.get("step", resp.inner_step)),
-                            {k: v.detach().float() if v.is_floating_point() else v for k, v in resp.tensors.items()})
+                            {k: v.detach().float() if v.is_floating_point() else v for k, v in resp.tensors.items()},
+                            merges=None if merges is None else int(merges))
         except (ProtocolError, TransportError, ValueError, TypeError) as e:
             logger.info("no /state snapshot of uid {}: {}: {}", r.uid, type(e).__name__, e)
             self.snaps.pop(r.key, None)
@@ -283,6 +288,8 @@ class SpotChecker:
         prec = "bf16" if float(stats.get("bf16", 0) or 0) > 0 else "fp32"
         smp = Sample(r.uid, r.hotkey, r.stage, lane, step, microbatch_id, x.detach().clone(),
                      targets.detach().clone() if last else None, None if ws is None else int(ws), prec)
+        wm = stats.get("weights_merges")
+        smp.weights_merges = None if wm is None else int(wm)
         if last:
             smp.loss = float(reply.loss)
             smp.grad_out = reply.grad.detach().clone() if reply.grad is not None else None
@@ -300,6 +307,8 @@ class SpotChecker:
         stats = getattr(reply, "stats", None) or {}
         bs = stats.get("weights_step")
         smp.backward_step = None if bs is None else int(bs)
+        bm = stats.get("weights_merges")
+        smp.backward_merges = None if bm is None else int(bm)
         smp.grad_in = grad_in.detach().clone()
         smp.grad_back = None if grad_back is None else grad_back.detach().clone()
 
@@ -337,9 +346,10 @@ class SpotChecker:
         if snap is None:
             s.no_snapshot += 1
             return None
-        if smp.weights_step != snap.step:
+        if smp.weights_step != snap.step or (snap.merges is not None and smp.weights_merges != snap.merges):
             s.unverifiable += 1
-            self._event(s, "unverifiable", True, f"reported weights step {smp.weights_step}, snapshot {snap.step}")
+            self._event(s, "unverifiable", True, f"reported weights step {smp.weights_step} (merges "
+                                                 f"{smp.weights_merges}), snapshot {snap.step} (merges {snap.merges})")
             if (self.single_validator and s.unverifiable >= self.min_samples
                     and s.unverifiable > s.passed + s.failed):
                 s.flag(f"evades checks: {s.unverifiable} sampled hops report a weights step that no snapshot has")
@@ -367,7 +377,8 @@ class SpotChecker:
                 out = m(inp)
                 errs["activations"] = rel_err(smp.out, out.detach())
                 check_bwd = smp.grad_in is not None and not head and (
-                    smp.backward_step is None or smp.backward_step == snap.step)
+                    smp.backward_step is None or smp.backward_step == snap.step) and (
+                    snap.merges is None or smp.backward_merges in (None, snap.merges))
                 if check_bwd:
                     out.backward(smp.grad_in.to(self.device, out.dtype))
                     errs["grad"] = rel_err(smp.grad_back, inp.grad)
