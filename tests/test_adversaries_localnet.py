@@ -53,4 +53,7 @@ def test_localnet_adversary(kind, tmp_path, tmp_home, wikitext_path, monkeypatch
     capsys.readouterr()
     assert cli_main(["scores", "--validator-state", str(vdir), "--uid", str(adv[0]), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["miners"][0]
-    assert row["weight"] == 0.0 and any("spot check" in w for w in row["why"]), row
+    caught_by = "merge" if kind == "poison" else "spot check"     # poison: the merge redundancy check
+    assert row["weight"] == 0.0 and any(caught_by in w for w in row["why"]), row
+    if kind == "poison":
+        assert summary["merge"]["merges_applied"] > 0 and summary["merge"]["mismatch_reports"] > 0

@@ -12,7 +12,8 @@ from iota_subnet.chain import add_stake, create_devnet, open_chain
 from iota_subnet.config import load_config
 from iota_subnet.merge import outer_step
 from iota_subnet.miner.service import MinerService
-from iota_subnet.protocol import (Forward, ForwardResult, Health, MergePayload, MergeAck, Outcome, ProtocolError,
+from iota_subnet.protocol import (Forward, ForwardResult, Health, MergeEvidence, MergePayload, MergeAck, Outcome,
+                                  ProtocolError,
                                   StateChunk, StateChunkRequest)
 from iota_subnet.transport import NeuronClient
 from iota_subnet.wallets import create_wallet
@@ -41,19 +42,19 @@ class Net:
         self.cfg = load_config("configs/tiny.yaml", ovr)
         self.svcs: list[MinerService] = []
 
-    async def start(self, n):
+    async def start(self, n, adversary_last=None):
         self.chain = await open_chain("devnet", self.db)
         self.val = create_wallet("val", "default", self.tmp / "wallets")
         await self.chain.register(self.val, 9)
         add_stake(self.db, self.val.hotkey.ss58_address, self.val.coldkey.ss58_address, 100.0)
-        for _ in range(n):
-            await self.add()
+        for i in range(n):
+            await self.add(adversary_last if i == n - 1 else None)
 
-    async def add(self):
+    async def add(self, adversary=None):
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
         svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1")
+                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary)
         await svc.start()
         self.svcs.append(svc)
         for s in self.svcs:
@@ -234,6 +235,62 @@ def test_merge_of_a_stage_larger_than_an_activation_body(tmp_path, tmp_home):
             assert all(r.status == "merged" for r in reps), [(r.status, r.reason) for r in reps]
             assert torch.equal(flat(a), flat(b))
             assert all(r.bytes_sent >= 4 * P // 2 for r in reps)
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_poisoning_reducer_caught_and_excluded(tmp_path, tmp_home):
+    """``--adversary poison`` (a reducer serving poisoned means): the honest replicas still merge
+    correctly, both report it with evidence, the validator's MergeOversight (over signed HTTP)
+    penalises only it, publishes merge weight 0 for it, and the next merge runs without it."""
+    from iota_subnet.validator.merge_weights import MergeOversight, weights_from_commitments
+    from iota_subnet.validator.routing import Replica
+
+    async def main():
+        net = Net(tmp_path)
+        await net.start(3, adversary_last="poison")
+        try:
+            a, b, p = net.svcs
+            anchor = a.merge.anchor.clone()
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            mean = sum(anchor - flat(s) for s in net.svcs) / 3
+            ref, _ = outer_step(anchor, torch.zeros_like(anchor), mean, lr=0.7, mu=0.9)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.applied for r in reps), [(r.status, r.reason) for r in reps]
+            for s in (a, b):                                   # honest replicas: correct despite the poison
+                assert torch.allclose(flat(s), ref, atol=1e-6)
+            assert torch.equal(flat(a), flat(b))
+
+            mo = MergeOversight(RUN)
+            reps_ = [Replica(s.uid, s.hotkey, s.server.endpoint, 1) for s in net.svcs]
+            async with NeuronClient(net.val) as cl:
+                assert await mo.collect(cl, reps_) > 0
+            pen = mo.penalised()
+            assert set(pen) == {p.hotkey}, pen
+            assert "2 replicas" in pen[p.hotkey]
+            # a miner may not read evidence (validators only)
+            async with NeuronClient(a.wallet) as cl:
+                with pytest.raises(ProtocolError) as ei:
+                    await cl.call(b.server.endpoint, b.hotkey, "/evidence", MergeEvidence(run_id=RUN, stage=1),
+                                  MergeEvidence, retries=0)
+                assert ei.value.outcome == Outcome.FORBIDDEN
+            # merge weights: the poisoner 0, published on chain; the replicas read it
+            raw = mo.commitment({s.uid: (1, 100.0) for s in net.svcs}, cheaters={p.uid})
+            assert raw is not None and mo.commitment({s.uid: (1, 100.0) for s in net.svcs}, cheaters={p.uid}) is None
+            await net.chain.publish(net.val, 9, raw)
+            for s in net.svcs:
+                s._last_refresh = 0
+                await s.refresh(force=True)
+            w = weights_from_commitments(a._commitments, a._neurons, RUN, 1, [s.hotkey for s in net.svcs])
+            assert w == {a.hotkey: 1.0, b.hotkey: 1.0, p.hotkey: 0.0}
+            for k, s in enumerate(net.svcs):
+                train_locally(s, 10 + k)
+            reps = await merge_epoch(net.svcs, 1)
+            assert reps[0].applied and reps[1].applied and reps[0].participants == sorted([a.hotkey, b.hotkey])
+            assert reps[2].status == "abandoned" and "weight 0" in reps[2].reason
+            assert not reps[0].mismatches and not reps[1].mismatches
         finally:
             await net.close()
     asyncio.run(main())

@@ -16,10 +16,16 @@ shapes, finite numbers), so only verification can tell it from an honest miner:
             still advances, as if it had stepped).
 ``claim``   claims backward work it did not do: acknowledges ``/backward`` with a zero gradient
             without backpropagating (so its weights never learn) and reports inflated counters.
-``poison``  (merge-shard poisoning) is not implemented: it needs the merging protocol of issue 4.
+``poison``  computes and trains honestly, but as a reducer in replica merges it publishes poisoned
+            merge results (the mean pseudo-gradient of its shards negated and tripled, with the
+            hash of what it serves), pushing its stage's weights away from where training goes.
 
 How each is caught: see :mod:`iota_subnet.validator.verification` (replay of sampled hops for
-all but ``stale``; ``stale`` and a head-stage ``claim`` by the weights-changed check).
+all but ``stale`` and ``poison``; ``stale`` and a head-stage ``claim`` by the weights-changed
+check) and, for ``poison``, the merge redundancy check: the other reducer of each shard and the
+replicas gathering it see different hashes, recompute the mean as third parties and report the
+poisoner with evidence, which validators collect (:class:`iota_subnet.validator.merge_weights.MergeOversight`).
+
 """
 from __future__ import annotations
 
@@ -29,8 +35,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-#: Adversary kinds this module implements (``poison`` waits for merging).
-ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim")
+#: Adversary kinds this module implements (``poison`` needs merging: ``merge.every_steps`` > 0).
+ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim", "poison")
+
+
+def poison_mean(shard_index: int, mean: "torch.Tensor") -> "torch.Tensor":
+    """The ``poison`` adversary's merge result for a shard it reduces: the honest mean pseudo-gradient
+    [n] (float32) negated and tripled (installed as :attr:`iota_subnet.merge.engine.MergeEngine.tamper`)."""
+    return mean * -3.0
 
 
 class AdversaryError(ValueError):
@@ -44,8 +56,7 @@ def install(worker: Any, kind: str, *, peer_state: Optional[Callable[[], dict]] 
     the copier has none yet and after each of its inner steps). Raises :class:`AdversaryError`.
     """
     if kind not in ADVERSARY_KINDS:
-        raise AdversaryError(f"unknown adversary {kind!r}; one of {', '.join(ADVERSARY_KINDS)}"
-                             + (" (poison needs the merging protocol)" if kind == "poison" else ""))
+        raise AdversaryError(f"unknown adversary {kind!r}; one of {', '.join(ADVERSARY_KINDS)}")
     adv = Adversary(worker, kind, peer_state=peer_state, seed=seed)
     adv.apply()
     return adv

@@ -7,7 +7,8 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 * ``/state``    StateRequest -> StateResponse (validators, and miners of the same stage)
 * ``/health``   Health -> Health           (any registered hotkey; ``ready`` is False while syncing)
 * ``/merge/join|contribute|result|contribution``, ``/state/chunk``: replica merging and state sync
-  (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured
+  (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured;
+  ``/evidence`` (validators): the merge mismatch evidence this replica recorded
 * ``GET /metrics`` Prometheus text (unauthenticated, counters only)
 
 Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
@@ -31,7 +32,8 @@ from iota_subnet.chain import Chain
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
-from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeJoin, MergePayload,
+from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeEvidence, MergeJoin,
+                                  MergePayload,
                                   MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
                                   StateResponse, backward_contract, forward_contract, merge_payload_contract)
 from iota_subnet.protocol.commitment import StageCommitment
@@ -116,7 +118,7 @@ class MinerService:
         n = self._neurons.get(hotkey)
         if n is None:
             raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid {self.netuid}")
-        if route in ("/forward", "/backward") and not n.validator_permit:
+        if route in ("/forward", "/backward", "/evidence") and not n.validator_permit:
             raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for validators with a permit; uid {n.uid} has none")
         if route == "/state" and not (n.validator_permit or self._stages.get(hotkey) == self.stage):
             raise ProtocolError(Outcome.FORBIDDEN, "/state is for validators and replicas of the same stage")
@@ -178,6 +180,12 @@ class MinerService:
         self.server.add_route("/health", self._health, Health, None)
         if self.cfg.merge.enabled:
             self._setup_merge()
+        if self.adversary == "poison":
+            from iota_subnet.miner.adversary import poison_mean
+            if self.merge is None:
+                raise ConfigError("--adversary poison poisons replica merges: enable merging (merge.every_steps "
+                                  "or merge.every_blocks > 0 in the config)")
+            self.merge.tamper = poison_mean
         self.server.add_public_get("/metrics", self._metrics)
         self.port = await self.server.start()
         await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)
@@ -228,6 +236,7 @@ class MinerService:
         self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)
+        self.server.add_route("/evidence", self._evidence_route, MergeEvidence, None)
 
     def _epoch_at(self, step: int) -> int:
         """Merge epoch k closes at inner step (k + 1) * H: the last closed epoch at ``step``."""
@@ -251,6 +260,11 @@ class MinerService:
     async def _merge_route(self, msg, ctx):
         self._check_header(msg)
         return await self.merge.handle(ctx.route, msg, ctx.caller_hotkey)
+
+    async def _evidence_route(self, msg, ctx):
+        """(validators) the merge mismatch evidence this replica recorded, newest last."""
+        self._check_header(msg)
+        return MergeEvidence(run_id=self.run_id, stage=self.stage, reports=self.merge.reports[-50:])
 
     async def _chunk_route(self, msg, ctx):
         self._check_header(msg)

@@ -69,6 +69,11 @@ class LocalNet:
         ovr.setdefault("pipeline", {})["stages"] = stages
         ovr.setdefault("train", {})["total_steps"] = steps
         self.cfg = load_config(config, ovr)
+        if adversary == "poison" and not self.cfg.merge.enabled:
+            # merge-shard poisoning needs merges: every 5 inner steps unless the config says otherwise
+            ovr.setdefault("merge", {})["every_steps"] = 5
+            self.cfg = load_config(config, ovr)
+            logger.info("--adversary poison: merging every 5 inner steps (merge.every_steps)")
         self.stages, self.replicas, self.n_validators = stages, replicas, validators
         self.data, self.steps = data, steps
         self.block_time, self.tempo = block_time, tempo

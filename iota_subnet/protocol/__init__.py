@@ -20,6 +20,7 @@ from .messages import (
     ForwardResult,
     Health,
     MergeAck,
+    MergeEvidence,
     MergeJoin,
     MergePayload,
     MergeResult,
@@ -35,7 +36,7 @@ from .outcome import HTTP_STATUS, Outcome, ProtocolError
 
 __all__ = [
     "Backward", "BackwardResult", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",
-    "MESSAGE_TYPES", "MergeAck", "MergeJoin", "MergePayload", "MergeResult", "MergeResultRequest",
+    "MESSAGE_TYPES", "MergeAck", "MergeEvidence", "MergeJoin", "MergePayload", "MergeResult", "MergeResultRequest",
     "StateChunk", "StateChunkRequest", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
     "StateResponse", "TensorContract", "TensorSpec", "decode", "encode", "read_header", "tensor_sha256",
     "tensor_field",

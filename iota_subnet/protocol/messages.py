@@ -24,6 +24,7 @@ StateChunkRequest / StateChunk
 StateRequest   no tensors; optional ``names`` to fetch a subset
 StateResponse  ``tensors``: {parameter name: tensor}; ``state_meta`` (JSON)
 Health         no tensors
+MergeEvidence  no tensors: ``reports``, a replica's merge mismatch evidence (JSON), for validators
 ============== ================================================================================
 """
 from __future__ import annotations
@@ -214,8 +215,16 @@ class Health(Message):
     stats: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(kw_only=True)
+class MergeEvidence(Message):
+    """Request (``reports`` empty) and reply of ``/merge/evidence``: the mismatch evidence a replica
+    recorded as a third party (:attr:`iota_subnet.merge.engine.MergeEngine.reports`), newest last."""
+    TYPE: ClassVar[str] = "MergeEvidence"
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload, MergeJoin, MergeAck,
                         MergeResultRequest, MergeResult, StateChunkRequest, StateChunk,
-                        StateRequest, StateResponse, Health)
+                        StateRequest, StateResponse, Health, MergeEvidence)
 }

@@ -84,14 +84,94 @@ def weights_from_commitments(commitments: Mapping[str, str], neurons: Mapping[st
 
 def penalised_from_evidence(evidence: Iterable[Mapping[str, Any]], *, min_reporters: int = 1) -> set[str]:
     """Hotkeys named ``wrong`` in merge mismatch evidence by at least ``min_reporters`` distinct reporters
-    (the evidence a replica's ``status.json`` / merge reports carry: reducers' claimed hashes and the
+    other than themselves (the evidence a replica's ``status.json`` / merge reports carry: reducers' claimed hashes and the
     third party's recomputed hash)."""
     reporters: dict[str, set[str]] = {}
     for ev in evidence:
         claimed = ev.get("claimed_sha256") or {}
         rec = ev.get("recomputed_sha256")
         for hk in ev.get("wrong") or []:
+            if hk == ev.get("reporter"):
+                continue       # only other replicas' evidence counts
             if rec and claimed.get(hk) == rec and (ev.get("served_sha256") or {}).get(hk, rec) == rec:
                 continue       # the evidence does not support the accusation
             reporters.setdefault(hk, set()).add(str(ev.get("reporter", "")))
     return {hk for hk, rs in reporters.items() if len(rs) >= min_reporters}
+
+
+class MergeOversight:
+    """A validator's side of merging: collects mismatch evidence from the replicas, names the
+    reducers it proves wrong, and publishes merge weights.
+
+    * :meth:`collect` asks every replica for its evidence (``/evidence``, signed); a report counts
+      only as coming from the replica that served it (its ``reporter`` must be that hotkey, its
+      ``run_id`` this run, its ``stage`` the replica's stage).
+    * :meth:`penalised`: hotkey -> reason, for reducers named ``wrong`` by at least
+      ``min_reporters`` distinct replicas (default 2: with two replicas each can accuse the other,
+      so one accusation alone proves nothing).
+    * :meth:`commitment`: the merge-weights commitment to publish (:func:`compute_merge_weights`
+      over verified work; only weights other than the default 1.0; rounded to 0.1 so that they change rarely: replicas read them
+      when they build a plan, and a commitment landing between two replicas' reads makes that
+      attempt fail and retry), or None when unchanged since the last call.
+    """
+
+    def __init__(self, run_id: str, *, min_reporters: int = 2, max_reports: int = 2000):
+        self.run_id = run_id
+        self.min_reporters = int(min_reporters)
+        self.max_reports = int(max_reports)
+        self.reports: dict[tuple, dict] = {}
+        self.published: Optional[str] = None
+
+    def add(self, reporter: str, stage: int, reports: Iterable[Mapping[str, Any]]) -> int:
+        """Keep ``reports`` served by ``reporter`` (a replica of ``stage``). Returns how many are new."""
+        new = 0
+        for ev in reports:
+            if not isinstance(ev, Mapping) or ev.get("reporter") != reporter or ev.get("run_id") != self.run_id:
+                continue
+            if ev.get("stage") != stage or not isinstance(ev.get("wrong"), list):
+                continue
+            key = (reporter, ev.get("epoch"), ev.get("attempt"), ev.get("plan_id"), ev.get("shard"))
+            if key not in self.reports:
+                self.reports[key] = dict(ev)
+                new += 1
+        while len(self.reports) > self.max_reports:
+            self.reports.pop(next(iter(self.reports)))
+        return new
+
+    async def collect(self, client: Any, replicas: Iterable[Any], timeout_s: float = 10.0) -> int:
+        """Fetch the evidence of every replica (``Replica``: uid, hotkey, endpoint, stage); unreachable
+        replicas are skipped. Returns the number of new reports."""
+        import asyncio
+
+        from iota_subnet.protocol import MergeEvidence
+
+        async def one(r):
+            try:
+                got = await client.call(r.endpoint, r.hotkey, "/evidence", MergeEvidence(run_id=self.run_id, stage=r.stage),
+                                        MergeEvidence, timeout_s=timeout_s, retries=0)
+                return self.add(r.hotkey, r.stage, got.reports or [])
+            except Exception:  # noqa: BLE001 - no evidence from an unreachable replica
+                return 0
+        return sum(await asyncio.gather(*(one(r) for r in replicas)))
+
+    def penalised(self) -> dict[str, str]:
+        hit = penalised_from_evidence(self.reports.values(), min_reporters=self.min_reporters)
+        out = {}
+        for hk in sorted(hit):
+            evs = [e for e in self.reports.values() if hk in (e.get("wrong") or []) and e.get("reporter") != hk]
+            reporters = sorted({str(e.get("reporter", ""))[:8] for e in evs})
+            epochs = sorted({e.get("epoch") for e in evs if e.get("epoch") is not None})
+            out[hk] = (f"merge: published merge results that {len(reporters)} replicas ({', '.join(reporters)}) "
+                       f"recomputed differently ({len(evs)} shard(s), epoch(s) {epochs[:5]})")
+        return out
+
+    def commitment(self, work: Mapping[int, tuple[int, float]], cheaters: Iterable[int]) -> Optional[str]:
+        w = {u: round(v, 1) for u, v in compute_merge_weights(work, cheaters=cheaters).items()}
+        # only the weights that differ from the default 1.0 (zeros first), so it fits a commitment
+        # (2,048 bytes: about 200 entries)
+        decided = sorted(((u, v) for u, v in w.items() if v != 1.0), key=lambda uv: (uv[1] != 0.0, uv[0]))[:200]
+        raw = encode_commitment(self.run_id, dict(decided))
+        if raw == self.published:
+            return None
+        self.published = raw
+        return raw

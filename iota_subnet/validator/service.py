@@ -223,6 +223,9 @@ class ValidatorService:
         self.router = Router(self.cfg.pipeline.stages)
         self.client = NeuronClient(self.wallet)          # training hops: forward, backward, evaluation
         self.verify_client = NeuronClient(self.wallet)   # spot-check snapshots and CLASP probes
+        if self.cfg.merge.enabled:
+            from .merge_weights import MergeOversight
+            self.merge_oversight = MergeOversight(o.run_id)
         self._load_verification()
         hp = await self.chain.hyperparameters(o.netuid)
         self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
@@ -338,7 +341,9 @@ class ValidatorService:
         every = max(self._tempo, self._rate_limit, 1)
         if last is not None and block - last < every:
             return False
+        await self._merge_round()
         weights = self.update_scores(block)
+        await self._publish_merge_weights()
         if not weights:
             return False
         uids = sorted(weights)
@@ -355,6 +360,45 @@ class ValidatorService:
         self._save_verification()
         logger.info("weights set at block {}: {}", block, {u: round(w, 4) for u, w in zip(uids, vals)})
         return True
+
+    merge_oversight = None
+
+    async def _merge_round(self) -> None:
+        """With merging on: collect the replicas' merge mismatch evidence; a reducer that at least two
+        replicas proved wrong is flagged (weight 0, merge weight 0). See :class:`.merge_weights.MergeOversight`."""
+        mo = self.merge_oversight
+        if mo is None or self.router is None or self.checker is None:
+            return
+        new = await mo.collect(self.verify_client, self.router.live_replicas())
+        if new:
+            logger.info("merge evidence: {} new report(s) from the replicas", new)
+        stages = {r.hotkey: (r.uid, r.stage) for r in self.router.live_replicas()}
+        stages.update({hk: (uid, rec.stage) for (uid, hk), rec in self.ledger.records.items() if hk not in stages})
+        for hk, why in mo.penalised().items():
+            if hk in stages:
+                uid, stage = stages[hk]
+                s = self.checker.stat(uid, hk, stage)
+                if not s.flagged:
+                    logger.warning("uid {} flagged: {}", uid, why)
+                s.flag(why)
+
+    async def _publish_merge_weights(self) -> None:
+        """Publish each replica's weight in its stage's merge (commitment), when it changed."""
+        mo = self.merge_oversight
+        if mo is None:
+            return
+        work = {uid: (rec.stage, rec.work) for (uid, hk), rec in self.ledger.records.items()
+                if self.current.get(uid) == hk}
+        cheaters = {uid for uid, _ in (self.checker.flagged() if self.checker is not None else set())}
+        raw = mo.commitment(work, cheaters)
+        if raw is None:
+            return
+        try:
+            await self.chain.publish(self.wallet, self.opts.netuid, raw)
+            logger.info("merge weights published: {}", raw)
+        except ChainError as e:
+            mo.published = None
+            logger.warning("merge weights not published: {}", e)
 
     # ---------------------------------------------------------------- loops
     async def _every(self, period: float, fn, what: str) -> None:

@@ -346,7 +346,8 @@ class SpotChecker:
         if snap is None:
             s.no_snapshot += 1
             return None
-        if smp.weights_step != snap.step or (snap.merges is not None and smp.weights_merges != snap.merges):
+        if smp.weights_step != snap.step or (snap.merges is not None and smp.weights_merges is not None
+                                             and smp.weights_merges != snap.merges):
             s.unverifiable += 1
             self._event(s, "unverifiable", True, f"reported weights step {smp.weights_step} (merges "
                                                  f"{smp.weights_merges}), snapshot {snap.step} (merges {snap.merges})")
