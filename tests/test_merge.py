@@ -234,3 +234,30 @@ def test_alone_and_late():
     late = asyncio.run(engines[2].merge(0, [e.me for e in engines]))
     assert late.status == "late"                                   # pulls the merged weights instead
 
+
+
+def test_merge_oversight_counts_only_served_evidence_from_other_replicas():
+    from iota_subnet.validator.merge_weights import MergeOversight, decode_commitment
+
+    def ev(reporter, wrong, shard=0, run="r", stage=1):
+        return {"reporter": reporter, "wrong": wrong, "run_id": run, "stage": stage, "epoch": 3, "attempt": 0,
+                "plan_id": "p", "shard": shard, "claimed_sha256": {wrong[0]: "bad", "h": "good"},
+                "recomputed_sha256": "good"}
+    mo = MergeOversight("r")
+    assert mo.add("A", 1, [ev("A", ["X"])]) == 1
+    assert mo.add("A", 1, [ev("A", ["X"])]) == 0                     # duplicate
+    assert mo.add("B", 1, [ev("A", ["Y"]), ev("B", ["Y"], run="other"), ev("B", ["Y"], stage=2)]) == 0  # forged / foreign
+    assert mo.add("X", 1, [ev("X", ["X"], shard=1)]) == 1           # self-accusation: kept, not counted
+    assert mo.penalised() == {}                                       # one accuser is not enough
+    assert mo.add("B", 1, [ev("B", ["X"])]) == 1
+    assert set(mo.penalised()) == {"X"} and "2 replicas" in mo.penalised()["X"]
+    # an accusation the evidence does not support (the recomputed hash equals the accused's claim)
+    bogus = ev("C", ["Z"])
+    bogus["claimed_sha256"] = {"Z": "good"}
+    mo.add("C", 1, [bogus])
+    mo.add("D", 1, [{**bogus, "reporter": "D"}])
+    assert "Z" not in mo.penalised()
+    # merge weights: only non-default entries, cheaters 0, unchanged -> None
+    raw = mo.commitment({1: (0, 10.0), 2: (0, 10.0), 3: (0, 0.0), 4: (1, 5.0)}, cheaters={2})
+    assert decode_commitment(raw, "r") == {2: 0.0, 3: 0.0}
+    assert mo.commitment({1: (0, 10.0), 2: (0, 10.0), 3: (0, 0.0), 4: (1, 5.0)}, cheaters={2}) is None

@@ -149,3 +149,32 @@ def test_clasp_flags_the_lossy_miner_only():
     # excluded (already flagged by spot checks): its pathways are dropped
     attr = attribute(_probes(effects, 20, 6, 0.1), exclude=[(5, "hk5")])
     assert (5, "hk5") not in attr and not any(a.flagged for a in attr.values())
+
+
+def test_weights_replaced_by_a_merge_are_unverifiable_not_failed():
+    """A merge replaces the weights without an inner step: a hop computed after it must not be
+    compared with a snapshot taken before it (honest miners would fail the replay)."""
+    c = cfg()
+    w = StageWorker(c, 1, seed=0)
+    r = Replica(5, "hk5", "127.0.0.1:1", 1)
+    ch = SpotChecker(c, run_id="r", rate=1.0, rng=random.Random(0))
+    snap = Snapshot(r.uid, r.hotkey, r.stage, w.inner_step,
+                    {k: v.detach().clone() for k, v in w.module.state_dict().items()}, merges=w.merges)
+    ch.snaps[r.key] = snap
+    with torch.no_grad():                                   # a merge: new weights, same inner step
+        for p in w.module.parameters():
+            p.add_(0.01)
+    w.weights_replaced()
+    x = torch.randn(2, 16, w.spec.in_width)
+    out = w.forward("m0", x)
+    assert out["weights_step"] == snap.step and out["weights_merges"] == snap.merges + 1
+    ch.on_forward(0, 0, "m0", r, x, None, SimpleNamespace(activations=out["activations"], stats={
+        "weights_step": out["weights_step"], "weights_merges": out["weights_merges"]}), True)
+    ch.check_samples([ch.pending.pop(k) for k in list(ch.pending)])
+    st = ch.stats[r.key]
+    assert st.unverifiable == 1 and st.failed == 0 and not st.flagged
+    # the same hop reported without the merge counter is replayed against the old weights: it fails
+    ch.on_forward(0, 0, "m1", r, x, None, SimpleNamespace(activations=out["activations"], stats={
+        "weights_step": out["weights_step"]}), True)
+    ch.check_samples([ch.pending.pop(k) for k in list(ch.pending)])
+    assert st.failed == 1
