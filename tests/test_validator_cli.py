@@ -104,3 +104,16 @@ def test_cli_refuses_out_of_range_values(tmp_home, tmp_path, flag, value, needle
     r = subprocess.run([sys.executable, "neurons/validator.py", flag, value, "--chain-db", str(tmp_path / "x.db")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_localnet_set_overrides_parse_and_refuse_bad_items():
+    from iota_subnet.config import ConfigError, load_config
+    from iota_subnet.network.cli import parse_sets
+    ovr = parse_sets(["merge.every_steps=10", "merge.quantization=int8", "train.lr=1e-3"])
+    assert ovr == {"merge": {"every_steps": 10, "quantization": "int8"}, "train": {"lr": 1e-3}}
+    cfg = load_config("configs/tiny.yaml", ovr)
+    assert cfg.merge.every_steps == 10 and cfg.merge.quantization == "int8" and cfg.train.lr == 1e-3
+    assert cfg.train.batch_size == 8                       # the rest of the section comes from the file
+    for bad in ("merge", "every_steps=3", ".x=1", "merge.=1"):
+        with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+            parse_sets([bad])

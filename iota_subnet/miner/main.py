@@ -18,7 +18,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--stage", type=int, default=None, help="stage to hold (default: the stage with fewest replicas)")
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
-                   help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim; "
+                   help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison; "
                         "see iota_subnet/miner/adversary.py) so validators' verification can be exercised")
     m.add_argument("--no-register", action="store_true", help="fail instead of registering (burns TAO) when unregistered")
     return p

@@ -6,9 +6,34 @@ import json
 import sys
 
 
+def parse_sets(items: list[str]) -> dict:
+    """``["merge.every_steps=10", ...]`` -> ``{"merge": {"every_steps": 10}}`` (values parsed as YAML).
+    Raises ConfigError for an item that is not ``SECTION.KEY=VALUE``."""
+    import yaml
+
+    from iota_subnet.config import ConfigError
+    out: dict = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. merge.every_steps=10")
+        try:
+            v = yaml.safe_load(value)
+            if isinstance(v, str):          # YAML 1.1 reads 1e-3 as a string
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
+            out.setdefault(section, {})[name] = v
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML: {e}") from None
+    return out
+
+
 def _cmd_localnet(a: argparse.Namespace) -> int:
     from iota_subnet.network.localnet import run_localnet
-    summary = run_localnet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config, data=a.data,
+    summary = run_localnet(overrides=parse_sets(a.set), stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config, data=a.data,
                            steps=a.steps, out=a.out, block_time=a.block_time, tempo=a.tempo,
                            restart_dead=not a.no_restart, device=a.device,
                            timeout_s=a.timeout, adversary=a.adversary)
@@ -64,9 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-restart", action="store_true", help="do not restart miners that die")
     p.add_argument("--device", default=None)
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set merge.every_steps=10 "
+                        "--set merge.quantization=int8")
     p.add_argument("--adversary", default=None, metavar="KIND",
                    help="one replica of the middle stage cheats this way (random, zero, lazy, replay, copy, stale, "
-                        "claim); summary.json lists adversary_uids and each miner's weight")
+                        "claim, poison: turns merging on); summary.json lists adversary_uids and each miner's weight")
     p.set_defaults(func=_cmd_localnet)
 
     from iota_subnet.miner.main import build_parser as miner_parser

@@ -30,7 +30,9 @@ def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: 
         e = board.entries.get(key) if board is not None else None
         why = list(e.why) if e is not None else []
         if st is not None and st.flagged:
-            why = [f"flagged by spot checks: {r}" for r in st.reasons] + [w for w in why if not w.startswith("spot check")]
+            why = [(f"flagged by the merge redundancy check: {r[len('merge: '):]}" if r.startswith("merge:")
+                    else f"flagged by spot checks: {r}") for r in st.reasons] + [
+                w for w in why if not w.startswith(("spot check", "merge check"))]
         elif st is not None and st.passed:
             why.append(f"{st.passed} of {st.sampled} sampled hops replayed within tolerance "
                        f"(max rel err {st.max_err_passed:.1e})")

@@ -531,7 +531,10 @@ class ValidatorService:
         for key in self.ledger.records:
             f, why = qf.get(key, (1.0, []))
             if key in flagged:
-                f, why = 0.0, ["spot check failed: " + "; ".join(self.checker.stats[key].reasons)] + list(why)
+                reasons = self.checker.stats[key].reasons
+                label = "merge check failed" if reasons and all(r.startswith("merge:") for r in reasons) \
+                    else "spot check failed"
+                f, why = 0.0, [f"{label}: " + "; ".join(reasons)] + list(why)
             quality[key] = (f, why)
         self.board.update(self.ledger, quality)
         weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
