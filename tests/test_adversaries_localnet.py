@@ -27,7 +27,8 @@ CFG = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_h
 def test_localnet_adversary(kind, tmp_path, tmp_home, wikitext_path, monkeypatch, capsys):
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(CFG))
+    # poison is caught at the first merge: merge early so that it falls inside the first tempos
+    cfg.write_text(yaml.safe_dump({**CFG, "merge": {"every_steps": 2}} if kind == "poison" else CFG))
     net = LocalNet(stages=3, replicas=3, validators=1, config=str(cfg), data=str(wikitext_path), steps=40,
                    out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=600, adversary=kind)
     summary = net.run()

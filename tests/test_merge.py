@@ -257,7 +257,38 @@ def test_merge_oversight_counts_only_served_evidence_from_other_replicas():
     mo.add("C", 1, [bogus])
     mo.add("D", 1, [{**bogus, "reporter": "D"}])
     assert "Z" not in mo.penalised()
-    # merge weights: only non-default entries, cheaters 0, unchanged -> None
-    raw = mo.commitment({1: (0, 10.0), 2: (0, 10.0), 3: (0, 0.0), 4: (1, 5.0)}, cheaters={2})
-    assert decode_commitment(raw, "r") == {2: 0.0, 3: 0.0}
-    assert mo.commitment({1: (0, 10.0), 2: (0, 10.0), 3: (0, 0.0), 4: (1, 5.0)}, cheaters={2}) is None
+    # merge weights: cheaters 0 (only those entries), unchanged -> None
+    raw = mo.commitment([1, 2, 3, 4], cheaters={2})
+    assert decode_commitment(raw, "r") == {2: 0.0}
+    assert mo.commitment([1, 2, 3, 4], cheaters={2}) is None
+    assert decode_commitment(mo.commitment([1, 2, 3, 4], cheaters={2, 4}), "r") == {2: 0.0, 4: 0.0}
+
+
+def test_plan_mismatch_from_a_late_weights_view_is_retried_not_excluded():
+    """Replica 0 reads new merge weights (replica 2 excluded) one attempt before replicas 1 and 2 do:
+    attempt 0 builds different plans on either side and fails; the peers are not treated as
+    missing, every replica re-reads its view (``before_attempt``) and attempt 1 merges 0 and 1."""
+    cfg = MergeConfig(every_steps=1, **FAST)
+    net, engines, mods = make_replicas(3, cfg)
+    views = {0: 1, 1: 0, 2: 0}                       # attempt from which each replica sees the new weights
+    attempt = {i: -1 for i in range(3)}
+
+    def mk(i):
+        def before():
+            attempt[i] += 1
+
+        def weights(parts):
+            new = attempt[i] >= views[i]
+            return {p: (0.0 if (new and p == HK[2]) else 1.0) for p in parts}
+        return before, weights
+    for i, e in enumerate(engines):
+        e.before_attempt, e.weights_fn = mk(i)
+    views[0] = 0                                      # replica 0 sees the new weights at once
+    views[1] = views[2] = 1                           # the others one attempt later
+    reps = asyncio.run(merge_all(engines, 0))
+    assert reps[0].applied and reps[1].applied, [(r.status, r.reason) for r in reps]
+    assert reps[0].attempts == 2 and reps[0].participants == [HK[0], HK[1]]
+    assert HK[1] not in reps[0].missing and HK[0] not in reps[1].missing
+    assert reps[2].status == "abandoned" and "weight 0" in reps[2].reason
+    assert torch.equal(flat(mods[0]), flat(mods[1])) and not torch.equal(flat(mods[0]), flat(mods[2]))
+    assert engines[0].merged_epoch == 0 and engines[2].merged_epoch == -1

@@ -277,8 +277,8 @@ def test_poisoning_reducer_caught_and_excluded(tmp_path, tmp_home):
                                   MergeEvidence, retries=0)
                 assert ei.value.outcome == Outcome.FORBIDDEN
             # merge weights: the poisoner 0, published on chain; the replicas read it
-            raw = mo.commitment({s.uid: (1, 100.0) for s in net.svcs}, cheaters={p.uid})
-            assert raw is not None and mo.commitment({s.uid: (1, 100.0) for s in net.svcs}, cheaters={p.uid}) is None
+            raw = mo.commitment([s.uid for s in net.svcs], cheaters={p.uid})
+            assert raw is not None and mo.commitment([s.uid for s in net.svcs], cheaters={p.uid}) is None
             await net.chain.publish(net.val, 9, raw)
             for s in net.svcs:
                 s._last_refresh = 0

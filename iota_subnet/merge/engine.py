@@ -141,20 +141,25 @@ class MergeEngine:
     ``weights_fn(participants) -> {hotkey: weight}``: validators' merge weights (0 excludes; default 1).
     ``run_id``/``stage`` seed the plans. ``on_applied(report)``: called after a merge is applied.
     ``tamper``: test hook ``(shard_index, mean) -> mean`` applied to the means this replica *serves*.
+    ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read the merge
+    weights from the chain.
     """
 
     def __init__(self, me: str, cfg: MergeConfig, params: ModuleParams, transport: Optional[PeerTransport] = None, *,
                  run_id: str = "", stage: int = 0,
                  weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None,
                  on_applied: Optional[Callable[[MergeReport], Any]] = None,
-                 tamper: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None):
+                 tamper: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+                 before_attempt: Optional[Callable[[], Any]] = None):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
         self.run_id, self.stage = run_id, stage
         self.weights_fn, self.on_applied, self.tamper = weights_fn, on_applied, tamper
+        self.before_attempt = before_attempt
         self.anchor = params.read()                  # weights at the last merge (the run's seeded init before)
         self.momentum = torch.zeros_like(self.anchor)
         self.merged_epoch = -1
         self.ready_epoch = -1
+        self.attempt_now = -1                        # the attempt of ready_epoch this replica is at
         self.current: Optional[tuple[int, int, list[str]]] = None   # (epoch, attempt, participants) in progress
         self.in_sync = True
         self.sessions: dict[tuple[int, int, str], _Session] = {}
@@ -210,8 +215,10 @@ class MergeEngine:
 
     def _on_join(self, msg: MergeJoin) -> MergeJoin:
         cur = self.current
-        return MergeJoin(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=cur[1] if cur else 0,
+        return MergeJoin(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=max(self.attempt_now, 0),
                          ready_epoch=self.ready_epoch, merged_epoch=self.merged_epoch,
+                         closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
+                                                                 if a >= self.cfg.max_attempts]),
                          participants=list(cur[2]) if cur else [], in_sync=self.in_sync)
 
     def _late(self, epoch: int, attempt: int) -> bool:
@@ -326,10 +333,15 @@ class MergeEngine:
         return reply
 
     async def _join(self, epoch: int, attempt: int, peers: list[str], exclude: set[str]
-                    ) -> tuple[list[str], list[str]]:
-        """Returns (participants incl. me, peers that merged ``epoch`` already)."""
-        deadline = time.monotonic() + (self.cfg.join_timeout_s if attempt == 0 else min(5.0, self.cfg.join_timeout_s))
-        want = [p for p in peers if p != self.me and p not in exclude]
+                    ) -> tuple[list[str], list[str], int]:
+        """Returns (participants incl. me, peers that merged ``epoch`` already, the highest attempt a
+        peer is at when above ``attempt``, else -1). A peer counts as ready for this attempt only
+        when it is at the same attempt of the same epoch: one still finishing the previous attempt
+        is waited for (its phase deadline is at most ``phase_timeout_s`` away)."""
+        deadline = time.monotonic() + (self.cfg.join_timeout_s if attempt == 0
+                                       else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
+        w = self._weights([p for p in peers if p != self.me])
+        want = [p for p in peers if p != self.me and p not in exclude and w.get(p, 1.0) > 0]
         ready: set[str] = set()
         ahead: list[str] = []
         first = True
@@ -345,18 +357,26 @@ class MergeEngine:
                                                                             epoch=epoch, attempt=attempt), MergeJoin)
                 except Exception as e:  # noqa: BLE001 - an unreachable peer is simply not ready
                     return p, e
+            jump = -1
             for p, r in await asyncio.gather(*(ask(p) for p in todo)):
                 if isinstance(r, MergeJoin):
                     if r.merged_epoch >= epoch:
                         ahead.append(p)
+                    elif r.closed_epoch >= epoch and r.ready_epoch != epoch and p in want:
+                        want.remove(p)            # it gave up on this epoch: do not wait for it
                     elif r.ready_epoch == epoch and r.in_sync and p not in exclude:
-                        ready.add(p)
+                        if r.attempt == attempt:
+                            ready.add(p)
+                        elif r.attempt > attempt:
+                            jump = max(jump, r.attempt)
             if ahead:
-                return [], ahead
+                return [], ahead, -1
+            if jump > attempt and jump < self.cfg.max_attempts:
+                return [], [], jump
             if len(ready) == len(want) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.1)
-        return sorted(ready | {self.me}), []
+        return sorted(ready | {self.me}), [], -1
 
     def _weights(self, participants: list[str]) -> dict[str, float]:
         if self.weights_fn is None:
@@ -378,9 +398,20 @@ class MergeEngine:
                     rep.status, rep.reason = "late", f"epoch {epoch} <= merged epoch {self.merged_epoch}"
                     return rep
                 seed = epoch_seed(self.run_id, self.stage, epoch)
-                for attempt in range(self.cfg.max_attempts):
+                attempt = -1
+                while attempt + 1 < self.cfg.max_attempts:
+                    attempt += 1
+                    self.attempt_now = attempt
                     rep.attempts = attempt + 1
-                    participants, ahead = await self._join(epoch, attempt, peers, exclude)
+                    if self.before_attempt is not None:
+                        res = self.before_attempt()
+                        if asyncio.iscoroutine(res):
+                            await res
+                    participants, ahead, jump = await self._join(epoch, attempt, peers, exclude)
+                    if jump > attempt:                  # the peers gave up on this attempt: follow them
+                        self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
+                        attempt = jump - 1
+                        continue
                     if ahead:
                         rep.status, rep.reason = "late", f"{len(ahead)} peer(s) merged epoch {epoch} already"
                         return rep
@@ -402,6 +433,13 @@ class MergeEngine:
                     if ok:
                         rep.status, rep.missing = "merged", sorted(exclude)
                         return rep
+                    # peers that contributed to this attempt under another plan built it from another
+                    # view (merge weights changed between reads): not missing, retry with them
+                    other_plan = {sender for (e, a, pid), ss in self.sessions.items()
+                                  if e == epoch and a == attempt and pid != plan.plan_id for sender, _ in ss.raw}
+                    if other_plan:
+                        why = f"{why}; plan mismatch with {len(other_plan)} peer(s) (another view of the merge weights)"
+                    missing = [m for m in missing if m not in other_plan]
                     rep.reason = why
                     exclude |= set(missing)
                     rep.missing = sorted(exclude)
@@ -411,6 +449,7 @@ class MergeEngine:
             finally:
                 self.current = None
                 self.ready_epoch = -1
+                self.attempt_now = -1
                 self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), self.cfg.max_attempts)
                 self._prune()
                 rep.bytes_sent, rep.bytes_received = self._bytes[0] - b0[0], self._bytes[1] - b0[1]

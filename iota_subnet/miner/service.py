@@ -219,7 +219,8 @@ class MinerService:
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
-                                 on_applied=self._on_merged)
+                                 on_applied=self._on_merged,
+                                 before_attempt=lambda: self.refresh(force=True))
         self.merge.in_sync = False
         self._load_merge_state()
         self.donor = SnapshotDonor(self.run_id, self.stage, mc.sync_chunk_numel, mc.max_concurrent_transfers)

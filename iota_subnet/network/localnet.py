@@ -254,7 +254,9 @@ class LocalNet:
                         break
                 if self.timeout_s and time.monotonic() - t0 > self.timeout_s:
                     raise TimeoutError(f"localnet did not finish within {self.timeout_s:.0f}s")
-            summary = self.summarize(time.monotonic() - t_setup)
+            wall_s = time.monotonic() - t_setup
+            self.stop_all()        # every neuron writes its final status (merges, steps) as it stops
+            summary = self.summarize(wall_s)
         finally:
             if bar is not None:
                 bar.close()

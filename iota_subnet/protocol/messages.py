@@ -119,12 +119,15 @@ class MergePayload(Message):
 @dataclass(kw_only=True)
 class MergeJoin(Message):
     """Merge readiness of a replica. ``ready_epoch``: the epoch it waits to merge (-1: none);
-    ``merged_epoch``: the last epoch it applied; ``attempt``/``participants``: its current plan."""
+    ``merged_epoch``: the last epoch it applied; ``closed_epoch``: the last epoch it finished,
+    merged or not (one it gave up on is not worth waiting for); ``attempt``/``participants``: its
+    current plan."""
     TYPE: ClassVar[str] = "MergeJoin"
     epoch: int = 0
     attempt: int = 0
     ready_epoch: int = -1
     merged_epoch: int = -1
+    closed_epoch: int = -1
     participants: list[str] = field(default_factory=list)
     in_sync: bool = True
 

@@ -4,10 +4,15 @@ Validators decide them from their scores and publish them as their chain commitm
 
     {"v": 1, "kind": "merge_weights", "run": "<run id>", "w": {"<uid>": 0.83, ...}}
 
-Rule (:func:`compute_merge_weights`): within a stage, a replica's weight is its verified work
-divided by the stage's mean work over the replicas that did at least ``min_work`` (so equal work
-gives 1.0 each); a replica below ``min_work`` gets 0; a replica caught cheating (a wrong forward,
-or named ``wrong`` in merge mismatch evidence, see :func:`penalised_from_evidence`) gets 0.
+Rule (:func:`compute_merge_weights`): a replica this validator caught cheating (a failed spot
+check, or named ``wrong`` in merge mismatch evidence by two other replicas, see
+:func:`penalised_from_evidence`) gets 0; every other replica keeps the default 1.0 (equal weights
+among the replicas that reached the merge, which means they did the epoch's inner steps). Weights
+proportional to verified work were tried and dropped: lanes' work differs by a few percent from
+tempo to tempo, so the published weights changed every tempo, and a commitment landing between two
+replicas' reads makes them build different plans (the attempt fails and is retried), which stalled
+merges in a 3 x 3 localnet. Only non-default weights are published, so the commitment changes only
+when a replica is caught.
 
 Miners read every validator's commitment (:func:`weights_from_commitments`): the weight of a
 participant is the median of the validators' weights for its uid; with no decision published it
@@ -21,20 +26,10 @@ import statistics
 from typing import Any, Iterable, Mapping, Optional
 
 
-def compute_merge_weights(work: Mapping[int, tuple[int, float]], *, cheaters: Iterable[int] = (),
-                          min_work: float = 0.0) -> dict[int, float]:
-    """``work``: uid -> (stage, verified work). Returns uid -> weight (>= 0, 3 decimals)."""
-    bad = set(int(u) for u in cheaters)
-    by_stage: dict[int, list[int]] = {}
-    for uid, (stage, w) in work.items():
-        by_stage.setdefault(int(stage), []).append(int(uid))
-    out: dict[int, float] = {}
-    for stage, uids in by_stage.items():
-        good = [u for u in uids if u not in bad and work[u][1] >= min_work and work[u][1] > 0]
-        mean = sum(work[u][1] for u in good) / len(good) if good else 0.0
-        for u in uids:
-            out[u] = round(work[u][1] / mean, 3) if (u in good and mean > 0) else 0.0
-    return out
+def compute_merge_weights(uids: Iterable[int], *, cheaters: Iterable[int] = ()) -> dict[int, float]:
+    """uid -> merge weight: 0.0 for ``cheaters``, else 1.0."""
+    bad = {int(u) for u in cheaters}
+    return {int(u): 0.0 if int(u) in bad else 1.0 for u in uids}
 
 
 def encode_commitment(run_id: str, weights: Mapping[int, float]) -> str:
@@ -109,10 +104,8 @@ class MergeOversight:
     * :meth:`penalised`: hotkey -> reason, for reducers named ``wrong`` by at least
       ``min_reporters`` distinct replicas (default 2: with two replicas each can accuse the other,
       so one accusation alone proves nothing).
-    * :meth:`commitment`: the merge-weights commitment to publish (:func:`compute_merge_weights`
-      over verified work; only weights other than the default 1.0; rounded to 0.1 so that they change rarely: replicas read them
-      when they build a plan, and a commitment landing between two replicas' reads makes that
-      attempt fail and retry), or None when unchanged since the last call.
+    * :meth:`commitment`: the merge-weights commitment to publish (:func:`compute_merge_weights`:
+      0 for the replicas caught cheating; only those entries), or None when unchanged.
     """
 
     def __init__(self, run_id: str, *, min_reporters: int = 2, max_reports: int = 2000):
@@ -165,11 +158,11 @@ class MergeOversight:
                        f"recomputed differently ({len(evs)} shard(s), epoch(s) {epochs[:5]})")
         return out
 
-    def commitment(self, work: Mapping[int, tuple[int, float]], cheaters: Iterable[int]) -> Optional[str]:
-        w = {u: round(v, 1) for u, v in compute_merge_weights(work, cheaters=cheaters).items()}
-        # only the weights that differ from the default 1.0 (zeros first), so it fits a commitment
-        # (2,048 bytes: about 200 entries)
-        decided = sorted(((u, v) for u, v in w.items() if v != 1.0), key=lambda uv: (uv[1] != 0.0, uv[0]))[:200]
+    def commitment(self, uids: Iterable[int], cheaters: Iterable[int]) -> Optional[str]:
+        w = compute_merge_weights(uids, cheaters=cheaters)
+        # only the weights that differ from the default 1.0, so that it fits a commitment (2,048
+        # bytes: about 200 entries)
+        decided = sorted((u, v) for u, v in w.items() if v != 1.0)[:200]
         raw = encode_commitment(self.run_id, dict(decided))
         if raw == self.published:
             return None

@@ -387,10 +387,10 @@ class ValidatorService:
         mo = self.merge_oversight
         if mo is None:
             return
-        work = {uid: (rec.stage, rec.work) for (uid, hk), rec in self.ledger.records.items()
-                if self.current.get(uid) == hk}
-        cheaters = {uid for uid, _ in (self.checker.flagged() if self.checker is not None else set())}
-        raw = mo.commitment(work, cheaters)
+        uids = [uid for (uid, hk) in self.ledger.records if self.current.get(uid) == hk]
+        cheaters = {uid for uid, hk in (self.checker.flagged() if self.checker is not None else set())
+                    if self.current.get(uid) == hk}
+        raw = mo.commitment(uids, cheaters)
         if raw is None:
             return
         try:
