@@ -407,6 +407,9 @@ class MergeEngine:
                         res = self.before_attempt()
                         if asyncio.iscoroutine(res):
                             await res
+                    if self._weights([self.me]).get(self.me, 1.0) <= 0:     # validators excluded this replica
+                        rep.status, rep.reason = "abandoned", "this replica has merge weight 0"
+                        return rep
                     participants, ahead, jump = await self._join(epoch, attempt, peers, exclude)
                     if jump > attempt:                  # the peers gave up on this attempt: follow them
                         self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
