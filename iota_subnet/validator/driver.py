@@ -79,6 +79,7 @@ class MicrobatchResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     attempts: int = 1
+    head_step: Optional[int] = None  # the head (stage 0) miner's inner step right after its backward
 
     def row(self) -> dict:
         return asdict(self)
@@ -107,6 +108,12 @@ class LaneStepResult:
     @property
     def reroutes(self) -> int:
         return sum(m.reroutes for m in self.microbatches)
+
+    @property
+    def head_step(self) -> Optional[int]:
+        """The head miner's inner step once this lane step's backwards were done (from its replies)."""
+        steps = [m.head_step for m in self.microbatches if m.head_step is not None]
+        return max(steps) if steps else None
 
     @property
     def failures(self) -> int:
@@ -269,6 +276,8 @@ class PipelineDriver:
             res.bytes_sent += payload_nbytes(msg)
             res.bytes_received += payload_nbytes(reply)
             out = None if r.stage == 0 else self._check(reply.grad, tuple(grad.shape), "grad")
+            if r.stage == 0:
+                res.head_step = int(reply.inner_step)
         except (ProtocolError, TransportError, HopFailed) as e:
             self._failed(res, r, "backward", e)
             raise HopFailed(f"backward of stage {r.stage} failed") from e
@@ -423,7 +432,9 @@ class PipelineDriver:
             i += 1
             next_step = todo[i] if i < len(todo) else total_steps
             if self.n_validators > 1:
-                self._turn_base[lane] = await self._head_step(lane)
+                # the head's step as our step left it (from its own replies): asking /health now
+                # could already see the next validator's step and wait for a step nobody drives
+                self._turn_base[lane] = res.head_step if res.head_step is not None else await self._head_step(lane)
                 if self._turn_base[lane] is None:
                     del self._turn_base[lane]
             if on_step is not None:
