@@ -117,3 +117,18 @@ def test_localnet_set_overrides_parse_and_refuse_bad_items():
     for bad in ("merge", "every_steps=3", ".x=1", "merge.=1"):
         with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
             parse_sets([bad])
+
+
+def test_localnet_refuses_unknown_adversary_and_poison_without_three_replicas(tmp_path):
+    from iota_subnet.config import ConfigError
+    from iota_subnet.network.localnet import LocalNet
+    with pytest.raises(ConfigError, match="unknown --adversary 'nosuch'"):
+        LocalNet(stages=3, replicas=3, validators=1, config="configs/tiny.yaml", data=None, steps=2,
+                 out=tmp_path / "a", adversary="nosuch")
+    with pytest.raises(ConfigError, match="needs --replicas 3"):
+        LocalNet(stages=3, replicas=2, validators=1, config="configs/tiny.yaml", data=None, steps=2,
+                 out=tmp_path / "b", adversary="poison")
+    ln = LocalNet(stages=3, replicas=3, validators=1, config="configs/tiny.yaml", data=None, steps=2,
+                  out=tmp_path / "c", adversary="poison")
+    assert ln.cfg.merge.every_steps == 5               # poison turns merging on
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

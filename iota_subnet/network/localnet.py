@@ -69,6 +69,14 @@ class LocalNet:
         ovr.setdefault("pipeline", {})["stages"] = stages
         ovr.setdefault("train", {})["total_steps"] = steps
         self.cfg = load_config(config, ovr)
+        if adversary is not None:
+            from iota_subnet.miner.adversary import ADVERSARY_KINDS
+            if adversary not in ADVERSARY_KINDS:
+                raise ConfigError(f"unknown --adversary {adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
+            if adversary == "poison" and replicas < 3:
+                raise ConfigError("--adversary poison needs --replicas 3 or more: a poisoning reducer is penalised "
+                                  "when two other replicas of its stage prove it wrong (with two replicas either "
+                                  "one could be lying)")
         if adversary == "poison" and not self.cfg.merge.enabled:
             # merge-shard poisoning needs merges: every 5 inner steps unless the config says otherwise
             ovr.setdefault("merge", {})["every_steps"] = 5

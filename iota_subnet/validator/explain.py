@@ -72,7 +72,7 @@ def load(path: str | Path) -> dict:
 
 def format_table(d: Mapping) -> str:
     lines = [f"scores at block {d.get('block')} ({len(d.get('miners', []))} miners)",
-             f"{'uid':>4} {'stage':>5} {'work':>10} {'checks ok/fail/skip':>19} {'CLASP excess (z)':>17} "
+             f"{'uid':>4} {'stage':>5} {'work total':>10} {'checks ok/fail/skip':>19} {'CLASP excess (z)':>17} "
              f"{'quality':>7} {'weight':>7}  why"]
     for m in d.get("miners", []):
         c = m.get("checks") or {}

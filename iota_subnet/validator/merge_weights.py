@@ -154,8 +154,10 @@ class MergeOversight:
             evs = [e for e in self.reports.values() if hk in (e.get("wrong") or []) and e.get("reporter") != hk]
             reporters = sorted({str(e.get("reporter", ""))[:8] for e in evs})
             epochs = sorted({e.get("epoch") for e in evs if e.get("epoch") is not None})
+            shards = {(e.get("epoch"), e.get("attempt"), e.get("shard")) for e in evs}
             out[hk] = (f"merge: published merge results that {len(reporters)} replicas ({', '.join(reporters)}) "
-                       f"recomputed differently ({len(evs)} shard(s), epoch(s) {epochs[:5]})")
+                       f"recomputed differently ({len(shards)} shard(s) in {len(evs)} report(s), "
+                       f"epoch(s) {epochs[:5]})")
         return out
 
     def commitment(self, uids: Iterable[int], cheaters: Iterable[int]) -> Optional[str]:

@@ -456,10 +456,14 @@ class ValidatorService:
                     self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
                     self.n_validators, self.validator_index)
         t_train = time.monotonic()
-        await self.driver.run(self.next_steps, o.steps, on_step=self._on_step, stop=self.stop_event)
+        train_before = float(self.state.get_meta("train_s", "0") or 0)   # earlier runs of this state
+        try:
+            await self.driver.run(self.next_steps, o.steps, on_step=self._on_step, stop=self.stop_event)
+        finally:
+            self.train_s = train_before + (time.monotonic() - t_train)
+            self.state.set_meta("train_s", self.train_s)
         if self.stop_event.is_set():
             return
-        self.train_s = time.monotonic() - t_train
         self.val_loss = await self.driver.evaluate(self.cfg.train.eval_batches, lane=0)
         self.state.set_meta("val_loss", self.val_loss)
         self.done_block = await self.chain.block()
