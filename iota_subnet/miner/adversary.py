@@ -114,14 +114,22 @@ class Adversary:
                         in_shape=tuple(x.shape))
         return {"activations": act}
 
+    def _pop_forward(self, mb_id):
+        """The cached forward of ``mb_id`` (call under the worker lock); records the weights it
+        claims to have used. Raises UnknownMicrobatch as the honest backward does."""
+        w = self.w
+        entry = w.cache.pop(mb_id)
+        if entry is None:
+            from iota_subnet.miner.stage_worker import UnknownMicrobatch
+            raise UnknownMicrobatch(mb_id)
+        w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+        w.last_weights_merges = int(entry.meta.get("merges", w.merges))
+        return entry
+
     def _fake_backward(self, mb_id, grad):
         w = self.w
         with w.lock:
-            entry = w.cache.pop(mb_id)
-            if entry is None:
-                from iota_subnet.miner.stage_worker import UnknownMicrobatch
-                raise UnknownMicrobatch(mb_id)
-            w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+            entry = self._pop_forward(mb_id)
             w._count_backward(entry.meta.get("tokens", 0))
             if w.spec.is_head:
                 return None
@@ -171,8 +179,7 @@ class Adversary:
                 if self.first_grad is None and g is not None:
                     self.first_grad = g.clone()
                 return g
-            w.cache.pop(mb_id)
-            w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+            self._pop_forward(mb_id)
             w._count_backward(entry.meta.get("tokens", 0))
             return None if w.spec.is_head else (self.first_grad.clone() if self.first_grad is not None
                                                 else torch.zeros_like(grad))
@@ -219,11 +226,7 @@ class Adversary:
     def _claim_backward(self, mb_id, grad):
         w = self.w
         with w.lock:
-            entry = w.cache.pop(mb_id)
-            if entry is None:
-                from iota_subnet.miner.stage_worker import UnknownMicrobatch
-                raise UnknownMicrobatch(mb_id)
-            w.last_weights_step = int(entry.meta.get("step", w.inner_step))
+            entry = self._pop_forward(mb_id)
             w._count_backward(2 * int(entry.meta.get("tokens", 0)))   # claims twice the tokens, did none
             if w.spec.is_head:
                 return None
