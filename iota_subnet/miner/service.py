@@ -501,6 +501,16 @@ class MinerService:
     async def _compute(self, fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
 
+    async def _await_merge(self) -> None:
+        """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines."""
+        if self._gate.is_set():
+            return
+        mc = self.cfg.merge
+        try:
+            await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
+        except asyncio.TimeoutError:
+            raise ProtocolError(Outcome.BUSY, "merging with the other replicas") from None
+
     async def _forward(self, msg: Forward, ctx) -> ForwardResult:
         self._check_header(msg)
         key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
@@ -509,12 +519,7 @@ class MinerService:
                 raise ProtocolError(Outcome.NOT_READY, "syncing the stage's merged weights from peers")
             # training and evaluation pause while the replicas merge (an evaluation must not see
             # merged weights on one stage and unmerged ones on the next)
-            if not self._gate.is_set():
-                mc = self.cfg.merge
-                try:
-                    await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
-                except asyncio.TimeoutError:
-                    raise ProtocolError(Outcome.BUSY, "merging with the other replicas") from None
+            await self._await_merge()
         out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
         if msg.keep_for_backward:
             self._maybe_merge()
@@ -547,13 +552,8 @@ class MinerService:
     async def _state(self, msg: StateRequest, ctx) -> StateResponse:
         if msg.stage != self.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
-        if self.merge is not None and not self._gate.is_set():
-            # a snapshot taken mid-merge would name weights the next step no longer uses
-            mc = self.cfg.merge
-            try:
-                await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
-            except asyncio.TimeoutError:
-                raise ProtocolError(Outcome.BUSY, "merging with the other replicas") from None
+        if self.merge is not None:
+            await self._await_merge()     # a snapshot taken mid-merge would name weights the next step no longer uses
 
         def snapshot():
             with self.worker.lock:
