@@ -174,6 +174,7 @@ class ValidatorService:
         self._tempo = 0
         self._rate_limit = 0
         self.checker: Optional[SpotChecker] = None
+        self.merge_oversight = None   # MergeOversight when the run merges replicas (see start())
         self.board = Scoreboard(alpha=opts.score_alpha)
         self.probes: list[dict] = []
         self.clasp_rounds = 0
@@ -361,18 +362,17 @@ class ValidatorService:
         logger.info("weights set at block {}: {}", block, {u: round(w, 4) for u, w in zip(uids, vals)})
         return True
 
-    merge_oversight = None
-
     async def _merge_round(self) -> None:
         """With merging on: collect the replicas' merge mismatch evidence; a reducer that at least two
         replicas proved wrong is flagged (weight 0, merge weight 0). See :class:`.merge_weights.MergeOversight`."""
         mo = self.merge_oversight
         if mo is None or self.router is None or self.checker is None:
             return
-        new = await mo.collect(self.verify_client, self.router.live_replicas())
+        live = self.router.live_replicas()
+        new = await mo.collect(self.verify_client, live)
         if new:
             logger.info("merge evidence: {} new report(s) from the replicas", new)
-        stages = {r.hotkey: (r.uid, r.stage) for r in self.router.live_replicas()}
+        stages = {r.hotkey: (r.uid, r.stage) for r in live}
         stages.update({hk: (uid, rec.stage) for (uid, hk), rec in self.ledger.records.items() if hk not in stages})
         for hk, why in mo.penalised().items():
             if hk in stages:
