@@ -384,9 +384,11 @@ class MergeEngine:
         w = self.weights_fn(list(participants)) or {}
         return {p: float(w.get(p, 1.0)) for p in participants}
 
-    async def merge(self, epoch: int, peers: list[str]) -> MergeReport:
-        """Run merge epoch ``epoch`` with the stage's other replicas ``peers`` (hotkeys). Never raises for
-        peer faults: the report says what happened. Weights change only when ``report.applied``."""
+    async def merge(self, epoch: int, peers: list[str] | Callable[[], list[str]]) -> MergeReport:
+        """Run merge epoch ``epoch`` with the stage's other replicas ``peers`` (hotkeys, or a callable
+        returning them, read again at every attempt after ``before_attempt``: a replica's view of who
+        serves its stage may be seconds old). Never raises for peer faults: the report says what
+        happened. Weights change only when ``report.applied``."""
         async with self._lock:
             t0 = time.monotonic()
             b0 = list(self._bytes)
@@ -410,7 +412,8 @@ class MergeEngine:
                     if self._weights([self.me]).get(self.me, 1.0) <= 0:     # validators excluded this replica
                         rep.status, rep.reason = "abandoned", "this replica has merge weight 0"
                         return rep
-                    participants, ahead, jump = await self._join(epoch, attempt, peers, exclude)
+                    peer_list = list(peers()) if callable(peers) else list(peers)
+                    participants, ahead, jump = await self._join(epoch, attempt, peer_list, exclude)
                     if jump > attempt:                  # the peers gave up on this attempt: follow them
                         self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
                         attempt = jump - 1

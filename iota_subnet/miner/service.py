@@ -365,8 +365,7 @@ class MinerService:
 
     async def _run_merge(self, epoch: int) -> None:
         try:
-            await self.refresh()
-            rep = await self.merge.merge(epoch, self._peers())
+            rep = await self.merge.merge(epoch, self._peers)     # re-read after each attempt's refresh
             if rep.status == "late":
                 await self.pull_merged_state(min_epoch=epoch)
             elif rep.status != "merged":
