@@ -40,7 +40,7 @@ def test_validator_scores_adversary_zero_and_explained(tmp_home, tmp_path, capsy
     opts = ValidatorOptions(network="devnet", chain_db=str(db), netuid=NETUID, steps=8, out=str(out), run_id="run1",
                             sync_interval_s=0.5, status_interval_s=0.2, weights_check_s=0.3, hop_timeout_s=10,
                             exit_when_done=True, wait_miners_s=30, check_rate=0.5, clasp_interval_s=0.3,
-                            port=port, host="127.0.0.1")
+                            port=port, host="127.0.0.1", data_plane="relay")
 
     async def main():
         chain = await open_chain("devnet", db)

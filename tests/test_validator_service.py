@@ -30,7 +30,7 @@ def test_validator_service_end_to_end_and_resume(tmp_home, tmp_path):
     def opts(steps, **kw):
         return ValidatorOptions(network="devnet", chain_db=str(db), netuid=NETUID, steps=steps, out=str(out),
                                 run_id="run1", sync_interval_s=0.5, status_interval_s=0.2, weights_check_s=0.3,
-                                hop_timeout_s=10, exit_when_done=True, wait_miners_s=30, **kw)
+                                hop_timeout_s=10, exit_when_done=True, wait_miners_s=30, data_plane="relay", **kw)
 
     async def main():
         chain = await open_chain("devnet", db)

@@ -96,7 +96,7 @@ class Adversary:
         return torch.randn(*shape, generator=self.gen) * scale
 
     # ---- random / zero ---------------------------------------------------------------------------
-    def _fake_forward(self, mb_id, x, targets=None, *, train=True) -> dict:
+    def _fake_forward(self, mb_id, x, targets=None, *, train=True, accumulate=True) -> dict:
         w = self.w
         w.forwards += 1
         if w.spec.is_tail:
@@ -126,7 +126,7 @@ class Adversary:
         w.last_weights_merges = int(entry.meta.get("merges", w.merges))
         return entry
 
-    def _fake_backward(self, mb_id, grad):
+    def _fake_backward(self, mb_id, grad, **_):
         w = self.w
         with w.lock:
             entry = self._pop_forward(mb_id)
@@ -153,10 +153,10 @@ class Adversary:
         module.forward = lazy_forward
 
     # ---- replay ----------------------------------------------------------------------------------
-    def _replay_forward(self, mb_id, x, targets=None, *, train=True) -> dict:
+    def _replay_forward(self, mb_id, x, targets=None, *, train=True, accumulate=True) -> dict:
         w = self.w
         if self.first_out is None or not train:
-            out = self._orig_forward(mb_id, x, targets, train=train)
+            out = self._orig_forward(mb_id, x, targets, train=train, accumulate=accumulate)
             if train and self.first_out is None:
                 self.first_out = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
             return out
@@ -169,7 +169,7 @@ class Adversary:
                         step=w.inner_step, replayed=True)
         return out
 
-    def _replay_backward(self, mb_id, grad):
+    def _replay_backward(self, mb_id, grad, **_):
         w = self.w
         with w.lock:
             entry = w.cache._d.get(mb_id)
@@ -199,15 +199,15 @@ class Adversary:
                 self.peer_step = w.inner_step
         return self.peer_module
 
-    def _copy_forward(self, mb_id, x, targets=None, *, train=True) -> dict:
+    def _copy_forward(self, mb_id, x, targets=None, *, train=True, accumulate=True) -> dict:
         w = self.w
         peer = self._peer()
         if peer is None:
-            return self._orig_forward(mb_id, x, targets, train=train)
+            return self._orig_forward(mb_id, x, targets, train=train, accumulate=accumulate)
         own = w.module
         w.module = peer   # compute with the peer's weights; its own module never gets gradients
         try:
-            out = self._orig_forward(mb_id, x, targets, train=train)
+            out = self._orig_forward(mb_id, x, targets, train=train, accumulate=accumulate)
         finally:
             w.module = own
         peer.zero_grad(set_to_none=True)
@@ -223,7 +223,7 @@ class Adversary:
             w.pending = 0
 
     # ---- claim -----------------------------------------------------------------------------------
-    def _claim_backward(self, mb_id, grad):
+    def _claim_backward(self, mb_id, grad, **_):
         w = self.w
         with w.lock:
             entry = self._pop_forward(mb_id)

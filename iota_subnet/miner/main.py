@@ -21,7 +21,21 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison; "
                         "see iota_subnet/miner/adversary.py) so validators' verification can be exercised")
     m.add_argument("--no-register", action="store_true", help="fail instead of registering (burns TAO) when unregistered")
+    m.add_argument("--data", default=None,
+                   help="text source the first and last stage read token rows from (the run's data; see the README); "
+                        "default: FineWeb-Edu when the hub is reachable, else an offline corpus")
+    m.add_argument("--cache-dir", default=None, help="tokenizer and token cache (default $IOTA_CACHE or ~/.cache/iota-subnet)")
+    m.add_argument("--max-in-flight", type=_positive, default=8,
+                   help="micro-batches the first stage keeps waiting for their backward (bounds activation memory)")
+    m.add_argument("--hop-timeout", type=float, default=30.0, help="seconds to deliver one hop to the next miner")
     return p
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 async def run_miner(args: argparse.Namespace) -> int:
@@ -43,7 +57,8 @@ async def run_miner(args: argparse.Namespace) -> int:
                        host=args.host, port=args.port, external_ip=args.external_ip,
                        device=str(pick_device(args.device)), total_steps=args.steps,
                        checkpoint_every=args.checkpoint_every, register=not args.no_register,
-                       adversary=args.adversary)
+                       adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
+                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout)
     stop = install_stop(asyncio.get_running_loop())
     try:
         await svc.start()

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from iota_subnet.chain import Chain
 from iota_subnet.config import ConfigError, RunConfig
+from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeEvidence, MergeJoin,
@@ -56,7 +57,8 @@ class MinerService:
                  stage: Optional[int], out_dir: str | Path, host: str = "0.0.0.0", port: int = 0,
                  external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
                  checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
-                 adversary: Optional[str] = None):
+                 adversary: Optional[str] = None, data: Optional[str] = None, cache_dir: Optional[str] = None,
+                 max_in_flight: int = 8, hop_timeout_s: float = 30.0, dataset: Any = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
         self.out = Path(out_dir)
@@ -68,6 +70,12 @@ class MinerService:
         self.do_register = register
         #: a cheater-suite kind (:mod:`iota_subnet.miner.adversary`) for verification tests; None = honest
         self.adversary = adversary
+        #: the data source the head and tail read token rows from (see :mod:`iota_subnet.miner.dataplane`)
+        self.data, self.cache_dir = data, cache_dir
+        self.max_in_flight, self.hop_timeout_s = max_in_flight, hop_timeout_s
+        #: the head's and tail's TokenDataset (built from ``data`` at start unless given)
+        self.dataset: Any = dataset
+        self.node: Optional[DataPlaneNode] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.hotkey: str = wallet.hotkey.ss58_address
         self.uid: Optional[int] = None
@@ -118,7 +126,7 @@ class MinerService:
         n = self._neurons.get(hotkey)
         if n is None:
             raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid {self.netuid}")
-        if route in ("/forward", "/backward", "/evidence") and not n.validator_permit:
+        if route in ("/forward", "/backward", "/evidence", "/tickets") and not n.validator_permit:
             raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for validators with a permit; uid {n.uid} has none")
         if route == "/state" and not (n.validator_permit or self._stages.get(hotkey) == self.stage):
             raise ProtocolError(Outcome.FORBIDDEN, "/state is for validators and replicas of the same stage")
@@ -180,6 +188,14 @@ class MinerService:
         self.server.add_route("/health", self._health, Health, None)
         if self.cfg.merge.enabled:
             self._setup_merge()
+        rows = await self._row_source() if (spec.is_head or spec.is_tail) else None
+        self.node = DataPlaneNode(self.worker, self.wallet, cfg=self.cfg, run_id=self.run_id, stage=self.stage, width=b,
+                                  max_rows=mb, neurons=lambda: self._neurons, endpoint_of=self._endpoint_of,
+                                  refresh=lambda: self.refresh(force=True), compute=self._compute, rows=rows,
+                                  gate=self._await_merge if self.merge is not None else None,
+                                  after_compute=self._maybe_merge, max_in_flight=self.max_in_flight,
+                                  hop_timeout_s=self.hop_timeout_s)
+        self.node.mount(self.server)
         if self.adversary == "poison":
             from iota_subnet.miner.adversary import poison_mean
             if self.merge is None:
@@ -195,8 +211,24 @@ class MinerService:
                     f"on {self.external_ip}:{self.port}, inner step {self.worker.inner_step}")
         if self.merge is not None:
             self._sync_task = asyncio.create_task(self._catch_up())
+        self.node.start()
         self.write_status()
         return self.port
+
+    async def _row_source(self):
+        """The head and the tail read token rows themselves, by the tickets' sample addresses."""
+        from iota_subnet.data import DataError, build_dataset
+        if self.dataset is None:
+            try:
+                _, self.dataset = await asyncio.to_thread(build_dataset, self.cfg.data, self.data,
+                                                          Path(self.cache_dir) if self.cache_dir else None)
+            except DataError as e:
+                raise ConfigError(f"data: {e}") from e
+        ds = self.dataset
+
+        def rows(split: str, seed: int, start: int, n: int) -> torch.Tensor:
+            return ds.batch(seed, start, n) if split == "train" else ds.val_batch(start, n)
+        return rows
 
     # ---- merging (iota_subnet.merge) -------------------------------------------------------------
     merge = None
@@ -461,6 +493,8 @@ class MinerService:
         for t in (self._merge_task, self._sync_task):
             if t is not None and not t.done():
                 t.cancel()
+        if self.node is not None:
+            await self.node.stop()
         if self.merge_client is not None:
             await self.merge_client.close()
         if self.server is not None:
@@ -482,6 +516,8 @@ class MinerService:
                       "tokens": w.tokens, "cache": w.cache.stats()})
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
+        if self.node is not None:
+            d["dataplane"] = self.node.status()
         if self.merge is not None:
             d["merge"] = self.merge.status()
             d["merge"]["mismatch_evidence"] = self.merge.reports[-10:]

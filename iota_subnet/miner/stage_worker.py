@@ -47,8 +47,12 @@ class StageWorker:
         self.module = PipelineStage(cfg.model, cfg.pipeline, stage).to(self.device)
         self.opt = make_optimizer(self.module, cfg.train)
         self.spec = self.module.spec
-        self.cache = cache or ActivationCache()
+        self.cache = cache if cache is not None else ActivationCache()
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
+        #: step after every ``micro_per_step`` accumulated backward passes (the relay driver); the
+        #: data plane (:mod:`iota_subnet.miner.dataplane`) sets it False and calls :meth:`step` itself
+        #: once every micro-batch of the lane step has been accumulated
+        self.auto_step = True
         self.total_steps = int(total_steps or cfg.train.total_steps)
         self.inner_step = 0
         self.version = 0                    # bumped by every optimizer step (see _recompute_backward)
@@ -69,7 +73,7 @@ class StageWorker:
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                train: bool = True) -> dict:
+                train: bool = True, accumulate: bool = True) -> dict:
         """Run the stage on one micro-batch.
 
         x: token ids int64 [B, T] (head) or activations float [B, T, b] (others).
@@ -78,16 +82,20 @@ class StageWorker:
         returns the activation gradient for the previous stage. With ``train=False`` nothing is
         cached or accumulated (evaluation) and the tail returns only the loss. Every result also
         carries ``weights_step``: the inner step of the weights used (spot checks replay with them).
+
+        ``accumulate=False`` (a micro-batch this stage serves without training on it: another lane's,
+        or one it already accumulated): the tail returns the input gradient without touching the
+        parameters' gradients, and the later :meth:`backward` does the same.
         """
         with self.lock:
             step = self.inner_step
-            res = self._forward(mb_id, x, targets, train=train)
+            res = self._forward(mb_id, x, targets, train=train, accumulate=accumulate)
             res.setdefault("weights_step", step)
             res.setdefault("weights_merges", self.merges)
             return res
 
     def _forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                 train: bool = True) -> dict:
+                 train: bool = True, accumulate: bool = True) -> dict:
         with self.lock:
             x = x.to(self.device)
             if not train:
@@ -111,17 +119,22 @@ class StageWorker:
                     out = self.module(x)
             self.forwards += 1
             if self.spec.is_tail:
-                (loss / self.micro_per_step).backward()
                 loss_v = float(loss.detach())
-                grad = inp.grad.detach() if inp is not None else None
-                self._count_backward(targets.numel())
+                if accumulate:
+                    (loss / self.micro_per_step).backward()
+                    grad = inp.grad.detach() if inp is not None else None
+                    self._count_backward(targets.numel())
+                else:
+                    grad = (torch.autograd.grad(loss / self.micro_per_step, inp)[0].detach()
+                            if inp is not None else None)
+                    self.tokens += int(targets.numel())
                 res = {"loss": loss_v}
                 if grad is not None:
                     res["grad"] = grad
                 return res
             self.cache.put(mb_id, inp, out, tokens=int(x.shape[0] * x.shape[1]), version=self.version,
                            token_ids=tokens_in if self.spec.is_head else None, step=self.inner_step,
-                           merges=self.merges)
+                           merges=self.merges, accumulate=accumulate)
             return {"activations": out.detach().float()}
 
     def backward(self, mb_id: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -137,6 +150,8 @@ class StageWorker:
                 raise UnknownMicrobatch(mb_id)
             if tuple(grad.shape) != tuple(entry.outputs.shape):
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {tuple(entry.outputs.shape)}")
+            if not entry.meta.get("accumulate", True):
+                return self._input_grad_only(entry, grad)
             if entry.meta.get("version") == self.version:
                 self.last_weights_step = int(entry.meta.get("step", self.inner_step))
                 self.last_weights_merges = int(entry.meta.get("merges", self.merges))
@@ -147,6 +162,39 @@ class StageWorker:
                 gin = self._recompute_backward(entry, grad)
             self._count_backward(entry.meta.get("tokens", 0))
             return gin
+
+    def _input_grad_only(self, entry, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Backward of a micro-batch this stage does not train on: d loss / d input only (the
+        parameters' gradients are left alone); the head has nothing to return."""
+        self.last_weights_step = int(entry.meta.get("step", self.inner_step))
+        self.last_weights_merges = int(entry.meta.get("merges", self.merges))
+        self.tokens += int(entry.meta.get("tokens", 0))
+        if self.spec.is_head:
+            return None
+        if entry.meta.get("version") != self.version:      # weights replaced since: recompute
+            x = entry.inputs.detach().requires_grad_(True)
+            with autocast_ctx(self.device):
+                out = self.module(x)
+            return torch.autograd.grad(out, x, grad.to(self.device, out.dtype))[0].detach()
+        return torch.autograd.grad(entry.outputs, entry.inputs, grad.to(self.device, entry.outputs.dtype))[0].detach()
+
+    def drop(self, mb_id: str) -> bool:
+        """Forget a cached forward (its micro-batch died downstream). True if one was cached."""
+        with self.lock:
+            return self.cache.pop(mb_id) is not None
+
+    def skip_to(self, step: int) -> int:
+        """Jump the inner step forward to ``step`` (a lane member that missed whole lane steps while it
+        was away): accumulated gradients are dropped; the learning-rate schedule follows the lane.
+        Returns how many steps were skipped."""
+        with self.lock:
+            skipped = max(0, int(step) - self.inner_step)
+            if skipped:
+                self.opt.zero_grad(set_to_none=True)
+                self.pending = 0
+                self.inner_step = int(step)
+                self.version += 1
+            return skipped
 
     def _recompute_backward(self, entry, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """The weights changed (an inner step) since this micro-batch's forward: its cached graph
@@ -167,7 +215,7 @@ class StageWorker:
         self.backwards += 1
         self.tokens += int(tokens)
         self.pending += 1
-        if self.pending >= self.micro_per_step:
+        if self.auto_step and self.pending >= self.micro_per_step:
             self.step()
 
     def step(self) -> None:

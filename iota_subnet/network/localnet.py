@@ -152,15 +152,19 @@ class LocalNet:
             name = f"miner-s{s}-r{r}"
             out = self.out / "miners" / name
             argv = [py, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out", str(out),
-                    "--no-register", *self.extra_miner_args]
+                    "--no-register", "--data", str(self.data), *self.extra_miner_args]
             if self.adversary_pos == (s, r):
                 argv += ["--adversary", str(self.adversary)]
             self.children.append(Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s))
+        relay = ["--data-plane", "relay"] if self.adversary and self.adversary != "poison" else []
+        if relay:
+            # hop replays (spot checks) need the validator to see the hops; the p2p audits replace them
+            logger.info(f"--adversary {self.adversary}: validators relay the activations so spot checks can replay hops")
         for v, w in enumerate(self.val_wallets):
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
-                    "--data", str(self.data), "--min-lanes", str(self.replicas), *self.extra_validator_args]
+                    "--data", str(self.data), "--min-lanes", str(self.replicas), *relay, *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------
@@ -356,6 +360,7 @@ class LocalNet:
         tokens = sum(s.get("tokens", 0) for s in st)
         train_s = max((s.get("train_s") or 0 for s in st), default=0) or None
         wire = sum(s.get("wire_bytes", 0) for s in st)
+        validator_bytes = sum(s.get("validator_bytes", 0) for s in st)
         last = metrics[-10:]
         chain_rows = {r["uid"]: r for r in self.metagraph()}
         miners = []
@@ -364,6 +369,7 @@ class LocalNet:
             for u, m in (s.get("miners") or {}).items():
                 w = work.setdefault(int(u), {"work": 0.0, "hotkey": m.get("hotkey"), "stage": m.get("stage")})
                 w["work"] += float(m.get("work", 0))
+        miner_bytes, busy, uptime = 0, [], []
         for c in self.children:
             if c.kind != "miner":
                 continue
@@ -371,6 +377,13 @@ class LocalNet:
                 ms = json.loads((c.out / "status.json").read_text())
             except (OSError, ValueError):
                 ms = {}
+            dp = ms.get("dataplane") or {}
+            hop = dp.get("hop_client") or {}
+            miner_bytes += int(hop.get("bytes_sent", 0)) + int(hop.get("header_bytes_sent", 0)) \
+                + int(hop.get("bytes_received", 0)) + int(hop.get("header_bytes_received", 0))
+            if ms.get("uptime_s"):
+                busy.append(float(dp.get("busy_s", 0.0)))
+                uptime.append(float(ms["uptime_s"]))
             uid = ms.get("uid")
             ch = chain_rows.get(uid, {})
             miners.append({"name": c.name, "uid": uid, "hotkey": ms.get("hotkey"), "stage": c.stage,
@@ -392,6 +405,13 @@ class LocalNet:
             "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
             "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
             "wire_bytes": wire, "wire_bytes_per_token": wire / tokens if tokens else None,
+            "data_plane": st[0].get("data_plane") if st else None,
+            "validator_bytes": validator_bytes,
+            "validator_bytes_per_token": validator_bytes / tokens if tokens else None,
+            "miner_bytes": miner_bytes, "miner_bytes_per_token": miner_bytes / tokens if tokens else None,
+            # mean over miners of compute-busy seconds / seconds of the run (status uptime)
+            "stage_utilisation": (sum(b / max(train_s or u, 1e-9) for b, u in zip(busy, uptime)) / len(busy))
+            if busy else None,
             "verification_bytes": sum(s.get("verification_bytes", 0) for s in st),
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,

@@ -7,6 +7,7 @@ from .contract import (
     activation_spec,
     backward_contract,
     forward_contract,
+    hop_contract,
     merge_contract,
     merge_payload_contract,
     token_spec,
@@ -18,7 +19,10 @@ from .messages import (
     BackwardResult,
     Forward,
     ForwardResult,
+    HOP_DIRECTIONS,
     Health,
+    Hop,
+    HopAck,
     MergeAck,
     MergeEvidence,
     MergeJoin,
@@ -30,12 +34,19 @@ from .messages import (
     StateChunk,
     StateChunkRequest,
     StateResponse,
+    ReceiptAck,
+    ReceiptBatch,
+    TicketAck,
+    TicketBatch,
     tensor_field,
 )
+from .ticket import Ticket, TicketError
+from .wire import from_wire, to_wire
 from .outcome import HTTP_STATUS, Outcome, ProtocolError
 
 __all__ = [
-    "Backward", "BackwardResult", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",
+    "Backward", "BackwardResult", "HOP_DIRECTIONS", "Hop", "HopAck", "ReceiptAck", "ReceiptBatch", "Ticket",
+    "TicketAck", "TicketBatch", "TicketError", "from_wire", "hop_contract", "to_wire", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",
     "MESSAGE_TYPES", "MergeAck", "MergeEvidence", "MergeJoin", "MergePayload", "MergeResult", "MergeResultRequest",
     "StateChunk", "StateChunkRequest", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
     "StateResponse", "TensorContract", "TensorSpec", "decode", "encode", "read_header", "tensor_sha256",

@@ -99,8 +99,9 @@ def payload_nbytes(msg: Message) -> int:
     return total
 
 
-def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header."""
+def encode(msg: Message, digests: Optional[dict[str, str]] = None) -> bytes:
+    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header. ``digests``
+    (optional, filled in): wire key -> sha256 hex of that tensor's bytes (computed once, here)."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode() takes a Message, got {type(msg).__name__}")
     tensors = _wire_tensors(msg)
@@ -111,6 +112,8 @@ def encode(msg: Message) -> bytes:
         key: {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "sha256": tensor_sha256(t)}
         for key, t in tensors.items()
     }
+    if digests is not None:
+        digests.update({k: v["sha256"] for k, v in meta["tensors"].items()})
     return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
 
 
@@ -154,8 +157,9 @@ def read_header(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], i
 
 
 def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Optional[TensorContract] = None,
-           *, max_body_bytes: Optional[int] = None) -> M:
+           *, max_body_bytes: Optional[int] = None, digests: Optional[dict[str, str]] = None) -> M:
     """Parse and validate ``body`` as an ``expected`` message; raises :class:`ProtocolError`.
+    ``digests`` (optional, filled in): wire key -> verified sha256 hex of each tensor.
 
     Checks, in order: body size, safetensors framing, spec version, message type, header vs
     metadata consistency (dtype, shape, byte ranges), message tensor fields, the contract (names,
@@ -230,6 +234,8 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
         got = hashlib.sha256(view[data_start + start:data_start + end]).hexdigest()
         if got != digest:
             raise ProtocolError(Outcome.HASH_MISMATCH, f"tensor {key!r}: content hash mismatch")
+        if digests is not None:
+            digests[key] = got
 
     try:
         loaded = safetensors.torch.load(bytes(body))

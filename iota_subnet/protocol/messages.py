@@ -25,6 +25,11 @@ StateRequest   no tensors; optional ``names`` to fetch a subset
 StateResponse  ``tensors``: {parameter name: tensor}; ``state_meta`` (JSON)
 Health         no tensors
 MergeEvidence  no tensors: ``reports``, a replica's merge mismatch evidence (JSON), for validators
+TicketBatch    no tensors: signed tickets (:class:`~iota_subnet.protocol.ticket.Ticket` JSON) for a head miner
+Hop            ``data``: the activation (forward) or activation gradient (backward) [batch, seq, b] in the
+               ticket's wire dtype (bf16 / fp32 / int8 with ``scales`` float32 [batch, seq]); the ticket
+               and the path taken so far travel as JSON
+ReceiptBatch   no tensors: what a miner did with the hops of one validator's tickets (JSON receipts)
 ============== ================================================================================
 """
 from __future__ import annotations
@@ -226,8 +231,70 @@ class MergeEvidence(Message):
     reports: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(kw_only=True)
+class TicketBatch(Message):
+    """Validator -> head miner: tickets (``Ticket.to_json()`` objects), in step order. ``base_steps``:
+    per lane (as a string key), the first lane step the validator has not seen complete: a head that
+    is behind it (it restarted from an older checkpoint) may skip to it, never further."""
+    TYPE: ClassVar[str] = "TicketBatch"
+    tickets: list[dict[str, Any]] = field(default_factory=list)
+    base_steps: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TicketAck(Message):
+    """The head's answer: how many tickets it queued; ``refused``: ``{microbatch_id, outcome, message}``."""
+    TYPE: ClassVar[str] = "TicketAck"
+    accepted: int = 0
+    refused: list[dict[str, Any]] = field(default_factory=list)
+
+
+#: Hop directions: an activation forward, an activation gradient backward, or an abort travelling
+#: back along the path (the micro-batch died downstream: drop its cached forward, no tensor).
+HOP_DIRECTIONS = ("forward", "backward", "abort")
+
+
+@dataclass(kw_only=True)
+class Hop(Message):
+    """Miner -> miner, one hop of a ticket's micro-batch (``stage`` is the receiver's stage).
+
+    ``path``: the hotkeys that served stages ``0 .. stage - 1`` (forward) or ``0 .. n - 1``
+    (backward and abort), so gradients return to the miners that hold the forwards.
+    ``loss`` (backward from the tail): the micro-batch's loss, for the head's receipt."""
+    TYPE: ClassVar[str] = "Hop"
+    ticket: dict[str, Any] = field(default_factory=dict)
+    direction: str = "forward"
+    path: list[str] = field(default_factory=list)
+    reason: str = ""
+    data: Optional[torch.Tensor] = tensor_field()
+    scales: Optional[torch.Tensor] = tensor_field()
+
+
+@dataclass(kw_only=True)
+class HopAck(Message):
+    """``status``: ``accepted`` (queued), ``duplicate`` (this hop was already received: nothing done)."""
+    TYPE: ClassVar[str] = "HopAck"
+    status: str = "accepted"
+
+
+@dataclass(kw_only=True)
+class ReceiptBatch(Message):
+    """Miner -> validator: receipts (see :mod:`iota_subnet.protocol.receipt`) and the weights
+    versions they name (``versions``: ``"step:merges" -> root hex``)."""
+    TYPE: ClassVar[str] = "ReceiptBatch"
+    receipts: list[dict[str, Any]] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ReceiptAck(Message):
+    TYPE: ClassVar[str] = "ReceiptAck"
+    accepted: int = 0
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload, MergeJoin, MergeAck,
                         MergeResultRequest, MergeResult, StateChunkRequest, StateChunk,
-                        StateRequest, StateResponse, Health, MergeEvidence)
+                        StateRequest, StateResponse, Health, MergeEvidence, TicketBatch, TicketAck, Hop, HopAck,
+                        ReceiptBatch, ReceiptAck)
 }

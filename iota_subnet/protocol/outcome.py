@@ -30,6 +30,10 @@ class Outcome(str, enum.Enum):
     BODY_TOO_LARGE = "BODY_TOO_LARGE"
     # application state
     UNKNOWN_MICROBATCH = "UNKNOWN_MICROBATCH"
+    # data plane tickets
+    BAD_TICKET = "BAD_TICKET"
+    TICKET_EXPIRED = "TICKET_EXPIRED"
+    NOT_ON_ROUTE = "NOT_ON_ROUTE"
     UNKNOWN_ROUTE = "UNKNOWN_ROUTE"
     LATE = "LATE"
     BUSY = "BUSY"
@@ -63,6 +67,9 @@ HTTP_STATUS: dict[Outcome, int] = {
     Outcome.HASH_MISMATCH: 400,
     Outcome.BODY_TOO_LARGE: 413,
     Outcome.UNKNOWN_MICROBATCH: 404,
+    Outcome.BAD_TICKET: 403,           # forged, malformed, for another run, or issued by a non-validator
+    Outcome.TICKET_EXPIRED: 410,       # past the ticket's deadline
+    Outcome.NOT_ON_ROUTE: 403,         # the ticket does not name this miner, or the hop's sender
     Outcome.UNKNOWN_ROUTE: 404,
     Outcome.LATE: 410,                 # Gone: the micro-batch / epoch window has closed
     Outcome.BUSY: 503,

@@ -79,6 +79,9 @@ class NeuronClient:
         self._response_nonces = http_auth.InMemoryNonceStore(retention=60.0)
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: HTTP request line + header bytes sent / status line + header bytes received (approximate)
+        self.header_bytes_sent = 0
+        self.header_bytes_received = 0
         self.requests = 0
         self.retries = 0
         self.failures = 0
@@ -102,14 +105,22 @@ class NeuronClient:
         await self.close()
 
     def stats(self) -> dict[str, int]:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "requests": self.requests,
-                "retries": self.retries, "failures": self.failures}
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "header_bytes_sent": self.header_bytes_sent, "header_bytes_received": self.header_bytes_received,
+                "requests": self.requests, "retries": self.retries, "failures": self.failures}
+
+    @property
+    def total_bytes(self) -> int:
+        """Bodies and headers, both directions."""
+        return self.bytes_sent + self.bytes_received + self.header_bytes_sent + self.header_bytes_received
 
     async def call(self, endpoint: str, receiver_hotkey: str, path: str, msg: Message, response_type: type[M],
                    timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2, *,
-                   response_contract: Optional[TensorContract] = None) -> M:
-        """POST ``msg`` to ``http://{endpoint}{path}`` signed for ``receiver_hotkey``; return the decoded reply."""
-        body = encode(msg) if payload_nbytes(msg) <= OFFLOAD_BYTES else await asyncio.to_thread(encode, msg)
+                   response_contract: Optional[TensorContract] = None, digests: Optional[dict[str, str]] = None) -> M:
+        """POST ``msg`` to ``http://{endpoint}{path}`` signed for ``receiver_hotkey``; return the decoded reply.
+        ``digests`` (optional, filled in): sha256 hex of each tensor sent, by wire key."""
+        body = (encode(msg, digests) if payload_nbytes(msg) <= OFFLOAD_BYTES
+                else await asyncio.to_thread(encode, msg, digests))
         return await self.call_raw(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
                                    backoff_s, response_contract=response_contract)
 
@@ -134,6 +145,9 @@ class NeuronClient:
             try:
                 async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
                     self.bytes_sent += len(body)
+                    # request line, Host, Content-Length and our headers; the response's status line and headers
+                    self.header_bytes_sent += len(url) + 64 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+                    self.header_bytes_received += 17 + sum(len(k) + len(v) + 4 for k, v in resp.raw_headers)
                     data = await self._read(resp)
                     self.bytes_received += len(data)
                     if resp.status == 200:

@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from aiohttp import web
@@ -73,6 +73,8 @@ class RequestContext:
     remote: Optional[str]
     body_bytes: int
     received_at: float
+    #: wire key -> verified sha256 hex of each tensor in the request (receipts name what was received)
+    digests: dict = field(default_factory=dict)
 
 
 _CTX_KEY = web.RequestKey("iota_ctx", RequestContext)
@@ -153,6 +155,11 @@ class NeuronServer:
         self.outcomes: Counter[str] = Counter()
         self.bytes_received = 0
         self.bytes_sent = 0
+        #: request line + header bytes received, status line + header bytes sent (approximate)
+        self.header_bytes_received = 0
+        self.header_bytes_sent = 0
+        #: bytes (bodies + headers, both directions) per route
+        self.route_bytes: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ routes
     def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None,
@@ -221,6 +228,7 @@ class NeuronServer:
     # ------------------------------------------------------------------ request path
     def _refuse(self, err: ProtocolError, request: web.Request) -> web.Response:
         self.outcomes[err.outcome.value] += 1
+        self.header_bytes_sent += 120
         level = "WARNING" if err.outcome in (Outcome.INTERNAL,) else "DEBUG"
         logger.log(level, "refused {} from {}: {} {}", request.path, request.remote, err.outcome.value, err.message)
         return web.json_response(err.to_json(), status=err.status)
@@ -268,10 +276,14 @@ class NeuronServer:
             return self._refuse(ProtocolError(Outcome.BUSY, f"{self._inflight} requests in flight"), request)
         self._inflight += 1
         t0 = time.perf_counter()
+        hdr = len(request.raw_path) + 16 + sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+        self.header_bytes_received += hdr
+        self.route_bytes[route.path] += hdr
         try:
             limit = route.max_body_bytes or self.max_body_bytes
             body = await self._read_body(request, limit)
             self.bytes_received += len(body)
+            self.route_bytes[route.path] += len(body)
             big = len(body) > OFFLOAD_BYTES
             caller = await asyncio.to_thread(self._verify, request, body) if big else self._verify(request, body)
             if self.authorizer is not None:
@@ -279,14 +291,16 @@ class NeuronServer:
                 if inspect.isawaitable(res):
                     await res
             contract = route.contract()
+            digests: dict[str, str] = {}
             if big:
-                msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit)
+                msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit,
+                                              digests=digests)
             else:
-                msg = decode(body, route.message_type, contract, max_body_bytes=limit)
+                msg = decode(body, route.message_type, contract, max_body_bytes=limit, digests=digests)
             request[_MSG_KEY] = msg
             request[_CTX_KEY] = RequestContext(caller_hotkey=caller.hotkey_ss58, route=route.path,
                                                  nonce_ns=caller.nonce_ns, remote=request.remote,
-                                                 body_bytes=len(body), received_at=t0)
+                                                 body_bytes=len(body), received_at=t0, digests=digests)
             return await handler(request)
         except ProtocolError as e:
             return self._refuse(e, request)
@@ -315,6 +329,9 @@ class NeuronServer:
             headers[HEADER_REQUEST_NONCE] = str(ctx.nonce_ns)
         self.outcomes[Outcome.OK.value] += 1
         self.bytes_sent += len(body)
+        hdr = 17 + 40 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        self.header_bytes_sent += hdr
+        self.route_bytes[route.path] += len(body) + hdr
         logger.trace("{} from {}: OK in {:.1f} ms", route.path, ctx.caller_hotkey[:8],
                      (time.perf_counter() - ctx.received_at) * 1e3)
         return web.Response(body=body, status=200, headers=headers)

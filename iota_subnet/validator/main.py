@@ -33,6 +33,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="seconds between CLASP probe rounds (random pathways, forward only; 0: off)")
     v.add_argument("--clasp-paths", type=int, default=6, help="pathways per CLASP probe round")
     v.add_argument("--score-alpha", type=float, default=0.5, help="EMA weight of the latest tempo's work in scores")
+    v.add_argument("--data-plane", choices=("p2p", "relay"), default="p2p",
+                   help="p2p (default): miners pass activations to each other, this validator issues tickets and "
+                        "reads receipts; relay (legacy): every activation goes through this validator")
+    v.add_argument("--wire-dtype", choices=("bf16", "fp32", "int8"), default="bf16",
+                   help="activations and gradients on the wire between miners (p2p)")
+    v.add_argument("--ticket-lookahead", type=int, default=3, help="lane steps of tickets a head miner holds ahead")
+    v.add_argument("--stall", type=float, default=30.0,
+                   help="seconds without progress before a lane step's micro-batches are re-issued")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
     return p
@@ -49,7 +57,9 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                            ("--clasp-interval", a.clasp_interval >= 0, ">= 0 (0 = off)"),
                            ("--clasp-paths", a.clasp_paths >= 1, ">= 1"),
                            ("--score-alpha", 0 < a.score_alpha <= 1, "in (0, 1]"),
-                           ("--steps", a.steps is None or a.steps >= 1, ">= 1")):
+                           ("--steps", a.steps is None or a.steps >= 1, ">= 1"),
+                           ("--ticket-lookahead", a.ticket_lookahead >= 1, ">= 1"),
+                           ("--stall", a.stall > 0, "> 0")):
         if not ok:
             raise ValidatorError(f"{name} must be {want}")
     steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
@@ -60,7 +70,9 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
                             version_key=a.version_key, exit_when_done=a.exit_when_done,
                             check_rate=a.check_rate, min_lanes=a.min_lanes, snapshot_every=a.snapshot_every,
-                            clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_alpha=a.score_alpha)
+                            clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_alpha=a.score_alpha,
+                            host=a.host, external_ip=a.external_ip, data_plane=a.data_plane, wire_dtype=a.wire_dtype,
+                            ticket_lookahead=a.ticket_lookahead, stall_s=a.stall)
 
 
 def run_validator_cli(a: argparse.Namespace) -> int:

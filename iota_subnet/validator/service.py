@@ -54,6 +54,7 @@ from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 
 from . import explain
 from .clasp import attribute, quality_factors
+from .control import ControlPlane
 from .driver import LaneStepResult, PipelineDriver
 from .routing import Router, discover
 from .scoring import Scoreboard, stage_compute_shares
@@ -82,8 +83,13 @@ class ValidatorOptions:
     steps: int = 10
     out: str = "runs/validator"
     run_id: str = "iota"
-    port: int = 0  # the JSON scores endpoint (GET /scores); 0 = none
+    port: int = 0  # the validator's server: /receipts (signed) and GET /scores; 0 = any free port
     host: str = "0.0.0.0"
+    external_ip: str = "127.0.0.1"  # published on chain (ServeAxon) so miners can deliver receipts
+    data_plane: str = "p2p"  # "p2p": miners pass tensors to each other; "relay": through this validator (legacy)
+    wire_dtype: str = "bf16"  # activations and gradients on the wire (p2p): bf16, fp32 or int8
+    ticket_lookahead: int = 3  # lane steps of tickets a head miner holds ahead
+    stall_s: float = 30.0  # re-issue a lane step's micro-batches after this long without progress
     check_rate: float = 0.1  # fraction of hops replayed (spot checks); 0 = off
     snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
     clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
@@ -180,7 +186,7 @@ class ValidatorService:
         self.clasp_rounds = 0
         self.attribution: dict = {}
         self.explained: dict = {}
-        self._http: Any = None
+        self.server: Any = None   # NeuronServer: /receipts, GET /scores
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> None:
@@ -326,6 +332,11 @@ class ValidatorService:
             "done_block": self.done_block, "train_s": self.train_s,
             "scores": self.explained.get("miners", []),
             "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
+            # every byte this validator sent or received on the training path (tickets, receipts, health
+            # probes; relay mode: the tensors too), HTTP headers included
+            "validator_bytes": (self.client.total_bytes if self.client else 0)
+            + (self.server.route_bytes.get("/receipts", 0) if self.server else 0),
+            "data_plane": self.opts.data_plane,
             "verification_bytes": (self.verify_client.bytes_sent + self.verify_client.bytes_received)
             if getattr(self, "verify_client", None) else 0,
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
@@ -447,10 +458,17 @@ class ValidatorService:
         self.validator_index = self.validators.index(self.hotkey)
         self.n_validators = len(self.validators)
         self.checker.single_validator = self.n_validators == 1
-        self.driver = PipelineDriver(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
-                                     dataset=self.dataset, ledger=self.ledger, n_lanes=self.n_lanes,
-                                     validator_index=self.validator_index, n_validators=self.n_validators,
-                                     hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6], verifier=self.checker)
+        if o.data_plane == "relay":
+            self.driver = PipelineDriver(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
+                                         dataset=self.dataset, ledger=self.ledger, n_lanes=self.n_lanes,
+                                         validator_index=self.validator_index, n_validators=self.n_validators,
+                                         hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6], verifier=self.checker)
+        else:
+            self.driver = ControlPlane(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
+                                       keypair=self.wallet, dataset=self.dataset, ledger=self.ledger,
+                                       n_lanes=self.n_lanes, validator_index=self.validator_index,
+                                       n_validators=self.n_validators, tag=self.hotkey[:6],
+                                       lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype)
         self.driver.probe_client = self.verify_client
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {}: steps k with k % {} == {})",
                     self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
@@ -481,7 +499,7 @@ class ValidatorService:
                  asyncio.create_task(self._every(self.opts.weights_check_s, self._weights_round, "weights"))]
         if self.opts.clasp_interval_s > 0:
             loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
-        await self._serve_scores()
+        await self._serve()
         train = asyncio.create_task(self._train())
         stop = asyncio.create_task(self.stop_event.wait())
         try:
@@ -556,26 +574,44 @@ class ValidatorService:
         self.probes.extend(got)
         del self.probes[:-self.opts.clasp_window]
 
-    async def _serve_scores(self) -> None:
-        if not self.opts.port:
-            return
+    async def _serve(self) -> None:
+        """The validator's own server: miners deliver receipts (``/receipts``, signed, registered
+        hotkeys); ``GET /scores`` is public and read-only. Its endpoint is published on chain."""
         from aiohttp import web
+
+        from iota_subnet.protocol import Outcome, ProtocolError, ReceiptBatch
+        from iota_subnet.transport import NeuronServer
 
         async def scores(_request):
             return web.json_response(self.explained or {"miners": []})
 
-        app = web.Application()
-        app.router.add_get("/scores", scores)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, self.opts.host, int(self.opts.port)).start()
-        self._http = runner
-        logger.info("scores served on http://{}:{}/scores", self.opts.host, self.opts.port)
+        async def authorize(hotkey: str, route: str) -> None:
+            if hotkey not in self.current.values():
+                await self.sync()
+            if hotkey not in self.current.values():
+                raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid "
+                                                                  f"{self.opts.netuid}")
+
+        async def receipts(msg: ReceiptBatch, ctx):
+            if msg.run_id != self.opts.run_id:
+                raise ProtocolError(Outcome.FORBIDDEN, f"this validator drives run {self.opts.run_id!r}")
+            if not isinstance(self.driver, ControlPlane):
+                raise ProtocolError(Outcome.NOT_READY, "not driving lanes yet")
+            return self.driver.on_receipts(msg, ctx.caller_hotkey)
+
+        self.server = NeuronServer(self.wallet, self.opts.host, int(self.opts.port), authorizer=authorize,
+                                   nonce_store_path=self.out / "nonces.sqlite", max_body_bytes=8 << 20)
+        self.server.add_route("/receipts", receipts, ReceiptBatch, None)
+        self.server.add_public_get("/scores", scores)
+        port = await self.server.start()
+        await self.chain.serve(self.wallet, self.opts.netuid, self.opts.external_ip, port)
+        logger.info("validator serves receipts and GET /scores on {}:{} (published as {}:{})", self.opts.host, port,
+                    self.opts.external_ip, port)
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.cleanup()
-            self._http = None
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
         if self.state is not None:
             try:
                 self.state.set_meta("elapsed_s", self.elapsed_s())

@@ -1,0 +1,172 @@
+"""The data plane on a miner's HTTP server: the ``/tickets`` and ``/hop`` routes, hop delivery to
+other miners and receipt delivery to validators (the scheduling itself is :mod:`.dataplane`).
+
+Routes (signed POSTs, btauth/1)
+    ``/tickets``  TicketBatch -> TicketAck   a validator with a permit, to a stage-0 miner
+    ``/hop``      Hop -> HopAck              miners named on the hop's ticket (see :mod:`.tickets`)
+
+A refused hop or ticket gets a typed 4xx (``BAD_TICKET``, ``TICKET_EXPIRED``, ``NOT_ON_ROUTE``,
+``BAD_SHAPE``, ``BAD_DTYPE``, ...) and nothing is computed; the miner keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Mapping, Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptAck, ReceiptBatch,
+                                  Ticket, TicketAck, TicketBatch, hop_contract)
+from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
+from iota_subnet.transport import NeuronClient, TransportError
+
+from .dataplane import DataPlane, RowSource
+from .tickets import TicketChecker
+
+#: Tickets accepted in one /tickets request.
+MAX_TICKETS_PER_BATCH = 4096
+
+
+class DataPlaneNode:
+    """One miner's data plane behind its :class:`~iota_subnet.transport.NeuronServer`.
+
+    ``neurons()``: hotkey -> metagraph neuron; ``endpoint_of(hotkey)``: ``"ip:port"`` or None;
+    ``refresh()``: re-read the metagraph now (an unknown hotkey may have just registered);
+    ``compute(fn)``: run ``fn`` on the stage's compute thread; ``gate()``: awaited before each compute
+    (a running replica merge); ``after_compute()``: called after each (starts merges that are due).
+    """
+
+    def __init__(self, worker: Any, wallet: Any, *, cfg: Any, run_id: str, stage: int, width: int, max_rows: int,
+                 neurons: Callable[[], Mapping[str, Any]], endpoint_of: Callable[[str], Optional[str]],
+                 refresh: Callable[[], Awaitable[None]], compute: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 rows: Optional[RowSource] = None, gate: Optional[Callable[[], Awaitable[None]]] = None,
+                 after_compute: Optional[Callable[[], None]] = None, max_in_flight: int = 8,
+                 hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5):
+        self.wallet, self.run_id, self.stage, self.cfg = wallet, run_id, stage, cfg
+        self.me: str = wallet.hotkey.ss58_address
+        self.width, self.max_rows = width, max_rows
+        self.endpoint_of, self.refresh = endpoint_of, refresh
+        self.hop_timeout_s = hop_timeout_s
+        self._compute, self._gate, self._after = compute, gate, after_compute
+        self.checker = TicketChecker(run_id=run_id, stage=stage, n_stages=cfg.pipeline.stages, seq_len=cfg.data.seq_len,
+                                     width=width, micro_per_step=cfg.train.batch_size // cfg.train.micro_batch,
+                                     max_rows=max_rows, me=self.me, neurons=neurons)
+        #: hops to other miners (data plane bytes) and receipts to validators (control plane bytes)
+        self.hop_client = NeuronClient(wallet)
+        self.receipt_client = NeuronClient(wallet)
+        self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
+                               send=self._send, post_receipts=self._post_receipts, rows=rows,
+                               max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s)
+
+    def mount(self, server: Any) -> None:
+        T, b = self.cfg.data.seq_len, self.width
+        server.add_route("/hop", self._hop_route, Hop, hop_contract(seq_len=T, width=b, max_batch=self.max_rows))
+        server.add_route("/tickets", self._tickets_route, TicketBatch, None)
+
+    def start(self) -> None:
+        self.plane.start()
+
+    async def stop(self) -> None:
+        await self.plane.stop()
+        await self.hop_client.close()
+        await self.receipt_client.close()
+
+    async def compute(self, fn: Callable[[], Any]) -> Any:
+        if self._gate is not None:
+            await self._gate()
+        out = await self._compute(fn)
+        if self._after is not None:
+            self._after()
+        return out
+
+    # ---------------------------------------------------------------- inbound
+    async def _check(self, raw: Any, sender: str, direction: str) -> Ticket:
+        try:
+            return self.checker.check(raw, sender=sender, direction=direction)
+        except ProtocolError as e:
+            if e.outcome != Outcome.BAD_TICKET:
+                raise
+            await self.refresh()          # a validator or miner that registered a moment ago
+            return self.checker.check(raw, sender=sender, direction=direction)
+
+    async def _tickets_route(self, msg: TicketBatch, ctx) -> TicketAck:
+        if msg.run_id != self.run_id:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this miner trains run {self.run_id!r}, not {msg.run_id!r}")
+        if self.stage != 0:
+            raise ProtocolError(Outcome.NOT_ON_ROUTE, f"tickets go to a stage-0 miner; this one serves stage {self.stage}")
+        if len(msg.tickets) > MAX_TICKETS_PER_BATCH:
+            raise ProtocolError(Outcome.BODY_TOO_LARGE, f"{len(msg.tickets)} tickets > {MAX_TICKETS_PER_BATCH} per request")
+        ok, refused = [], []
+        for raw in msg.tickets:
+            try:
+                ok.append(await self._check(raw, ctx.caller_hotkey, "ticket"))
+            except ProtocolError as e:
+                mb = raw.get("microbatch_id", "") if isinstance(raw, dict) else ""
+                refused.append({"microbatch_id": str(mb)[:160], "outcome": e.outcome.value, "message": e.message[:200]})
+        if refused and not ok:
+            first = refused[0]
+            raise ProtocolError(Outcome(first["outcome"]), first["message"])
+        base = {}
+        for k, v in msg.base_steps.items():
+            if not (isinstance(k, str) and k.isdigit() and type(v) is int and v >= 0):
+                raise ProtocolError(Outcome.MALFORMED, "base_steps maps lane numbers to steps >= 0")
+            base[int(k)] = v
+        accepted, dup = self.plane.accept_tickets(ok, base)
+        return TicketAck(run_id=self.run_id, stage=0, accepted=accepted, refused=refused + dup)
+
+    async def _hop_route(self, msg: Hop, ctx) -> HopAck:
+        if msg.direction not in HOP_DIRECTIONS:
+            raise ProtocolError(Outcome.MALFORMED, f"hop direction {msg.direction!r} not one of {HOP_DIRECTIONS}")
+        if msg.stage != self.stage:
+            raise ProtocolError(Outcome.NOT_ON_ROUTE, f"this miner serves stage {self.stage}, not {msg.stage}")
+        t = await self._check(msg.ticket, ctx.caller_hotkey, msg.direction)
+        expect_path = self.stage if msg.direction == "forward" else self.stage + 1
+        if len(msg.path) != expect_path or any(not isinstance(h, str) for h in msg.path) \
+                or (msg.direction == "forward" and self.stage > 0 and msg.path[-1] != ctx.caller_hotkey) \
+                or (msg.direction != "forward" and msg.path[-1] != self.me):
+            raise ProtocolError(Outcome.NOT_ON_ROUTE, f"hop path of {len(msg.path)} hotkeys does not lead here")
+        if msg.direction != "abort":
+            if msg.data is None:
+                raise ProtocolError(Outcome.MALFORMED, f"a {msg.direction} hop carries data")
+            want = (t.rows, t.seq_len, t.width)
+            if tuple(msg.data.shape) != want:
+                raise ProtocolError(Outcome.BAD_SHAPE, f"hop data {list(msg.data.shape)}; the ticket says {list(want)}")
+            if msg.data.dtype != WIRE_TORCH_DTYPES[t.wire_dtype]:
+                raise ProtocolError(Outcome.BAD_DTYPE, f"hop data is {str(msg.data.dtype).removeprefix('torch.')}; "
+                                                       f"the ticket says {t.wire_dtype}")
+            if (msg.data.dtype == torch.int8) != (msg.scales is not None):
+                raise ProtocolError(Outcome.MALFORMED, "int8 hop data comes with per-row scales (and only int8)")
+            if msg.direction == "forward" and self.stage == 0:
+                raise ProtocolError(Outcome.NOT_ON_ROUTE, "stage 0 reads its own token rows; it takes no forward hop")
+        return self.plane.accept_hop(msg, t, ctx.digests.get("data", ""))
+
+    # ---------------------------------------------------------------- outbound
+    async def _endpoint(self, hotkey: str) -> str:
+        ep = self.endpoint_of(hotkey)
+        for wait in (0.0, 1.1):            # a peer that served its axon a moment ago: re-read the metagraph
+            if ep is not None:
+                break
+            await asyncio.sleep(wait)
+            await self.refresh()
+            ep = self.endpoint_of(hotkey)
+        if ep is None:
+            raise TransportError(hotkey[:10], "no served endpoint on the metagraph")
+        return ep
+
+    async def _send(self, hotkey: str, hop: Hop) -> tuple[HopAck, str]:
+        digests: dict[str, str] = {}
+        ack = await self.hop_client.call(await self._endpoint(hotkey), hotkey, "/hop", hop, HopAck,
+                                         timeout_s=self.hop_timeout_s, retries=2, backoff_s=0.2, digests=digests)
+        return ack, digests.get("data", "")
+
+    async def _post_receipts(self, validator: str, receipts: list[dict]) -> None:
+        await self.receipt_client.call(await self._endpoint(validator), validator, "/receipts",
+                                       ReceiptBatch(run_id=self.run_id, stage=self.stage, receipts=receipts),
+                                       ReceiptAck, timeout_s=15.0, retries=1)
+
+    def status(self) -> dict:
+        d = self.plane.status()
+        d["hop_client"] = self.hop_client.stats()
+        d["receipt_client"] = self.receipt_client.stats()
+        return d
