@@ -348,7 +348,8 @@ class LocalNet:
                         pass
         by_step: dict[int, list[dict]] = {}
         for r in rows:
-            by_step.setdefault(int(r["step"]), []).append(r)
+            if r.get("loss") is not None:
+                by_step.setdefault(int(r["step"]), []).append(r)
         n_lanes = max((len(v) for v in by_step.values()), default=0)
         metrics = []
         for k in sorted(by_step):

@@ -56,13 +56,17 @@ class Flight:
     unreachable: set[str] = field(default_factory=set)
     stale: bool = False
     done: bool = False
-    credited: bool = False
+    credited: set[int] = field(default_factory=set)     # stages credited
     future: Optional[asyncio.Future] = None      # evaluation / probe: resolves to the loss
 
     @property
     def loss(self) -> Optional[float]:
-        tail = self.receipts.get(self.ticket.n_stages - 1)
-        return tail.loss if tail is not None else None
+        """The tail's loss, or the one it sent back with its gradient (in the first stage's receipt)."""
+        for s in (self.ticket.n_stages - 1, 0):
+            r = self.receipts.get(s)
+            if r is not None and r.loss is not None:
+                return r.loss
+        return None
 
 
 class ControlPlane:
@@ -75,10 +79,13 @@ class ControlPlane:
     ``microbatches_ok``, ``microbatches_failed``.
     """
 
+    #: lane steps whose flights are kept after completion (receipts arrive in batches, a little late)
+    KEEP_STEPS = 4
+
     def __init__(self, cfg: RunConfig, *, run_id: str, router: Router, client: Any, keypair: Any, dataset: Any,
                  ledger: Ledger, n_lanes: int, validator_index: int = 0, n_validators: int = 1,
-                 seed: Optional[int] = None, tag: str = "", lookahead: int = 3, ticket_ttl_s: float = 600.0,
-                 stall_s: float = 30.0, max_attempts: int = 6, wire_dtype: str = "bf16", n_alternates: int = 2,
+                 seed: Optional[int] = None, tag: str = "", lookahead: int = 8, ticket_ttl_s: float = 600.0,
+                 stall_s: float = 30.0, min_stall_s: float = 3.0, max_attempts: int = 6, wire_dtype: str = "bf16", n_alternates: int = 2,
                  empty_step_wait_s: float = 1.0, turn_timeout_s: float = 120.0, eval_timeout_s: float = 120.0,
                  clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.router, self.client = cfg, run_id, router, client
@@ -103,6 +110,10 @@ class ControlPlane:
         #: per lane, the step being followed now (tickets tell heads that earlier steps are complete)
         self._lane_step: dict[int, int] = {}
         self.reissue_backoff_s = 0.5
+        #: stall detection adapts to the pace of the lanes: no progress for 5 x the mean lane-step time
+        #: (at least ``min_stall_s``, at most ``stall_s``) re-issues what is missing
+        self.min_stall_s = float(min_stall_s)
+        self._step_time: Optional[float] = None
         self._issued_steps: dict[int, set[int]] = {}
         self._lane_events: dict[int, asyncio.Event] = {}
         self._probe_lock = asyncio.Lock()
@@ -254,38 +265,50 @@ class ControlPlane:
             ev.set()
 
     def _maybe_done(self, fl: Flight) -> None:
+        """A training micro-batch is done when the first stage reports its backward (the end of the
+        chain: every later stage has done its part); evaluation when the last stage reports the loss.
+        Stages are credited as their neighbours' receipts arrive (:meth:`_credit`)."""
         t = fl.ticket
+        last = t.n_stages - 1
         if not t.train:
-            if t.n_stages - 1 in fl.receipts:
+            if last in fl.receipts:
                 fl.done = True
                 if fl.future is not None and not fl.future.done():
                     fl.future.set_result(fl.loss)
             return
-        if len(fl.receipts) < t.n_stages or not all(r.status == "ok" for r in fl.receipts.values()):
-            return
-        fl.done = True
+        head = fl.receipts.get(0)
+        if head is not None and head.status == "ok" and not fl.done:
+            fl.done = True
         self._credit(fl)
 
     def _credit(self, fl: Flight) -> None:
-        """Verified work: each stage whose receipts agree with its neighbours' on what was handed over."""
-        if fl.credited:
-            return
-        fl.credited = True
+        """Verified work: a stage is credited once its receipt and its neighbours' are in and agree on
+        what was handed over (sha256 of the wire tensors, who sent to whom). A stage whose neighbour
+        never reports (it died) stays unverified and unpaid for that micro-batch."""
         t, rs = fl.ticket, fl.receipts
-        agree = [True] * t.n_stages
-        for s in range(t.n_stages - 1):
-            a, b = rs[s], rs[s + 1]
-            if a.fout != b.fin or a.bin != b.bout or a.next != fl.servers[s + 1] or b.prev != fl.servers[s]:
-                agree[s] = agree[s + 1] = False
-                self.hash_mismatches += 1
-                logger.warning("micro-batch {}: stages {} and {} disagree on what they exchanged (forward {} / {}, "
-                               "backward {} / {}, {} -> {})", t.microbatch_id, s, s + 1, a.fout[:8], b.fin[:8],
-                               b.bout[:8], a.bin[:8], a.next[:8], b.prev[:8])
         reps = self._by_hotkey()
         for s, r in rs.items():
+            if s in fl.credited or r.status != "ok":
+                continue
+            nbrs = [n for n in (s - 1, s + 1) if 0 <= n < t.n_stages]
+            if not all(n in rs for n in nbrs):
+                continue
+            fl.credited.add(s)
+            ok = True
+            for a_s in (s - 1, s):
+                if a_s < 0 or a_s + 1 >= t.n_stages:
+                    continue
+                a, b = rs[a_s], rs[a_s + 1]
+                if a.fout != b.fin or a.bin != b.bout or a.next != fl.servers[a_s + 1] or b.prev != fl.servers[a_s]:
+                    ok = False
+                    if a_s == s:      # report each disagreeing pair once
+                        self.hash_mismatches += 1
+                        logger.warning("micro-batch {}: stages {} and {} disagree on what they exchanged (forward "
+                                       "{} / {}, backward {} / {}, {} -> {})", t.microbatch_id, a_s, a_s + 1,
+                                       a.fout[:8], b.fin[:8], b.bout[:8], a.bin[:8], a.next[:8], b.prev[:8])
             hk = self._server_of(fl, s)
             rep = reps.get(hk)
-            if rep is None or not agree[s]:
+            if rep is None or not ok:
                 continue
             self.ledger.forward_ok(rep.uid, rep.hotkey, s)
             self.ledger.credit(rep.uid, rep.hotkey, s, t.tokens)
@@ -318,9 +341,10 @@ class ControlPlane:
         await self._deliver(tickets)
         return True
 
-    async def _reissue(self, fl: Flight) -> bool:
+    async def _reissue(self, fl: Flight, tries: int) -> bool:
+        """Re-issue ``fl``'s micro-batch (``tries``: re-issues of it so far in this lane step)."""
         t = fl.ticket
-        if t.attempt + 1 >= self.max_attempts:
+        if tries + 1 >= self.max_attempts:
             return False
         wait = self.reissue_backoff_s * 2 ** t.attempt - (self.clock() - fl.issued)
         if wait > 0:
@@ -369,6 +393,7 @@ class ControlPlane:
         self._lane_step[lane] = step
         last_progress, progress_mark = self.clock(), -1
         gave_up: set[int] = set()
+        tries: dict[int, int] = {}
         while True:
             state = [self._index_state(lane, step, m) for m in range(self.micro_per_step)]
             mark = sum(len(f.receipts) for m in range(self.micro_per_step) for f in self._flights_of(lane, step, m))
@@ -382,11 +407,12 @@ class ControlPlane:
                 if st != "failed" or m in gave_up:
                     continue
                 latest = self._flights_of(lane, step, m)[-1]
-                if not await self._reissue(latest):
+                tries[m] = tries.get(m, 0) + 1
+                if not await self._reissue(latest, tries[m] - 1):
                     gave_up.add(m)
                     logger.warning("lane {} step {} mb {}: given up after {} attempts: {}", lane, step, m,
                                    latest.ticket.attempt + 1, "; ".join(latest.errors)[:300])
-            if self.clock() - last_progress > self.stall_s:
+            if self.clock() - last_progress > self.stall_timeout():
                 cur = await self._head_step(lane)
                 if cur is not None and cur < step and self.clock() - last_progress < self.turn_timeout_s:
                     pass    # the head is still on earlier steps (another validator's): not stalled
@@ -397,7 +423,8 @@ class ControlPlane:
                     for m, st in enumerate(state):
                         if st == "running":
                             f = self._flights_of(lane, step, m)[-1]
-                            self._flight_failed(f.ticket.microbatch_id, f"no progress for {self.stall_s:.0f} s")
+                            self._flight_failed(f.ticket.microbatch_id,
+                                                f"no progress for {self.stall_timeout():.1f} s")
                         elif st == "waiting":      # the head went past it, yet no attempt's receipts came
                             gave_up.add(m)
                     last_progress = self.clock()
@@ -407,7 +434,15 @@ class ControlPlane:
                 await asyncio.wait_for(ev.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
-        return self._result(lane, step, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self._step_time = elapsed if self._step_time is None else 0.8 * self._step_time + 0.2 * elapsed
+        return self._result(lane, step, elapsed)
+
+    def stall_timeout(self) -> float:
+        """Seconds without any receipt for a lane step before its unfinished micro-batches are re-issued."""
+        if self._step_time is None:
+            return self.stall_s
+        return max(self.min_stall_s, min(self.stall_s, 5.0 * self._step_time * self.n_validators))
 
     def _flights_of(self, lane: int, step: int, m: int) -> list[Flight]:
         return [self.flights[i] for i in self.attempts.get((lane, step, m), []) if i in self.flights]
@@ -453,7 +488,7 @@ class ControlPlane:
             else:
                 self.microbatches_failed += 1
             mbs.append(res)
-        self._forget(lane, step)
+        self._forget(lane, step - self.KEEP_STEPS)     # late receipts of recent steps still credit
         return LaneStepResult(lane, step, mbs, elapsed)
 
     def _forget(self, lane: int, step: int) -> None:
@@ -470,6 +505,20 @@ class ControlPlane:
         todo = steps_of(self.validator_index, self.n_validators, start_step, total_steps)
         i = 0
         next_step = todo[0] if todo else max(start_step, total_steps)
+        # resuming: the head may have trained past our last committed step with tickets we issued ahead
+        cur = await self._head_step(lane) if todo else None
+        if cur is not None and cur > todo[0]:
+            past = [k for k in todo if k < cur]
+            logger.warning("lane {}: its first-stage miner is at inner step {}; steps {}..{} were trained while this "
+                           "validator was away (their receipts are lost: counted, not credited)", lane, cur,
+                           past[0], past[-1])
+            for k in past:
+                i += 1
+                next_step = todo[i] if i < len(todo) else total_steps
+                if on_step is not None:
+                    out = on_step(LaneStepResult(lane, k, [], 0.0), next_step)
+                    if asyncio.iscoroutine(out):
+                        await out
         while i < len(todo):
             if stop is not None and stop.is_set():
                 break
@@ -515,10 +564,8 @@ class ControlPlane:
             tickets.append(self._ticket(lane, -1, i, start=start, split="val", train=False, route=route))
         await self._deliver(tickets)
         futs = [self.flights[t.microbatch_id].future for t in tickets if t.microbatch_id in self.flights]
-        try:
-            await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        if futs:
+            await asyncio.wait(futs, timeout=timeout_s)
         out = []
         for t in tickets:
             fl = self.flights.pop(t.microbatch_id, None)

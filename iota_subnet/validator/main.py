@@ -38,9 +38,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "reads receipts; relay (legacy): every activation goes through this validator")
     v.add_argument("--wire-dtype", choices=("bf16", "fp32", "int8"), default="bf16",
                    help="activations and gradients on the wire between miners (p2p)")
-    v.add_argument("--ticket-lookahead", type=int, default=3, help="lane steps of tickets a head miner holds ahead")
+    v.add_argument("--ticket-lookahead", type=int, default=8, help="lane steps of tickets a head miner holds ahead")
     v.add_argument("--stall", type=float, default=30.0,
-                   help="seconds without progress before a lane step's micro-batches are re-issued")
+                   help="at most this many seconds without progress before a lane step's micro-batches are re-issued "
+                        "(less when lane steps are fast: 5 x the mean lane-step time, at least 3 s)")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
     return p

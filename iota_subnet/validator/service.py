@@ -88,8 +88,8 @@ class ValidatorOptions:
     external_ip: str = "127.0.0.1"  # published on chain (ServeAxon) so miners can deliver receipts
     data_plane: str = "p2p"  # "p2p": miners pass tensors to each other; "relay": through this validator (legacy)
     wire_dtype: str = "bf16"  # activations and gradients on the wire (p2p): bf16, fp32 or int8
-    ticket_lookahead: int = 3  # lane steps of tickets a head miner holds ahead
-    stall_s: float = 30.0  # re-issue a lane step's micro-batches after this long without progress
+    ticket_lookahead: int = 8  # lane steps of tickets a head miner holds ahead
+    stall_s: float = 30.0  # at most this long without progress before a lane step's micro-batches are re-issued
     check_rate: float = 0.1  # fraction of hops replayed (spot checks); 0 = off
     snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
     clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
@@ -292,6 +292,8 @@ class ValidatorService:
         self.steps_done[res.lane] = self.steps_done.get(res.lane, 0) + 1
         self.lane_loss[res.lane] = res.loss
         self.lane_tokens[res.lane] = self.lane_tokens.get(res.lane, 0) + res.tokens
+        if res.loss is None:
+            return     # a step trained while this validator was away: no loss or tokens of its own to record
         self.metrics.write({"step": res.step, "lane": res.lane, "tokens": sum(self.lane_tokens.values()),
                             "lane_tokens": self.lane_tokens[res.lane], "loss": res.loss,
                             "lr": lr_at(res.step, self.cfg.train.total_steps, self.cfg.train),
