@@ -397,10 +397,16 @@ class DataPlane:
             self._receipt(t, status="failed", error="backward for a micro-batch this stage no longer holds")
             return
         grad = from_wire(task.data, task.scales)
+        if pend.accumulate and t.step != w.inner_step:
+            # the stage moved on while this micro-batch was away (it was paused, or skipped to a later
+            # step): its gradient belongs to a step already taken or abandoned, so it is not applied
+            pend.accumulate = False
+            self.steps.release(t)
+            self.counts["stale_backwards"] += 1
         t0 = time.perf_counter()
 
         def run():
-            g = w.backward(self._key(t), grad)
+            g = w.backward(self._key(t), grad, accumulate=pend.accumulate)
             return None if g is None else to_wire(g, t.wire_dtype)
         wire = await self.compute(run)
         dt = time.perf_counter() - t0

@@ -137,12 +137,14 @@ class StageWorker:
                            merges=self.merges, accumulate=accumulate)
             return {"activations": out.detach().float()}
 
-    def backward(self, mb_id: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+    def backward(self, mb_id: str, grad: torch.Tensor, accumulate: Optional[bool] = None) -> Optional[torch.Tensor]:
         """Backpropagate the activation gradient [B, T, b] of micro-batch ``mb_id``.
 
         Returns dL/d(input) [B, T, b], or None for the head. Raises UnknownMicrobatch when the
         forward is not (or no longer) cached; shape mismatches raise ValueError. Steps the inner
-        optimizer when a full batch of micro-batches has been accumulated.
+        optimizer when a full batch of micro-batches has been accumulated (``auto_step``).
+        ``accumulate=False`` overrides the forward's choice: input gradient only (the stage moved past
+        the step this micro-batch belonged to while it waited).
         """
         with self.lock:
             entry = self.cache.pop(mb_id)
@@ -150,7 +152,7 @@ class StageWorker:
                 raise UnknownMicrobatch(mb_id)
             if tuple(grad.shape) != tuple(entry.outputs.shape):
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {tuple(entry.outputs.shape)}")
-            if not entry.meta.get("accumulate", True):
+            if accumulate is False or not entry.meta.get("accumulate", True):
                 return self._input_grad_only(entry, grad)
             if entry.meta.get("version") == self.version:
                 self.last_weights_step = int(entry.meta.get("step", self.inner_step))

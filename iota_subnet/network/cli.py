@@ -36,7 +36,8 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
     summary = run_localnet(overrides=parse_sets(a.set), stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config, data=a.data,
                            steps=a.steps, out=a.out, block_time=a.block_time, tempo=a.tempo,
                            restart_dead=not a.no_restart, device=a.device,
-                           timeout_s=a.timeout, adversary=a.adversary)
+                           timeout_s=a.timeout, adversary=a.adversary, chaos=a.chaos,
+                           chaos_duration_s=a.chaos_duration)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -95,6 +96,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adversary", default=None, metavar="KIND",
                    help="one replica of the middle stage cheats this way (random, zero, lazy, replay, copy, stale, "
                         "claim, poison: turns merging on); summary.json lists adversary_uids and each miner's weight")
+    p.add_argument("--chaos", default=None, metavar="SPEC",
+                   help="inject faults on a seeded schedule, e.g. kill=2/min,pause=1/min,join=0.5/min,seed=7 (kinds: "
+                        "kill, pause, leave, join, partition, slow, validator-kill); every event and recovery goes to "
+                        "OUT/chaos.jsonl and the summary")
+    p.add_argument("--chaos-duration", type=float, default=None,
+                   help="seconds of run time the chaos schedule covers (default 3600; faults stop when training ends)")
     p.set_defaults(func=_cmd_localnet)
 
     from iota_subnet.miner.main import build_parser as miner_parser

@@ -45,6 +45,9 @@ class Child:
     proc: Optional[subprocess.Popen] = None
     restarts: int = 0
     died_at: Optional[float] = None
+    started_at: Optional[float] = None      # monotonic time of the latest start
+    hold_until: Optional[float] = None      # a chaos kill: restart no earlier than this
+    left: bool = False                      # a chaos leave: never restarted
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -61,7 +64,8 @@ class LocalNet:
                  restart_delay_s: float = 3.0, progress: Optional[bool] = None,
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
                  timeout_s: Optional[float] = None, overrides: Optional[dict] = None,
-                 adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None):
+                 adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None,
+                 chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None):
         if stages < 1 or replicas < 1 or validators < 1:
             raise ConfigError("--stages, --replicas and --validators must each be >= 1")
         self.out = Path(out).resolve()
@@ -95,6 +99,13 @@ class LocalNet:
         self.adversary = adversary
         self.adversary_pos = (stages // 2, replicas - 1) if adversary else None
         self.children: list[Child] = []
+        #: fault injection (:mod:`.chaos`): the spec, and the run time its schedule covers
+        self.chaos_spec = None
+        if chaos:
+            from .chaos import ChaosSpec
+            self.chaos_spec = ChaosSpec.parse(chaos, min_live=1)
+        self.chaos_duration_s = chaos_duration_s or 3600.0
+        self.chaos = None
         self.run_id = f"localnet-{self.cfg.model.name}"
         self.chain_db = self.out / "chain.db"
         self.config_path = self.out / "config.yaml"
@@ -146,16 +157,19 @@ class LocalNet:
             a += ["--device", self.device]
         return a
 
+    def _miner_child(self, s: int, r: int, w) -> Child:
+        name = f"miner-s{s}-r{r}"
+        out = self.out / "miners" / name
+        argv = [sys.executable, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out",
+                str(out), "--no-register", "--data", str(self.data), *self.extra_miner_args]
+        if self.adversary_pos == (s, r):
+            argv += ["--adversary", str(self.adversary)]
+        return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
+
     def _make_children(self) -> None:
         py = sys.executable
         for (s, r), w in self.miner_wallets.items():
-            name = f"miner-s{s}-r{r}"
-            out = self.out / "miners" / name
-            argv = [py, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out", str(out),
-                    "--no-register", "--data", str(self.data), *self.extra_miner_args]
-            if self.adversary_pos == (s, r):
-                argv += ["--adversary", str(self.adversary)]
-            self.children.append(Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s))
+            self.children.append(self._miner_child(s, r, w))
         relay = ["--data-plane", "relay"] if self.adversary and self.adversary != "poison" else []
         if relay:
             # hop replays (spot checks) need the validator to see the hops; the p2p audits replace them
@@ -182,6 +196,55 @@ class LocalNet:
                                       env=self._env())
         logf.close()
         child.died_at = None
+        child.started_at = time.monotonic()
+
+    # ---- fault injection (used by .chaos) ------------------------------------------------------
+    def kill(self, child: Child) -> None:
+        if child.alive():
+            child.proc.send_signal(signal.SIGKILL)
+
+    def pause(self, child: Child) -> None:
+        if child.alive():
+            child.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self, child: Child) -> None:
+        if child.alive():
+            child.proc.send_signal(signal.SIGCONT)
+
+    def retire(self, child: Child) -> None:
+        child.left = True
+        if child.alive():
+            child.proc.send_signal(signal.SIGTERM)
+
+    def schedule_restart(self, child: Child, at: float) -> None:
+        child.hold_until = at
+
+    def set_link(self, child: Child, state: dict) -> None:
+        """Partition (``{"down": true}``) or slow (``{"slow": factor}``) a neuron's links; ``{}`` heals.
+        The neuron reads the file (``--link-control``) a few times a second."""
+        atomic_write_text(child.out / "link-control.json", json.dumps(state))
+
+    def add_miner(self, stage: int) -> Child:
+        """A new miner registers mid-run on ``stage`` and starts (it syncs from its peers)."""
+        from iota_subnet.wallets import create_wallet
+        k = sum(1 for c in self.children if c.kind == "miner" and c.stage == stage)
+        name = f"miner-s{stage}-r{k}"
+        w = create_wallet(name, "default", self.out / "wallets")
+        self.miner_wallets[(stage, k)] = w
+
+        async def reg():
+            from iota_subnet.chain import open_chain
+            chain = await open_chain("devnet", self.chain_db)
+            try:
+                await chain.register(w, NETUID)
+            finally:
+                await chain.close()
+        asyncio.run(reg())
+        child = self._miner_child(stage, k, w)
+        self.children.append(child)
+        self.start(child)
+        logger.info(f"{name} joined stage {stage}")
+        return child
 
     def stop_all(self, grace_s: float = 15.0) -> None:
         for c in self.children:
@@ -218,11 +281,19 @@ class LocalNet:
         for c in self.children:
             if c.alive() or c.proc is None:
                 continue
+            if c.left:
+                continue
             if c.died_at is None:
                 c.died_at = now
                 logger.warning(f"{c.name} exited with code {c.proc.returncode}; see {c.log}")
-                if c.kind == "validator":
+                if c.kind == "validator" and c.hold_until is None:
                     raise RuntimeError(f"{c.name} died (exit code {c.proc.returncode}); see {c.log}")
+            elif c.hold_until is not None:
+                if now >= c.hold_until:
+                    c.hold_until = None
+                    c.restarts += 1
+                    logger.info(f"restarting {c.name} (restart #{c.restarts})")
+                    self.start(c)
             elif self.restart_dead and c.kind == "miner" and now - c.died_at >= self.restart_delay_s:
                 c.restarts += 1
                 logger.info(f"restarting {c.name} (restart #{c.restarts})")
@@ -244,9 +315,17 @@ class LocalNet:
                 bar = tqdm(total=self.steps, desc="localnet", unit="step", dynamic_ncols=True)
             last_log = 0.0
             done_at = None
+            if self.chaos_spec is not None:
+                from .chaos import ChaosInjector, ChaosLog
+                self.chaos = ChaosInjector(self, self.chaos_spec, ChaosLog(self.out / "chaos.jsonl"),
+                                           self.chaos_duration_s)
+                logger.info(f"chaos: {len(self.chaos.pending)} faults scheduled over "
+                            f"{self.chaos_duration_s:.0f} s (seed {self.chaos_spec.seed}); log in {self.out / 'chaos.jsonl'}")
             while True:
                 time.sleep(1.0)
                 self._supervise()
+                if self.chaos is not None and not all(s.get("done") for s in self.validator_status()):
+                    self.chaos.tick()
                 st = self.validator_status()
                 steps_done = self._steps_done(st)
                 line = self._progress_line(st)
@@ -272,8 +351,13 @@ class LocalNet:
         finally:
             if bar is not None:
                 bar.close()
+            for c in self.children:          # nothing stays stopped (SIGSTOP) or held back
+                if c.alive():
+                    c.proc.send_signal(signal.SIGCONT)
             self.stop_all()
             self._halt_chain()
+            if self.chaos is not None:
+                self.chaos.log.close()
         return summary
 
     def _halt_chain(self) -> None:
@@ -424,8 +508,36 @@ class LocalNet:
             "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
             "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
         }
+        if self.chaos is not None:
+            summary["chaos"] = {**self.chaos.log.summary(), **self._sample_accounting()}
         write_summary(self.out / "summary.json", summary)
         return summary
+
+    def _sample_accounting(self) -> dict:
+        """From the validators' state: micro-batches lost, and samples (rows of ``(lane, step, index)``)
+        trained more than once or never, over the steps driven."""
+        from iota_subnet.validator.state import ValidatorState
+        seen: dict[tuple, int] = {}
+        lost = 0
+        for c in self.children:
+            if c.kind != "validator" or not (c.out / "validator.sqlite").exists():
+                continue
+            st = ValidatorState(c.out / "validator.sqlite")
+            try:
+                for row in st.microbatch_log():
+                    key = (row["lane"], row["step"], row["idx"])
+                    if row["ok"]:
+                        seen[key] = seen.get(key, 0) + 1
+                    else:
+                        lost += 1
+            finally:
+                st.close()
+        lanes = {k[0] for k in seen} or set(range(self.replicas))
+        micro = self.cfg.train.batch_size // self.cfg.train.micro_batch
+        expected = {(l, k, m) for l in lanes for k in range(self.steps) for m in range(micro)}
+        return {"microbatches_lost": lost,
+                "samples_repeated": sum(n - 1 for n in seen.values() if n > 1) * self.cfg.train.micro_batch,
+                "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch}
 
 
 def run_localnet(**kw) -> dict:

@@ -516,7 +516,9 @@ class ControlPlane:
                 i += 1
                 next_step = todo[i] if i < len(todo) else total_steps
                 if on_step is not None:
-                    out = on_step(LaneStepResult(lane, k, [], 0.0), next_step)
+                    mbs = [MicrobatchResult(lane, k, m, "", True, self.mb * self.cfg.data.seq_len, ok=True,
+                                            phase="trained while away") for m in range(self.micro_per_step)]
+                    out = on_step(LaneStepResult(lane, k, mbs, 0.0), next_step)
                     if asyncio.iscoroutine(out):
                         await out
         while i < len(todo):
