@@ -15,6 +15,12 @@ from .contract import (
 from .messages import (
     MESSAGE_TYPES,
     SPEC_VERSION,
+    AuditOpening,
+    AuditOpenRequest,
+    AuditProjection,
+    AuditProjectRequest,
+    AuditTraceCommit,
+    AuditTraceRequest,
     Backward,
     BackwardResult,
     Forward,
@@ -45,7 +51,8 @@ from .wire import from_wire, to_wire
 from .outcome import HTTP_STATUS, Outcome, ProtocolError
 
 __all__ = [
-    "Backward", "BackwardResult", "HOP_DIRECTIONS", "Hop", "HopAck", "ReceiptAck", "ReceiptBatch", "Ticket",
+    "AuditOpening", "AuditOpenRequest", "AuditProjection", "AuditProjectRequest", "AuditTraceCommit",
+    "AuditTraceRequest", "Backward", "BackwardResult", "HOP_DIRECTIONS", "Hop", "HopAck", "ReceiptAck", "ReceiptBatch", "Ticket",
     "TicketAck", "TicketBatch", "TicketError", "from_wire", "hop_contract", "to_wire", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",
     "MESSAGE_TYPES", "MergeAck", "MergeEvidence", "MergeJoin", "MergePayload", "MergeResult", "MergeResultRequest",
     "StateChunk", "StateChunkRequest", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",

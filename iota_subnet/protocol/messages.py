@@ -30,6 +30,17 @@ Hop            ``data``: the activation (forward) or activation gradient (backwa
                ticket's wire dtype (bf16 / fp32 / int8 with ``scales`` float32 [batch, seq]); the ticket
                and the path taken so far travel as JSON
 ReceiptBatch   no tensors: what a miner did with the hops of one validator's tickets (JSON receipts)
+AuditTraceRequest / AuditTraceCommit
+               hop audit round 1 (:mod:`iota_subnet.audit`): ``roots`` uint8 [n_trace, 32] (Merkle roots
+               of the traced tensors, layout order), ``weight_roots`` uint8 [n_entries, 32]
+AuditProjectRequest / AuditProjection
+               round 2: ``seed`` (hex, 32 bytes) -> ``vectors`` float32 [n] (every projection vector,
+               layout order, flattened), ``roots`` uint8 [n_committed, 32]
+AuditOpenRequest / AuditOpening
+               round 3: ``rows`` {tensor name: [row index]} -> ``values`` float32 [n] (trace and
+               projection rows), ``weights`` [n] (weight rows and columns, the weights' dtype),
+               ``wire`` [n] (wire rows, the wire dtype), ``proofs`` uint8 [n_hashes, 32]; rows in the
+               request's order (names sorted, indices as listed), proofs bottom up
 ============== ================================================================================
 """
 from __future__ import annotations
@@ -292,9 +303,72 @@ class ReceiptAck(Message):
     accepted: int = 0
 
 
+@dataclass(kw_only=True)
+class AuditTraceRequest(Message):
+    """Round 1 of a hop audit (validator -> miner): recompute and commit the trace of the hop of
+    ``microbatch_id`` at ``stage`` in ``direction`` (``forward`` | ``backward``) with the weights
+    version ``weights_step`` / ``weights_merges`` / ``weights_root`` (hex) its receipt named.
+    ``audit_id`` names the session in the rounds that follow."""
+    TYPE: ClassVar[str] = "AuditTraceRequest"
+    audit_id: str = ""
+    direction: str = "forward"
+    weights_step: int = 0
+    weights_merges: int = 0
+    weights_root: str = ""
+
+
+@dataclass(kw_only=True)
+class AuditTraceCommit(Message):
+    """Round 1 reply: the Merkle root of every traced tensor (the layout's order) and of every weight
+    entry (rows, columns; they combine to the version's root)."""
+    TYPE: ClassVar[str] = "AuditTraceCommit"
+    audit_id: str = ""
+    direction: str = "forward"
+    roots: Optional[torch.Tensor] = tensor_field(required=True)
+    weight_roots: Optional[torch.Tensor] = tensor_field(required=True)
+
+
+@dataclass(kw_only=True)
+class AuditProjectRequest(Message):
+    """Round 2 (validator -> miner): the seed (hex, 32 bytes) of the random projection vectors."""
+    TYPE: ClassVar[str] = "AuditProjectRequest"
+    audit_id: str = ""
+    seed: str = ""
+
+
+@dataclass(kw_only=True)
+class AuditProjection(Message):
+    """Round 2 reply: every projection vector (flattened, layout order) and the roots of the
+    committed projection tensors."""
+    TYPE: ClassVar[str] = "AuditProjection"
+    audit_id: str = ""
+    vectors: Optional[torch.Tensor] = tensor_field(required=True)
+    roots: Optional[torch.Tensor] = tensor_field(required=True)
+
+
+@dataclass(kw_only=True)
+class AuditOpenRequest(Message):
+    """Round 3 (validator -> miner): the rows to open, by committed tensor name."""
+    TYPE: ClassVar[str] = "AuditOpenRequest"
+    audit_id: str = ""
+    rows: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class AuditOpening(Message):
+    """Round 3 reply: the requested rows (concatenated by dtype class, request order) and their proofs."""
+    TYPE: ClassVar[str] = "AuditOpening"
+    audit_id: str = ""
+    values: Optional[torch.Tensor] = tensor_field()
+    weights: Optional[torch.Tensor] = tensor_field()
+    wire: Optional[torch.Tensor] = tensor_field()
+    proofs: Optional[torch.Tensor] = tensor_field()
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload, MergeJoin, MergeAck,
                         MergeResultRequest, MergeResult, StateChunkRequest, StateChunk,
                         StateRequest, StateResponse, Health, MergeEvidence, TicketBatch, TicketAck, Hop, HopAck,
-                        ReceiptBatch, ReceiptAck)
+                        ReceiptBatch, ReceiptAck, AuditTraceRequest, AuditTraceCommit, AuditProjectRequest,
+                        AuditProjection, AuditOpenRequest, AuditOpening)
 }

@@ -1,0 +1,177 @@
+"""Validator side of a hop audit: one :class:`HopAuditor` per audit session.
+
+The validator chooses a hop only after its receipts are in (blind), then runs three rounds:
+
+1. ask the miner for the hop's trace roots (:class:`~iota_subnet.protocol.AuditTraceRequest`);
+   :meth:`HopAuditor.on_commit` checks the weights entries combine to the root the receipt named,
+   and returns a fresh random seed;
+2. send the seed; :meth:`HopAuditor.on_projection` takes the projection vectors and roots and
+   draws the sample (:func:`~.challenge.draw_sample`), returning the rows to open;
+3. :meth:`HopAuditor.check` verifies every opened row against its root (Merkle proof), then every
+   link (:class:`~.check.LinkChecker`).
+
+A refused, malformed, timed-out or inconsistent answer at any round is a failed audit: the caller
+turns exceptions of the transport into ``Verdict(ok=False)`` (:meth:`HopAuditor.failed`).
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Optional
+
+import torch
+
+from .challenge import Sample, SamplingParams, draw_sample, openings
+from .check import LinkChecker, Tolerances, Verdict
+from .commit import weights_entries_root, entry_names
+from .layout import TraceLayout
+from .merkle import DIGEST_BYTES, leaf_hash, verify_proof
+from .project import randoms
+from .prover import Opened
+
+
+class AuditFailure(ValueError):
+    """The miner's answer to a round cannot be accepted (the audit fails)."""
+
+
+class HopAuditor:
+    """One audit session on the validator.
+
+    ``weights_root``: the root the audited hop's receipt named; ``wire_roots``: roots of the hop's
+    wire tensors from the receipts (layout names ``wire.*``; ``wire.z`` may be left out of a backward
+    audit whose forward used other weights, then the forward output is not compared);
+    ``tokens`` [B, T] (head) / ``targets`` [B, T] (tail), from the micro-batch's sample address;
+    ``loss``: the loss the tail reported; ``rng``: defaults to one seeded from ``os.urandom``.
+    """
+
+    def __init__(self, layout: TraceLayout, *, weights_root: bytes, wire_roots: dict[str, bytes],
+                 tol: Tolerances, wire_dtype: torch.dtype = torch.bfloat16, weights_dtype: torch.dtype = torch.float32,
+                 sampling: SamplingParams = SamplingParams(), rng: Optional[random.Random] = None,
+                 tokens: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
+                 loss: Optional[float] = None):
+        self.layout = layout
+        self.weights_root = bytes(weights_root)
+        self.wire_roots = {k: bytes(v) for k, v in wire_roots.items()}
+        unknown = set(self.wire_roots) - set(layout.wire)
+        if unknown:
+            raise ValueError(f"wire roots {sorted(unknown)} are not tensors of this hop ({sorted(layout.wire)})")
+        for need in ("wire.x", "wire.dz", "wire.dx"):
+            if need in layout.wire and need not in self.wire_roots:
+                raise ValueError(f"the audit of this hop needs the root of {need} (from its receipts)")
+        if layout.direction == "forward" and "wire.z" in layout.wire and "wire.z" not in self.wire_roots:
+            raise ValueError("a forward audit needs the root of wire.z (the output the hop sent)")
+        if layout.dims.head and tokens is None:
+            raise ValueError("auditing the head needs the micro-batch's token ids")
+        if layout.dims.tail and targets is None:
+            raise ValueError("auditing the tail needs the micro-batch's targets")
+        self.tol, self.sampling = tol, sampling.validate()
+        self.wire_dtype, self.weights_dtype = wire_dtype, weights_dtype
+        self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
+        self.tokens, self.targets, self.loss = tokens, targets, loss
+        self.trace_roots: dict[str, bytes] = {}
+        self.weight_roots: dict[str, bytes] = {}
+        self.p_roots: dict[str, bytes] = {}
+        self.seed: Optional[bytes] = None
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.sample: Optional[Sample] = None
+        self.request: dict[str, list[int]] = {}
+
+    # ---- round 1 -------------------------------------------------------------------------------
+    def on_commit(self, trace_roots: list[bytes], weight_roots: list[bytes]) -> bytes:
+        """Accept the trace and weight roots; returns the projection seed. Raises :class:`AuditFailure`."""
+        lay = self.layout
+        if len(trace_roots) != len(lay.trace) or any(len(r) != DIGEST_BYTES for r in trace_roots):
+            raise AuditFailure(f"expected {len(lay.trace)} trace roots of {DIGEST_BYTES} bytes")
+        names = entry_names(lay.params)
+        if len(weight_roots) != len(names) or any(len(r) != DIGEST_BYTES for r in weight_roots):
+            raise AuditFailure(f"expected {len(names)} weight roots of {DIGEST_BYTES} bytes")
+        if weights_entries_root(lay.params, weight_roots) != self.weights_root:
+            raise AuditFailure("the weight roots do not combine to the weights root the hop's receipt named")
+        self.trace_roots = dict(zip(lay.trace, map(bytes, trace_roots)))
+        self.weight_roots = {"w:" + n: bytes(r) for n, r in zip(names, weight_roots)}
+        self.seed = bytes(self.rng.getrandbits(8) for _ in range(32))
+        return self.seed
+
+    # ---- round 2 -------------------------------------------------------------------------------
+    def on_projection(self, vectors: dict[str, torch.Tensor], committed_roots: list[bytes]) -> dict[str, list[int]]:
+        """Accept the projections; returns the open request (layout name -> row indices)."""
+        lay = self.layout
+        if self.seed is None:
+            raise RuntimeError("on_projection() before on_commit()")
+        if set(vectors) != set(lay.vectors):
+            raise AuditFailure("projection vectors differ from the expected set")
+        for k, shape in lay.vectors.items():
+            t = vectors[k]
+            if tuple(t.shape) != tuple(shape) or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                raise AuditFailure(f"projection {k}: shape {tuple(t.shape)} (expected {shape}) or non-finite")
+        if len(committed_roots) != len(lay.committed) or any(len(r) != DIGEST_BYTES for r in committed_roots):
+            raise AuditFailure(f"expected {len(lay.committed)} projection roots")
+        self.vectors = dict(vectors)
+        self.p_roots = dict(zip(lay.committed, map(bytes, committed_roots)))
+        self.sample = draw_sample(lay, self.sampling, self.rng)
+        tok = None
+        if lay.dims.head:
+            flat = self.tokens.reshape(-1)
+            tok = {n: int(flat[n]) for n in self.sample.token_rows(lay.dims.T)}
+        self.request = openings(lay, self.sample, tok)
+        self.request = {k: v for k, v in self.request.items()
+                        if not (k == "wire.z" and "wire.z" not in self.wire_roots)}
+        return self.request
+
+    def root_of(self, name: str) -> bytes:
+        for table in (self.trace_roots, self.p_roots, self.wire_roots, self.weight_roots):
+            if name in table:
+                return table[name]
+        raise KeyError(name)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        e = self.layout.entry(name)
+        return {"wire": self.wire_dtype, "weights": self.weights_dtype}.get(e.dtype, torch.float32)
+
+    # ---- round 3 -------------------------------------------------------------------------------
+    def check(self, opened: dict[str, Opened]) -> Verdict:
+        """Verify the opening against the roots and check every link; never raises on bad input."""
+        try:
+            rows = self.verify_opening(opened)
+        except AuditFailure as e:
+            return self.failed(f"opening: {e}")
+        out_links = tuple(k for k in ("wire.z", "wire.dx") if k in self.request)
+        checker = LinkChecker(self.layout, rnd=randoms(self.layout, self.seed), sample=self.sample, vectors=self.vectors,
+                              opened=rows, tol=self.tol, wire_dtype=self.wire_dtype, tokens=self.tokens,
+                              targets=self.targets, loss=self.loss, output_links=out_links)
+        try:
+            return checker.run()
+        except (KeyError, IndexError, RuntimeError, ValueError) as e:      # an opening that lacks what a link needs
+            return self.failed(f"check: {type(e).__name__}: {e}")
+
+    def verify_opening(self, opened: dict[str, Opened]) -> dict[str, dict[int, torch.Tensor]]:
+        """Every requested row, opened with a valid proof: name -> {row: tensor}. Raises :class:`AuditFailure`."""
+        if set(opened) != set(self.request):
+            raise AuditFailure("the opening does not answer the request")
+        out: dict[str, dict[int, torch.Tensor]] = {}
+        for name, idx in self.request.items():
+            o = opened[name]
+            e = self.layout.entry(name)
+            dtype = self.dtype_of(name)
+            if list(o.index) != list(idx) or tuple(o.rows.shape) != (len(idx), e.width) or o.rows.dtype != dtype:
+                raise AuditFailure(f"{name}: rows {tuple(o.rows.shape)} {o.rows.dtype}, expected "
+                                   f"{(len(idx), e.width)} {dtype}")
+            if len(o.proofs) != len(idx):
+                raise AuditFailure(f"{name}: {len(o.proofs)} proofs for {len(idx)} rows")
+            root = self.root_of(name)
+            rows = {}
+            for k, i in enumerate(idx):
+                row = o.rows[k]
+                if not verify_proof(root, leaf_hash(row), i, e.rows, o.proofs[k]):
+                    raise AuditFailure(f"{name} row {i} does not match its committed root")
+                if row.is_floating_point() and not bool(torch.isfinite(row).all()):
+                    raise AuditFailure(f"{name} row {i} is not finite")
+                rows[i] = row
+            out[name] = rows
+        return out
+
+    @staticmethod
+    def failed(reason: str) -> Verdict:
+        v = Verdict()
+        v.fail(reason)
+        return v

@@ -1,0 +1,209 @@
+"""Round 3 of a hop audit: the validator's sample, and the rows of every committed tensor it opens.
+
+The sample is drawn only after the miner answered rounds 1 and 2 (its trace roots, then its
+projections), from the validator's own OS-seeded RNG:
+
+* ``rows`` batch rows, and in each ``tokens`` token positions (uniform, without replacement): every
+  link of the stage is checked on these token rows (:mod:`.check`);
+* per sampled batch row, ``spots`` positions where the committed per-position projections
+  (``p:`` tensors) are recomputed from opened activation rows, and ``act_cols`` columns of every
+  activation matrix whose projection (``kappa``, ``nu``, ``phi``, ``psi``) is recomputed;
+* ``weight_idx`` entries of every weight projection vector (``w_*``: a weight column each,
+  ``o_*``: a weight row each); for the tail, ``vocab`` rows of the LM head, on which every sampled
+  token's logits and the entries of ``lm.o`` are recomputed (the LM head's columns are V long:
+  its forward projection ``lm.w`` is bound through these rows instead, see :mod:`.check`).
+
+Detection (every link is checked exactly on the sampled token rows, see :mod:`.check`): an
+inconsistency confined to a fraction f of the token rows of a micro-batch, anywhere in the chain,
+is caught with probability ``1 - (1 - f)^s`` when the s = rows x tokens sampled rows are drawn
+from rows holding it (``rows`` batch rows out of B); a forged projection is caught by the spot
+and column checks with the probabilities stated in :mod:`.project` and ``docs``.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from .layout import TraceLayout
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How much one audit opens (defaults sized for ``tiny``: see ``scripts/bench_audit.py``)."""
+
+    rows: int = 1
+    tokens: int = 2
+    spots: int = 4
+    act_cols: int = 1
+    weight_idx: int = 1
+    vocab: int = 4
+
+    def validate(self) -> "SamplingParams":
+        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"sampling.{k} must be an integer >= 1, got {v!r}")
+        return self
+
+
+@dataclass
+class Sample:
+    """One audit's draws. ``tokens``: batch row -> positions; ``spots``: batch row -> positions;
+    ``cols``: (vector name, batch row) -> column indices; ``idx``: vector name -> entry indices."""
+
+    tokens: dict[int, list[int]]
+    spots: dict[int, list[int]]
+    cols: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    idx: dict[str, list[int]] = field(default_factory=dict)
+
+    def token_rows(self, T: int) -> list[int]:
+        return sorted(b * T + t for b, ts in self.tokens.items() for t in ts)
+
+    def to_json(self) -> dict:
+        return {"tokens": {str(b): v for b, v in self.tokens.items()},
+                "spots": {str(b): v for b, v in self.spots.items()},
+                "cols": [[k[0], k[1], v] for k, v in self.cols.items()],
+                "idx": self.idx}
+
+
+#: D-dim projections per batch row, and the activation column tensor each is checked against.
+ACT_PROJ = {"kappa": "k^T", "nu": "v^T", "phi": "q^T", "psi": "dy^T"}
+
+
+def weight_vectors(layout: TraceLayout) -> dict[str, list[tuple[str, str]]]:
+    """For every weight projection vector: the weight entries (``w:<param>`` rows or ``w:<param>^T``
+    columns) whose opened row ``i`` recomputes its entry ``i``."""
+    m = layout.dims
+    out: dict[str, list[tuple[str, str]]] = {}
+    for j in range(len(m.layers)):
+        p, bp = f"L{j}.", lambda s, j=j: "w:" + layout.block_param(j, s)
+        q, k, v = bp("self_attn.q_proj.weight"), bp("self_attn.k_proj.weight"), bp("self_attn.v_proj.weight")
+        o, g, u, dn = bp("self_attn.o_proj.weight"), bp("mlp.gate_proj.weight"), bp("mlp.up_proj.weight"), \
+            bp("mlp.down_proj.weight")
+        out[p + "w_qkv"] = [(q + "^T", p + "r_q"), (k + "^T", p + "r_k"), (v + "^T", p + "r_v")]
+        out[p + "w_o"] = [(o + "^T", p + "r_o")]
+        out[p + "w_gu"] = [(g + "^T", p + "r_g"), (u + "^T", p + "r_u")]
+        out[p + "w_d"] = [(dn + "^T", p + "r_d")]
+        if layout.backward:
+            out[p + "o_d"] = [(dn, p + "r_da")]
+            out[p + "o_g"] = [(g, p + "r_dn2")]
+            out[p + "o_u"] = [(u, p + "r_dn2")]
+            out[p + "o_o"] = [(o, p + "r_dy")]
+            out[p + "o_q"] = [(q, p + "r_dn1")]
+            out[p + "o_k"] = [(k, p + "r_dn1")]
+            out[p + "o_v"] = [(v, p + "r_dn1")]
+    if m.dec_proj:
+        out["dec.w"] = [("w:bottleneck_in.proj.weight^T", "dec.r")]
+        if layout.backward:
+            out["dec.o"] = [("w:bottleneck_in.proj.weight", "dec.r_b")]
+    if m.tail:
+        out["lm.o"] = [("w:lm_head.weight", "lm.r_b")]
+    elif m.enc_proj:
+        out["enc.w"] = [("w:bottleneck_out.proj.weight^T", "enc.r")]
+        if layout.backward:
+            out["enc.o"] = [("w:bottleneck_out.proj.weight", "enc.r_b")]
+    return out
+
+
+def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random) -> Sample:
+    """The validator's draws for one audit (``rng``: seeded from ``os.urandom`` in production)."""
+    params.validate()
+    m = layout.dims
+    rows = rng.sample(range(m.B), min(params.rows, m.B))
+    tokens = {b: sorted(rng.sample(range(m.T), min(params.tokens, m.T))) for b in rows}
+    spots = {b: sorted(rng.sample(range(m.T), min(params.spots, m.T))) for b in rows}
+    s = Sample(tokens, spots)
+    for j in range(len(m.layers)):
+        p = f"L{j}."
+        names = ["kappa"] + (["nu", "phi", "psi"] if layout.backward else [])
+        for nm in names:
+            width = layout.committed["p:" + p + nm].width
+            for b in rows:
+                s.cols[(p + nm, b)] = sorted(rng.sample(range(width), min(params.act_cols, width)))
+    for vname in weight_vectors(layout):
+        n = layout.vectors[vname][0]
+        s.idx[vname] = sorted(rng.sample(range(n), min(params.weight_idx, n)))
+    if m.tail:
+        s.idx["lm.vocab"] = sorted(rng.sample(range(m.V), min(params.vocab, m.V)))
+        s.idx["lm.o"] = s.idx["lm.vocab"]
+    return s
+
+
+def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int] | None = None) -> dict[str, list[int]]:
+    """Every row to open for ``sample``: layout name -> sorted row indices.
+
+    ``tokens_of_rows``: token row n -> token id (the head's embedding rows; the validator knows the
+    micro-batch's tokens from its sample address).
+    """
+    m = layout.dims
+    T, N, K, H, D = m.T, m.N, m.K, m.H, m.D
+    want: dict[str, set[int]] = {}
+
+    def add(name: str, idx) -> None:
+        want.setdefault(name, set()).update(int(i) for i in idx)
+
+    toks = sample.token_rows(T)
+    rows = sorted(sample.tokens)
+    L = len(m.layers)
+    add("h.0", toks)
+    for j in range(L):
+        p = f"L{j}."
+        add(f"h.{j + 1}", toks)
+        for nm in ("q", "k", "v", "s", "lse", "y", "h1", "g", "u"):
+            add(p + nm, toks)
+        add("p:" + p + "c", rows)
+        add("p:" + p + "kappa", rows)
+        for b in rows:
+            add(p + "v", [b * T + s for s in sample.spots[b]])
+            add(p + "k^T", [b * m.KD + i for i in sample.cols[(p + "kappa", b)]])
+        for par in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            add("w:" + layout.block_param(j, par), [0])
+        if layout.backward:
+            for nm in ("da", "dn2", "dy", "dp", "dq", "dk", "dv", "dn1", "s^T", "dp^T"):
+                add(p + nm, toks)
+            add(p + "lse_b", rows)
+            add(p + "delta", rows)
+            for nm in ("ck", "e", "f", "nu", "phi", "psi"):
+                add("p:" + p + nm, rows)
+            for b in rows:
+                spots = [b * T + s for s in sample.spots[b]]
+                add(p + "k", spots)
+                add(p + "q", spots)
+                add(p + "dy", spots)
+                add(p + "v^T", [b * m.KD + i for i in sample.cols[(p + "nu", b)]])
+                add(p + "q^T", [b * m.HD + i for i in sample.cols[(p + "phi", b)]])
+                add(p + "dy^T", [b * m.HD + i for i in sample.cols[(p + "psi", b)]])
+    if layout.backward:
+        add(f"g.{L}", toks)
+        for j in range(L):
+            add(f"g.{j}", toks)
+    for vname, parts in weight_vectors(layout).items():
+        for wname, _ in parts:
+            add(wname, sample.idx[vname])
+    if m.head:
+        if tokens_of_rows is None:
+            raise ValueError("auditing the head needs the micro-batch's token ids")
+        add("w:embed_tokens.weight", [tokens_of_rows[n] for n in toks])
+    else:
+        add("wire.x", toks)
+    if m.tail:
+        add("lm.logits", toks)
+        add("w:lm_head.weight", sample.idx["lm.vocab"])
+        add("lm.loss", range(m.B))
+        add("w:norm.weight", [0])
+        if layout.backward:
+            add("lm.dn", toks)
+    else:
+        add("wire.z", toks)
+        if m.enc_proj:
+            add("out.z", toks)
+            add("w:bottleneck_out.norm.weight", [0])
+        if layout.backward:
+            add("wire.dz", toks)
+            if m.enc_proj:
+                add("out.dne", toks)
+    if layout.backward and not m.head:
+        add("wire.dx", toks)
+        if m.dec_proj:
+            add("in.dz", toks)
+    return {k: sorted(v) for k, v in sorted(want.items())}

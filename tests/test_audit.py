@@ -1,0 +1,340 @@
+"""Sampled hop audits on the real ``configs/tiny.yaml`` pipeline (3 stages, 4 x 256-token micro-batches,
+bf16 on the wire), trained a few steps on WikiText-2 bytes: honest miners pass every audit, the
+cheater suite and forged openings fail, the trace is the stage's computation, the weights root is
+one root, and a forgery confined to a fraction of token rows is caught at the stated rate."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from audit_support import (WIRE, audit_many, auditor_for, forged_hop, forging_tracer, make_chain)
+from iota_subnet.audit import (AuditFailure, HopAuditor, HopProver, LayoutError, OpenRequestError, SamplingParams,
+                               Tolerances, TraceLayout, Tracer, run_local_audit, weights_commitment, weights_root,
+                               wire_root)
+from iota_subnet.audit import codec
+from iota_subnet.audit.commit import weights_entries_root
+from iota_subnet.audit.merkle import MerkleTree
+from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditProjectRequest, AuditTraceCommit,
+                                  AuditTraceRequest, Outcome, ProtocolError, decode, encode)
+
+CASES = [(0, "forward"), (1, "forward"), (1, "backward"), (2, "backward")]
+
+
+@pytest.fixture(scope="module")
+def chain():
+    torch.set_num_threads(1)
+    return make_chain(train_steps=2)
+
+
+# ---- the trace is the stage -------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_trace_reproduces_the_stage_forward_and_autograd_backward(chain, stage):
+    hop = chain.hops[stage]
+    direction = "forward" if stage == 0 else "backward"
+    lay = chain.layout(stage, direction)
+    res = Tracer(lay, hop.weights).run(hop.inputs.x, targets=hop.inputs.targets, grad=hop.inputs.grad)
+    assert set(res.records) == set(lay.trace)
+    for name, t in res.records.items():
+        e = lay.trace[name]
+        assert t.shape == (e.rows, e.width) and t.dtype == torch.float32 and t.is_contiguous(), name
+    m = chain.workers[stage].module.__class__(chain.cfg.model, chain.cfg.pipeline, stage, init=False)
+    m.load_state_dict(hop.weights)
+    x = hop.inputs.x if stage == 0 else hop.inputs.x.float().requires_grad_(True)
+    if stage == 2:
+        loss = m(x, hop.inputs.targets)
+        assert abs(float(loss) - res.loss) < 1e-5 * float(loss)
+        (loss / chain.mps).backward()
+        assert float((x.grad - res.grad_in).norm() / x.grad.norm()) < 1e-5
+        assert abs(res.loss - hop.loss) < 1e-5 * hop.loss            # the loss the hop reported
+    else:
+        out = m(x)
+        assert float((out.detach() - res.out).norm() / out.norm()) < 1e-5
+        sent = hop.inputs.wire["wire.z"].float()
+        assert float((sent - res.out).norm() / res.out.norm()) < 2 ** -8          # bf16 wire rounding
+        if stage == 1:
+            out.backward(hop.inputs.grad.float())
+            assert float((x.grad - res.grad_in).norm() / x.grad.norm()) < 1e-5
+
+
+# ---- honest miners ---------------------------------------------------------------------------
+@pytest.mark.parametrize("stage,direction", CASES)
+def test_honest_audits_pass_every_challenge(chain, stage, direction):
+    hop = chain.hops[stage]
+    verdicts = audit_many(chain, hop, direction, 10, seed0=1000 * stage)
+    bad = [v.failures for v in verdicts if not v.ok]
+    assert not bad, bad[:2]
+    errs: dict[str, float] = {}
+    for v in verdicts:
+        assert v.checks > 100
+        for k, e in v.errors.items():
+            errs[k] = max(errs.get(k, 0.0), e)
+    tol = Tolerances.for_precision("fp32")
+    inner = {k: e for k, e in errs.items() if k not in ("output", "grad_in", "loss")}
+    assert max(inner.values()) < tol.link / 20, sorted(inner.items(), key=lambda kv: -kv[1])[:3]
+    for k in ("output", "grad_in"):
+        if k in errs:
+            assert errs[k] < 1e-6, (k, errs[k])      # the sent rows are the trace's, rounded to bf16
+    expected = {"qkv", "scores", "values", "lse", "o", "gu", "down"}
+    if direction == "backward":
+        expected |= {"da", "dn2", "dy", "dp", "dq", "s^T", "dp^T", "dk", "dv", "dn1", "grad", "delta", "ck", "e",
+                     "f", "nu", "phi", "psi"}
+    assert expected <= set(errs), expected - set(errs)
+
+
+def test_a_miner_answers_each_audit_from_one_commitment_and_any_seed_gives_other_projections(chain):
+    hop = chain.hops[1]
+    lay = chain.layout(1, "forward")
+    prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs)
+    prover.commit()
+    v1, _ = prover.project(b"\x01" * 32)
+    v2, _ = prover.project(b"\x02" * 32)
+    assert not torch.equal(v1["L0.w_qkv"], v2["L0.w_qkv"])
+
+
+# ---- the cheater suite -------------------------------------------------------------------------
+SUITE = [("lazy", 0, "forward", ("output",)), ("lazy", 1, "forward", ("output",)),
+         ("lazy", 2, "backward", ("grad_in", "loss")), ("random", 1, "forward", ("output",)),
+         ("zero", 1, "forward", ("output",)), ("random", 2, "backward", ("grad_in", "loss")),
+         ("zero", 2, "backward", ("grad_in", "loss")), ("replay", 1, "forward", ("output",)),
+         ("copy", 1, "forward", ("output",)), ("copy", 2, "backward", ("grad_in", "loss")),
+         ("claim", 1, "backward", ("grad_in",))]
+
+
+@pytest.mark.parametrize("kind,stage,direction,links", SUITE)
+def test_cheaters_fail_every_audit(chain, kind, stage, direction, links):
+    """The hop was computed by the cheater; the miner then answers the audit from its stored input and
+    committed weights (what it holds): the trace's output is not what it sent (and the tail's loss is
+    not the one it reported)."""
+    ch = make_chain(base=chain, kinds={stage: kind})
+    verdicts = audit_many(ch, ch.hops[stage], direction, 3, seed0=77)
+    for v in verdicts:
+        assert not v.ok
+        for link in links:
+            assert any(f.startswith(link) for f in v.failures), (link, v.failures[:3])
+
+
+# ---- forged openings and malformed answers ------------------------------------------------------
+def _ready(chain, stage=1, direction="forward", seed=5):
+    hop = chain.hops[stage]
+    lay = chain.layout(stage, direction)
+    wc = weights_commitment(hop.weights)
+    prover = HopProver(lay, wc, hop.inputs)
+    aud = auditor_for(chain, hop, direction, rng_seed=seed, layout=lay, weights_root=wc.root)
+    seed_ = aud.on_commit(*prover.commit())
+    req = aud.on_projection(*prover.project(seed_))
+    return prover, aud, req
+
+
+def test_forged_openings_fail(chain):
+    prover, aud, req = _ready(chain)
+    assert aud.check(prover.open(req)).ok
+    for name in ("L1.y", "p:L0.c", "wire.x", "w:layers.3.mlp.up_proj.weight^T", "h.0"):
+        op = prover.open(req)
+        op[name].rows[0, 0] += 1e-3                      # a row that is not the committed one
+        v = aud.check(op)
+        assert not v.ok and "does not match its committed root" in v.reason, (name, v.reason)
+    op = prover.open(req)
+    op["L0.g"].proofs[0][0] = bytes(32)
+    assert "does not match" in aud.check(op).reason
+    op = prover.open(req)
+    del op["L2.s"]
+    assert "does not answer" in aud.check(op).reason
+    op = prover.open(req)
+    op["L0.q"].rows = op["L0.q"].rows[:, :-1]
+    assert not aud.check(op).ok
+
+
+def test_an_opening_of_other_rows_that_hash_right_still_fails(chain):
+    """Rows of the right tensor but another index (a valid proof for the wrong leaf) are refused."""
+    prover, aud, req = _ready(chain)
+    op = prover.open(req)
+    name = "L1.h1"
+    i, j = op[name].index[0], (op[name].index[0] + 1) % chain.B
+    other = prover.open({name: [j]})[name]
+    op[name].rows[0] = other.rows[0]
+    op[name].proofs[0] = other.proofs[0]
+    assert "does not match" in aud.check(op).reason
+
+
+def test_wrong_weights_root_and_wrong_projection_shapes_fail(chain):
+    hop = chain.hops[1]
+    lay = chain.layout(1, "forward")
+    wc = weights_commitment(hop.weights)
+    other = dict(hop.weights)
+    other["layers.3.mlp.up_proj.weight"] = other["layers.3.mlp.up_proj.weight"].clone()
+    other["layers.3.mlp.up_proj.weight"][5, 7] += 1e-4
+    aud = auditor_for(chain, hop, "forward", rng_seed=1, layout=lay, weights_root=weights_root(other))
+    with pytest.raises(AuditFailure, match="combine"):
+        aud.on_commit(*HopProver(lay, wc, hop.inputs).commit())
+    v = run_local_audit(HopProver(lay, wc, hop.inputs), aud).verdict
+    assert not v.ok and "combine" in v.reason
+    aud = auditor_for(chain, hop, "forward", rng_seed=1, layout=lay, weights_root=wc.root)
+    prover = HopProver(lay, wc, hop.inputs)
+    aud.on_commit(*prover.commit())
+    vec, roots = prover.project(aud.seed)
+    vec["L0.w_o"] = vec["L0.w_o"][:-1]
+    with pytest.raises(AuditFailure, match="w_o"):
+        aud.on_projection(vec, roots)
+
+
+def test_malformed_messages_are_typed_errors(chain):
+    prover, aud, req = _ready(chain)
+    lay = aud.layout
+    op = prover.open(req)
+    oreq = codec.open_request(AuditTraceRequest(audit_id="a"), req)
+    msg = codec.opening_message(oreq, lay, op)
+    contract = codec.opening_contract(lay, req, weights_dtype=torch.float32, wire_dtype=WIRE)
+    assert decode(encode(msg), AuditOpening, contract).values.shape == msg.values.shape
+    bad = AuditOpening(audit_id="a", values=msg.values[:-1], weights=msg.weights, wire=msg.wire, proofs=msg.proofs)
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(bad), AuditOpening, contract)
+    assert e.value.outcome == Outcome.BAD_SHAPE
+    bad = AuditOpening(audit_id="a", values=msg.values, weights=msg.weights, wire=msg.wire.float(), proofs=msg.proofs)
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(bad), AuditOpening, contract)
+    assert e.value.outcome == Outcome.BAD_DTYPE
+    bad = AuditOpening(audit_id="a", values=msg.values * float("nan"), weights=msg.weights, wire=msg.wire,
+                       proofs=msg.proofs)
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(bad), AuditOpening, contract)
+    assert e.value.outcome == Outcome.NON_FINITE
+    commit = AuditTraceCommit(audit_id="a", roots=torch.zeros(3, 32, dtype=torch.uint8),
+                              weight_roots=torch.zeros(3, 32, dtype=torch.uint8))
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(commit), AuditTraceCommit, codec.commit_contract(lay))
+    assert e.value.outcome == Outcome.BAD_SHAPE
+    proj = AuditProjection(audit_id="a", vectors=torch.zeros(5), roots=torch.zeros(1, 32, dtype=torch.uint8))
+    with pytest.raises(ProtocolError):
+        decode(encode(proj), AuditProjection, codec.projection_contract(lay))
+    # the miner refuses requests for tensors it does not have, rows out of range, too much
+    with pytest.raises(ProtocolError) as e:
+        codec.read_open_request(codec.open_request(AuditTraceRequest(), {"nope": [0]}), lay)
+    assert e.value.outcome == Outcome.MALFORMED
+    with pytest.raises(ProtocolError):
+        codec.read_open_request(codec.open_request(AuditTraceRequest(), {"L0.q": [10 ** 6]}), lay)
+    with pytest.raises(OpenRequestError):
+        prover.open({"lm.logits": [0]})
+    with pytest.raises(OpenRequestError, match="limit"):
+        prover.open({f"L{j}.s": list(range(lay.dims.N)) for j in range(3)})
+    with pytest.raises(ProtocolError):
+        codec.read_seed(AuditProjectRequest(seed="zz"))
+
+
+# ---- forgeries confined to one link -----------------------------------------------------------
+@pytest.mark.parametrize("stage,direction,target,link", [
+    (1, "forward", "L1.y", "values"), (1, "backward", "L2.dk", "dk"), (2, "backward", "lm.dn", "lm.dn"),
+    (0, "forward", "h.2", "down"), (2, "backward", "L0.dp", "dp")])
+def test_a_forged_link_fails_on_tiny(chain, stage, direction, target, link):
+    hop, lay = forged_hop(chain, stage, direction, forging_tracer(target))
+    prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=forging_tracer(target))
+    for v in audit_many(chain, hop, direction, 2, prover=prover, seed0=31):
+        assert not v.ok and all(f.startswith(f"L") and link in f.split()[0] or f.startswith(link) for f in v.failures), \
+            v.failures[:3]
+
+
+def test_detection_of_a_forgery_confined_to_a_fraction_of_rows(chain):
+    """f = 1/4 of the token rows forged at one link; s = 2 sampled rows of one batch row: caught with
+    probability sum_b C(T - m_b, 2) / C(T, 2) / B away from 1, i.e. about 1 - (1 - f)^2 = 0.44."""
+    f, n = 0.25, 40
+    tracer = forging_tracer("L0.y", fraction=f, seed=3)
+    hop, lay = forged_hop(chain, 1, "forward", tracer)
+    prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)
+    verdicts = audit_many(chain, hop, "forward", n, prover=prover, seed0=500)
+    caught = sum(not v.ok for v in verdicts)
+    mask = tracer(lay, hop.weights).mask
+    T = lay.dims.T
+    p_miss = sum(math.comb(T - int(mask[b].sum()), 2) / math.comb(T, 2) for b in range(lay.dims.B)) / lay.dims.B
+    p = 1 - p_miss
+    assert abs(p - (1 - (1 - f) ** 2)) < 0.08
+    sd = math.sqrt(n * p * (1 - p))
+    assert abs(caught - n * p) <= 4 * sd, (caught, n * p)
+
+
+# ---- precision ---------------------------------------------------------------------------------
+def test_the_output_tolerance_is_the_runs_precision(chain):
+    """A hop computed under bf16 autocast passes with the bf16 tolerance and fails with the fp32 one:
+    only the trace's outputs are compared at the run's precision; every internal link stays fp32."""
+    hop = chain.hops[1]
+    m = chain.workers[1].module.__class__(chain.cfg.model, chain.cfg.pipeline, 1, init=False)
+    m.load_state_dict(hop.weights)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(hop.inputs.x.float())
+    wire = dict(hop.inputs.wire, **{"wire.z": out.float().to(WIRE)})
+    from audit_support import Hop
+    from iota_subnet.audit import HopInputs
+    hb = Hop(1, HopInputs(hop.inputs.x, wire=wire), hop.weights)
+    ok = audit_many(chain, hb, "forward", 3, tol=Tolerances.for_precision("bf16"))
+    assert all(v.ok for v in ok), [v.failures[:2] for v in ok]
+    worst = max(v.errors["output"] for v in ok)
+    assert 5e-4 < worst < 1e-2, worst
+    strict = audit_many(chain, hb, "forward", 3, tol=Tolerances.for_precision("fp32"))
+    assert all(not v.ok and all(f.startswith("output") for f in v.failures) for v in strict)
+
+
+# ---- commitments -------------------------------------------------------------------------------
+def test_weights_root_is_one_root_over_rows_and_columns(chain):
+    w = chain.hops[1].weights
+    wc = weights_commitment(w)
+    assert len(wc.root) == 32 and wc.root == weights_root(w) == weights_root(w, threads=2)
+    lay = chain.layout(1, "forward")
+    assert weights_entries_root(lay.params, [e[2] for e in wc.entries]) == wc.root
+    names = [e[0] for e in wc.entries]
+    assert "embed_tokens.weight^T" not in names and "layers.3.mlp.up_proj.weight^T" in names
+    # a column opens against the column tree; any single value changes the root
+    col, proof = wc.open_row("w:layers.3.mlp.up_proj.weight^T", 17)
+    assert torch.equal(col, w["layers.3.mlp.up_proj.weight"][:, 17])
+    from iota_subnet.audit import leaf_hash, verify_proof
+    n_cols = w["layers.3.mlp.up_proj.weight"].shape[1]
+    assert verify_proof(wc.trees["w:layers.3.mlp.up_proj.weight^T"].root, leaf_hash(col), 17, n_cols, proof)
+    for name in ("layers.3.mlp.up_proj.weight", "bottleneck_in.proj.weight", "layers.4.input_layernorm.weight"):
+        other = {k: v.clone() for k, v in w.items()}
+        other[name].view(-1)[3] += 1e-6
+        assert weights_root(other) != wc.root
+
+
+def test_wire_root_is_a_root_over_token_rows(chain):
+    z = chain.hops[1].inputs.wire["wire.z"]
+    rows = z.reshape(-1, z.shape[-1])
+    assert wire_root(z) == MerkleTree.of_rows(rows).root
+    z2 = z.clone()
+    z2[1, 5, 3] = z2[1, 5, 3] + 1
+    assert wire_root(z2) != wire_root(z)
+    with pytest.raises(ValueError):
+        wire_root(rows)
+
+
+def test_layouts_refuse_what_cannot_be_audited(chain):
+    with pytest.raises(LayoutError, match="head"):
+        TraceLayout.build(chain.cfg.model, chain.cfg.pipeline, 0, batch=4, seq=256, direction="backward")
+    with pytest.raises(LayoutError):
+        TraceLayout.build(chain.cfg.model, chain.cfg.pipeline, 1, batch=4, seq=256, direction="sideways")
+    tail = TraceLayout.build(chain.cfg.model, chain.cfg.pipeline, 2, batch=4, seq=256, direction="forward")
+    assert tail.direction == "backward"          # the tail's hop is forward and backward at once
+    lay = chain.layout(1, "forward")
+    with pytest.raises(ValueError, match="wire.z"):
+        HopAuditor(lay, weights_root=bytes(32), wire_roots={"wire.x": bytes(32)}, tol=Tolerances())
+    with pytest.raises(ValueError, match="token ids"):
+        HopAuditor(chain.layout(0, "forward"), weights_root=bytes(32), wire_roots={"wire.z": bytes(32)},
+                   tol=Tolerances())
+    with pytest.raises(ValueError):
+        SamplingParams(tokens=0).validate()
+    # the miner's trace refuses an input of the wrong shape
+    with pytest.raises(ValueError, match="shape"):
+        Tracer(lay, chain.hops[1].weights).run(torch.zeros(2, 3, 4))
+
+
+def test_audit_bytes_are_within_the_per_audit_budget(chain):
+    """Forward audits of a tiny stage stay under 0.3 MB, backward under 0.8 MB (both rounds, proofs,
+    1 kB of HTTP headers per message); ``scripts/bench_audit.py`` prints the figures."""
+    for stage, direction in CASES:
+        hop = chain.hops[stage]
+        lay = chain.layout(stage, direction)
+        wc = weights_commitment(hop.weights)
+        run = run_local_audit(HopProver(lay, wc, hop.inputs),
+                              auditor_for(chain, hop, direction, rng_seed=9, layout=lay, weights_root=wc.root))
+        assert run.verdict.ok
+        total = run.total_bytes()
+        assert total < (300_000 if direction == "forward" else 800_000), (stage, direction, total, run.bytes)
