@@ -78,7 +78,9 @@ def bench_tiny(cfg, args, sampling: SamplingParams) -> list[dict]:
     for stage, direction in CASES:
         h = hops[stage]
         lay = TraceLayout.build(cfg.model, cfg.pipeline, stage, batch=B, seq=T, direction=direction, micro_per_step=mps)
+        t0 = time.process_time()
         wc = weights_commitment(h["weights"])
+        wroot_s = time.process_time() - t0
         roots = {k: wire_root(v) for k, v in h["inputs"].wire.items()
                  if k in lay.wire and (direction == "backward" or k in ("wire.x", "wire.z"))}
         runs = []
@@ -107,6 +109,7 @@ def bench_tiny(cfg, args, sampling: SamplingParams) -> list[dict]:
             "miner_project_s": round(med("miner_project"), 3),
             "miner_open_s": round(med("miner_open"), 3),
             "miner_trace_mb": round(committed_bytes(lay) / 1e6, 1),
+            "weights_root_s": round(wroot_s, 3), "weights_root_hashed_mb": round(weights_hash_bytes(lay) / 1e6, 1),
             "trace_gflop": round(trace_flops(lay) / 1e9, 2),
             "max_link_err": max(inner.values()) if inner else 0.0,
             "max_output_err": max((errs.get(k, 0.0) for k in ("output", "grad_in")), default=0.0),

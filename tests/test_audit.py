@@ -51,7 +51,7 @@ def test_trace_reproduces_the_stage_forward_and_autograd_backward(chain, stage):
         assert abs(res.loss - hop.loss) < 1e-5 * hop.loss            # the loss the hop reported
     else:
         out = m(x)
-        assert float((out.detach() - res.out).norm() / out.norm()) < 1e-5
+        assert float((out.detach() - res.out).norm() / out.detach().norm()) < 1e-5
         sent = hop.inputs.wire["wire.z"].float()
         assert float((sent - res.out).norm() / res.out.norm()) < 2 ** -8          # bf16 wire rounding
         if stage == 1:
@@ -63,7 +63,7 @@ def test_trace_reproduces_the_stage_forward_and_autograd_backward(chain, stage):
 @pytest.mark.parametrize("stage,direction", CASES)
 def test_honest_audits_pass_every_challenge(chain, stage, direction):
     hop = chain.hops[stage]
-    verdicts = audit_many(chain, hop, direction, 10, seed0=1000 * stage)
+    verdicts = audit_many(chain, hop, direction, 8, seed0=1000 * stage)
     bad = [v.failures for v in verdicts if not v.ok]
     assert not bad, bad[:2]
     errs: dict[str, float] = {}
@@ -109,7 +109,7 @@ def test_cheaters_fail_every_audit(chain, kind, stage, direction, links):
     committed weights (what it holds): the trace's output is not what it sent (and the tail's loss is
     not the one it reported)."""
     ch = make_chain(base=chain, kinds={stage: kind})
-    verdicts = audit_many(ch, ch.hops[stage], direction, 3, seed0=77)
+    verdicts = audit_many(ch, ch.hops[stage], direction, 2, seed0=77)
     for v in verdicts:
         assert not v.ok
         for link in links:
@@ -238,7 +238,7 @@ def test_a_forged_link_fails_on_tiny(chain, stage, direction, target, link):
 def test_detection_of_a_forgery_confined_to_a_fraction_of_rows(chain):
     """f = 1/4 of the token rows forged at one link; s = 2 sampled rows of one batch row: caught with
     probability sum_b C(T - m_b, 2) / C(T, 2) / B away from 1, i.e. about 1 - (1 - f)^2 = 0.44."""
-    f, n = 0.25, 40
+    f, n = 0.25, 30
     tracer = forging_tracer("L0.y", fraction=f, seed=3)
     hop, lay = forged_hop(chain, 1, "forward", tracer)
     prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)

@@ -93,7 +93,7 @@ def test_every_link_check_is_exercised_by_the_matrix(chain):
             seen |= set(v.errors)
     # shared-vector links are covered by the rescue tests below, the outputs by the cheater suite
     shared = {"kappa", "c", "ck", "e", "f", "nu", "phi", "psi", "w_qkv", "w_o", "w_gu", "w_d", "o_d", "o_g", "o_u",
-              "o_o", "o_q", "o_k", "o_v", "dec.w", "dec.o", "enc.w", "enc.o", "lm.o", "output", "grad_in", "loss",
+              "o_o", "o_q", "o_k", "o_v", "dec.w", "dec.o", "enc.w", "enc.o", "lm.w", "lm.o", "output", "grad_in", "loss",
               "lse_b", "encoder"}
     assert seen - covered - shared == set(), seen - covered - shared
 
@@ -275,3 +275,38 @@ def test_small_forgeries_are_caught(chain, stage, direction, target):
     prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)
     for v in audit_many(chain, hop, direction, 2, prover=prover, seed0=13):
         assert not v.ok, target
+
+
+def test_a_sparse_rescue_where_tokens_do_not_span_is_caught_at_the_stated_rate(chain, monkeypatch):
+    """Here N = 32 token rows and dn2 = Wg^T dg + Wu^T du has 2F = 256 unknowns in its identity, so a
+    forger can rescue forged dn2 rows with (o_g, o_u) wrong on only N = 32 of their 256 entries (the
+    sparsest solution: solved on a random support of exactly N). The validator checks
+    ``index_counts`` entries of each (18 here, for rescue_miss = 0.1): every audit must fail, at those
+    vectors only, and pass with them switched off."""
+    from iota_subnet.audit.challenge import SamplingParams, index_counts
+    tracer = forging_tracer("L1.dn2", scale=0.3)
+    hop, lay = forged_hop(chain, 1, "backward", tracer)
+    h = hop.inputs
+    honest = Tracer(lay, hop.weights).run(h.x, grad=h.grad).records
+    m = lay.dims
+    k = index_counts(lay, SamplingParams())
+    assert k["L1.o_g"] == k["L1.o_u"] == math.ceil(math.log(0.1) / math.log(1 - m.N / (2 * m.F)))
+
+    def fix(layout, records, weights, rnd, vec, com):
+        g, u, da = (records[f"L1.{n}"].double() for n in ("g", "u", "da"))
+        sg = torch.sigmoid(g)
+        A = torch.cat((da * u * (sg * (1 + g * (1 - sg))), da * g * sg), dim=1)          # [N, 2F]: (dg, du)
+        rhs = (records["L1.dn2"] - honest["L1.dn2"]).double() @ rnd["L1.r_dn2"]
+        support = torch.randperm(2 * m.F, generator=torch.Generator().manual_seed(1))[:m.N]
+        sol = torch.zeros(2 * m.F, dtype=torch.float64)
+        sol[support] = torch.linalg.solve(A[:, support], rhs)
+        assert float((A @ sol - rhs).norm()) < 1e-8 * float(rhs.norm())
+        vec["L1.o_g"] = vec["L1.o_g"] + sol[:m.F].float()
+        vec["L1.o_u"] = vec["L1.o_u"] + sol[m.F:].float()
+        return vec, com
+
+    prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)
+    for v in audit_many(chain, hop, "backward", 6, prover=prover, seed0=61):
+        assert not v.ok and _keys(v) <= {"o_g", "o_u"}, v.failures[:3]
+    _switch_off(monkeypatch, {"o_g", "o_u"})
+    assert all(v.ok for v in audit_many(chain, hop, "backward", 2, prover=prover, seed0=61))

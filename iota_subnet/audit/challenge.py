@@ -8,10 +8,10 @@ projections), from the validator's own OS-seeded RNG:
 * per sampled batch row, ``spots`` positions where the committed per-position projections
   (``p:`` tensors) are recomputed from opened activation rows, and ``act_cols`` columns of every
   activation matrix whose projection (``kappa``, ``nu``, ``phi``, ``psi``) is recomputed;
-* ``weight_idx`` entries of every weight projection vector (``w_*``: a weight column each,
-  ``o_*``: a weight row each); for the tail, ``vocab`` rows of the LM head, on which every sampled
-  token's logits and the entries of ``lm.o`` are recomputed (the LM head's columns are V long:
-  its forward projection ``lm.w`` is bound through these rows instead, see :mod:`.check`).
+* entries of every weight projection vector (``w_*``: a weight column each, ``o_*``: a weight row
+  each), as many as :func:`index_counts` says; for the tail, LM-head rows on which every sampled
+  token's logits and the entries of ``lm.o`` are recomputed (the LM head's V-long columns are
+  opened only where the token rows do not span the model width, see :func:`index_counts`).
 
 Detection (every link is checked exactly on the sampled token rows, see :mod:`.check`): an
 inconsistency confined to a fraction f of the token rows of a micro-batch, anywhere in the chain,
@@ -21,6 +21,7 @@ and column checks with the probabilities stated in :mod:`.project` and ``docs``.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -29,7 +30,13 @@ from .layout import TraceLayout
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How much one audit opens (defaults sized for ``tiny``: see ``scripts/bench_audit.py``)."""
+    """How much one audit opens (defaults sized for ``tiny``: see ``scripts/bench_audit.py``).
+
+    ``weight_idx``: entries checked per weight projection vector at least; ``rescue_miss``: the
+    chance one audit may miss a forged projection vector that rescues a forged link, which sets
+    the number of entries checked where the token rows do not span the vector's space
+    (:func:`index_counts`); ``max_idx`` caps it. ``vocab``: LM-head rows checked at least (tail).
+    """
 
     rows: int = 1
     tokens: int = 2
@@ -37,12 +44,16 @@ class SamplingParams:
     act_cols: int = 1
     weight_idx: int = 1
     vocab: int = 4
+    rescue_miss: float = 0.1
+    max_idx: int = 256
 
     def validate(self) -> "SamplingParams":
-        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab"):
+        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "max_idx"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"sampling.{k} must be an integer >= 1, got {v!r}")
+        if not 0 < self.rescue_miss < 1:
+            raise ValueError(f"sampling.rescue_miss must be in (0, 1), got {self.rescue_miss!r}")
         return self
 
 
@@ -97,11 +108,62 @@ def weight_vectors(layout: TraceLayout) -> dict[str, list[tuple[str, str]]]:
         if layout.backward:
             out["dec.o"] = [("w:bottleneck_in.proj.weight", "dec.r_b")]
     if m.tail:
+        out["lm.w"] = [("w:lm_head.weight^T", "lm.rho")]
         out["lm.o"] = [("w:lm_head.weight", "lm.r_b")]
     elif m.enc_proj:
         out["enc.w"] = [("w:bottleneck_out.proj.weight^T", "enc.r")]
         if layout.backward:
             out["enc.o"] = [("w:bottleneck_out.proj.weight", "enc.r_b")]
+    return out
+
+
+def unknowns(layout: TraceLayout) -> dict[str, int]:
+    """For every weight projection vector: the number of unknowns of the token identity it enters (the
+    entries of every vector checked in the same identity, e.g. ``o_g`` and ``o_u``)."""
+    m = layout.dims
+    out: dict[str, int] = {}
+    for j in range(len(m.layers)):
+        p = f"L{j}."
+        out.update({p + "w_qkv": m.d, p + "w_o": m.HD, p + "w_gu": m.d, p + "w_d": m.F})
+        if layout.backward:
+            out.update({p + "o_d": m.d, p + "o_g": 2 * m.F, p + "o_u": 2 * m.F, p + "o_o": m.d,
+                        p + "o_q": m.HD + 2 * m.KD, p + "o_k": m.HD + 2 * m.KD, p + "o_v": m.HD + 2 * m.KD})
+    if m.dec_proj:
+        out["dec.w"] = m.b - m.r
+        if layout.backward:
+            out["dec.o"] = m.d
+    if m.tail:
+        out["lm.w"] = m.d
+        out["lm.o"] = m.V
+    elif m.enc_proj:
+        out["enc.w"] = m.d
+        if layout.backward:
+            out["enc.o"] = m.b - m.r
+    return out
+
+
+def index_counts(layout: TraceLayout, params: SamplingParams) -> dict[str, int]:
+    """Entries to check of every weight projection vector.
+
+    A forged vector ``w' = w + e`` that rescues forged token rows must satisfy one linear identity per
+    token (N of them, honest rows included, or those rows fail): with U unknowns in the identity, ``e``
+    needs at least ``min(N, U)`` nonzero entries, so a checked entry catches it with probability at
+    least ``rho = min(1, N / U)``. Where ``rho < 1``, ``k = ceil(ln(rescue_miss) / ln(1 - rho))``
+    entries are checked (at least ``weight_idx``, at most ``max_idx``); where ``rho = 1`` (``tiny``,
+    N = 1024 tokens, mostly), ``weight_idx`` entries (these also catch projections of fake weights, whose
+    error is dense). ``lm.w`` is also bound by the logits checked on LM-head rows, and needs its own
+    entries (V-long columns) only where ``rho < 1``.
+    """
+    N = layout.dims.N
+    out = {}
+    for vname, U in unknowns(layout).items():
+        n = layout.vectors[vname][0]
+        rho = min(1.0, N / U)
+        if rho >= 1.0:
+            k = 0 if vname == "lm.w" else params.weight_idx
+        else:
+            k = max(params.weight_idx, math.ceil(math.log(params.rescue_miss) / math.log(1.0 - rho)))
+        out[vname] = min(k, n, params.max_idx)
     return out
 
 
@@ -120,11 +182,14 @@ def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random)
             width = layout.committed["p:" + p + nm].width
             for b in rows:
                 s.cols[(p + nm, b)] = sorted(rng.sample(range(width), min(params.act_cols, width)))
+    counts = index_counts(layout, params)
     for vname in weight_vectors(layout):
+        if vname == "lm.o":
+            continue
         n = layout.vectors[vname][0]
-        s.idx[vname] = sorted(rng.sample(range(n), min(params.weight_idx, n)))
-    if m.tail:
-        s.idx["lm.vocab"] = sorted(rng.sample(range(m.V), min(params.vocab, m.V)))
+        s.idx[vname] = sorted(rng.sample(range(n), counts[vname]))
+    if m.tail:              # LM-head rows: the sampled tokens' logits and the entries of lm.o
+        s.idx["lm.vocab"] = sorted(rng.sample(range(m.V), min(max(params.vocab, counts["lm.o"]), m.V)))
         s.idx["lm.o"] = s.idx["lm.vocab"]
     return s
 
@@ -179,7 +244,8 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
             add(f"g.{j}", toks)
     for vname, parts in weight_vectors(layout).items():
         for wname, _ in parts:
-            add(wname, sample.idx[vname])
+            if sample.idx[vname]:
+                add(wname, sample.idx[vname])
     if m.head:
         if tokens_of_rows is None:
             raise ValueError("auditing the head needs the micro-batch's token ids")

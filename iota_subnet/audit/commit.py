@@ -4,8 +4,8 @@ hop (one root each), and, when audited, its trace (one root per traced tensor).
 Weights root (extends the DESIGN's row root with columns, still one root per version)
     For every parameter in ``state_dict`` order: the entry ``(name, shape, root of its rows)``
     (:meth:`MerkleTree.of_rows`: rows = first dim, a 1-D parameter is one row), followed for every
-    matrix but the token embedding and the LM head (:func:`~.layout.has_columns`) by
-    ``(name + "^T", (in, out), root of its columns)`` (the rows of the transpose). The version's root is :func:`combine_roots` over these entries. Audits open
+    matrix but the token embedding (:func:`~.layout.has_columns`) by ``(name + "^T", (in, out), root
+    of its columns)`` (the rows of the transpose). The version's root is :func:`combine_roots` over these entries. Audits open
     weight rows (backward checks: ``W r``) and columns (forward checks: ``W^T r``) against it; see
     :mod:`.check`.
 

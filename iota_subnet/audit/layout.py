@@ -131,9 +131,9 @@ def param_shapes(cfg: ModelConfig, pcfg: PipelineConfig, stage: int) -> list[tup
 
 
 def has_columns(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a parameter is also committed column-wise: every matrix but the token embedding and the
-    LM head, which audits only read by rows (their columns are V long)."""
-    return len(shape) == 2 and name not in (EMBED, LM_HEAD)
+    """Whether a parameter is also committed column-wise: every matrix but the token embedding (only
+    ever read by rows)."""
+    return len(shape) == 2 and name != EMBED
 
 
 @dataclass(frozen=True)
