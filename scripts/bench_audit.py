@@ -86,10 +86,10 @@ def bench_tiny(cfg, args, sampling: SamplingParams) -> list[dict]:
         runs = []
         for i in range(args.audits):
             aud = HopAuditor(lay, weights_root=wc.root, wire_roots=roots, tol=Tolerances.for_precision("fp32"),
-                             wire_dtype=WIRE, sampling=sampling, rng=random.Random(1000 + i),
+                             sampling=sampling, rng=random.Random(1000 + i),
                              tokens=h.get("tokens"), targets=h.get("targets"), loss=h.get("loss"))
             runs.append(run_local_audit(HopProver(lay, wc, h["inputs"]), aud, stage=stage))
-        est = audit_bytes(lay, sampling, wire_dtype=WIRE)
+        est = audit_bytes(lay, sampling)
         errs: dict[str, float] = {}
         for r in runs:
             for k, e in r.verdict.errors.items():
@@ -103,6 +103,7 @@ def bench_tiny(cfg, args, sampling: SamplingParams) -> list[dict]:
             "bytes_per_audit": int(statistics.median(r.total_bytes(args.header_bytes) for r in runs)),
             "bytes_by_message": runs[0].bytes,
             "bytes_per_audit_computed": est.total(args.header_bytes),
+            "bytes_per_audit_flat_sha256_receipts": audit_bytes(lay, sampling, wire_commit="sha256").total(args.header_bytes),
             "opened_row_bytes": est.rows, "proof_bytes": est.proofs,
             "validator_cpu_s": round(med("validator"), 3),
             "miner_trace_s": round(med("miner_trace"), 3),
@@ -138,7 +139,8 @@ def bench_8b(args, sampling: SamplingParams, rate: float, tiny_rows: list[dict])
     rows = []
     for stage, direction in ((0, "forward"), (3, "forward"), (3, "backward"), (7, "backward")):
         lay = TraceLayout.build(cfg, pcfg, stage, batch=args.rows_8b, seq=2048, direction=direction, micro_per_step=16)
-        est = audit_bytes(lay, sampling, wire_dtype=WIRE)
+        est = audit_bytes(lay, sampling)
+        sha = audit_bytes(lay, sampling, wire_commit="sha256")
         hashed = committed_bytes(lay)
         fl = trace_flops(lay)
         wbytes = weights_hash_bytes(lay)
@@ -147,6 +149,7 @@ def bench_8b(args, sampling: SamplingParams, rate: float, tiny_rows: list[dict])
             "mode": "computed", "config": "8b", "stages": 8, "compression_ratio": 64, "stage": stage,
             "direction": direction, "tokens_per_microbatch": lay.dims.N, "stage_params": params,
             "bytes_per_audit": est.total(args.header_bytes), "bytes_by_message": est.messages,
+            "bytes_per_audit_flat_sha256_receipts": sha.total(args.header_bytes),
             "opened_row_bytes": est.rows, "proof_bytes": est.proofs,
             "validator_cpu_s_est": round(per_byte * (est.rows + est.proofs), 3),
             "miner_trace_gflop": round(fl / 1e9, 1),

@@ -14,6 +14,7 @@ import torch
 
 from iota_subnet.audit import (HopAuditor, HopInputs, HopProver, SamplingParams, Tolerances, TraceLayout, Tracer,
                                run_local_audit, weights_commitment, wire_root)
+from iota_subnet.audit.commit import wire_sha256
 from iota_subnet.audit.merkle import MerkleTree
 from iota_subnet.audit.project import projections, randoms
 from iota_subnet.config import load_config
@@ -46,10 +47,18 @@ class Hop:
     targets: Optional[torch.Tensor] = None
 
     def roots(self, direction: str, layout: TraceLayout) -> dict[str, bytes]:
+        """The receipts' wire commitments as :func:`wire_root`."""
         names = set(layout.wire)
         if direction == "forward":
             names -= {"wire.dz", "wire.dx"}
         return {k: wire_root(v) for k, v in self.inputs.wire.items() if k in names}
+
+    def hashes(self, direction: str, layout: TraceLayout) -> dict[str, bytes]:
+        """The receipts' wire commitments as the data plane sends them today: flat sha256."""
+        names = set(layout.wire)
+        if direction == "forward":
+            names -= {"wire.dz", "wire.dx"}
+        return {k: wire_sha256(v) for k, v in self.inputs.wire.items() if k in names}
 
 
 @dataclass
@@ -134,16 +143,20 @@ def _run(workers, mid: str, rows: torch.Tensor, cfg):
 # ---- audits ------------------------------------------------------------------------------------
 def auditor_for(chain: Chain, hop: Hop, direction: str, *, rng_seed: int, tol: Optional[Tolerances] = None,
                 sampling: SamplingParams = SamplingParams(), layout: Optional[TraceLayout] = None,
-                weights_root: Optional[bytes] = None, wire_roots: Optional[dict] = None) -> HopAuditor:
+                weights_root: Optional[bytes] = None, wire_roots: Optional[dict] = None,
+                wire_commit: str = "root") -> HopAuditor:
     lay = layout or chain.layout(hop.stage, direction)
+    if wire_roots is None:
+        wire_roots = hop.roots(direction, lay) if wire_commit == "root" else hop.hashes(direction, lay)
     return HopAuditor(lay, weights_root=weights_root or weights_commitment(hop.weights, keep=False).root,
-                      wire_roots=wire_roots if wire_roots is not None else hop.roots(direction, lay),
-                      tol=tol or Tolerances.for_precision("fp32"), wire_dtype=WIRE, sampling=sampling,
-                      rng=random.Random(rng_seed), tokens=hop.tokens, targets=hop.targets, loss=hop.loss)
+                      wire_roots=wire_roots, tol=tol or Tolerances.for_precision("fp32"), wire_commit=wire_commit,
+                      sampling=sampling, rng=random.Random(rng_seed), tokens=hop.tokens, targets=hop.targets,
+                      loss=hop.loss)
 
 
 def audit_many(chain: Chain, hop: Hop, direction: str, n: int, *, prover: Optional[HopProver] = None,
-               tol: Optional[Tolerances] = None, sampling: SamplingParams = SamplingParams(), seed0: int = 0):
+               tol: Optional[Tolerances] = None, sampling: SamplingParams = SamplingParams(), seed0: int = 0,
+               wire_commit: str = "root"):
     """``n`` audits of one hop with independent challenges (one trace commitment, as a miner that is
     audited several times on the same hop would answer). Returns the verdicts."""
     lay = chain.layout(hop.stage, direction)
@@ -153,7 +166,7 @@ def audit_many(chain: Chain, hop: Hop, direction: str, n: int, *, prover: Option
     troots = wroots = None
     for i in range(n):
         aud = auditor_for(chain, hop, direction, rng_seed=seed0 + i, tol=tol, sampling=sampling, layout=lay,
-                          weights_root=wc.root)
+                          weights_root=wc.root, wire_commit=wire_commit)
         if i == 0:              # the first through the encoded messages (rounds 1-3), the rest in process
             out.append(run_local_audit(prover, aud, stage=hop.stage).verdict)
             troots, wroots = [prover.trees[nm].root for nm in lay.trace], [e[2] for e in prover.weights.entries]
@@ -161,7 +174,7 @@ def audit_many(chain: Chain, hop: Hop, direction: str, n: int, *, prover: Option
         seed = aud.on_commit(troots, wroots)
         vec, proots = prover.project(seed)
         req = aud.on_projection(vec, proots)
-        out.append(aud.check(prover.open(req)))
+        out.append(aud.check(prover.open(req, aud.whole)))
     return out
 
 

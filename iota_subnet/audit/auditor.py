@@ -15,6 +15,7 @@ turns exceptions of the transport into ``Verdict(ok=False)`` (:meth:`HopAuditor.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from typing import Optional
@@ -37,18 +38,28 @@ class AuditFailure(ValueError):
 class HopAuditor:
     """One audit session on the validator.
 
-    ``weights_root``: the root the audited hop's receipt named; ``wire_roots``: roots of the hop's
-    wire tensors from the receipts (layout names ``wire.*``; ``wire.z`` may be left out of a backward
-    audit whose forward used other weights, then the forward output is not compared);
-    ``tokens`` [B, T] (head) / ``targets`` [B, T] (tail), from the micro-batch's sample address;
-    ``loss``: the loss the tail reported; ``rng``: defaults to one seeded from ``os.urandom``.
+    ``weights_root``: the root the audited hop's receipt named; ``wire_roots``: the hop's wire
+    tensors' commitments from the receipts (layout names ``wire.*``; ``wire.z`` may be left out of a
+    backward audit whose forward used other weights, then the forward output is not compared);
+    ``wire_commit``: ``"root"`` when the receipts carry :func:`~.commit.wire_root` (token rows are
+    opened with proofs), ``"sha256"`` when they carry the flat sha256 of the tensor
+    (:func:`~.commit.wire_sha256`, what the data plane sends today): each wire tensor is then opened
+    whole (tiny, bf16: 64 kB a tensor instead of ~1 kB); int8 wire tensors need ``"root"`` (the flat
+    hash of the receipts does not cover their scales). ``tokens`` [B, T] (head) / ``targets``
+    [B, T] (tail), from the micro-batch's sample address; ``loss``: the loss the tail reported;
+    ``rng``: defaults to one seeded from ``os.urandom``.
     """
 
     def __init__(self, layout: TraceLayout, *, weights_root: bytes, wire_roots: dict[str, bytes],
-                 tol: Tolerances, wire_dtype: torch.dtype = torch.bfloat16, weights_dtype: torch.dtype = torch.float32,
+                 tol: Tolerances, wire_commit: str = "root", weights_dtype: torch.dtype = torch.float32,
                  sampling: SamplingParams = SamplingParams(), rng: Optional[random.Random] = None,
                  tokens: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  loss: Optional[float] = None):
+        if wire_commit not in ("root", "sha256"):
+            raise ValueError(f"wire_commit must be 'root' or 'sha256', got {wire_commit!r}")
+        if wire_commit == "sha256" and layout.wire_format == "int8":
+            raise ValueError("int8 wire tensors are audited against wire_root commitments (their scales must be bound)")
+        self.wire_commit = wire_commit
         self.layout = layout
         self.weights_root = bytes(weights_root)
         self.wire_roots = {k: bytes(v) for k, v in wire_roots.items()}
@@ -65,7 +76,7 @@ class HopAuditor:
         if layout.dims.tail and targets is None:
             raise ValueError("auditing the tail needs the micro-batch's targets")
         self.tol, self.sampling = tol, sampling.validate()
-        self.wire_dtype, self.weights_dtype = wire_dtype, weights_dtype
+        self.wire_dtype, self.weights_dtype = layout.wire_torch_dtype, weights_dtype
         self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
         self.tokens, self.targets, self.loss = tokens, targets, loss
         self.trace_roots: dict[str, bytes] = {}
@@ -75,6 +86,7 @@ class HopAuditor:
         self.vectors: dict[str, torch.Tensor] = {}
         self.sample: Optional[Sample] = None
         self.request: dict[str, list[int]] = {}
+        self.whole: list[str] = []
 
     # ---- round 1 -------------------------------------------------------------------------------
     def on_commit(self, trace_roots: list[bytes], weight_roots: list[bytes]) -> bytes:
@@ -116,6 +128,10 @@ class HopAuditor:
         self.request = openings(lay, self.sample, tok)
         self.request = {k: v for k, v in self.request.items()
                         if not (k == "wire.z" and "wire.z" not in self.wire_roots)}
+        if self.wire_commit == "sha256":
+            self.whole = sorted(k for k in self.request if k in lay.wire)
+            for k in self.whole:
+                self.request[k] = list(range(lay.wire[k].rows))
         return self.request
 
     def root_of(self, name: str) -> bytes:
@@ -137,7 +153,7 @@ class HopAuditor:
             return self.failed(f"opening: {e}")
         out_links = tuple(k for k in ("wire.z", "wire.dx") if k in self.request)
         checker = LinkChecker(self.layout, rnd=randoms(self.layout, self.seed), sample=self.sample, vectors=self.vectors,
-                              opened=rows, tol=self.tol, wire_dtype=self.wire_dtype, tokens=self.tokens,
+                              opened=rows, tol=self.tol, tokens=self.tokens,
                               targets=self.targets, loss=self.loss, output_links=out_links)
         try:
             return checker.run()
@@ -159,6 +175,11 @@ class HopAuditor:
             if len(o.proofs) != len(idx):
                 raise AuditFailure(f"{name}: {len(o.proofs)} proofs for {len(idx)} rows")
             root = self.root_of(name)
+            if name in self.whole:                  # flat sha256 of the whole tensor, rows in order
+                if hashlib.sha256(o.rows.contiguous().view(torch.uint8).numpy().tobytes()).digest() != root:
+                    raise AuditFailure(f"{name} does not match its committed sha256")
+                out[name] = {i: o.rows[k] for k, i in enumerate(idx)}
+                continue
             rows = {}
             for k, i in enumerate(idx):
                 row = o.rows[k]

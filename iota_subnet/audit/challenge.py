@@ -201,7 +201,7 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
     micro-batch's tokens from its sample address).
     """
     m = layout.dims
-    T, N, K, H, D = m.T, m.N, m.K, m.H, m.D
+    T = m.T
     want: dict[str, set[int]] = {}
 
     def add(name: str, idx) -> None:

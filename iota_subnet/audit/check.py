@@ -60,7 +60,7 @@ from .project import Randoms
 
 TINY = 1e-30
 
-#: Explicit mantissa bits of each wire dtype: half an ulp of x = m 2^E (m in [0.5, 1)) is 2^(E - bits - 2).
+#: Explicit mantissa bits of each float wire dtype: half an ulp of x = m 2^E (m in [0.5, 1)) is 2^(E - bits - 2).
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 
 
@@ -121,12 +121,12 @@ class LinkChecker:
 
     ``opened``: layout name -> {row index: 1-D tensor} (proofs already verified); ``vectors``: the
     round-2 vectors (name -> tensor); ``tokens``/``targets``: [B, T] int64 (head / tail);
-    ``loss``: the loss the tail's hop reported; ``wire_dtype``: the dtype of the wire tensors;
+    ``loss``: the loss the tail's hop reported;
     ``output_links``: the wire tensors whose trace counterpart is compared (names ``wire.*``).
     """
 
     def __init__(self, layout: TraceLayout, *, rnd: Randoms, sample: Sample, vectors: dict[str, torch.Tensor],
-                 opened: dict[str, dict[int, torch.Tensor]], tol: Tolerances, wire_dtype: torch.dtype,
+                 opened: dict[str, dict[int, torch.Tensor]], tol: Tolerances,
                  tokens: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                  loss: Optional[float] = None, output_links: tuple[str, ...] = ()):
         self.lay, self.m = layout, layout.dims
@@ -135,7 +135,7 @@ class LinkChecker:
                     for k, v in vectors.items()}
         self.O = opened
         self.tol = tol
-        self.wire_dtype = wire_dtype
+        self.wire_dtype = layout.wire_torch_dtype
         self.tokens, self.targets, self.loss = tokens, targets, loss
         self.output_links = set(output_links)
         self.v = Verdict()
@@ -170,10 +170,28 @@ class LinkChecker:
     def absdiff(self, link: str, got: torch.Tensor, ref: torch.Tensor, where: str, tol: Optional[float] = None) -> None:
         self._record(link, float((got - ref).abs().max()), self.tol.link if tol is None else tol, where)
 
-    def wire_close(self, link: str, sent: torch.Tensor, trace: torch.Tensor, where: str) -> None:
-        """The row the hop sent is the wire rounding of the trace's row: what exceeds half a wire ulp
-        per value, in L2 norm relative to the row's, within ``tol.output`` (the run's precision)."""
-        slack = half_ulp(torch.maximum(sent.abs(), trace.abs()), self.wire_dtype)
+    def wire_row(self, name: str, i: int) -> torch.Tensor:
+        """An opened wire row as float64 values (int8: ``data * scale``)."""
+        row = self.O[name][int(i)]
+        if self.lay.wire_format != "int8":
+            return row.to(torch.float64)
+        b = self.m.b
+        raw = row.contiguous()
+        return raw[:b].view(torch.int8).to(torch.float64) * float(raw[b:b + 4].clone().view(torch.float32)[0])
+
+    def wire_close(self, link: str, name: str, n: int, trace: torch.Tensor, where: str) -> None:
+        """The row the hop sent is the wire rounding of the trace's row: what exceeds the rounding
+        (half a wire ulp per value; int8: half a step, the step being max|x| / 127 of the trace's row),
+        in L2 norm relative to the row's, within ``tol.output`` (the run's precision)."""
+        sent = self.wire_row(name, n)
+        if self.lay.wire_format == "int8":
+            raw = self.O[name][int(n)].contiguous()
+            step = float(raw[self.m.b:self.m.b + 4].clone().view(torch.float32)[0])
+            ref = float(trace.abs().max()) / 127.0
+            self._record(link, abs(step - ref) / (ref + 1e-30), self.tol.output, where + ", scale")
+            slack = torch.full_like(trace, abs(step) / 2)
+        else:
+            slack = half_ulp(torch.maximum(sent.abs(), trace.abs()), self.wire_dtype)
         excess = ((sent - trace).abs() - slack).clamp_min(0.0)
         self._record(link, float(excess.norm()) / (float(trace.norm()) + 1e-30), self.tol.output, where)
 
@@ -224,7 +242,7 @@ class LinkChecker:
             tok = int(self.tokens.reshape(-1)[n])
             self.vec_close("input", h0, self.row("w:embed_tokens.weight", tok), where)
         else:
-            z = self.row("wire.x", n)
+            z = self.wire_row("wire.x", n)
             base = torch.nn.functional.pad(z[:m.r], (0, m.d - m.r)) if m.compressed else z
             if m.dec_proj:
                 self.dot("input", R["dec.r"] * (h0 - base), self.vec["dec.w"] * z[m.r:], where)
@@ -277,7 +295,7 @@ class LinkChecker:
         else:
             z = hL[:m.r] if m.compressed else hL
         if "wire.z" in self.output_links:
-            self.wire_close("output", self.row("wire.z", n), z, where)
+            self.wire_close("output", "wire.z", n, z, where)
 
     # ---- backward ------------------------------------------------------------------------------
     def token_backward(self, n: int) -> None:
@@ -296,7 +314,7 @@ class LinkChecker:
             self.dot("lm.dn", R["lm.r_b"] * dn, self.vec["lm.o"] * dlog, where)
             self.vec_close("grad_out", gL, self.rmsnorm_bwd(hL, self.weight("norm.weight"), dn), where)
         else:
-            dz = self.row("wire.dz", n)
+            dz = self.wire_row("wire.dz", n)
             if m.compressed:
                 ref = torch.nn.functional.pad(dz[:m.r], (0, m.d - m.r))
                 if m.enc_proj:
@@ -322,7 +340,7 @@ class LinkChecker:
             self.dot(p + "dy", R[p + "r_dy"] * dy, self.vec[p + "o_o"] * dh1, where)
             # attention backward
             y, q, k, v = (self.row(p + nm, n) for nm in ("y", "q", "k", "v"))
-            yh, dyh, qh = y.view(H, D), dy.view(H, D), q.view(H, D)
+            yh, dyh = y.view(H, D), dy.view(H, D)
             kh, vh = k.view(K, D), v.view(K, D)
             s, lse = self.row(p + "s", n).view(H, T), self.row(p + "lse", n)
             dp = self.row(p + "dp", n).view(H, T)
@@ -376,7 +394,7 @@ class LinkChecker:
         else:
             dz = g0[:m.r] if m.compressed else g0
         if "wire.dx" in self.output_links:
-            self.wire_close("grad_in", self.row("wire.dx", n), dz, where)
+            self.wire_close("grad_in", "wire.dx", n, dz, where)
 
     # ---- shared vectors ------------------------------------------------------------------------
     def batch_row(self, b: int) -> None:

@@ -111,9 +111,10 @@ def read_projection(msg: AuditProjection, layout: TraceLayout) -> tuple[dict[str
 
 
 # ---- round 3 -------------------------------------------------------------------------------------
-def open_request(audit: AuditTraceRequest, rows: dict[str, list[int]]) -> AuditOpenRequest:
+def open_request(audit: AuditTraceRequest, rows: dict[str, list[int]], whole: list[str] | tuple = ()) -> AuditOpenRequest:
     return AuditOpenRequest(run_id=audit.run_id, stage=audit.stage, microbatch_id=audit.microbatch_id,
-                            audit_id=audit.audit_id, rows={k: list(map(int, v)) for k, v in sorted(rows.items())})
+                            audit_id=audit.audit_id, rows={k: list(map(int, v)) for k, v in sorted(rows.items())},
+                            whole=sorted(whole))
 
 
 def _klass(layout: TraceLayout, name: str) -> str:
@@ -122,16 +123,17 @@ def _klass(layout: TraceLayout, name: str) -> str:
 
 
 def opening_contract(layout: TraceLayout, request: dict[str, list[int]], *, weights_dtype: torch.dtype,
-                     wire_dtype: torch.dtype) -> TensorContract:
-    """Exact shapes of the :class:`AuditOpening` answering ``request``. Raises KeyError for a name the
-    layout does not have."""
+                     whole: list[str] | tuple = ()) -> TensorContract:
+    """Exact shapes of the :class:`AuditOpening` answering ``request`` (``whole``: tensors sent without
+    proofs). Raises KeyError for a name the layout does not have."""
     n = {"values": 0, "weights": 0, "wire": 0}
     hashes = 0
     for name in sorted(request):
         e = layout.entry(name)
         n[_klass(layout, name)] += len(request[name]) * e.width
-        hashes += sum(proof_length(i, e.rows) for i in request[name])
-    dts = {"values": torch.float32, "weights": weights_dtype, "wire": wire_dtype}
+        if name not in whole:
+            hashes += sum(proof_length(i, e.rows) for i in request[name])
+    dts = {"values": torch.float32, "weights": weights_dtype, "wire": layout.wire_torch_dtype}
     specs = {k: _flat_spec(v, dts[k]) for k, v in n.items() if v}
     specs["proofs"] = _roots_spec(hashes)
     return TensorContract(specs)
@@ -150,7 +152,8 @@ def opening_message(req: AuditOpenRequest, layout: TraceLayout, opened: dict[str
                         proofs=_digests(proofs), **kw)
 
 
-def read_opening(msg: AuditOpening, layout: TraceLayout, request: dict[str, list[int]]) -> dict[str, Opened]:
+def read_opening(msg: AuditOpening, layout: TraceLayout, request: dict[str, list[int]],
+                 whole: list[str] | tuple = ()) -> dict[str, Opened]:
     """Split a decoded opening (already checked against :func:`opening_contract`) back into rows."""
     off = {"values": 0, "weights": 0, "wire": 0}
     hashes = _unpack_digests(msg.proofs) if msg.proofs is not None else []
@@ -165,7 +168,7 @@ def read_opening(msg: AuditOpening, layout: TraceLayout, request: dict[str, list
         off[k] += n
         pr = []
         for i in idx:
-            ln = proof_length(i, e.rows)
+            ln = 0 if name in whole else proof_length(i, e.rows)
             pr.append(hashes[h:h + ln])
             h += ln
         out[name] = Opened(idx, rows, pr)
@@ -173,7 +176,10 @@ def read_opening(msg: AuditOpening, layout: TraceLayout, request: dict[str, list
 
 
 def read_open_request(msg: AuditOpenRequest, layout: TraceLayout, *, max_rows: int = 1 << 16) -> dict[str, list[int]]:
-    """Miner side: the request's rows, validated against the layout; raises MALFORMED / BODY_TOO_LARGE."""
+    """Miner side: the request's rows, validated against the layout (``msg.whole`` must name requested
+    wire tensors); raises MALFORMED / BODY_TOO_LARGE."""
+    if any(w not in layout.wire or w not in msg.rows for w in msg.whole):
+        raise ProtocolError(Outcome.MALFORMED, "only requested wire tensors can be sent whole")
     total = 0
     for name, idx in msg.rows.items():
         try:

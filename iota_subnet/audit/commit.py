@@ -23,9 +23,10 @@ Device: every tensor is copied to host memory before hashing (:func:`~.merkle.as
 """
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -153,19 +154,43 @@ def entry_shapes(params: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[in
     return out
 
 
-def wire_rows(t: torch.Tensor) -> torch.Tensor:
-    """A wire tensor ``[B, T, b]`` as its ``[B * T, b]`` token rows on the host."""
+WireTensor = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def wire_rows(t: WireTensor) -> torch.Tensor:
+    """A wire tensor ``[B, T, b]`` (fp32 / bf16) as its ``[B * T, b]`` token rows on the host; an int8
+    one, given as ``(data int8 [B, T, b], scales float32 [B, T])`` (:func:`iota_subnet.protocol.to_wire`),
+    as uint8 rows ``[B * T, b + 4]``: each token's bytes followed by its scale's."""
+    scales = None
+    if isinstance(t, tuple):
+        t, scales = t
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     if t.dim() != 3:
         raise ValueError(f"a wire tensor is [B, T, b], got shape {tuple(t.shape)}")
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    rows = t.reshape(-1, t.shape[-1]).contiguous()
+    if t.dtype == torch.int8:
+        if scales is None or tuple(scales.shape) != tuple(t.shape[:2]):
+            raise ValueError(f"int8 wire rows need their scales [B, T] = {list(t.shape[:2])}")
+        s = scales.detach().to("cpu", torch.float32).reshape(-1, 1).contiguous()
+        return torch.cat((rows.view(torch.uint8), s.view(torch.uint8)), dim=1)
+    if scales is not None:
+        raise ValueError("only int8 wire tensors carry scales")
+    return rows
 
 
-def wire_root(t: torch.Tensor) -> bytes:
-    """Merkle root over the token rows of a wire tensor ``[B, T, b]`` (raw bytes of its dtype)."""
+def wire_root(t: WireTensor) -> bytes:
+    """Merkle root over the token rows of a wire tensor (see :func:`wire_rows`): what a receipt
+    should name for the tensor (the hash of an int8 one covers its scales)."""
     return MerkleTree.of_rows(wire_rows(t)).root
+
+
+def wire_sha256(t: WireTensor) -> bytes:
+    """The flat sha256 of a wire tensor's rows in order: for fp32 / bf16 the sha256 of its raw bytes,
+    as the receipts of the data plane carry it today (:func:`iota_subnet.protocol.tensor_sha256`).
+    An audit against it opens the whole tensor (see :class:`~.auditor.HopAuditor`)."""
+    return hashlib.sha256(wire_rows(t).numpy().tobytes()).digest()
 
 
 def commit_rows(tensors: Mapping[str, torch.Tensor], names: Optional[Iterable[str]] = None) -> dict[str, MerkleTree]:

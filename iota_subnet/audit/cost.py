@@ -39,10 +39,11 @@ def _zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def audit_bytes(layout: TraceLayout, sampling: SamplingParams = SamplingParams(), *, seed: int = 0,
-                wire_dtype: torch.dtype = torch.bfloat16, weights_dtype: torch.dtype = torch.float32,
-                with_forward_output: bool = True) -> AuditBytes:
+                weights_dtype: torch.dtype = torch.float32, with_forward_output: bool = True,
+                wire_commit: str = "root") -> AuditBytes:
     """Exact encoded sizes of the six messages of one audit of ``layout`` with one random sample
-    (messages built with zero tensors of the right shapes and encoded)."""
+    (messages built with zero tensors of the right shapes and encoded). ``wire_commit="sha256"``:
+    wire tensors opened whole (see :class:`~.auditor.HopAuditor`)."""
     m = layout.dims
     rng = random.Random(seed)
     sample = draw_sample(layout, sampling, rng)
@@ -50,6 +51,9 @@ def audit_bytes(layout: TraceLayout, sampling: SamplingParams = SamplingParams()
     req = openings(layout, sample, tok)
     if not with_forward_output:
         req.pop("wire.z", None)
+    whole = sorted(k for k in req if k in layout.wire) if wire_commit == "sha256" else []
+    for k in whole:
+        req[k] = list(range(layout.wire[k].rows))
     hdr = dict(run_id="run", stage=1, microbatch_id="x" * 32, audit_id="y" * 32)
     sizes = {}
     sizes["r1_req"] = len(encode(AuditTraceRequest(**hdr, direction=layout.direction, weights_root="0" * 64)))
@@ -62,14 +66,15 @@ def audit_bytes(layout: TraceLayout, sampling: SamplingParams = SamplingParams()
     sizes["r2_resp"] = len(encode(AuditProjection(**hdr, vectors=_zeros(layout.vector_numel(), torch.float32),
                                                   roots=_zeros(len(layout.committed) * DIGEST_BYTES, torch.uint8)
                                                   .view(-1, DIGEST_BYTES))))
-    sizes["r3_req"] = len(encode(AuditOpenRequest(**hdr, rows=req)))
+    sizes["r3_req"] = len(encode(AuditOpenRequest(**hdr, rows=req, whole=whole)))
     n = {"values": 0, "weights": 0, "wire": 0}
     hashes = 0
     for name, idx in req.items():
         e = layout.entry(name)
         n[_klass(layout, name)] += len(idx) * e.width
-        hashes += sum(proof_length(i, e.rows) for i in idx)
-    dts = {"values": torch.float32, "weights": weights_dtype, "wire": wire_dtype}
+        if name not in whole:
+            hashes += sum(proof_length(i, e.rows) for i in idx)
+    dts = {"values": torch.float32, "weights": weights_dtype, "wire": layout.wire_torch_dtype}
     kw = {k: (_zeros(v, dts[k]) if v else None) for k, v in n.items()}
     sizes["r3_resp"] = len(encode(AuditOpening(**hdr, proofs=_zeros(hashes * DIGEST_BYTES, torch.uint8)
                                                .view(-1, DIGEST_BYTES), **kw)))

@@ -54,6 +54,7 @@ from iota_subnet.model.bottleneck import bottleneck_dims
 from iota_subnet.model.llama import rope_cos_sin
 from iota_subnet.model.stages import PipelineStage, split_layers
 
+WIRE_FORMATS = ("fp32", "bf16", "int8")
 FORWARD = "forward"
 BACKWARD = "backward"
 DIRECTIONS = (FORWARD, BACKWARD)
@@ -152,13 +153,16 @@ class TraceLayout:
 
     ``direction``: ``"forward"`` (forward trace only) or ``"backward"`` (forward and backward
     trace; the tail's hop is always audited this way). ``micro_per_step``: the tail divides its
-    loss by it before backward (the gradient scale). Raises :class:`LayoutError`.
+    loss by it before backward (the gradient scale). ``wire_format``: ``fp32``, ``bf16`` or ``int8``
+    (:mod:`iota_subnet.protocol.wire`); int8 wire rows are ``b`` bytes plus a float32 scale.
+    Raises :class:`LayoutError`.
     """
 
     dims: Dims
     direction: str
     model: ModelConfig
     micro_per_step: int = 1
+    wire_format: str = "bf16"
     params: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     trace: dict[str, Entry] = field(default_factory=dict)          # round 1
     committed: dict[str, Entry] = field(default_factory=dict)      # round 2 (p: tensors)
@@ -168,16 +172,18 @@ class TraceLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig, pcfg: PipelineConfig, stage: int, *, batch: int, seq: int,
-              direction: str, micro_per_step: int = 1) -> "TraceLayout":
+              direction: str, micro_per_step: int = 1, wire_format: str = "bf16") -> "TraceLayout":
         if direction not in DIRECTIONS:
             raise LayoutError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if wire_format not in WIRE_FORMATS:
+            raise LayoutError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
         dims = stage_dims(cfg, pcfg, stage, batch, seq)
         if dims.tail:
             direction = BACKWARD          # the tail runs its backward with its forward
         if dims.head and direction == BACKWARD:
             raise LayoutError("the head stage sends no gradient: its backward hop has no output to audit "
                               "(its weight gradient is the update audit's job); audit its forward")
-        lay = cls(dims, direction, cfg, int(micro_per_step), param_shapes(cfg, pcfg, stage))
+        lay = cls(dims, direction, cfg, int(micro_per_step), wire_format, param_shapes(cfg, pcfg, stage))
         lay._fill()
         return lay
 
@@ -187,7 +193,7 @@ class TraceLayout:
 
     def _fill(self) -> None:
         m = self.dims
-        N, B, T, d, H, K, D, F = m.N, m.B, m.T, m.d, m.H, m.K, m.D, m.F
+        N, B, T, d, H, K, F = m.N, m.B, m.T, m.d, m.H, m.K, m.F
         HD, KD = m.HD, m.KD
         tr, cm, vec = self.trace, self.committed, self.vectors
 
@@ -248,14 +254,15 @@ class TraceLayout:
                 add(tr, "in.dz", N, m.b)
                 vec["dec.o"] = (d,)
         # wire tensors named by the receipts of this hop
+        ww = m.b + 4 if self.wire_format == "int8" else m.b
         if not m.head:
-            add(self.wire, "wire.x", N, m.b, "wire")
+            add(self.wire, "wire.x", N, ww, "wire")
         if not m.tail:
-            add(self.wire, "wire.z", N, m.b, "wire")
+            add(self.wire, "wire.z", N, ww, "wire")
         if self.backward and not m.tail:
-            add(self.wire, "wire.dz", N, m.b, "wire")
+            add(self.wire, "wire.dz", N, ww, "wire")
         if self.backward and not m.head:
-            add(self.wire, "wire.dx", N, m.b, "wire")
+            add(self.wire, "wire.dx", N, ww, "wire")
         for name, shape in self.params:
             rows = shape[0] if len(shape) >= 2 else 1
             width = int(torch.Size(shape).numel()) // max(1, rows)
@@ -273,6 +280,11 @@ class TraceLayout:
     def block_param(self, j: int, suffix: str) -> str:
         """Parameter name of block ``j`` (index inside the stage), e.g. ``mlp.up_proj.weight``."""
         return f"layers.{self.dims.layers[j]}.{suffix}"
+
+    @property
+    def wire_torch_dtype(self) -> torch.dtype:
+        """dtype of the opened wire rows (int8 rows travel as their bytes: uint8)."""
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[self.wire_format]
 
     def rope_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] (fp32) of the model's rotary embedding, as the stage computes them."""

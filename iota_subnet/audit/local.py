@@ -11,8 +11,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
-
 from iota_subnet.protocol import (AuditOpening, AuditOpenRequest, AuditProjection, AuditProjectRequest,
                                   AuditTraceCommit, AuditTraceRequest, ProtocolError, decode, encode)
 
@@ -73,15 +71,15 @@ def run_local_audit(prover: HopProver, auditor: HopAuditor, *, stage: int = 0, m
         t = time.process_time()
         rows = auditor.on_projection(*codec.read_projection(proj, lay))
         secs["validator"] += time.process_time() - t
-        oreq = _roundtrip(codec.open_request(req, rows), AuditOpenRequest, None, sizes, "r3_req")
+        oreq = _roundtrip(codec.open_request(req, rows, auditor.whole), AuditOpenRequest, None, sizes, "r3_req")
         t = time.process_time()
         request = codec.read_open_request(oreq, lay)
-        opened = prover.open(request)
+        opened = prover.open(request, oreq.whole)
         secs["miner_open"] = time.process_time() - t
-        contract = codec.opening_contract(lay, rows, weights_dtype=auditor.weights_dtype, wire_dtype=auditor.wire_dtype)
+        contract = codec.opening_contract(lay, rows, weights_dtype=auditor.weights_dtype, whole=auditor.whole)
         opening = _roundtrip(codec.opening_message(oreq, lay, opened), AuditOpening, contract, sizes, "r3_resp")
         t = time.process_time()
-        verdict = auditor.check(codec.read_opening(opening, lay, rows))
+        verdict = auditor.check(codec.read_opening(opening, lay, rows, auditor.whole))
         secs["validator"] += time.process_time() - t
     except (ProtocolError, AuditFailure, OpenRequestError) as e:
         verdict = HopAuditor.failed(f"{type(e).__name__}: {e}")

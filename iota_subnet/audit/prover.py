@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .commit import WeightsCommitment, commit_rows, wire_rows
+from .commit import WeightsCommitment, WireTensor, commit_rows, wire_rows
 from .layout import TraceLayout
 from .merkle import MerkleTree
 from .project import projections, randoms
@@ -45,27 +45,32 @@ class Opened:
 class HopInputs:
     """What a miner keeps of one hop for audits (the audit window).
 
-    ``x``: token ids [B, T] (head) or the activations received [B, T, b] in the wire dtype;
-    ``targets`` [B, T] (tail); ``grad``: the gradient received [B, T, b] (backward, non-tail);
-    ``wire``: the wire tensors of the hop by layout name (``wire.x``, ``wire.z``, ``wire.dz``,
-    ``wire.dx``), exactly as received or sent (their roots are in the receipts).
+    ``x``: token ids [B, T] (head) or the activations received [B, T, b] (the wire tensor, or for
+    int8 its decoded float values); ``targets`` [B, T] (tail); ``grad``: the gradient received
+    [B, T, b] (backward, non-tail; same rule); ``wire``: the wire tensors of the hop by layout name
+    (``wire.x``, ``wire.z``, ``wire.dz``, ``wire.dx``), exactly as received or sent (int8: the pair
+    ``(data, scales)``); their roots are in the receipts.
     """
 
     x: torch.Tensor
     targets: Optional[torch.Tensor] = None
     grad: Optional[torch.Tensor] = None
-    wire: dict[str, torch.Tensor] = field(default_factory=dict)
+    wire: dict[str, WireTensor] = field(default_factory=dict)
 
 
 class HopProver:
     """One audit session on the miner. ``weights``: the :class:`WeightsCommitment` of the version
-    the audited hop used (kept by the miner for the audit window). ``tracer``: the trace class
-    (tests substitute one that forges a link)."""
+    the audited hop used (kept by the miner for the audit window; host tensors). ``device``: where the
+    trace runs (the miner's GPU; default the host). ``tracer``: the trace class (tests substitute one
+    that forges a link). ``max_open_bytes``: the largest opening it serves (8b backward audits open
+    ~30 MB)."""
 
     def __init__(self, layout: TraceLayout, weights: WeightsCommitment, hop: HopInputs, *,
-                 tracer: type[Tracer] = Tracer, max_open_bytes: int = 16 << 20):
+                 tracer: type[Tracer] = Tracer, device: Optional[str | torch.device] = None,
+                 max_open_bytes: int = 64 << 20):
         self.layout, self.weights, self.hop = layout, weights, hop
         self.tracer_cls = tracer
+        self.device = device
         self.max_open_bytes = int(max_open_bytes)
         self.records: dict[str, torch.Tensor] = {}
         self.trees: dict[str, MerkleTree] = {}
@@ -77,7 +82,7 @@ class HopProver:
     # ---- round 1 -------------------------------------------------------------------------------
     def commit(self) -> tuple[list[bytes], list[bytes]]:
         """Trace roots (layout order of ``layout.trace``) and weight entry roots (commitment order)."""
-        tracer = self.tracer_cls(self.layout, self.weights.tensors)
+        tracer = self.tracer_cls(self.layout, self.weights.tensors, self.device)
         res = tracer.run(self.hop.x, targets=self.hop.targets, grad=self.hop.grad)
         self.records = res.records
         self.trace_loss = res.loss
@@ -134,13 +139,18 @@ class HopProver:
             return self.trees[name].proof(i)
         return self.weights.trees[name].proof(i)
 
-    def open(self, request: dict[str, list[int]]) -> dict[str, Opened]:
-        """The requested rows and proofs (``request``: layout name -> row indices)."""
+    def open(self, request: dict[str, list[int]], whole: tuple[str, ...] | list[str] = ()) -> dict[str, Opened]:
+        """The requested rows and proofs (``request``: layout name -> row indices). ``whole``: wire
+        tensors committed by a flat sha256 (:func:`~.commit.wire_sha256`), sent without proofs."""
         if not self.vectors:
             raise RuntimeError("open() before project()")
         self.check_request(request)
+        bad = [w for w in whole if w not in self.layout.wire or w not in request]
+        if bad:
+            raise OpenRequestError(f"only requested wire tensors can be sent whole, not {bad}")
         out = {}
         for name, idx in request.items():
             rows = torch.stack([self._row(name, i).reshape(-1) for i in idx])
-            out[name] = Opened(list(idx), rows, [self._proof(name, i) for i in idx])
+            proofs = [[] for _ in idx] if name in whole else [self._proof(name, i) for i in idx]
+            out[name] = Opened(list(idx), rows, proofs)
         return out

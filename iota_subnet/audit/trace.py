@@ -87,15 +87,18 @@ class TraceResult:
 class Tracer:
     """Traced fp32 forward/backward of one stage for one micro-batch.
 
-    ``weights``: the stage's ``state_dict`` (any device, any float dtype; cast to fp32 on that device).
-    :meth:`emit` is called with every committed intermediate in its natural shape and returns the
-    tensor the rest of the computation uses (the identity here; a subclass may record or alter it).
+    ``weights``: the stage's ``state_dict`` (any device, any float dtype), moved to ``device`` (default:
+    where the weights are) and cast to fp32 there. :meth:`emit` is called with every committed
+    intermediate in its natural shape and returns the tensor the rest of the computation uses (the
+    identity here; a subclass may record or alter it). On CUDA the trace turns TF32 off while it runs
+    (a process-wide flag: matmuls of other threads meanwhile run in full fp32 too).
     """
 
-    def __init__(self, layout: TraceLayout, weights: dict[str, torch.Tensor]):
+    def __init__(self, layout: TraceLayout, weights: dict[str, torch.Tensor], device: Optional[torch.device] = None):
         self.layout = layout
-        self.W = {k: v.detach().float() for k, v in weights.items()}
-        self.device = next(iter(self.W.values())).device
+        first = next(iter(weights.values()))
+        self.device = torch.device(device) if device is not None else first.device
+        self.W = {k: v.detach().to(self.device, torch.float32) for k, v in weights.items()}
         self.records: dict[str, torch.Tensor] = {}
 
     # ---- hooks -------------------------------------------------------------------------------

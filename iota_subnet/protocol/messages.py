@@ -348,10 +348,12 @@ class AuditProjection(Message):
 
 @dataclass(kw_only=True)
 class AuditOpenRequest(Message):
-    """Round 3 (validator -> miner): the rows to open, by committed tensor name."""
+    """Round 3 (validator -> miner): the rows to open, by committed tensor name; ``whole``: wire tensors
+    committed by a flat sha256 in the receipts, sent whole (every row, in order) without proofs."""
     TYPE: ClassVar[str] = "AuditOpenRequest"
     audit_id: str = ""
     rows: dict[str, list[int]] = field(default_factory=dict)
+    whole: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
