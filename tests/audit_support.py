@@ -20,6 +20,7 @@ from iota_subnet.audit.project import projections, randoms
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
 from iota_subnet.miner.adversary import install
+from iota_subnet.protocol import from_wire, to_wire
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
 WIRE = torch.bfloat16
@@ -68,6 +69,7 @@ class Chain:
     cfg: object
     workers: list
     hops: list[Hop] = field(default_factory=list)
+    wire: str = "bf16"
 
     @property
     def B(self) -> int:
@@ -83,15 +85,16 @@ class Chain:
 
     def layout(self, stage: int, direction: str) -> TraceLayout:
         return TraceLayout.build(self.cfg.model, self.cfg.pipeline, stage, batch=self.B, seq=self.T,
-                                 direction=direction, micro_per_step=self.mps)
+                                 direction=direction, micro_per_step=self.mps, wire_format=self.wire)
 
 
 def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Optional[dict[int, str]] = None,
-               seed: int = 0, base: Optional["Chain"] = None) -> Chain:
+               seed: int = 0, base: Optional["Chain"] = None, wire: str = "bf16") -> Chain:
     """Train ``train_steps`` inner steps on real text (so weights are not at init), then run one
     recorded micro-batch through the chain with bf16 on the wire. ``kinds``: stage -> adversary kind
     installed for the recorded micro-batch (``copy`` copies a fresh replica's weights). ``base``: start
-    from the weights of another chain's recorded micro-batch instead of training."""
+    from the weights of another chain's recorded micro-batch instead of training. ``wire``: the wire
+    format of the recorded micro-batch (:func:`iota_subnet.protocol.to_wire`)."""
     cfg = base.cfg if base is not None else load_config("configs/tiny.yaml", overrides)
     workers = [StageWorker(cfg, s, seed=seed) for s in range(3)]
     if base is not None:
@@ -106,7 +109,7 @@ def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Op
             rows = text_rows(B, T, k)
             k += 1
             _run(workers, f"train{k}", rows, cfg)
-    chain = Chain(cfg, workers)
+    chain = Chain(cfg, workers, wire=wire)
     if kinds:
         for s, kind in kinds.items():
             peer = StageWorker(cfg, s, seed=seed + 1)
@@ -116,27 +119,41 @@ def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Op
     rows = text_rows(B, T, 200)
     # the weights every hop of the recorded micro-batch uses (no inner step happens inside it)
     weights = [{n: p.detach().clone() for n, p in w.module.state_dict().items()} for w in workers]
-    sent = _run(workers, "audited", rows, cfg)
+    sent = _run(workers, "audited", rows, cfg, wire)
     x, y = rows[:, :-1], rows[:, 1:]
     a0, a1, g2, g1, loss = sent
+    dec = _decode
     chain.hops = [
         Hop(0, HopInputs(x, wire={"wire.z": a0}), weights[0], tokens=x),
-        Hop(1, HopInputs(a0, grad=g2, wire={"wire.x": a0, "wire.z": a1, "wire.dz": g2, "wire.dx": g1}), weights[1]),
-        Hop(2, HopInputs(a1, targets=y, wire={"wire.x": a1, "wire.dx": g2}), weights[2], loss=loss, targets=y),
+        Hop(1, HopInputs(dec(a0), grad=dec(g2), wire={"wire.x": a0, "wire.z": a1, "wire.dz": g2, "wire.dx": g1}),
+            weights[1]),
+        Hop(2, HopInputs(dec(a1), targets=y, wire={"wire.x": a1, "wire.dx": g2}), weights[2], loss=loss, targets=y),
     ]
     return chain
 
 
-def _run(workers, mid: str, rows: torch.Tensor, cfg):
-    """One micro-batch through the chain as the data plane does: bf16 on every wire."""
+def _encode(t: torch.Tensor, wire: str):
+    """What goes on the wire: a tensor (fp32, bf16) or ``(data, scales)`` (int8)."""
+    data, scales = to_wire(t, wire)
+    return (data, scales) if scales is not None else data
+
+
+def _decode(w) -> torch.Tensor:
+    """What the receiver computes with: bf16/fp32 wire tensors as they are (the stage uses
+    ``x.float()``), int8 decoded to float."""
+    return from_wire(*w) if isinstance(w, tuple) else w
+
+
+def _run(workers, mid: str, rows: torch.Tensor, cfg, wire: str = "bf16"):
+    """One micro-batch through the chain as the data plane does (``wire`` on every boundary)."""
     x, y = rows[:, :-1], rows[:, 1:]
-    a0 = workers[0].forward(mid, x)["activations"].to(WIRE)
-    a1 = workers[1].forward(mid, a0)["activations"].to(WIRE)
-    out = workers[2].forward(mid, a1, y)
-    g2 = out["grad"].to(WIRE)
-    g1 = workers[1].backward(mid, g2)
-    g1 = (g1 if g1 is not None else torch.zeros_like(a0, dtype=torch.float32)).to(WIRE)
-    workers[0].backward(mid, g1)
+    a0 = _encode(workers[0].forward(mid, x)["activations"], wire)
+    a1 = _encode(workers[1].forward(mid, _decode(a0))["activations"], wire)
+    out = workers[2].forward(mid, _decode(a1), y)
+    g2 = _encode(out["grad"], wire)
+    g1 = workers[1].backward(mid, _decode(g2))
+    g1 = _encode(g1 if g1 is not None else torch.zeros(_decode(a0).shape), wire)
+    workers[0].backward(mid, _decode(g1))
     return a0, a1, g2, g1, out["loss"]
 
 
@@ -213,11 +230,11 @@ def forging_tracer(target: str, fraction: float = 1.0, scale: float = 0.5, seed:
     forger computing with fake weights while its commitment names the real ones)."""
 
     class Forger(Tracer):
-        def __init__(self, layout, weights):
+        def __init__(self, layout, weights, device=None):
             if weight_delta:
                 weights = {k: (v + weight_delta[k].to(v.device, v.dtype) if k in weight_delta else v)
                            for k, v in weights.items()}
-            super().__init__(layout, weights)
+            super().__init__(layout, weights, device)
             m = layout.dims
             g = torch.Generator().manual_seed(seed)
             self.mask = torch.rand(m.B, m.T, generator=g) < fraction
@@ -239,9 +256,9 @@ def forged_hop(chain: Chain, stage: int, direction: str, tracer_cls: type[Tracer
     res = tracer_cls(lay, hop.weights).run(hop.inputs.x, targets=hop.inputs.targets, grad=hop.inputs.grad)
     wire = dict(hop.inputs.wire)
     if res.out is not None:
-        wire["wire.z"] = res.out.to(WIRE)
+        wire["wire.z"] = _encode(res.out, chain.wire)
     if res.grad_in is not None:
-        wire["wire.dx"] = res.grad_in.to(WIRE)
+        wire["wire.dx"] = _encode(res.grad_in, chain.wire)
     loss = res.loss if res.loss is not None else hop.loss
     return Hop(stage, HopInputs(hop.inputs.x, hop.inputs.targets, hop.inputs.grad, wire), hop.weights, loss,
                hop.tokens, hop.targets), lay

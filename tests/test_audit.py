@@ -216,6 +216,7 @@ def test_malformed_messages_are_typed_errors(chain):
         codec.read_open_request(codec.open_request(AuditTraceRequest(), {"L0.q": [10 ** 6]}), lay)
     with pytest.raises(OpenRequestError):
         prover.open({"lm.logits": [0]})
+    prover.max_open_bytes = 16 << 20
     with pytest.raises(OpenRequestError, match="limit"):
         prover.open({f"L{j}.s": list(range(lay.dims.N)) for j in range(3)})
     with pytest.raises(ProtocolError):
@@ -302,6 +303,9 @@ def test_wire_root_is_a_root_over_token_rows(chain):
     assert wire_root(z2) != wire_root(z)
     with pytest.raises(ValueError):
         wire_root(rows)
+    from iota_subnet.audit.commit import wire_sha256
+    from iota_subnet.protocol import tensor_sha256
+    assert wire_sha256(z).hex() == tensor_sha256(z)          # what the data plane's receipts carry
 
 
 def test_layouts_refuse_what_cannot_be_audited(chain):
@@ -336,3 +340,54 @@ def test_audit_bytes_are_within_the_per_audit_budget(chain):
         assert run.verdict.ok
         total = run.total_bytes()
         assert total < (300_000 if direction == "forward" else 800_000), (stage, direction, total, run.bytes)
+
+
+# ---- wire commitments: the receipts' flat sha256, int8 rows ------------------------------------
+def test_audits_against_flat_sha256_receipts_open_whole_wire_tensors(chain):
+    """The data plane's receipts carry the flat sha256 of each wire tensor: the audit then opens the
+    whole tensor (no proofs) and checks its hash; an honest hop passes, a tampered row fails."""
+    for stage, direction in ((1, "backward"), (2, "backward"), (0, "forward")):
+        hop = chain.hops[stage]
+        for v in audit_many(chain, hop, direction, 2, wire_commit="sha256"):
+            assert v.ok, v.failures[:3]
+    hop = chain.hops[1]
+    lay = chain.layout(1, "forward")
+    wc = weights_commitment(hop.weights)
+    prover = HopProver(lay, wc, hop.inputs)
+    aud = auditor_for(chain, hop, "forward", rng_seed=3, layout=lay, weights_root=wc.root, wire_commit="sha256")
+    req = aud.on_projection(*prover.project(aud.on_commit(*prover.commit())))
+    assert aud.whole == ["wire.x", "wire.z"] and req["wire.x"] == list(range(lay.dims.N))
+    op = prover.open(req, aud.whole)
+    assert all(p == [] for p in op["wire.x"].proofs)
+    op["wire.z"].rows[7, 3] += 1
+    assert "does not match its committed sha256" in aud.check(op).reason
+    run = run_local_audit(HopProver(lay, wc, hop.inputs),
+                          auditor_for(chain, hop, "forward", rng_seed=4, layout=lay, weights_root=wc.root,
+                                      wire_commit="sha256"))
+    assert run.verdict.ok and run.bytes["r3_resp"] > 2 * lay.dims.N * lay.dims.b * 2   # both tensors, whole
+    with pytest.raises(OpenRequestError):
+        prover.open({"L0.q": [0]}, ["L0.q"])
+
+
+@pytest.fixture(scope="module")
+def int8_chain(chain):
+    return make_chain(base=chain, wire="int8")
+
+
+def test_int8_wire_rows_bind_their_scales(int8_chain):
+    ch = int8_chain
+    for stage, direction in CASES:
+        for v in audit_many(ch, ch.hops[stage], direction, 2, seed0=stage):
+            assert v.ok, (stage, direction, v.failures[:3])
+            assert max(v.errors.get("output", 0.0), v.errors.get("grad_in", 0.0)) < 1e-6
+    # a hop that sent other scales (values rescaled to match) fails; so does a hop sent in bf16 precision
+    hop = ch.hops[1]
+    q, s = hop.inputs.wire["wire.z"]
+    from audit_support import Hop
+    from iota_subnet.audit import HopInputs
+    for bad in ((q, s * 1.5), (torch.clamp((q.float() / 1.5).round(), -127, 127).to(torch.int8), s * 1.5)):
+        h = Hop(1, HopInputs(hop.inputs.x, wire=dict(hop.inputs.wire, **{"wire.z": bad})), hop.weights)
+        for v in audit_many(ch, h, "forward", 2):
+            assert not v.ok and set(v.failed_links) == {"output"}, v.failures[:3]
+    with pytest.raises(ValueError, match="int8"):
+        auditor_for(ch, hop, "forward", rng_seed=0, wire_commit="sha256")

@@ -74,8 +74,9 @@ def half_ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class Tolerances:
     """``link``: links inside the fp32 trace; ``output``: the rows the hop sent against the trace's
-    (per value, relative to the row's RMS, on top of the wire rounding) and the reported loss. The run
-    config decides the precision (:meth:`for_precision`); another policy may set its own figures."""
+    (what exceeds the wire rounding, L2 relative to the row; see :meth:`LinkChecker.wire_close`) and
+    the reported loss (relative). The run config decides the precision (:meth:`for_precision`);
+    another policy may set its own figures."""
 
     link: float = 1e-4
     output: float = 1e-4

@@ -190,7 +190,7 @@ def wire_sha256(t: WireTensor) -> bytes:
     """The flat sha256 of a wire tensor's rows in order: for fp32 / bf16 the sha256 of its raw bytes,
     as the receipts of the data plane carry it today (:func:`iota_subnet.protocol.tensor_sha256`).
     An audit against it opens the whole tensor (see :class:`~.auditor.HopAuditor`)."""
-    return hashlib.sha256(wire_rows(t).numpy().tobytes()).digest()
+    return hashlib.sha256(wire_rows(t).view(torch.uint8).numpy().tobytes()).digest()
 
 
 def commit_rows(tensors: Mapping[str, torch.Tensor], names: Optional[Iterable[str]] = None) -> dict[str, MerkleTree]:
