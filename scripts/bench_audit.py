@@ -169,16 +169,23 @@ def bench_8b(args, sampling: SamplingParams, rate: float, tiny_rows: list[dict])
 def policy(rows: list[dict], tokens_per_s: float, tempo_s: float, replicas: int, header: int) -> dict:
     """Bytes per trained token when every miner is audited once per tempo: the head forward, the middle
     stage forward and backward alternately, the tail's hop (forward and backward at once)."""
-    by = {(r["stage"], r["direction"]): r["bytes_per_audit"] for r in rows if r["mode"] == "measured"}
-    if not by:
+    measured = [r for r in rows if r["mode"] == "measured"]
+    if not measured:
         return {}
-    per_lane = by[(0, "forward")] + (by[(1, "forward")] + by[(1, "backward")]) / 2 + by[(2, "backward")]
     tokens = tokens_per_s * tempo_s
+
+    def lane(key: str) -> float:
+        by = {(r["stage"], r["direction"]): r[key] for r in measured}
+        return by[(0, "forward")] + (by[(1, "forward")] + by[(1, "backward")]) / 2 + by[(2, "backward")]
+    by = {(r["stage"], r["direction"]): r["bytes_per_audit"] for r in measured}
+    per_lane = lane("bytes_per_audit")
     return {"mode": "policy", "config": "tiny", "replicas": replicas, "tempo_s": tempo_s,
             "tokens_per_s_assumed": tokens_per_s, "audit_bytes_per_tempo": int(per_lane * replicas),
             "verification_bytes_per_token": round(per_lane * replicas / tokens, 1),
             "verification_bytes_per_token_all_backward": round(
-                (by[(0, "forward")] + by[(1, "backward")] + by[(2, "backward")]) * replicas / tokens, 1)}
+                (by[(0, "forward")] + by[(1, "backward")] + by[(2, "backward")]) * replicas / tokens, 1),
+            "verification_bytes_per_token_flat_sha256_receipts": round(
+                lane("bytes_per_audit_flat_sha256_receipts") * replicas / tokens, 1)}
 
 
 def main() -> int:

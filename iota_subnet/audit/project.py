@@ -30,6 +30,8 @@ import torch
 from .layout import TraceLayout
 
 DOMAIN = b"iota-audit/1\x00"
+#: Weight matrices up to this many values are projected in float64 (a transient copy of one matrix).
+F64_MAX_NUMEL = 1 << 27
 
 
 def rvec(seed: bytes, label: str, n: int) -> torch.Tensor:
@@ -90,10 +92,10 @@ def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: 
 
     Returns ``(vectors, committed)``: ``vectors`` name -> float32 tensor of the shape in
     ``layout.vectors`` (sent in full); ``committed`` ``p:`` name -> 2-D float32 tensor (committed by
-    root, opened by rows in round 3). Activation projections are computed in float64; weight
-    projections in float32 on the weights' device, one matrix at a time (no float64 copy of the
-    weights: an 8b stage holds 1.4B parameters; float32 accumulation errs by ~1e-6 relative,
-    two orders below the link tolerance).
+    root, opened by rows in round 3). Computed in float64 on the host, weight projections one matrix
+    at a time on the weights' device (no float64 copy of the whole stage: an 8b stage holds 1.4B
+    parameters); matrices above :data:`F64_MAX_NUMEL` values (the 8b embedding and LM head) in float32,
+    which errs by ~1e-6 relative, two orders below the link tolerance.
     """
     m = layout.dims
     B, T, K, D, H, rep = m.B, m.T, m.K, m.D, m.H, m.rep
@@ -110,8 +112,9 @@ def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: 
             return _W(self.t.t())
 
         def __matmul__(self, r: torch.Tensor) -> torch.Tensor:
-            t = self.t if self.t.dtype == torch.float32 else self.t.float()
-            return (t @ r.to(t.device, torch.float32)).to("cpu", torch.float64)
+            dt = torch.float64 if self.t.numel() <= F64_MAX_NUMEL else torch.float32
+            t = self.t.to(dt)
+            return (t @ r.to(t.device, dt)).to("cpu", torch.float64)
 
     W = {k: _W(v) for k, v in weights.items()}
 
