@@ -51,10 +51,22 @@ from typing import Any, Awaitable, Callable, Optional, Protocol
 import torch
 from loguru import logger
 
+from iota_subnet.audit.commit import wire_root
 from iota_subnet.protocol import Hop, HopAck, ProtocolError, Ticket, from_wire, to_wire
 
 #: Hop ids remembered for de-duplication (a retried hop must not be applied twice).
 SEEN_HOPS = 20_000
+#: Wire tensors above this many bytes are committed (hashed) on a worker thread.
+OFFLOAD_BYTES = 256 << 10
+
+
+async def commit_wire(data: torch.Tensor, scales: Optional[torch.Tensor] = None) -> str:
+    """The receipt's name for a wire tensor: :func:`iota_subnet.audit.commit.wire_root` of its token rows
+    (int8: with their scales), hex. Off the event loop and the compute thread when large."""
+    t = data if scales is None else (data, scales)
+    if data.numel() * data.element_size() > OFFLOAD_BYTES:
+        return (await asyncio.to_thread(wire_root, t)).hex()
+    return wire_root(t).hex()
 
 
 class RowSource(Protocol):
@@ -138,8 +150,7 @@ class DataPlane:
     ``worker``: a :class:`~iota_subnet.miner.stage_worker.StageWorker` (``auto_step`` is turned off once
     data-plane traffic arrives);
     ``me``: this miner's hotkey; ``compute(fn)``: awaitable that runs ``fn`` on the compute thread;
-    ``send(hotkey, hop) -> (HopAck, sha256 of hop.data as sent)``: delivers a hop (raises ProtocolError /
-    TransportError);
+    ``send(hotkey, hop) -> HopAck``: delivers a hop (raises ProtocolError / TransportError);
     ``post_receipts(validator, receipts)``: delivers a receipt batch (raises on failure);
     ``rows``: the head's and tail's token source; ``max_in_flight``: forwards the head keeps waiting
     for their backward (bounds stored activations: about ``max_in_flight`` x the stage's activation
@@ -147,7 +158,7 @@ class DataPlane:
     """
 
     def __init__(self, worker: Any, *, me: str, n_stages: int, compute: Callable[[Callable[[], Any]], Awaitable[Any]],
-                 send: Callable[[str, Hop], Awaitable[tuple[HopAck, str]]],
+                 send: Callable[[str, Hop], Awaitable[HopAck]],
                  post_receipts: Callable[[str, list[dict]], Awaitable[None]], rows: Optional[RowSource] = None,
                  max_in_flight: int = 8, receipt_interval_s: float = 0.5, wire_dtype: Optional[str] = None,
                  clock: Callable[[], float] = time.time):
@@ -219,7 +230,8 @@ class DataPlane:
         return accepted, refused
 
     def accept_hop(self, hop: Hop, ticket: Ticket, in_sha: str) -> HopAck:
-        """Queue a hop from a neighbour. A hop already seen is acknowledged ``duplicate`` and ignored."""
+        """Queue a hop from a neighbour (``in_sha``: :func:`commit_wire` of its data). A hop already
+        seen is acknowledged ``duplicate`` and ignored."""
         self.worker.auto_step = False
         key = (ticket.microbatch_id, hop.direction)
         if key in self.seen:
@@ -451,11 +463,12 @@ class DataPlane:
 
     async def _send_forward(self, t: Ticket, path: list[str], wire, pend: Pending) -> None:
         nxt, errors, failed = self.stage + 1, [], []
+        sha = await commit_wire(*wire)
         for cand in t.candidates(nxt):
             if cand == self.me:
                 continue
             try:
-                _, sha = await self.send(cand, self._hop(t, nxt, "forward", path, wire))
+                await self.send(cand, self._hop(t, nxt, "forward", path, wire))
             except (ProtocolError, Exception) as e:  # noqa: BLE001 - transport or refusal: try the next one
                 if isinstance(e, asyncio.CancelledError):
                     raise
@@ -475,7 +488,8 @@ class DataPlane:
         digest of what was sent), or a ``failed`` one naming the unreachable miner."""
         prev = path[-1]
         try:
-            _, sha = await self.send(prev, self._hop(t, self.stage - 1, "backward", path, wire, loss=loss))
+            sha = await commit_wire(*wire)
+            await self.send(prev, self._hop(t, self.stage - 1, "backward", path, wire, loss=loss))
             self.counts["hops_out_backward"] += 1
             self._receipt(t, bout=sha, **receipt)
         except asyncio.CancelledError:

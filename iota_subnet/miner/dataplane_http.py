@@ -21,7 +21,7 @@ from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, Protocol
 from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
 from iota_subnet.transport import NeuronClient, TransportError
 
-from .dataplane import DataPlane, RowSource
+from .dataplane import DataPlane, RowSource, commit_wire
 from .tickets import TicketChecker
 
 #: Tickets accepted in one /tickets request.
@@ -139,7 +139,8 @@ class DataPlaneNode:
                 raise ProtocolError(Outcome.MALFORMED, "int8 hop data comes with per-row scales (and only int8)")
             if msg.direction == "forward" and self.stage == 0:
                 raise ProtocolError(Outcome.NOT_ON_ROUTE, "stage 0 reads its own token rows; it takes no forward hop")
-        return self.plane.accept_hop(msg, t, ctx.digests.get("data", ""))
+        root = await commit_wire(msg.data, msg.scales) if msg.data is not None else ""
+        return self.plane.accept_hop(msg, t, root)
 
     # ---------------------------------------------------------------- outbound
     async def _endpoint(self, hotkey: str) -> str:
@@ -154,11 +155,9 @@ class DataPlaneNode:
             raise TransportError(hotkey[:10], "no served endpoint on the metagraph")
         return ep
 
-    async def _send(self, hotkey: str, hop: Hop) -> tuple[HopAck, str]:
-        digests: dict[str, str] = {}
-        ack = await self.hop_client.call(await self._endpoint(hotkey), hotkey, "/hop", hop, HopAck,
-                                         timeout_s=self.hop_timeout_s, retries=2, backoff_s=0.2, digests=digests)
-        return ack, digests.get("data", "")
+    async def _send(self, hotkey: str, hop: Hop) -> HopAck:
+        return await self.hop_client.call(await self._endpoint(hotkey), hotkey, "/hop", hop, HopAck,
+                                          timeout_s=self.hop_timeout_s, retries=2, backoff_s=0.2)
 
     async def _post_receipts(self, validator: str, receipts: list[dict]) -> None:
         await self.receipt_client.call(await self._endpoint(validator), validator, "/receipts",

@@ -99,21 +99,19 @@ def payload_nbytes(msg: Message) -> int:
     return total
 
 
-def encode(msg: Message, digests: Optional[dict[str, str]] = None) -> bytes:
-    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header. ``digests``
-    (optional, filled in): wire key -> sha256 hex of that tensor's bytes (computed once, here)."""
+def encode(msg: Message) -> bytes:
+    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode() takes a Message, got {type(msg).__name__}")
     tensors = _wire_tensors(msg)
     meta: dict[str, Any] = {"type": msg.TYPE}
     for name in type(msg).json_fields():
         meta[name] = getattr(msg, name)
+    hashed = type(msg).HASH_TENSORS
     meta["tensors"] = {
-        key: {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "sha256": tensor_sha256(t)}
+        key: {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "sha256": tensor_sha256(t) if hashed else ""}
         for key, t in tensors.items()
     }
-    if digests is not None:
-        digests.update({k: v["sha256"] for k, v in meta["tensors"].items()})
     return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
 
 
@@ -157,9 +155,8 @@ def read_header(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], i
 
 
 def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Optional[TensorContract] = None,
-           *, max_body_bytes: Optional[int] = None, digests: Optional[dict[str, str]] = None) -> M:
+           *, max_body_bytes: Optional[int] = None) -> M:
     """Parse and validate ``body`` as an ``expected`` message; raises :class:`ProtocolError`.
-    ``digests`` (optional, filled in): wire key -> verified sha256 hex of each tensor.
 
     Checks, in order: body size, safetensors framing, spec version, message type, header vs
     metadata consistency (dtype, shape, byte ranges), message tensor fields, the contract (names,
@@ -231,11 +228,11 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
 
     view = memoryview(body)
     for key, (_, _, start, end, digest) in layout.items():
+        if not expected.HASH_TENSORS and digest == "":
+            continue                 # covered by the request signature; the receiver commits itself
         got = hashlib.sha256(view[data_start + start:data_start + end]).hexdigest()
         if got != digest:
             raise ProtocolError(Outcome.HASH_MISMATCH, f"tensor {key!r}: content hash mismatch")
-        if digests is not None:
-            digests[key] = got
 
     try:
         loaded = safetensors.torch.load(bytes(body))

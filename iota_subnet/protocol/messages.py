@@ -67,6 +67,10 @@ def tensor_field(*, required: bool = False, kind: str = TENSOR_ONE) -> Any:
 @dataclass(kw_only=True)
 class Message:
     TYPE: ClassVar[str] = "Message"
+    #: the codec puts each tensor's sha256 in the header and checks it on decode; a message whose body
+    #: is covered by the btauth signature and whose receiver commits to its tensors itself (``Hop``)
+    #: skips that pass
+    HASH_TENSORS: ClassVar[bool] = True
 
     run_id: str = ""
     stage: int = 0
@@ -273,6 +277,7 @@ class Hop(Message):
     (backward and abort), so gradients return to the miners that hold the forwards.
     ``loss`` (backward from the tail): the micro-batch's loss, for the head's receipt."""
     TYPE: ClassVar[str] = "Hop"
+    HASH_TENSORS: ClassVar[bool] = False     # signed body; sender and receiver commit with wire_root
     ticket: dict[str, Any] = field(default_factory=dict)
     direction: str = "forward"
     path: list[str] = field(default_factory=list)

@@ -8,8 +8,9 @@ the tail after its forward, which includes its backward), or at once when it fai
 id         micro-batch id (the ticket's)
 lane, step, index, attempt, stage
 status     ``ok`` | ``failed`` (``error``, ``unreachable`` name why and whom) | ``stale`` | ``expired``
-fin, fout  sha256 hex of the activation received / sent (the wire tensor); ``""`` where none
-bin, bout  sha256 hex of the activation gradient received / sent
+fin, fout  commitment of the activation received / sent: :func:`iota_subnet.audit.commit.wire_root`
+           of the wire tensor's token rows (int8: with their scales), hex; ``""`` where none
+bin, bout  the same for the activation gradient received / sent
 loss       the micro-batch's mean loss (nats per token): the tail, and echoed back to the head
 ws, wm     the weights version used: inner step and merges applied
 accumulated  whether this stage trained on it (the lane's own miner, first time)
@@ -19,7 +20,8 @@ inner_step this stage's inner step after the hop
 ========== ====================================================================================
 
 Neighbouring receipts must agree: ``fout`` of stage s equals ``fin`` of stage s + 1 and ``bout``
-of stage s + 1 equals ``bin`` of stage s. About 0.5 kB each (JSON).
+of stage s + 1 equals ``bin`` of stage s. Audits open single token rows of these tensors against the
+roots (:mod:`iota_subnet.audit`). About 0.5 kB each (JSON).
 """
 from __future__ import annotations
 

@@ -116,11 +116,9 @@ class NeuronClient:
 
     async def call(self, endpoint: str, receiver_hotkey: str, path: str, msg: Message, response_type: type[M],
                    timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2, *,
-                   response_contract: Optional[TensorContract] = None, digests: Optional[dict[str, str]] = None) -> M:
-        """POST ``msg`` to ``http://{endpoint}{path}`` signed for ``receiver_hotkey``; return the decoded reply.
-        ``digests`` (optional, filled in): sha256 hex of each tensor sent, by wire key."""
-        body = (encode(msg, digests) if payload_nbytes(msg) <= OFFLOAD_BYTES
-                else await asyncio.to_thread(encode, msg, digests))
+                   response_contract: Optional[TensorContract] = None) -> M:
+        """POST ``msg`` to ``http://{endpoint}{path}`` signed for ``receiver_hotkey``; return the decoded reply."""
+        body = encode(msg) if payload_nbytes(msg) <= OFFLOAD_BYTES else await asyncio.to_thread(encode, msg)
         return await self.call_raw(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
                                    backoff_s, response_contract=response_contract)
 

@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from aiohttp import web
@@ -73,8 +73,6 @@ class RequestContext:
     remote: Optional[str]
     body_bytes: int
     received_at: float
-    #: wire key -> verified sha256 hex of each tensor in the request (receipts name what was received)
-    digests: dict = field(default_factory=dict)
 
 
 _CTX_KEY = web.RequestKey("iota_ctx", RequestContext)
@@ -291,16 +289,14 @@ class NeuronServer:
                 if inspect.isawaitable(res):
                     await res
             contract = route.contract()
-            digests: dict[str, str] = {}
             if big:
-                msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit,
-                                              digests=digests)
+                msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit)
             else:
-                msg = decode(body, route.message_type, contract, max_body_bytes=limit, digests=digests)
+                msg = decode(body, route.message_type, contract, max_body_bytes=limit)
             request[_MSG_KEY] = msg
             request[_CTX_KEY] = RequestContext(caller_hotkey=caller.hotkey_ss58, route=route.path,
                                                  nonce_ns=caller.nonce_ns, remote=request.remote,
-                                                 body_bytes=len(body), received_at=t0, digests=digests)
+                                                 body_bytes=len(body), received_at=t0)
             return await handler(request)
         except ProtocolError as e:
             return self._refuse(e, request)
