@@ -513,7 +513,7 @@ class MinerService:
             d["adversary"] = self.adversary
         if w is not None:
             d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
-                      "tokens": w.tokens, "cache": w.cache.stats()})
+                      "tokens": w.tokens, "cache": w.cache.stats(), "busy_s": round(w.busy_s, 3)})
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
         if self.node is not None:
