@@ -533,6 +533,8 @@ class MinerService:
                       "tokens": w.tokens, "cache": w.cache.stats(), "busy_s": round(w.busy_s, 3)})
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
+            if self.server.shaper is not None:      # --link: the emulated uplink's counters
+                d["uplink"] = self.server.shaper.stats()
         if self.node is not None:
             d["dataplane"] = self.node.status()
         if self.merge is not None:
