@@ -45,6 +45,18 @@ def test_stage_flops_match_the_module(name, stages, ratio):
         assert f.train(True) == f.train(False) + len(m.spec.layers) * block_flops_per_token(model, T)
 
 
+def test_validator_counts_stage_flops_from_shapes():
+    """The validator's compute shares of an 8b run come from the shapes (it used to build every stage on CPU)."""
+    from iota_subnet.validator.scoring import stage_compute_shares, stage_flops as validator_flops
+    cfg = load_config(REPO / "configs" / "8b.yaml")
+    want = []
+    for s in range(8):
+        with torch.device("meta"):
+            want.append(PipelineStage(cfg.model, cfg.pipeline, s, init=False).flops_per_token(2048))
+    assert validator_flops(cfg) == want
+    assert sum(stage_compute_shares(cfg)) == pytest.approx(1.0)
+
+
 def _brute_force_min_max(model, stages, seq, ratio, ckpt) -> int:
     best = None
     for counts in itertools.product(range(1, model.n_layers + 1), repeat=stages):
