@@ -8,7 +8,8 @@ uplink. A message of ``n`` bytes leaves after the bucket has released its bytes 
 the burst is spent) and arrives ``delay`` later; delays of concurrent messages overlap (propagation,
 not occupancy). Bytes are released in chunks of about 5 ms of link time, taken in turn, so a small
 message is not stuck behind a large one (concurrent flows share the rate roughly fairly, as TCP
-flows do).
+flows do); each message keeps its next chunk booked while it waits, so a late wake-up of its task
+does not idle the link (as a socket buffer keeps a real link busy).
 
 Wire bytes counted per message: the body, an HTTP/1.1 head (:func:`request_head_bytes`,
 :func:`response_head_bytes`: the headers we send plus aiohttp's defaults), and per TCP segment the
@@ -191,16 +192,26 @@ class UplinkShaper:
         if self._rate:
             t0 = self._clock()
             left = wire
+            pending: Optional[float] = None      # when the previously booked chunk has left
             while left > 0:
                 chunk = min(left, self.chunk_bytes)
                 left -= chunk
-                wait = self._reserve(chunk)
-                if wait > 0:
-                    await self._sleep(wait)
+                # book this chunk before waiting for the previous one: one chunk always queued, so
+                # a late wake-up of this task does not leave the link idle (a socket buffer's job)
+                leaves = self._clock() + self._reserve(chunk)
+                if pending is not None:
+                    await self._sleep_until(pending)
+                pending = leaves
+            await self._sleep_until(pending)
             with self._lock:
                 self.wait_s += self._clock() - t0
         if self.link.delay_s > 0:
             await self._sleep(self.link.delay_s)
+
+    async def _sleep_until(self, t: float) -> None:
+        dt = t - self._clock()
+        if dt > 0:
+            await self._sleep(dt)
 
     def stats(self) -> dict:
         return {"link": str(self.link), "messages": self.messages, "payload_bytes": self.payload_bytes,
