@@ -124,13 +124,16 @@ class StageTiming:
     """Seconds per token of one stage on an accelerator at a given MFU (no network, no bubble).
 
     ``forward_s``: forward; ``backward_s``: backward (2 x forward) plus, with checkpointing, the
-    recomputed block forwards; ``step_s``: one inner optimizer step (memory-bound: params x
-    :data:`OPTIMIZER_STEP_BYTES` / memory bandwidth), per inner step, not per token.
+    recomputed block forwards; ``input_backward_s``: a backward that computes only the input gradient
+    (1 x forward, plus the recomputation; a micro-batch a stage serves without training on it);
+    ``step_s``: one inner optimizer step (memory-bound: params x :data:`OPTIMIZER_STEP_BYTES` /
+    memory bandwidth), per inner step, not per token.
     """
 
     forward_s: float
     backward_s: float
     step_s: float
+    input_backward_s: float = 0.0
 
     def per_token(self, tokens_per_step: int) -> float:
         """Seconds per trained token, the optimizer step spread over the inner step's tokens."""
@@ -140,8 +143,10 @@ class StageTiming:
 def stage_timing(flops: StageFlops, params: int, acc: Accelerator, mfu: float, checkpointing: bool) -> StageTiming:
     rate = acc.peak_flops * mfu
     fwd = flops.forward / rate
-    bwd = (2 * flops.forward + (flops.blocks if checkpointing else 0)) / rate
-    return StageTiming(fwd, bwd, params * OPTIMIZER_STEP_BYTES / acc.memory_bandwidth)
+    recompute = flops.blocks if checkpointing else 0
+    bwd = (2 * flops.forward + recompute) / rate
+    return StageTiming(fwd, bwd, params * OPTIMIZER_STEP_BYTES / acc.memory_bandwidth,
+                       input_backward_s=(flops.forward + recompute) / rate)
 
 
 # ------------------------------------------------------------------------------------ memory

@@ -220,7 +220,8 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
         "final_loss": summary.get("final_loss") if row.mode == "train" else None,
         "val_loss": summary.get("val_loss") if row.mode == "train" else None,
         "host_cpu_busy": host_cpu_busy, "own_cpu_busy": own_cpu_busy, "tokens": tokens, "wall_s": wall_s,
-        "data_plane": "validator relays every tensor (before issue 9)" if old_plane else "miner to miner",
+        "data_plane": ("validator relays every tensor (before issue 9)" if old_plane
+                       else summary.get("data_plane") or "miner to miner"),
     }
     if row.mode == "emulated":
         out.update(gpu=row.gpu, mfu=row.mfu, time_scale=row.time_scale, emulation=EMULATION_NOTE,

@@ -214,3 +214,67 @@ def test_emulated_miner_over_signed_http(tmp_home):
             await svc.stop()
             await chain.close()
     asyncio.run(go())
+
+
+def test_served_without_training_costs_an_input_gradient_only(cfg8b, plans8b):
+    """A micro-batch a replica serves for another lane (accumulate=False): the backward computes the
+    input gradient only (1 x forward + recomputation, not 2 x), and nothing counts towards a step."""
+    sl = Sleeps()
+    w = _worker(cfg8b, 3, plans8b[3], sl)
+    f = stage_flops(cfg8b.model, cfg8b.pipeline, T, 3)
+    x = torch.zeros(1, T, 64)
+    w.forward("f", x, accumulate=False)
+    g = w.backward("f", x)
+    assert g.shape == (1, T, 64) and w.backwards == 0 and w.pending == 0 and w.tokens == T
+    assert sl.calls[-1] == pytest.approx((f.forward + f.blocks) * T / 156e12)
+    tail = _worker(cfg8b, 7, plans8b[7], sl)
+    ft = stage_flops(cfg8b.model, cfg8b.pipeline, T, 7)
+    res = tail.forward("t", x, torch.zeros(1, T, dtype=torch.int64), accumulate=False)
+    assert "grad" in res and tail.pending == 0
+    assert sl.calls[-1] == pytest.approx((2 * ft.forward + ft.blocks) * T / 156e12)
+
+
+def test_data_plane_hooks(cfg8b, plans8b):
+    sl = Sleeps()
+    small = dataclasses.replace(cfg8b, train=dataclasses.replace(cfg8b.train, batch_size=2, micro_batch_size=1))
+    w = _worker(small, 3, plans8b[3], sl)
+    w.auto_step = False                          # the data plane steps when the lane step is complete
+    x = torch.zeros(1, T, 64)
+    for mb in ("a", "b", "c"):
+        w.forward(mb, x)
+    w.backward("a", x)
+    w.backward("b", x)
+    assert w.inner_step == 0 and w.pending == 2
+    w.step()
+    assert w.inner_step == 1 and w.pending == 0
+    assert w.drop("c") and not w.drop("c") and len(w.cache) == 0
+    assert w.skip_to(5) == 4 and w.inner_step == 5 and w.skip_to(3) == 0
+
+
+def test_emulated_miners_run_the_p2p_data_plane(tmp_home, tmp_path, wikitext_path, cache_dir):
+    """3 x 2 emulated miners (a 2 TFLOP/s, 4 GiB device) behind the real data plane and validator:
+    the lanes finish their steps, the loss is ln(vocab) (nothing learns), busy time is counted, and
+    every miner's status says it is emulation."""
+    sys_path = str(Path(__file__).resolve().parent)
+    import sys
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    from dataplane_net import P2PNet, run
+
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        emu = Emulation(parse_accelerator("2e12", 4.0), 0.5, 1.0)
+        await net.start(emulation=emu)
+        try:
+            assert all(m.worker.emulated for m in net.miners.values())
+            vali = net.validator(steps=2)
+            assert await vali.run() == 0
+            st = net.status()
+            assert st["done"] and st["steps_done"] == {"0": 2, "1": 2}, st
+            assert st["val_loss"] == pytest.approx(math.log(512), abs=1e-4)
+            for m in net.miners.values():
+                assert m.worker.inner_step == 2 and m.worker.busy_s > 0
+                assert m.status()["emulation"]["emulation"] is True
+        finally:
+            await net.close()
+    run(main())

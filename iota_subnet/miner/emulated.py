@@ -100,6 +100,7 @@ class _InFlight:
     version: int
     step: int
     merges: int
+    accumulate: bool = True
 
 
 class EmulatedStore:
@@ -170,6 +171,8 @@ class EmulatedStageWorker:
         self.cache = EmulatedStore(self.plan.activation_bytes_per_microbatch, self.plan.microbatches_in_flight_max,
                                    ttl_s, clock)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
+        #: as StageWorker.auto_step: the data plane turns it off and calls :meth:`step` itself
+        self.auto_step = True
         self.total_steps = int(total_steps or cfg.train.total_steps)
         self.inner_step = 0
         self.version = 0
@@ -212,8 +215,9 @@ class EmulatedStageWorker:
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                train: bool = True) -> dict:
-        """As :meth:`StageWorker.forward` (same shapes; activations in the wire dtype). Raises
+                train: bool = True, accumulate: bool = True) -> dict:
+        """As :meth:`StageWorker.forward` (same shapes; activations in the wire dtype; with
+        ``accumulate=False`` the backward computes only the input gradient). Raises
         :class:`InFlightLimitExceeded` when the micro-batch would not fit in the device's memory."""
         with self.lock:
             B, T = self._check_input(x)
@@ -231,11 +235,15 @@ class EmulatedStageWorker:
                 return res
             if self.spec.is_tail:       # forward, then its backward at once (as the real tail)
                 self.forwards += 1
-                self._compute((self.timing.forward_s + self.timing.backward_s) * tokens)
+                back = self.timing.backward_s if accumulate else self.timing.input_backward_s
+                self._compute((self.timing.forward_s + back) * tokens)
                 res["loss"] = self.loss
                 if not self.spec.is_head:
                     res["grad"] = self._payload(mb_id + "/grad", (B, T, self.width_in))
-                self._count_backward(tokens)
+                if accumulate:
+                    self._count_backward(tokens)
+                else:
+                    self.tokens += tokens
                 return res
             self.cache.expire()
             if mb_id in self.cache:
@@ -248,7 +256,7 @@ class EmulatedStageWorker:
             self.forwards += 1
             out_shape = (B, T, self.width_out)
             self.cache._d[mb_id] = _InFlight(self._clock(), tokens, tuple(x.shape), out_shape, self.version, step,
-                                             merges)
+                                             merges, accumulate)
             res["activations"] = self._payload(mb_id, out_shape)
             return res
 
@@ -263,7 +271,8 @@ class EmulatedStageWorker:
             if tuple(grad.shape) != entry.out_shape:
                 self.cache._d[mb_id] = entry
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {entry.out_shape}")
-            seconds = self.timing.backward_s * entry.tokens
+            back = self.timing.backward_s if entry.accumulate else self.timing.input_backward_s
+            seconds = back * entry.tokens
             if entry.version != self.version:       # weights changed: the real worker recomputes the forward
                 self.recomputes += 1
                 seconds += self.timing.forward_s * entry.tokens
@@ -271,7 +280,10 @@ class EmulatedStageWorker:
             else:
                 self.last_weights_step, self.last_weights_merges = entry.step, entry.merges
             self._compute(seconds)
-            self._count_backward(entry.tokens)
+            if entry.accumulate:
+                self._count_backward(entry.tokens)
+            else:                                   # served without training on it: input gradient only
+                self.tokens += entry.tokens
             if self.spec.is_head:
                 return None
             return self._payload(mb_id + "/grad", (entry.in_shape[0], entry.in_shape[1], self.width_in))
@@ -280,8 +292,23 @@ class EmulatedStageWorker:
         self.backwards += 1
         self.tokens += int(tokens)
         self.pending += 1
-        if self.pending >= self.micro_per_step:
+        if self.auto_step and self.pending >= self.micro_per_step:
             self.step()
+
+    def drop(self, mb_id: str) -> bool:
+        """Forget a held micro-batch (it died downstream). True if one was held."""
+        with self.lock:
+            return self.cache._d.pop(mb_id, None) is not None
+
+    def skip_to(self, step: int) -> int:
+        """As :meth:`StageWorker.skip_to`: jump the inner step forward; returns the steps skipped."""
+        with self.lock:
+            skipped = max(0, int(step) - self.inner_step)
+            if skipped:
+                self.pending = 0
+                self.inner_step = int(step)
+                self.version += 1
+            return skipped
 
     def step(self) -> None:
         """One emulated inner optimizer step (memory-bound AdamW pass)."""
