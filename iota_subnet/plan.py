@@ -402,6 +402,17 @@ def plan(cfg: RunConfig, gpu_mem_bytes: int, *, stages: Optional[int] = None, ch
     return out
 
 
+def require_fit(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, device_name: str = "this device") -> StagePlan:
+    """The stage's plan on ``gpu_mem_bytes``; :class:`ConfigError` with the plan table when it does not fit
+    (a miner refuses to start rather than run out of memory mid-run)."""
+    p = plan_stage(cfg, stage, gpu_mem_bytes)
+    if not p.fits:
+        hint = "" if p.activation_checkpointing else "turn on train.activation_checkpointing, "
+        raise ConfigError(f"stage {stage} does not fit {device_name} ({gpu_mem_bytes / GIB:.1f} GiB):\n"
+                          f"{format_table([p])}\n{hint}use more stages, or a device with more memory")
+    return p
+
+
 def planned_config(cfg: RunConfig, stages: Optional[int]) -> RunConfig:
     """The config a plan with ``stages`` describes (public form of the stage override)."""
     return _with_stages(cfg, stages)
@@ -467,4 +478,4 @@ def summary_note(plans: list[StagePlan]) -> str:
 
 __all__ = ["StageFlops", "StageTiming", "StagePlan", "ActivationMeasure", "stage_flops", "balanced_layer_split",
            "stage_timing", "stage_timings", "ideal_tokens_per_s", "measure_activations", "meta_stage", "plan_stage",
-           "plan", "planned_config", "format_table", "plans_json", "summary_note"]
+           "plan", "planned_config", "require_fit", "format_table", "plans_json", "summary_note"]

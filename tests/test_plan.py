@@ -274,3 +274,12 @@ def test_plan_cli_table_and_errors(capsys):
     assert cli_main(["plan", "--config", str(REPO / "configs" / "1b.yaml"), "--stages", "40"]) == 2
     assert cli_main(["plan", "--config", str(REPO / "configs" / "1b.yaml"), "--gpu", "rtx9"]) == 2
     assert parse_accelerator("4090").memory_bytes == 24 * GIB
+
+
+def test_require_fit_refuses_with_the_plan_table():
+    from iota_subnet.config import ConfigError
+    from iota_subnet.plan import require_fit
+    cfg = load_config(REPO / "configs" / "8b.yaml")
+    assert require_fit(cfg, 3, 80 * GIB, device_name="NVIDIA A100-SXM4-80GB").fits
+    with pytest.raises(ConfigError, match="(?s)stage 0 does not fit NVIDIA RTX 4090.*state GiB.*NO.*more stages"):
+        require_fit(cfg, 0, 24 * GIB, device_name="NVIDIA RTX 4090")

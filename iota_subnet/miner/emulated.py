@@ -38,7 +38,7 @@ from loguru import logger
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.hardware import DEFAULT_MFU, Accelerator, check_mfu, parse_accelerator
 from iota_subnet.miner.stage_worker import UnknownMicrobatch
-from iota_subnet.plan import StagePlan, format_table, meta_stage, plan_stage, stage_flops, stage_timing
+from iota_subnet.plan import StagePlan, meta_stage, require_fit, stage_flops, stage_timing
 from iota_subnet.protocol import Outcome, ProtocolError
 from iota_subnet.utils.atomic import atomic_write_json
 
@@ -155,12 +155,8 @@ class EmulatedStageWorker:
         self.module = meta_stage(cfg, stage)                 # shapes only, no memory
         self.spec = self.module.spec
         acc = emulation.accelerator
-        self.plan = plan if plan is not None else plan_stage(cfg, stage, acc.memory_bytes, module=self.module)
-        if not self.plan.fits:
-            hint = "" if self.plan.activation_checkpointing else "turn on train.activation_checkpointing, "
-            raise ConfigError(f"stage {stage} does not fit the emulated {acc.name} "
-                              f"({acc.memory_bytes / 2**30:.0f} GiB):\n{format_table([self.plan])}\n"
-                              f"{hint}use more stages, or a device with more memory")
+        self.plan = plan if plan is not None else require_fit(cfg, stage, acc.memory_bytes,
+                                                              device_name=f"the emulated {acc.name}")
         ckpt = self.plan.activation_checkpointing
         self.timing = stage_timing(stage_flops(cfg.model, cfg.pipeline, cfg.data.seq_len, stage),
                                    self.plan.params, acc, emulation.mfu, ckpt)

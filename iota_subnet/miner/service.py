@@ -34,6 +34,7 @@ from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
+from iota_subnet.plan import require_fit
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeEvidence, MergeJoin,
                                   MergePayload,
                                   MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
@@ -52,6 +53,12 @@ def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int,
     """The stage's compute: a real :class:`StageWorker`, or with ``emulation`` (``--emulate-gpu``) an
     :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute."""
     if emulation is None:
+        if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
+            props = torch.cuda.get_device_properties(torch.device(device))
+            p = require_fit(cfg, stage, props.total_memory, device_name=props.name)
+            logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
+                        f"{props.total_memory / 2**30:.1f} GiB planned, up to {p.microbatches_in_flight_max} "
+                        "micro-batches in flight")
         return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps)
     w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
     logger.warning(f"EMULATION, no training: {w.describe()}")
