@@ -413,11 +413,6 @@ def require_fit(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, device_name: 
     return p
 
 
-def planned_config(cfg: RunConfig, stages: Optional[int]) -> RunConfig:
-    """The config a plan with ``stages`` describes (public form of the stage override)."""
-    return _with_stages(cfg, stages)
-
-
 # ------------------------------------------------------------------------------------ throughput
 def stage_timings(cfg: RunConfig, acc: Accelerator, mfu: float,
                   checkpointing: Optional[list[bool] | bool] = None) -> list[StageTiming]:
@@ -478,4 +473,4 @@ def summary_note(plans: list[StagePlan]) -> str:
 
 __all__ = ["StageFlops", "StageTiming", "StagePlan", "ActivationMeasure", "stage_flops", "balanced_layer_split",
            "stage_timing", "stage_timings", "ideal_tokens_per_s", "measure_activations", "meta_stage", "plan_stage",
-           "plan", "planned_config", "require_fit", "format_table", "plans_json", "summary_note"]
+           "plan", "require_fit", "format_table", "plans_json", "summary_note"]

@@ -126,6 +126,12 @@ class EmulatedStore:
             del self._d[k]
             self.evictions["ttl"] += 1
 
+    def put(self, key: str, entry: _InFlight) -> None:
+        self._d[key] = entry
+
+    def pop(self, key: str) -> Optional[_InFlight]:
+        return self._d.pop(key, None)
+
     def __len__(self) -> int:
         return len(self._d)
 
@@ -242,17 +248,17 @@ class EmulatedStageWorker:
                     self.tokens += tokens
                 return res
             self.cache.expire()
-            if mb_id in self.cache:
+            replaced = self.cache.pop(mb_id) is not None        # a repeated forward replaces the held one
+            if replaced:
                 self.cache.evictions["replaced"] += 1
-                del self.cache._d[mb_id]
             if len(self.cache) >= self.cache.max_entries:
                 self.refused += 1
                 raise InFlightLimitExceeded(self.stage, self.cache.max_entries, self.plan)
             self._compute(self.timing.forward_s * tokens)
             self.forwards += 1
             out_shape = (B, T, self.width_out)
-            self.cache._d[mb_id] = _InFlight(self._clock(), tokens, tuple(x.shape), out_shape, self.version, step,
-                                             merges, accumulate)
+            self.cache.put(mb_id, _InFlight(self._clock(), tokens, tuple(x.shape), out_shape, self.version, step,
+                                            merges, accumulate))
             res["activations"] = self._payload(mb_id, out_shape)
             return res
 
@@ -261,11 +267,11 @@ class EmulatedStageWorker:
         Raises UnknownMicrobatch (never seen or expired) or ValueError (wrong gradient shape)."""
         with self.lock:
             self.cache.expire()
-            entry = self.cache._d.pop(mb_id, None)
+            entry = self.cache.pop(mb_id)
             if entry is None:
                 raise UnknownMicrobatch(mb_id)
             if tuple(grad.shape) != entry.out_shape:
-                self.cache._d[mb_id] = entry
+                self.cache.put(mb_id, entry)
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {entry.out_shape}")
             back = self.timing.backward_s if entry.accumulate else self.timing.input_backward_s
             seconds = back * entry.tokens
@@ -294,7 +300,7 @@ class EmulatedStageWorker:
     def drop(self, mb_id: str) -> bool:
         """Forget a held micro-batch (it died downstream). True if one was held."""
         with self.lock:
-            return self.cache._d.pop(mb_id, None) is not None
+            return self.cache.pop(mb_id) is not None
 
     def skip_to(self, step: int) -> int:
         """As :meth:`StageWorker.skip_to`: jump the inner step forward; returns the steps skipped."""
