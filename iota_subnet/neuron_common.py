@@ -35,6 +35,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     n.add_argument("--link", type=link_arg, default="loopback", metavar="RATE:DELAY",
                    help="emulate this uplink for everything the neuron sends (token bucket + one-way delay per "
                         "message), e.g. 100mbit:50ms, 1gbit:10ms; loopback (default) = no shaping")
+    n.add_argument("--link-control", default=None, metavar="FILE",
+                   help="fault injection: a JSON file re-read a few times a second; {\"down\": true} partitions "
+                        "this neuron's uplink, {\"slow\": F} slows it F times, {} heals (localnet --chaos writes it)")
     n.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="emulation only: run emulated links (and --emulate-gpu compute) this many times slower, "
                         "so the host keeps up; figures in emulated time = wall time / time scale")
@@ -83,8 +86,8 @@ def setup_process(args: argparse.Namespace, name: str) -> None:
 def configure_link(args: argparse.Namespace) -> None:
     """Install the process's emulated uplink from ``--link`` and ``--time-scale``."""
     from iota_subnet.transport.shaping import configure_process_link
-    shaper = configure_process_link(args.link, args.time_scale)
-    if shaper is not None:
+    shaper = configure_process_link(args.link, args.time_scale, control_path=args.link_control)
+    if shaper is not None and not args.link.loopback:
         logger.info(f"EMULATED LINK: uplink {args.link} (time scale x{args.time_scale:g}: {shaper.link} "
                     "on the wall clock)")
 

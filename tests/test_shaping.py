@@ -201,3 +201,86 @@ def test_server_responses_pass_the_server_uplink():
     expected = n / 1e6 + 0.03
     assert 0.9 * expected <= wall <= 1.6 * expected + 0.2, (wall, expected)
     assert pair.server_shaper.wire_bytes > 3 * n       # warm-up replies were 1 MB each too
+
+
+# ------------------------------------------------------------------------------------ fault injection
+def test_link_control_partitions_slows_and_heals(tmp_path):
+    from iota_subnet.transport.shaping import CONTROL_POLL_S, LinkDown
+    clk = FakeClock()
+    ctl = tmp_path / "link-control.json"
+    sh = UplinkShaper(parse_link("8mbit:10ms"), burst_bytes=0, count_segments=False, control_path=ctl, clock=clk,
+                      sleep=clk.sleep)
+    asyncio.run(sh.transmit(1_000_000))                      # no file: healthy
+    assert clk.now == pytest.approx(1.01)
+    ctl.write_text('{"slow": 4}')
+    clk.now += CONTROL_POLL_S
+    t = clk.now
+    asyncio.run(sh.transmit(1_000_000))
+    assert clk.now - t == pytest.approx(4.04) and sh.slow == 4
+    ctl.write_text('{"down": true}')
+    clk.now += CONTROL_POLL_S
+    with pytest.raises(LinkDown):
+        asyncio.run(sh.transmit(10))
+    assert isinstance(LinkDown(), OSError) and sh.refused == 1 and sh.stats()["down"]
+    ctl.write_text("{}")
+    clk.now += CONTROL_POLL_S
+    t = clk.now
+    asyncio.run(sh.transmit(1_000_000))
+    assert clk.now - t == pytest.approx(1.01) and not sh.down
+    ctl.write_text("not json")                                # a broken file heals, with a warning
+    clk.now += CONTROL_POLL_S
+    asyncio.run(sh.transmit(10))
+    assert not sh.down and sh.slow == 1.0
+
+
+def test_partitioned_neurons_fail_fast_over_http(tmp_path):
+    """A partitioned client's requests fail with TransportError; a partitioned server drops the
+    connection instead of answering; after healing both work again."""
+    from iota_subnet.transport import TransportError
+    from iota_subnet.transport.shaping import CONTROL_POLL_S
+
+    async def go():
+        ck, sk = Keypair.create_from_uri("//Alice"), Keypair.create_from_uri("//Bob")
+        cctl, sctl = tmp_path / "client.json", tmp_path / "server.json"
+        server = NeuronServer(sk, "127.0.0.1", 0, shaper=UplinkShaper(parse_link("loopback"), control_path=sctl))
+
+        async def take(msg, ctx):
+            return Health(run_id="r")
+        server.add_route("/take", take, Forward)
+        await server.start()
+        msg = Forward(run_id="r", activations=_activations(4096 * 4))
+        try:
+            async with NeuronClient(ck, shaper=UplinkShaper(parse_link("loopback"), control_path=cctl)) as c:
+                await c.call(server.endpoint, sk.ss58_address, "/take", msg, Health, timeout_s=10, retries=0)
+                for ctl in (cctl, sctl):
+                    ctl.write_text('{"down": true}')
+                    await asyncio.sleep(CONTROL_POLL_S + 0.05)
+                    t0 = time.perf_counter()
+                    with pytest.raises(TransportError):
+                        await c.call(server.endpoint, sk.ss58_address, "/take", msg, Health, timeout_s=10,
+                                     retries=1, backoff_s=0.05)
+                    assert time.perf_counter() - t0 < 5            # fails fast, no timeout
+                    ctl.write_text("{}")
+                await asyncio.sleep(CONTROL_POLL_S + 0.05)
+                await c.call(server.endpoint, sk.ss58_address, "/take", msg, Health, timeout_s=10, retries=0)
+        finally:
+            await server.stop()
+    asyncio.run(go())
+
+
+def test_localnet_children_get_their_link_flags(tmp_path):
+    """Every localnet neuron is started with --link, --time-scale and its own --link-control file (the
+    chaos harness's partition / slow), and the neurons' parsers accept them."""
+    from iota_subnet.miner.main import build_parser as miner_parser
+    from iota_subnet.network.localnet import LocalNet
+    from iota_subnet.validator.main import build_parser as validator_parser
+    net = LocalNet(stages=2, replicas=1, validators=1, config="configs/tiny.yaml", data="x.txt", steps=2,
+                   out=tmp_path / "ln", link="20mbit:100ms", time_scale=2.0)
+    net.miner_wallets = {(s, 0): None for s in range(2)}
+    net.val_wallets = [None]
+    net._make_children()
+    for c in net.children:
+        argv = c.argv[3:]                                   # after: python -m module
+        a = (miner_parser() if c.kind == "miner" else validator_parser()).parse_args(argv)
+        assert a.link == LinkSpec(20e6, 0.1) and a.time_scale == 2.0
+        assert a.link_control == str(c.out / "link-control.json")

@@ -168,7 +168,8 @@ class LocalNet:
         name = f"miner-s{s}-r{r}"
         out = self.out / "miners" / name
         argv = [sys.executable, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out",
-                str(out), "--no-register", "--data", str(self.data), *self.extra_miner_args]
+                str(out), "--no-register", "--data", str(self.data), "--link-control", str(out / "link-control.json"),
+                *self.extra_miner_args]
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
         return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
@@ -185,7 +186,8 @@ class LocalNet:
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
-                    "--data", str(self.data), "--min-lanes", str(self.replicas), *relay, *self.extra_validator_args]
+                    "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
+                    str(out / "link-control.json"), *relay, *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------

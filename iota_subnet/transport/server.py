@@ -36,7 +36,7 @@ from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import SqliteNonceStore
-from .shaping import UplinkShaper, process_shaper, response_head_bytes
+from .shaping import LinkDown, UplinkShaper, process_shaper, response_head_bytes
 
 #: bittensor.http_auth exception -> outcome.
 AUTH_OUTCOMES: dict[type[http_auth.AuthError], Outcome] = {
@@ -273,7 +273,11 @@ class NeuronServer:
         resp = await self._serve(request, handler)
         if self.shaper is not None:   # the emulated uplink: every response, refusals included
             body = resp.body if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)) else b""
-            await self.shaper.transmit(len(body) + response_head_bytes(resp.status, resp.headers))
+            try:
+                await self.shaper.transmit(len(body) + response_head_bytes(resp.status, resp.headers))
+            except LinkDown:          # partitioned: the answer never leaves; the caller sees the connection drop
+                if request.transport is not None:
+                    request.transport.abort()
         return resp
 
     async def _serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]

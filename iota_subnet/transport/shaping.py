@@ -21,16 +21,26 @@ is divided by it and the delay multiplied, so emulated time = wall time / time_s
 
 The token bucket is the GCRA form (virtual scheduling, ITU-T I.371): no task and no event loop of
 its own, thread-safe, usable from any event loop of the process.
+
+Fault injection (``--link-control FILE``, written by ``localnet --chaos``): the shaper re-reads the
+JSON file at most every :data:`CONTROL_POLL_S` seconds while it sends. ``{"down": true}``: the link is
+partitioned, every send fails with :class:`LinkDown` (an ``OSError``: clients retry, then raise
+``TransportError``; a server drops the connection instead of answering); ``{"slow": f}``: the rate is
+divided by f and the delay multiplied by f; ``{}`` (or no file) heals.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Awaitable, Callable, Mapping, Optional
+
+from loguru import logger
 
 from iota_subnet.config import ConfigError
 
@@ -38,6 +48,8 @@ from iota_subnet.config import ConfigError
 MSS = 1448
 #: Bytes per segment besides the payload: IP 20 + TCP 20 + options 12 + Ethernet 14.
 SEGMENT_OVERHEAD = 66
+#: Seconds between reads of the ``--link-control`` file.
+CONTROL_POLL_S = 0.25
 #: The link profiles of the WAN bench (issue 9).
 LINK_PROFILES = ("loopback", "1gbit:10ms", "100mbit:50ms", "20mbit:100ms")
 
@@ -142,21 +154,27 @@ def response_head_bytes(status: int, headers: Mapping[str, str]) -> int:
     return len(f"HTTP/1.1 {status} OK\r\n") + _header_bytes(headers) + _SERVER_DEFAULT_HEAD
 
 
+class LinkDown(OSError):
+    """The emulated link is partitioned (``--link-control`` says ``down``): nothing can be sent."""
+
+
 class UplinkShaper:
     """One neuron's uplink (see the module docstring).
 
     ``burst_bytes``: bucket depth (default 32 KiB): this many bytes leave at once after idle time.
+    ``control_path``: the ``--link-control`` file (partition / slow-down), or None.
     ``clock`` / ``sleep``: injectable for tests. Counters: ``messages``, ``payload_bytes`` (what the
     callers passed: body + HTTP head), ``wire_bytes`` (plus TCP/IP/Ethernet headers), ``wait_s``
-    (seconds callers spent waiting for the bucket, delay excluded).
+    (seconds callers spent waiting for the bucket, delay excluded), ``refused`` (sends while down).
     """
 
     def __init__(self, link: LinkSpec, *, burst_bytes: int = 32 << 10, count_segments: bool = True,
-                 clock: Callable[[], float] = time.monotonic,
+                 control_path: Optional[str | Path] = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self.link = link
         self.burst_bytes = int(burst_bytes)
         self.count_segments = count_segments
+        self.control_path = Path(control_path) if control_path else None
         self._clock, self._sleep = clock, sleep
         rate = link.bytes_per_s
         self._rate = rate
@@ -165,17 +183,44 @@ class UplinkShaper:
         self.chunk_bytes = max(16 << 10, int(rate * 0.005)) if rate else 0
         self._tat = 0.0                   # GCRA theoretical arrival time of the next byte
         self._lock = threading.Lock()
+        #: fault state from the control file: partitioned, and the slow-down factor (1 = none)
+        self.down = False
+        self.slow = 1.0
+        self._control_read_at = -math.inf
         self.messages = 0
         self.payload_bytes = 0
         self.wire_bytes = 0
         self.wait_s = 0.0
+        self.refused = 0
+
+    def _poll_control(self) -> None:
+        """Re-read the control file (at most every :data:`CONTROL_POLL_S` s); a bad file heals."""
+        if self.control_path is None:
+            return
+        now = self._clock()
+        if now - self._control_read_at < CONTROL_POLL_S:
+            return
+        self._control_read_at = now
+        try:
+            state = json.loads(self.control_path.read_text()) if self.control_path.exists() else {}
+            down, slow = bool(state.get("down", False)), float(state.get("slow", 1.0))
+            if not (slow >= 1.0 and math.isfinite(slow)):
+                raise ValueError(f"slow factor {slow!r} must be >= 1")
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            logger.warning(f"ignoring link control {self.control_path}: {e}")
+            down, slow = False, 1.0
+        if (down, slow) != (self.down, self.slow):
+            logger.info(f"EMULATED LINK {'partitioned' if down else f'slowed x{slow:g}' if slow > 1 else 'healed'}")
+            if slow > 1 and self._rate is None and self.link.delay_s == 0:
+                logger.warning("a slow-down has no effect on an unshaped link: give the neurons --link RATE:DELAY")
+        self.down, self.slow = down, slow
 
     def _reserve(self, nbytes: int) -> float:
         """Book ``nbytes`` on the link; seconds until they have left."""
         with self._lock:
             now = self._clock()
             start = max(self._tat, now)
-            self._tat = start + nbytes / self._rate
+            self._tat = start + nbytes * self.slow / self._rate
             return max(0.0, self._tat - self._burst_s - now)
 
     def wire_size(self, nbytes: int) -> int:
@@ -183,7 +228,12 @@ class UplinkShaper:
 
     async def transmit(self, nbytes: int) -> None:
         """Wait until a message of ``nbytes`` (HTTP head + body) has crossed this uplink: its bytes
-        released by the bucket, then the one-way delay."""
+        released by the bucket, then the one-way delay. Raises :class:`LinkDown` while partitioned."""
+        self._poll_control()
+        if self.down:
+            with self._lock:
+                self.refused += 1
+            raise LinkDown("emulated link partitioned (--link-control)")
         wire = self.wire_size(int(nbytes))
         with self._lock:
             self.messages += 1
@@ -206,7 +256,7 @@ class UplinkShaper:
             with self._lock:
                 self.wait_s += self._clock() - t0
         if self.link.delay_s > 0:
-            await self._sleep(self.link.delay_s)
+            await self._sleep(self.link.delay_s * self.slow)
 
     async def _sleep_until(self, t: float) -> None:
         dt = t - self._clock()
@@ -215,21 +265,25 @@ class UplinkShaper:
 
     def stats(self) -> dict:
         return {"link": str(self.link), "messages": self.messages, "payload_bytes": self.payload_bytes,
-                "wire_bytes": self.wire_bytes, "wait_s": round(self.wait_s, 3)}
+                "wire_bytes": self.wire_bytes, "wait_s": round(self.wait_s, 3), "down": self.down,
+                "slow": self.slow, "refused_while_down": self.refused}
 
 
 _process_shaper: Optional[UplinkShaper] = None
 
 
-def configure_process_link(link: Optional[LinkSpec], time_scale: float = 1.0, **kw) -> Optional[UplinkShaper]:
+def configure_process_link(link: Optional[LinkSpec], time_scale: float = 1.0,
+                           control_path: Optional[str | Path] = None, **kw) -> Optional[UplinkShaper]:
     """Install the uplink every :class:`NeuronClient` and :class:`NeuronServer` of this process uses
-    unless given another one (``None`` or loopback: no shaping). Call once at process start, before
-    creating clients and servers. Returns the shaper."""
+    unless given another one (``None`` or loopback without ``control_path``: no shaping). Call once
+    at process start, before creating clients and servers. Returns the shaper."""
     global _process_shaper
-    if link is None or link.loopback:
+    link = link or LinkSpec(None, 0.0)
+    if link.loopback and control_path is None:
         _process_shaper = None
     else:
-        _process_shaper = UplinkShaper(link.scaled(time_scale) if time_scale != 1.0 else link, **kw)
+        _process_shaper = UplinkShaper(link.scaled(time_scale) if time_scale != 1.0 else link,
+                                       control_path=control_path, **kw)
     return _process_shaper
 
 
