@@ -278,3 +278,37 @@ def test_emulated_miners_run_the_p2p_data_plane(tmp_home, tmp_path, wikitext_pat
         finally:
             await net.close()
     run(main())
+
+
+def test_same_interface_as_the_real_stage_worker():
+    """Every public method of StageWorker the miner and the data plane call exists on the emulated
+    worker with the same parameters (this fails when StageWorker's interface changes alone)."""
+    import inspect
+    for name in ("forward", "backward", "step", "drop", "skip_to", "weights_replaced", "meta", "save", "load",
+                 "state_bytes"):
+        real = inspect.signature(getattr(StageWorker, name))
+        emu = inspect.signature(getattr(EmulatedStageWorker, name))
+        assert list(real.parameters) == list(emu.parameters), name
+        for p in real.parameters:
+            assert real.parameters[p].default == emu.parameters[p].default, (name, p)
+            assert real.parameters[p].kind == emu.parameters[p].kind, (name, p)
+    cfg = load_config("configs/tiny.yaml")
+    real = StageWorker(cfg, 1)
+    emu = EmulatedStageWorker(cfg, 1, Emulation(parse_accelerator("1e12", 4.0)), sleep=lambda s: None)
+    for attr in ("spec", "cache", "lock", "inner_step", "version", "merges", "pending", "forwards", "backwards",
+                 "tokens", "busy_s", "auto_step", "micro_per_step", "precision", "last_weights_step",
+                 "last_weights_merges", "module"):
+        assert hasattr(real, attr) and hasattr(emu, attr), attr
+    for key in ("entries", "bytes", "max_bytes", "ttl_s", "evictions"):
+        assert key in real.cache.stats() and key in emu.cache.stats()
+
+
+def test_backward_may_refuse_to_accumulate(cfg8b, plans8b):
+    sl = Sleeps()
+    w = _worker(cfg8b, 3, plans8b[3], sl)
+    f = stage_flops(cfg8b.model, cfg8b.pipeline, T, 3)
+    x = torch.zeros(1, T, 64)
+    w.forward("s", x)
+    w.backward("s", x, accumulate=False)           # the stage moved past this micro-batch's step
+    assert w.pending == 0 and w.backwards == 0
+    assert sl.calls[-1] == pytest.approx((f.forward + f.blocks) * T / 156e12)

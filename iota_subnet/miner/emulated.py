@@ -262,9 +262,10 @@ class EmulatedStageWorker:
             res["activations"] = self._payload(mb_id, out_shape)
             return res
 
-    def backward(self, mb_id: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """As :meth:`StageWorker.backward`: dL/d(input) [B, T, b] in the wire dtype, None for the head.
-        Raises UnknownMicrobatch (never seen or expired) or ValueError (wrong gradient shape)."""
+    def backward(self, mb_id: str, grad: torch.Tensor, accumulate: Optional[bool] = None) -> Optional[torch.Tensor]:
+        """As :meth:`StageWorker.backward`: dL/d(input) [B, T, b] in the wire dtype, None for the head;
+        ``accumulate=False`` overrides the forward's choice (input gradient only). Raises
+        UnknownMicrobatch (never seen or expired) or ValueError (wrong gradient shape)."""
         with self.lock:
             self.cache.expire()
             entry = self.cache.pop(mb_id)
@@ -273,6 +274,8 @@ class EmulatedStageWorker:
             if tuple(grad.shape) != entry.out_shape:
                 self.cache.put(mb_id, entry)
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {entry.out_shape}")
+            if accumulate is False:
+                entry.accumulate = False
             back = self.timing.backward_s if entry.accumulate else self.timing.input_backward_s
             seconds = back * entry.tokens
             if entry.version != self.version:       # weights changed: the real worker recomputes the forward
