@@ -18,6 +18,23 @@ def _cmd_train_colocated(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from iota_subnet import plan
+    from iota_subnet.config import load_config
+    from iota_subnet.hardware import GIB, parse_accelerator
+    cfg = load_config(a.config)
+    mem = parse_accelerator(a.gpu, a.gpu_mem).memory_bytes if a.gpu else int((a.gpu_mem or 80) * GIB)
+    ckpt = {"config": None, "on": True, "off": False, "auto": None}[a.checkpointing]
+    plans = plan.plan(cfg, mem, stages=a.stages, checkpointing=ckpt, auto_checkpointing=a.checkpointing == "auto",
+                      in_flight=a.in_flight, reserve_bytes=int(a.reserve * GIB))
+    if a.json:
+        print(plan.plans_json(plans))
+    else:
+        print(plan.format_table(plans))
+        print(plan.summary_note(plans))
+    return 0 if all(p.fits for p in plans) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="iota-subnet", description="Pipeline-parallel LLM pretraining on a Bittensor subnet")
     sub = p.add_subparsers(dest="command", required=True)
@@ -32,6 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     t.add_argument("--cache-dir", default=None, help="tokenizer and token cache (default $IOTA_CACHE or ~/.cache/iota-subnet)")
     t.set_defaults(func=_cmd_train_colocated)
+
+    pl = sub.add_parser("plan", help="memory and compute plan per stage on a GPU (computed on the meta device); "
+                                     "exit code 1 when a stage does not fit")
+    pl.add_argument("--config", required=True, help="YAML run config, e.g. configs/8b.yaml")
+    pl.add_argument("--stages", type=int, default=None,
+                    help="number of stages (default: the config's; another count gets a compute-balanced split)")
+    pl.add_argument("--gpu-mem", type=float, default=None, help="device memory in GiB (default 80, or --gpu's)")
+    pl.add_argument("--gpu", default=None, help="a100 | h100 | 4090: take the memory from this device")
+    pl.add_argument("--checkpointing", choices=["config", "on", "off", "auto"], default="config",
+                    help="per-block activation checkpointing: as the config says (train.activation_checkpointing), "
+                         "on, off, or auto (per stage: only where the stage does not fit without)")
+    pl.add_argument("--in-flight", type=int, default=None,
+                    help="micro-batches a non-tail stage must hold to fit (default: 1F1B's stages - stage index)")
+    pl.add_argument("--reserve", type=float, default=2.0,
+                    help="GiB kept for the CUDA context, library workspaces and fragmentation (default 2)")
+    pl.add_argument("--json", action="store_true", help="a JSON array, one object per stage")
+    pl.set_defaults(func=_cmd_plan)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -137,6 +137,9 @@ class TrainConfig:
 
     ``batch_size`` rows of ``data.seq_len`` tokens per optimizer step (one inner step);
     ``micro_batch_size`` rows per micro-batch (``batch_size`` must be a multiple of it).
+    ``activation_checkpointing``: keep only each block's input between a micro-batch's forward and
+    its backward and recompute the block in the backward (Chen et al. 2016, arXiv 1604.06174):
+    about one extra block forward of compute for far less stored memory (``iota-subnet plan``).
     """
 
     batch_size: int = 8
@@ -152,6 +155,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     eval_batches: int = 8
     total_steps: int = 150
+    activation_checkpointing: bool = False
 
     @property
     def micro_batch(self) -> int:

@@ -32,6 +32,35 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     n.add_argument("--host", default="0.0.0.0", help="bind address")
     n.add_argument("--port", type=_port, default=0, help="listen port (0: any free port)")
     n.add_argument("--external-ip", default="127.0.0.1", help="address published on chain")
+    n.add_argument("--link", type=link_arg, default="loopback", metavar="RATE:DELAY",
+                   help="emulate this uplink for everything the neuron sends (token bucket + one-way delay per "
+                        "message), e.g. 100mbit:50ms, 1gbit:10ms; loopback (default) = no shaping")
+    n.add_argument("--link-control", default=None, metavar="FILE",
+                   help="fault injection: a JSON file re-read a few times a second; {\"down\": true} partitions "
+                        "this neuron's uplink, {\"slow\": F} slows it F times, {} heals (localnet --chaos writes it)")
+    n.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="emulation only: run emulated links (and --emulate-gpu compute) this many times slower, "
+                        "so the host keeps up; figures in emulated time = wall time / time scale")
+
+
+def link_arg(text: str):
+    """argparse type of ``--link``: a :class:`~iota_subnet.transport.shaping.LinkSpec` (exit 2 if malformed)."""
+    from iota_subnet.config import ConfigError
+    from iota_subnet.transport.shaping import parse_link
+    try:
+        return parse_link(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
 
 
 def _port(text: str) -> int:
@@ -50,7 +79,17 @@ def setup_process(args: argparse.Namespace, name: str) -> None:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    configure_link(args)
     _die_with_parent()
+
+
+def configure_link(args: argparse.Namespace) -> None:
+    """Install the process's emulated uplink from ``--link`` and ``--time-scale``."""
+    from iota_subnet.transport.shaping import configure_process_link
+    shaper = configure_process_link(args.link, args.time_scale, control_path=args.link_control)
+    if shaper is not None and not args.link.loopback:
+        logger.info(f"EMULATED LINK: uplink {args.link} (time scale x{args.time_scale:g}: {shaper.link} "
+                    "on the wall clock)")
 
 
 def _die_with_parent() -> None:

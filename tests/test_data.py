@@ -15,7 +15,7 @@ from loguru import logger
 from iota_subnet.config import DataConfig
 from iota_subnet.data.sources import parse_hf_spec
 from iota_subnet.data import (STDLIB_SPEC, DataError, TextTokenizer, TokenDataset, build_dataset, default_source,
-                              hub_reachable, iter_documents, load_tokenizer, source_key)
+                              hub_reachable, hub_tokenizer_path, iter_documents, load_tokenizer, source_key)
 
 VOCAB = DataConfig().vocab_size
 SEQ = 128
@@ -98,14 +98,41 @@ def test_tokenizer_cache_reuse(wikitext_path, tmp_path, logs):
     assert t4.fingerprint == t1.fingerprint and len(calls) == 3
 
 
-def test_named_tokenizer_offline_falls_back_to_training(wikitext_path, tmp_path, logs):
+def test_named_tokenizer_offline_is_a_clear_error(wikitext_path, tmp_path):
+    """A named (hub) tokenizer is never silently replaced by a BPE trained here: neurons of one run
+    would tokenize differently. Without the hub and without the cached file: DataError naming the path."""
     assert not hub_reachable()  # conftest sets HF_HUB_OFFLINE=1
     spec = str(wikitext_path)
-    tok = load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec))
-    assert tok.vocab_size == 512 and tok.name.startswith("bpe-")
-    assert any("WARNING" in r and "gpt2" in r and "training" in r for r in logs)
-    with pytest.raises(DataError, match="no corpus"):
-        load_tokenizer("gpt2", None, 512, tmp_path / "empty", "k")
+    with pytest.raises(DataError, match=r"not cached at .*hf-gpt2\.json.*unreachable.*copy the file"):
+        load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec))
+    assert not list(tmp_path.iterdir())      # nothing trained, nothing cached
+
+
+def test_named_tokenizer_loads_offline_from_its_cache(wikitext_path, tmp_path):
+    """Once fetched (here: a tokenizer file put where the fetch would have cached it), it loads offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end_of_text|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(iter_documents(str(wikitext_path)))[:20], trainer=trainer)
+    name = "NousResearch/Meta-Llama-3-8B"
+    path = hub_tokenizer_path(name, tmp_path)
+    path.write_text(tok.to_str())
+    got = load_tokenizer(name, None, 400, tmp_path, "unused")
+    assert got.name == name and got.eos_id == tok.token_to_id("<|end_of_text|>") and got.vocab_size == 400
+
+
+def test_large_configs_name_a_hub_tokenizer_and_fail_clearly_offline(wikitext_path, tmp_path):
+    from iota_subnet.config import load_config
+    repo = Path(__file__).resolve().parents[1]
+    for name in ("1b", "8b"):
+        cfg = load_config(repo / "configs" / f"{name}.yaml")
+        assert cfg.data.tokenizer and cfg.data.vocab_size == 128256 == cfg.model.vocab_size
+        assert cfg.data.seq_len == 2048
+        with pytest.raises(DataError, match=f"{cfg.data.tokenizer}.*not cached.*unreachable"):
+            build_dataset(cfg.data, str(wikitext_path), tmp_path)
 
 
 # -------------------------------------------------------------------------------------- sources

@@ -18,11 +18,11 @@ from ..config import DataConfig
 from .packing import DEFAULT_STREAM_MAX_TOKENS, TokenDataset, tokenize_documents
 from .sources import (DEFAULT_HF_SPEC, STDLIB_SPEC, SUPPORTED_EXTENSIONS, DataError, default_source, describe,
                       hub_reachable, hub_status, iter_documents, source_key)
-from .tokenizer import EOS_TOKEN, TextTokenizer, load_tokenizer, train_bpe
+from .tokenizer import EOS_TOKEN, TextTokenizer, hub_tokenizer_path, load_tokenizer, train_bpe
 
 __all__ = [
     "DataError", "TextTokenizer", "TokenDataset", "build_dataset", "default_cache_dir", "default_source",
-    "describe", "hub_reachable", "hub_status", "iter_documents", "load_tokenizer", "source_key",
+    "describe", "hub_reachable", "hub_status", "hub_tokenizer_path", "iter_documents", "load_tokenizer", "source_key",
     "tokenize_documents", "train_bpe", "DEFAULT_HF_SPEC", "DEFAULT_STREAM_MAX_TOKENS", "EOS_TOKEN",
     "STDLIB_SPEC", "SUPPORTED_EXTENSIONS",
 ]

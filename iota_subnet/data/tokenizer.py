@@ -1,7 +1,8 @@
 """Tokenizers: a Hugging Face hub tokenizer by name, or a byte-level BPE trained on the corpus.
 
 Trained tokenizers are cached as ``<cache_dir>/bpe-<corpus_key>-v<vocab_size>.json`` and hub
-tokenizers as ``<cache_dir>/hf-<name>.json`` (so a hub tokenizer, once fetched, also loads offline).
+tokenizers as ``<cache_dir>/hf-<name>.json`` (so a hub tokenizer, once fetched, also loads offline;
+without the hub and without that file, loading a named tokenizer is a :class:`DataError`).
 Every file is written atomically.
 """
 from __future__ import annotations
@@ -95,22 +96,28 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _load_hub(name: str, cache_dir: Path) -> Optional[TextTokenizer]:
-    path = cache_dir / f"hf-{_safe(name)}.json"
+def hub_tokenizer_path(name: str, cache_dir: Path) -> Path:
+    """Where a hub tokenizer is cached (``<cache_dir>/hf-<name>.json``)."""
+    return Path(cache_dir) / f"hf-{_safe(name)}.json"
+
+
+def _load_hub(name: str, cache_dir: Path) -> TextTokenizer:
+    path = hub_tokenizer_path(name, cache_dir)
     if path.exists():
         logger.info(f"tokenizer {name!r} loaded from cache {path}")
         return TextTokenizer(Tokenizer.from_file(str(path)), name)
+    fix = (f"fetch it once where the hub is reachable, e.g. python -c \"from tokenizers import Tokenizer; "
+           f"open('{path.name}', 'w').write(Tokenizer.from_pretrained('{name}').to_str())\", and copy the file "
+           f"to {path} (or point $IOTA_CACHE at a cache that has it)")
     ok, why = hub_status()
     if not ok:
-        logger.warning(f"tokenizer {name!r} cannot be fetched: Hugging Face hub unreachable ({why}); "
-                       "falling back to training a byte-level BPE on the corpus")
-        return None
+        raise DataError(f"tokenizer {name!r} is not cached at {path} and the Hugging Face hub is unreachable "
+                        f"({why}): {fix}")
     try:
         tok = Tokenizer.from_pretrained(name)
     except Exception as e:
-        logger.warning(f"tokenizer {name!r} could not be loaded from the Hugging Face hub ({e.__class__.__name__}: "
-                       f"{e}); falling back to training a byte-level BPE on the corpus")
-        return None
+        raise DataError(f"tokenizer {name!r} could not be loaded from the Hugging Face hub "
+                        f"({e.__class__.__name__}: {e}); check the name, or {fix}") from None
     atomic_write_text(path, tok.to_str())
     logger.info(f"tokenizer {name!r} downloaded from the Hugging Face hub, cached at {path}")
     return TextTokenizer(tok, name)
@@ -120,20 +127,21 @@ def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Itera
                    cache_dir: Path, corpus_key: str) -> TextTokenizer:
     """Load or train the tokenizer.
 
-    ``name``: a hub tokenizer (fetched when the hub is reachable; otherwise, with a warning, a BPE
-    is trained instead). ``None``: a byte-level BPE with ``vocab_size`` ids trained on
+    ``name``: a hub tokenizer, read from its cache file or fetched from the hub (then cached). Every
+    neuron of a run must tokenize alike, so a named tokenizer is never replaced by another one.
+    ``None``: a byte-level BPE with ``vocab_size`` ids trained on
     ``corpus_docs()`` (at most :data:`MAX_TRAIN_CHARS` characters), cached in ``cache_dir`` under
     (``corpus_key``, ``vocab_size``) and reused on later calls.
-    Raises :class:`DataError` when a BPE must be trained but ``corpus_docs`` is ``None`` or yields no
-    text, or when the tokenizer lacks an end-of-text token.
+    Raises :class:`DataError` when a named tokenizer is neither cached nor fetchable (the message
+    says where to put the file), when a BPE must be trained but ``corpus_docs`` is ``None`` or yields
+    no text, or when the tokenizer lacks an end-of-text token.
     """
     cache_dir = Path(cache_dir)
     if name:
         got = _load_hub(name, cache_dir)
-        if got is not None:
-            if got.vocab_size != vocab_size:
-                logger.warning(f"tokenizer {name!r} has {got.vocab_size} ids, data.vocab_size is {vocab_size}")
-            return got
+        if got.vocab_size != vocab_size:
+            logger.warning(f"tokenizer {name!r} has {got.vocab_size} ids, data.vocab_size is {vocab_size}")
+        return got
     bpe_name = f"bpe-{_safe(corpus_key)}-v{vocab_size}"
     path = cache_dir / f"{bpe_name}.json"
     if path.exists():

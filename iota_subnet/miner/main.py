@@ -28,6 +28,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--max-in-flight", type=_positive, default=8,
                    help="micro-batches the first stage keeps waiting for their backward (bounds activation memory)")
     m.add_argument("--hop-timeout", type=float, default=30.0, help="seconds to deliver one hop to the next miner")
+    add_emulation_args(p)
     return p
 
 
@@ -36,6 +37,27 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def add_emulation_args(p: argparse.ArgumentParser) -> None:
+    """``--emulate-gpu``, ``--mfu``, ``--gpu-mem`` (``--time-scale`` is a common argument)."""
+    from iota_subnet.hardware import DEFAULT_MFU
+    from iota_subnet.neuron_common import positive_float
+    e = p.add_argument_group("emulation (measures the system, trains nothing)")
+    e.add_argument("--emulate-gpu", default=None, metavar="GPU",
+                   help="EMULATION: a100 | h100 | 4090 | a peak in FLOP/s; compute takes the time the stage would "
+                        "take on that device (no real weights, nothing learns), in-flight micro-batches bounded by "
+                        "its memory (iota-subnet plan)")
+    e.add_argument("--mfu", type=positive_float, default=DEFAULT_MFU,
+                   help=f"model FLOP utilisation the emulated device reaches (default {DEFAULT_MFU})")
+    e.add_argument("--gpu-mem", type=positive_float, default=None,
+                   help="emulated device memory in GiB (default: the named GPU's; required with a FLOP/s figure)")
+
+
+def emulation_of(args: argparse.Namespace):
+    """The :class:`~iota_subnet.miner.emulated.Emulation` the arguments ask for, or None."""
+    from iota_subnet.miner.emulated import emulation_from_args
+    return emulation_from_args(args.emulate_gpu, args.mfu, args.time_scale, args.gpu_mem)
 
 
 async def run_miner(args: argparse.Namespace) -> int:
@@ -50,6 +72,9 @@ async def run_miner(args: argparse.Namespace) -> int:
         if args.adversary not in ADVERSARY_KINDS:
             raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
     cfg = load_config(args.config)
+    emulation = emulation_of(args)
+    if emulation is not None and args.adversary:
+        raise SystemExit("error: --adversary and --emulate-gpu cannot be combined (an emulated stage computes nothing)")
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
     chain = await open_chain(args.network, args.chain_db)
@@ -58,7 +83,7 @@ async def run_miner(args: argparse.Namespace) -> int:
                        device=str(pick_device(args.device)), total_steps=args.steps,
                        checkpoint_every=args.checkpoint_every, register=not args.no_register,
                        adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
-                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout)
+                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation)
     stop = install_stop(asyncio.get_running_loop())
     try:
         await svc.start()

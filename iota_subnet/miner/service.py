@@ -31,8 +31,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from iota_subnet.chain import Chain
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.dataplane_http import DataPlaneNode
+from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
+from iota_subnet.plan import require_fit
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeEvidence, MergeJoin,
                                   MergePayload,
                                   MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
@@ -44,6 +46,23 @@ from iota_subnet.utils.atomic import atomic_write_json
 
 #: Largest micro-batch (rows) a miner accepts; bounds the memory one request can claim.
 MAX_MICRO_BATCH_ROWS = 64
+
+
+def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int,
+                emulation: Optional[Emulation] = None) -> StageWorker | EmulatedStageWorker:
+    """The stage's compute: a real :class:`StageWorker`, or with ``emulation`` (``--emulate-gpu``) an
+    :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute."""
+    if emulation is None:
+        if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
+            props = torch.cuda.get_device_properties(torch.device(device))
+            p = require_fit(cfg, stage, props.total_memory, device_name=props.name)
+            logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
+                        f"{props.total_memory / 2**30:.1f} GiB planned, up to {p.microbatches_in_flight_max} "
+                        "micro-batches in flight")
+        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps)
+    w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
+    logger.warning(f"EMULATION, no training: {w.describe()}")
+    return w
 
 
 class MinerService:
@@ -58,7 +77,8 @@ class MinerService:
                  external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
                  checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
                  adversary: Optional[str] = None, data: Optional[str] = None, cache_dir: Optional[str] = None,
-                 max_in_flight: int = 8, hop_timeout_s: float = 30.0, dataset: Any = None):
+                 max_in_flight: int = 8, hop_timeout_s: float = 30.0, dataset: Any = None,
+                 emulation: Optional[Emulation] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
         self.out = Path(out_dir)
@@ -76,6 +96,8 @@ class MinerService:
         #: the head's and tail's TokenDataset (built from ``data`` at start unless given)
         self.dataset: Any = dataset
         self.node: Optional[DataPlaneNode] = None
+        #: ``--emulate-gpu``: an emulated accelerator instead of real compute (no training, no merging)
+        self.emulation = emulation
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.hotkey: str = wallet.hotkey.ss58_address
         self.uid: Optional[int] = None
@@ -164,8 +186,8 @@ class MinerService:
             self.uid = await self.chain.require_uid(self.hotkey, self.netuid)
         await self.refresh(force=True)
         self.stage = self.choose_stage()
-        self.worker = StageWorker(self.cfg, self.stage, device=self.device, seed=self.cfg.train.seed,
-                                  total_steps=self.total_steps)
+        self.worker = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
+                                  emulation=self.emulation)
         await self._load_weights()
         if self.adversary:
             from iota_subnet.miner.adversary import install
@@ -186,7 +208,7 @@ class MinerService:
         self.server.add_route("/backward", self._backward, Backward, lambda: bwd_contract)
         self.server.add_route("/state", self._state, StateRequest, None)
         self.server.add_route("/health", self._health, Health, None)
-        if self.cfg.merge.enabled:
+        if self.cfg.merge.enabled and self.emulation is None:    # emulated stages have no weights to merge
             self._setup_merge()
         rows = await self._row_source() if (spec.is_head or spec.is_tail) else None
         self.node = DataPlaneNode(self.worker, self.wallet, cfg=self.cfg, run_id=self.run_id, stage=self.stage, width=b,
@@ -511,11 +533,15 @@ class MinerService:
              "uptime_s": round(time.time() - self.started_at, 1)}
         if self.adversary:
             d["adversary"] = self.adversary
+        if self.emulation is not None:
+            d["emulation"] = self.emulation.to_json()
         if w is not None:
             d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
-                      "tokens": w.tokens, "cache": w.cache.stats()})
+                      "tokens": w.tokens, "cache": w.cache.stats(), "busy_s": round(w.busy_s, 3)})
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
+            if self.server.shaper is not None:      # --link: the emulated uplink's counters
+                d["uplink"] = self.server.shaper.stats()
         if self.node is not None:
             d["dataplane"] = self.node.status()
         if self.merge is not None:

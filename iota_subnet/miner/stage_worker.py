@@ -11,6 +11,7 @@ per-stage gradient clipping.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -44,7 +45,8 @@ class StageWorker:
         self.cfg, self.stage = cfg, stage
         self.device = torch.device(device)
         torch.manual_seed(seed + 1000 * stage)       # same init as build_stages(cfg, seed)
-        self.module = PipelineStage(cfg.model, cfg.pipeline, stage).to(self.device)
+        self.module = PipelineStage(cfg.model, cfg.pipeline, stage,
+                                    checkpointing=cfg.train.activation_checkpointing).to(self.device)
         self.opt = make_optimizer(self.module, cfg.train)
         self.spec = self.module.spec
         self.cache = cache if cache is not None else ActivationCache()
@@ -70,6 +72,25 @@ class StageWorker:
         self.last_weights_merges = 0
         #: "bf16" under autocast on GPU, else "fp32" (sets the validator's replay tolerance)
         self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+        #: seconds spent computing (forward, backward, inner steps); stage utilisation = busy_s / wall
+        self.busy_s = 0.0
+        self._busy_depth = 0
+
+    @contextlib.contextmanager
+    def _busy(self):
+        """Count the enclosed compute in :attr:`busy_s` (outermost call only; GPU work is waited for)."""
+        if self._busy_depth:
+            yield
+            return
+        self._busy_depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._busy_depth -= 1
+            self.busy_s += time.perf_counter() - t0
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
@@ -87,7 +108,7 @@ class StageWorker:
         or one it already accumulated): the tail returns the input gradient without touching the
         parameters' gradients, and the later :meth:`backward` does the same.
         """
-        with self.lock:
+        with self.lock, self._busy():
             step = self.inner_step
             res = self._forward(mb_id, x, targets, train=train, accumulate=accumulate)
             res.setdefault("weights_step", step)
@@ -146,7 +167,7 @@ class StageWorker:
         ``accumulate=False`` overrides the forward's choice: input gradient only (the stage moved past
         the step this micro-batch belonged to while it waited).
         """
-        with self.lock:
+        with self.lock, self._busy():
             entry = self.cache.pop(mb_id)
             if entry is None:
                 raise UnknownMicrobatch(mb_id)
@@ -222,7 +243,7 @@ class StageWorker:
 
     def step(self) -> None:
         """One inner optimizer step over the accumulated gradients."""
-        with self.lock:
+        with self.lock, self._busy():
             set_lr(self.opt, lr_at(self.inner_step, self.total_steps, self.cfg.train))
             gnorm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip))
             if math.isfinite(gnorm):
@@ -246,7 +267,7 @@ class StageWorker:
     def meta(self) -> dict:
         return {"step": self.inner_step, "merges": self.merges, "stage": self.stage, "config_fingerprint": self.fingerprint,
                 "forwards": self.forwards, "backwards": self.backwards, "tokens": self.tokens,
-                "saved_at": time.time()}
+                "busy_s": round(self.busy_s, 3), "saved_at": time.time()}
 
     def save(self, path: str | Path) -> Path:
         """Atomic checkpoint of weights + optimizer state (safetensors)."""

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from loguru import logger
 
 from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
@@ -77,8 +78,11 @@ class StageSpec:
 class PipelineStage(nn.Module):
     """One pipeline stage. See the module docstring for inputs and outputs."""
 
-    def __init__(self, cfg: ModelConfig, pcfg: PipelineConfig, index: int, *, init: bool = True):
+    def __init__(self, cfg: ModelConfig, pcfg: PipelineConfig, index: int, *, init: bool = True,
+                 checkpointing: bool = False):
         super().__init__()
+        #: per-block activation checkpointing in training: only block inputs are kept for backward
+        self.checkpointing = bool(checkpointing)
         cfg.validate()
         ranges = split_layers(cfg.n_layers, pcfg.stages, pcfg.layer_split)
         if not 0 <= index < pcfg.stages:
@@ -144,8 +148,12 @@ class PipelineStage(nn.Module):
             h = self.bottleneck_in(x) if self.bottleneck_in is not None else x  # [B, T, d]
         T = h.shape[1]
         cos, sin = self._cos_sin(T, h.device)
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for blk in self.layers.values():
-            h = blk(h, cos, sin)                                               # [B, T, d]
+            if recompute:   # keeps h only; the block runs again in the backward
+                h = torch.utils.checkpoint.checkpoint(blk, h, cos, sin, use_reentrant=False)
+            else:
+                h = blk(h, cos, sin)                                           # [B, T, d]
         if not self.spec.is_tail:
             return self.bottleneck_out(h) if self.bottleneck_out is not None else h   # [B, T, b]
         logits = self.lm_head(self.norm(h))                                    # [B, T, V]
@@ -157,10 +165,11 @@ class PipelineStage(nn.Module):
 def build_stages(cfg: RunConfig | tuple[ModelConfig, PipelineConfig], seed: int = 0) -> list[PipelineStage]:
     """All S stages of a run, initialised from one seed (each stage from ``seed + index``)."""
     mcfg, pcfg = (cfg.model, cfg.pipeline) if isinstance(cfg, RunConfig) else cfg
+    ckpt = cfg.train.activation_checkpointing if isinstance(cfg, RunConfig) else False
     out = []
     for i in range(pcfg.stages):
         torch.manual_seed(seed + 1000 * i)
-        out.append(PipelineStage(mcfg, pcfg, i))
+        out.append(PipelineStage(mcfg, pcfg, i, checkpointing=ckpt))
     return out
 
 

@@ -37,7 +37,8 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
                            steps=a.steps, out=a.out, block_time=a.block_time, tempo=a.tempo,
                            restart_dead=not a.no_restart, device=a.device,
                            timeout_s=a.timeout, adversary=a.adversary, chaos=a.chaos,
-                           chaos_duration_s=a.chaos_duration)
+                           chaos_duration_s=a.chaos_duration, link=a.link, emulate_gpu=a.emulate_gpu,
+                           mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -102,6 +103,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "OUT/chaos.jsonl and the summary")
     p.add_argument("--chaos-duration", type=float, default=None,
                    help="seconds of run time the chaos schedule covers (default 3600; faults stop when training ends)")
+    p.add_argument("--link", default="loopback", metavar="RATE:DELAY",
+                   help="emulate this uplink for every neuron (token bucket + one-way delay), e.g. 100mbit:50ms")
+    p.add_argument("--emulate-gpu", default=None, metavar="GPU",
+                   help="EMULATION: miners emulate a100 | h100 | 4090 | a FLOP/s figure (no training; see iota-subnet "
+                        "miner --help)")
+    p.add_argument("--mfu", type=float, default=None, help="MFU of the emulated GPU (default 0.5)")
+    p.add_argument("--gpu-mem", type=float, default=None, help="memory of the emulated GPU in GiB")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="run emulated links and compute this many times slower (host CPU headroom)")
     p.set_defaults(func=_cmd_localnet)
 
     from iota_subnet.miner.main import build_parser as miner_parser

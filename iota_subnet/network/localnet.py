@@ -65,7 +65,9 @@ class LocalNet:
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
                  timeout_s: Optional[float] = None, overrides: Optional[dict] = None,
                  adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None,
-                 chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None):
+                 chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
+                 link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
+                 gpu_mem: Optional[float] = None, time_scale: float = 1.0):
         if stages < 1 or replicas < 1 or validators < 1:
             raise ConfigError("--stages, --replicas and --validators must each be >= 1")
         self.out = Path(out).resolve()
@@ -93,6 +95,11 @@ class LocalNet:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.extra_miner_args = extra_miner_args or []
         self.extra_validator_args = extra_validator_args or []
+        #: link and accelerator emulation of every neuron (``--link``, ``--emulate-gpu``; see emulation_argv)
+        self.link, self.emulation, miner_argv, validator_argv = emulation_argv(link, emulate_gpu, mfu, gpu_mem,
+                                                                               time_scale)
+        self.extra_miner_args = [*miner_argv, *self.extra_miner_args]
+        self.extra_validator_args = [*validator_argv, *self.extra_validator_args]
         self.device = device
         self.timeout_s = timeout_s
         #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
@@ -161,7 +168,8 @@ class LocalNet:
         name = f"miner-s{s}-r{r}"
         out = self.out / "miners" / name
         argv = [sys.executable, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out",
-                str(out), "--no-register", "--data", str(self.data), *self.extra_miner_args]
+                str(out), "--no-register", "--data", str(self.data), "--link-control", str(out / "link-control.json"),
+                *self.extra_miner_args]
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
         return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
@@ -178,7 +186,8 @@ class LocalNet:
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
-                    "--data", str(self.data), "--min-lanes", str(self.replicas), *relay, *self.extra_validator_args]
+                    "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
+                    str(out / "link-control.json"), *relay, *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------
@@ -506,6 +515,7 @@ class LocalNet:
                       "merges_applied": sum((m.get("merge") or {}).get("merges", 0) for m in miners),
                       "mismatch_reports": sum((m.get("merge") or {}).get("mismatch_reports", 0) for m in miners)},
             "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
+            "link": self.link, "emulation": self.emulation,
             "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
         }
         if self.chaos is not None:
@@ -538,6 +548,30 @@ class LocalNet:
         return {"microbatches_lost": lost,
                 "samples_repeated": sum(n - 1 for n in seen.values() if n > 1) * self.cfg.train.micro_batch,
                 "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch}
+
+
+def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], gpu_mem: Optional[float],
+                   time_scale: float) -> tuple[str, Optional[dict], list[str], list[str]]:
+    """Check ``--link`` / ``--emulate-gpu`` / ``--mfu`` / ``--gpu-mem`` / ``--time-scale`` (ConfigError) and
+    turn them into (link, emulation summary or None, miner argv, validator argv). Emulated miners hold no
+    weights, so the validator's replays and CLASP probes are turned off with them."""
+    from iota_subnet.hardware import DEFAULT_MFU
+    from iota_subnet.miner.emulated import emulation_from_args
+    from iota_subnet.transport.shaping import parse_link
+    spec = parse_link(link)
+    emu = emulation_from_args(emulate_gpu, DEFAULT_MFU if mfu is None else mfu, time_scale, gpu_mem)
+    if emu is None and (mfu is not None or gpu_mem is not None):
+        raise ConfigError("--mfu and --gpu-mem describe an emulated GPU: add --emulate-gpu")
+    if not time_scale > 0:
+        raise ConfigError(f"--time-scale {time_scale!r} must be > 0")
+    common = ["--link", str(spec), "--time-scale", repr(float(time_scale))]
+    miner, validator = list(common), list(common)
+    if emu is not None:
+        miner += ["--emulate-gpu", str(emulate_gpu), "--mfu", repr(emu.mfu)]
+        if gpu_mem is not None:
+            miner += ["--gpu-mem", repr(float(gpu_mem))]
+        validator += ["--check-rate", "0", "--clasp-interval", "0"]
+    return str(spec), (emu.to_json() if emu is not None else None), miner, validator
 
 
 def run_localnet(**kw) -> dict:

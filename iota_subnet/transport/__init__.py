@@ -2,6 +2,7 @@
 from .client import NeuronClient, TransportError
 from .nonce_store import SqliteNonceStore
 from .server import AUTH_OUTCOMES, NeuronServer, RequestContext, Route
+from .shaping import LinkSpec, UplinkShaper, configure_process_link, parse_link, process_shaper
 
-__all__ = ["AUTH_OUTCOMES", "NeuronClient", "NeuronServer", "RequestContext", "Route", "SqliteNonceStore",
-           "TransportError"]
+__all__ = ["AUTH_OUTCOMES", "LinkSpec", "NeuronClient", "NeuronServer", "RequestContext", "Route", "SqliteNonceStore",
+           "TransportError", "UplinkShaper", "configure_process_link", "parse_link", "process_shaper"]

@@ -26,6 +26,7 @@ from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .server import HEADER_REQUEST_NONCE, OFFLOAD_BYTES, RESPONSE_METHOD, response_sign_path
+from .shaping import UplinkShaper, process_shaper, request_head_bytes
 
 M = TypeVar("M", bound=Message)
 
@@ -63,10 +64,14 @@ class NeuronClient:
 
     Counters (bodies only, all attempts): ``bytes_sent``, ``bytes_received``, ``requests``,
     ``retries``, ``failures``. Use ``async with NeuronClient(wallet) as c`` or call :meth:`close`.
+
+    ``shaper``: the emulated uplink every request passes (head + body), by default the process's
+    (:func:`iota_subnet.transport.shaping.configure_process_link`; none unless ``--link`` is given).
     """
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
-                 verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20):
+                 verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20,
+                 shaper: Optional[UplinkShaper] = None):
         self.wallet = wallet
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
@@ -75,6 +80,7 @@ class NeuronClient:
         self.keepalive_timeout = keepalive_timeout
         self.verify_responses = verify_responses
         self.max_response_bytes = max_response_bytes
+        self.shaper = shaper if shaper is not None else process_shaper()
         self._session: Optional[aiohttp.ClientSession] = None
         self._response_nonces = http_auth.InMemoryNonceStore(retention=60.0)
         self.bytes_sent = 0
@@ -128,7 +134,6 @@ class NeuronClient:
         """:meth:`call` with an already-encoded body."""
         session = self._get_session()
         url = f"http://{endpoint}{path}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
         attempts = max(1, int(retries) + 1)
         last: Optional[BaseException] = None
         for attempt in range(attempts):
@@ -141,6 +146,12 @@ class NeuronClient:
             self.requests += 1
             t0 = time.perf_counter()
             try:
+                left = timeout_s
+                if self.shaper is not None:   # the emulated uplink, inside the request's deadline
+                    await asyncio.wait_for(self.shaper.transmit(len(body) + request_head_bytes("POST", path, headers)),
+                                           timeout_s)
+                    left = max(1e-3, timeout_s - (time.perf_counter() - t0))
+                timeout = aiohttp.ClientTimeout(total=left)
                 async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
                     self.bytes_sent += len(body)
                     # request line, Host, Content-Length and our headers; the response's status line and headers

@@ -36,6 +36,7 @@ from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import SqliteNonceStore
+from .shaping import LinkDown, UplinkShaper, process_shaper, response_head_bytes
 
 #: bittensor.http_auth exception -> outcome.
 AUTH_OUTCOMES: dict[type[http_auth.AuthError], Outcome] = {
@@ -118,13 +119,16 @@ class NeuronServer:
 
     ``authorizer(caller_hotkey, route)``: ``None`` accepts every authenticated hotkey (tests only).
     ``nonce_store_path``: SQLite file for replay protection across restarts (``None``: in memory).
+    ``shaper``: the emulated uplink every response passes (head + body), by default the process's
+    (:func:`iota_subnet.transport.shaping.configure_process_link`; none unless ``--link`` is given).
     Register routes with :meth:`add_route` before :meth:`start`.
     """
 
     def __init__(self, wallet: Any, host: str = "0.0.0.0", port: int = 0, authorizer: Optional[Authorizer] = None,
                  nonce_store_path: Optional[str | os.PathLike] = None, max_body_bytes: int = 64 << 20, *,
                  max_age: float = http_auth.DEFAULT_MAX_AGE, allowed_skew: float = http_auth.DEFAULT_ALLOWED_SKEW,
-                 max_inflight: Optional[int] = None, sign_responses: bool = True):
+                 max_inflight: Optional[int] = None, sign_responses: bool = True,
+                 shaper: Optional[UplinkShaper] = None):
         self.wallet = wallet
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
@@ -137,6 +141,7 @@ class NeuronServer:
         self.allowed_skew = allowed_skew
         self.max_inflight = max_inflight
         self.sign_responses = sign_responses
+        self.shaper = shaper if shaper is not None else process_shaper()
         if nonce_store_path is None:
             logger.warning("NeuronServer without nonce_store_path: replay protection is lost on restart")
             self.nonce_store: Any = http_auth.InMemoryNonceStore(retention=max_age + allowed_skew + 5.0)
@@ -263,6 +268,18 @@ class NeuronServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                           ) -> web.StreamResponse:
+        resp = await self._serve(request, handler)
+        if self.shaper is not None:   # the emulated uplink: every response, refusals included
+            body = resp.body if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)) else b""
+            try:
+                await self.shaper.transmit(len(body) + response_head_bytes(resp.status, resp.headers))
+            except LinkDown:          # partitioned: the answer never leaves; the caller sees the connection drop
+                if request.transport is not None:
+                    request.transport.abort()
+        return resp
+
+    async def _serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
         _set_nodelay(request)
         if request.method == "GET" and request.path in self.public_gets:
             return await self.public_gets[request.path](request)

@@ -21,16 +21,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping
 
+from iota_subnet import plan
 from iota_subnet.config import RunConfig
 
 Key = tuple[int, str]
 
 
 def stage_flops(cfg: RunConfig) -> list[int]:
-    """Training FLOPs per token of every stage (forward + backward)."""
-    from iota_subnet.model import PipelineStage
-
-    return [PipelineStage(cfg.model, cfg.pipeline, s, init=False).flops_per_token(cfg.data.seq_len)
+    """Training FLOPs per token of every stage (forward + backward), counted from the shapes alone
+    (:func:`iota_subnet.plan.stage_flops`: building an 8b stage on CPU to count them took ~32 GB)."""
+    return [plan.stage_flops(cfg.model, cfg.pipeline, cfg.data.seq_len, s).train(False)
             for s in range(cfg.pipeline.stages)]
 
 

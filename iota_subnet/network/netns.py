@@ -1,0 +1,93 @@
+"""Kernel-shaped links for cross-checking the link emulator: a network namespace on a veth pair whose
+two ends are shaped by ``tc tbf`` (token bucket filter; this kernel has no netem, so delay stays in
+the emulator, :mod:`iota_subnet.transport.shaping`).
+
+``NetnsLink`` needs root, ``ip netns`` and the ``tbf`` qdisc; :func:`netns_available` says whether this
+machine has them and why not. Everything it creates carries a unique name (pid + counter) and is
+removed on exit, also after an error. Used by ``scripts/bench_link.py`` and ``tests/test_netns.py``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from typing import Optional
+
+_counter = itertools.count()
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+
+
+def netns_available() -> tuple[bool, str]:
+    """(available, reason): root, the ``ip`` and ``tc`` tools, and a namespace + veth + tbf that can be made."""
+    if os.geteuid() != 0:
+        return False, "not root (network namespaces need CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"no `{tool}` command (iproute2)"
+    try:
+        with NetnsLink(rate_bps=10e6):
+            pass
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return False, f"cannot build a shaped veth namespace: {e}"
+    return True, "root, ip netns, veth and tc tbf available"
+
+
+class NetnsLink:
+    """A namespace ``ns`` joined to this one by a veth pair, both directions shaped by ``tc tbf`` at
+    ``rate_bps`` bits/s with ``burst_bytes`` of bucket. ``host_ip`` is this side, ``ns_ip`` the
+    namespace's; run a process inside with :meth:`exec_argv`. Use as a context manager."""
+
+    def __init__(self, rate_bps: Optional[float], burst_bytes: int = 32 << 10, latency_ms: int = 400):
+        n = next(_counter)
+        tag = f"{os.getpid() % 100000}{n}"
+        self.ns = f"iota-{tag}"
+        self.host_if, self.ns_if = f"iota{tag}a"[:15], f"iota{tag}b"[:15]
+        octet = (os.getpid() * 7 + n) % 250 + 1
+        self.host_ip, self.ns_ip = f"10.213.{octet}.1", f"10.213.{octet}.2"
+        self.rate_bps, self.burst_bytes, self.latency_ms = rate_bps, burst_bytes, latency_ms
+        self._made: list[str] = []
+
+    def _must(self, *argv: str) -> None:
+        r = _run(*argv)
+        if r.returncode:
+            raise RuntimeError(f"`{' '.join(argv)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+
+    def exec_argv(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def __enter__(self) -> "NetnsLink":
+        try:
+            self._must("ip", "netns", "add", self.ns)
+            self._made.append("ns")
+            self._must("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+            self._made.append("veth")
+            self._must("ip", "link", "set", self.ns_if, "netns", self.ns)
+            self._must("ip", "addr", "add", f"{self.host_ip}/30", "dev", self.host_if)
+            self._must("ip", "link", "set", self.host_if, "up")
+            inside = ["ip", "netns", "exec", self.ns]
+            self._must(*inside, "ip", "addr", "add", f"{self.ns_ip}/30", "dev", self.ns_if)
+            self._must(*inside, "ip", "link", "set", self.ns_if, "up")
+            self._must(*inside, "ip", "link", "set", "lo", "up")
+            if self.rate_bps:
+                tbf = ["root", "tbf", "rate", f"{int(self.rate_bps)}bit", "burst", str(self.burst_bytes),
+                       "latency", f"{self.latency_ms}ms"]
+                self._must("tc", "qdisc", "add", "dev", self.host_if, *tbf)
+                self._must(*inside, "tc", "qdisc", "add", "dev", self.ns_if, *tbf)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        if "veth" in self._made:
+            _run("ip", "link", "del", self.host_if)       # deletes both ends
+        if "ns" in self._made:
+            _run("ip", "netns", "del", self.ns)
+        self._made.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,340 @@
+#!/usr/bin/env python
+"""WAN bench (issue 9 item 6): the network over emulated links, real `tiny` training and emulated GPUs.
+
+Each row runs ``iota-subnet localnet`` (every neuron its own process) with ``--link`` and, for the
+emulated rows, ``--emulate-gpu``, then reads its ``summary.json``, the miners' ``status.json`` and
+``metrics.jsonl``, and prints one JSON object per row (``--json``):
+
+* ``tokens_per_s``: trained tokens per second after the pipeline has filled (lane steps after the
+  first, from ``metrics.jsonl``; the summary's whole-run figure is ``tokens_per_s_run``). Emulated rows
+  report emulated time (wall-clock rate x ``time_scale``).
+* ``ideal_tokens_per_s``: replicas x the token rate of the slowest stage on the row's hardware with no
+  network and no bubble (:func:`iota_subnet.plan.ideal_tokens_per_s`: FLOPs at peak x MFU,
+  recomputation included, the optimizer step spread over the inner step's tokens). For the real
+  `tiny` rows the hardware is this CPU: each stage's forward + backward timed alone on one thread.
+* ``stage_utilisation``: the summary's, else the mean over miners of busy compute seconds
+  (``busy_s`` in their status) / the validators' training seconds.
+* ``validator_bytes_per_token``, ``miner_bytes_per_token``, ``verification_bytes_per_token``,
+  ``final_loss`` (train rows), ``val_loss``: from the summary when it has them; None otherwise. A
+  summary of the data plane before issue 9 (every tensor relayed by the validator) has only
+  ``wire_bytes_per_token``: then that is the validator's figure and miners exchange 0 bytes.
+* ``host_cpu_busy``: share of this machine's CPU time (all cores, all users: /proc/stat) not idle
+  while the row trained; ``own_cpu_busy``: the row's own processes only (rusage of the localnet).
+  An emulated row must stay <= 0.5 (else it measures the host, not the design): raise ``--time-scale``.
+
+Every emulated row says ``"mode": "emulated"`` and carries an ``emulation`` note. Usage::
+
+    python scripts/bench_wan.py --list                      # the rows and their ideal figures, no runs
+    python scripts/bench_wan.py --json                      # every row (hours on 2 cores)
+    python scripts/bench_wan.py --json --rows tiny-train-loopback,8b-a100-r64-100mbit:50ms
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from iota_subnet.config import RunConfig, load_config  # noqa: E402
+from iota_subnet.hardware import DEFAULT_MFU, parse_accelerator  # noqa: E402
+from iota_subnet.transport.shaping import LINK_PROFILES, parse_link  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
+EMULATION_NOTE = ("EMULATION: no weights, nothing learns; compute sleeps FLOPs / (peak x MFU); tensors on the wire "
+                  "have the emulated shapes and dtype; links emulated per neuron uplink")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One bench row. ``overrides``: ``--set`` values; ``gpu``: None for real training."""
+
+    name: str
+    mode: str                     # "train" | "emulated"
+    config: str
+    stages: int
+    replicas: int
+    compression_ratio: int
+    wire_dtype: str
+    link: str
+    steps: int
+    gpu: Optional[str] = None
+    mfu: float = DEFAULT_MFU
+    time_scale: float = 1.0
+    rows_per_microbatch: int = 1
+    overrides: dict = field(default_factory=dict)
+
+    def run_config(self) -> RunConfig:
+        ovr = {k: dict(v) for k, v in self.overrides.items()}
+        ovr.setdefault("pipeline", {}).update(stages=self.stages, compression_ratio=self.compression_ratio)
+        return load_config(REPO / self.config, ovr)
+
+
+def _emulated(model: str, gpu: str, stages: int, replicas: int, ratio: int, link: str, *, steps: int = 4,
+              time_scale: float = 2.0) -> Row:
+    # The named hub tokenizer is not reachable offline and does not matter when nothing learns:
+    # emulated rows use a BPE trained on the corpus (ids stay < 128,256).
+    return Row(f"{model}-{gpu}-r{ratio}-{link}", "emulated", f"configs/{model}.yaml", stages, replicas, ratio, "bf16",
+               link, steps, gpu=gpu, time_scale=time_scale, rows_per_microbatch=1,
+               overrides={"data": {"tokenizer": None}, "train": {"total_steps": steps}})
+
+
+def rows() -> list[Row]:
+    """The rows issue 9 asks for, in order."""
+    out = [Row(f"tiny-train-{link}", "train", "configs/tiny_merge.yaml", 3, 2, 8, "fp32", link, 150,
+               rows_per_microbatch=4) for link in ("loopback", "100mbit:50ms")]
+    out += [_emulated("8b", "a100", 8, 2, 64, link) for link in LINK_PROFILES]
+    out += [_emulated("8b", "a100", 8, 2, 8, link) for link in LINK_PROFILES]
+    out.append(_emulated("1b", "4090", 4, 4, 64, "100mbit:50ms"))
+    return out
+
+
+# ------------------------------------------------------------------------------------ ideal
+def ideal_tokens_per_s(row: Row, cpu_stage_s_per_token: Optional[list[float]] = None) -> Optional[float]:
+    """Replicas x the token rate of the slowest stage (see the module docstring). Emulated rows: the
+    plan's timings on the emulated GPU. Train rows: ``cpu_stage_s_per_token`` (measured seconds per
+    token of each stage on this CPU; None when not measured)."""
+    from iota_subnet.plan import ideal_tokens_per_s as ideal, stage_timings
+    cfg = row.run_config()
+    if row.mode == "emulated":
+        acc = parse_accelerator(row.gpu)
+        return ideal(stage_timings(cfg, acc, row.mfu), row.replicas, cfg.train.batch_size * cfg.data.seq_len)
+    if cpu_stage_s_per_token is None:
+        return None
+    return row.replicas / max(cpu_stage_s_per_token)
+
+
+def cpu_stage_seconds_per_token(cfg: RunConfig, reps: int = 3) -> list[float]:
+    """Seconds per trained token of each stage alone on one CPU thread (forward + backward + its share
+    of the inner step), median of ``reps`` micro-batches after a warm-up."""
+    import statistics
+
+    import torch
+
+    from iota_subnet.miner.stage_worker import StageWorker
+    from iota_subnet.model import bottleneck_dims
+    torch.set_num_threads(1)
+    B, T = cfg.train.micro_batch, cfg.data.seq_len
+    b, _ = bottleneck_dims(cfg.model, cfg.pipeline)
+    out = []
+    for s in range(cfg.pipeline.stages):
+        w = StageWorker(cfg, s)
+        times = []
+        for i in range(reps + 1):
+            x = torch.randint(0, cfg.model.vocab_size, (B, T)) if s == 0 else torch.randn(B, T, b)
+            tgt = torch.randint(0, cfg.model.vocab_size, (B, T)) if s == cfg.pipeline.stages - 1 else None
+            t0 = time.perf_counter()
+            w.forward(f"m{i}", x, tgt)
+            if s != cfg.pipeline.stages - 1:
+                w.backward(f"m{i}", torch.randn(B, T, b))
+            if i:
+                times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        w.step()
+        step_s = time.perf_counter() - t0
+        out.append(statistics.median(times) / (B * T) + step_s / (cfg.train.batch_size * T))
+    return out
+
+
+# ------------------------------------------------------------------------------------ CPU load
+def read_proc_stat(text: Optional[str] = None) -> tuple[int, int]:
+    """(busy, total) jiffies over all CPUs from /proc/stat's ``cpu`` line (idle + iowait are not busy)."""
+    if text is None:
+        text = Path("/proc/stat").read_text()
+    fields = next(line for line in text.splitlines() if line.startswith("cpu ")).split()[1:]
+    vals = [int(v) for v in fields[:8]]            # user nice system idle iowait irq softirq steal
+    idle = vals[3] + vals[4]
+    total = sum(vals)
+    return total - idle, total
+
+
+def busy_fraction(a: tuple[int, int], b: tuple[int, int]) -> Optional[float]:
+    db, dt = b[0] - a[0], b[1] - a[1]
+    return db / dt if dt > 0 else None
+
+
+# ------------------------------------------------------------------------------------ results
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def tokens_per_s_after_fill(metrics: list[dict]) -> Optional[float]:
+    """Tokens per second over the lane steps after the first (the pipeline has filled), from the
+    localnet's ``metrics.jsonl`` rows (``tokens`` cumulative, ``elapsed_s``)."""
+    ms = sorted((m for m in metrics if m.get("tokens") is not None and m.get("elapsed_s") is not None),
+                key=lambda m: m["step"])
+    if len(ms) < 2:
+        return None
+    dt = ms[-1]["elapsed_s"] - ms[0]["elapsed_s"]
+    return (ms[-1]["tokens"] - ms[0]["tokens"]) / dt if dt > 0 else None
+
+
+def stage_utilisation(summary: dict, miner_status: list[dict]) -> Optional[float]:
+    """The summary's figure, else mean over miners of busy_s / the validators' training seconds."""
+    if summary.get("stage_utilisation") is not None:
+        return summary["stage_utilisation"]
+    train_s = summary.get("train_s")
+    busy = [m["busy_s"] for m in miner_status if m.get("busy_s") is not None]
+    if not train_s or not busy:
+        return None
+    return sum(min(1.0, b / train_s) for b in busy) / len(busy)
+
+
+def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[dict], *,
+               ideal: Optional[float], host_cpu_busy: Optional[float], own_cpu_busy: Optional[float],
+               wall_s: Optional[float], error: Optional[str] = None) -> dict:
+    """The bench's output object for one row (fields in the module docstring)."""
+    scale = row.time_scale if row.mode == "emulated" else 1.0
+    tokens = summary.get("tokens") or 0
+    fill = tokens_per_s_after_fill(metrics)
+    run_rate = summary.get("tokens_per_s")
+    vb, mb = summary.get("validator_bytes_per_token"), summary.get("miner_bytes_per_token")
+    old_plane = vb is None and mb is None and summary.get("wire_bytes_per_token") is not None
+    if old_plane:
+        vb, mb = summary["wire_bytes_per_token"], 0.0
+    ver = summary.get("verification_bytes_per_token")
+    if ver is None and summary.get("verification_bytes") is not None and tokens:
+        ver = summary["verification_bytes"] / tokens
+    tps = fill * scale if fill is not None else (run_rate * scale if run_rate is not None else None)
+    out = {
+        "name": row.name, "mode": row.mode, "config": row.config, "stages": row.stages, "replicas": row.replicas,
+        "compression_ratio": row.compression_ratio, "wire_dtype": summary.get("wire_dtype") or row.wire_dtype,
+        "link": row.link, "rows_per_microbatch": row.rows_per_microbatch,
+        "tokens_per_s": tps, "tokens_per_s_run": run_rate * scale if run_rate is not None else None,
+        "stage_utilisation": stage_utilisation(summary, miner_status),
+        "ideal_tokens_per_s": ideal,
+        "fraction_of_ideal": tps / ideal if (tps is not None and ideal) else None,
+        "validator_bytes_per_token": vb, "miner_bytes_per_token": mb, "verification_bytes_per_token": ver,
+        "final_loss": summary.get("final_loss") if row.mode == "train" else None,
+        "val_loss": summary.get("val_loss") if row.mode == "train" else None,
+        "host_cpu_busy": host_cpu_busy, "own_cpu_busy": own_cpu_busy, "tokens": tokens, "wall_s": wall_s,
+        "data_plane": ("validator relays every tensor (before issue 9)" if old_plane
+                       else summary.get("data_plane") or "miner to miner"),
+    }
+    if row.mode == "emulated":
+        out.update(gpu=row.gpu, mfu=row.mfu, time_scale=row.time_scale, emulation=EMULATION_NOTE,
+                   time_unit="emulated seconds (wall / time_scale)")
+    if error:
+        out["error"] = error
+    return out
+
+
+# ------------------------------------------------------------------------------------ running
+def localnet_argv(row: Row, out: Path, data: str) -> list[str]:
+    argv = [sys.executable, "-m", "iota_subnet.cli", "localnet", "--stages", str(row.stages),
+            "--replicas", str(row.replicas), "--config", str(REPO / row.config), "--data", data,
+            "--steps", str(row.steps), "--out", str(out), "--link", row.link, "--no-restart"]
+    ovr = {k: dict(v) for k, v in row.overrides.items()}
+    ovr.setdefault("pipeline", {})["compression_ratio"] = row.compression_ratio
+    for sec, vals in ovr.items():
+        for k, v in vals.items():
+            argv += ["--set", f"{sec}.{k}={'null' if v is None else json.dumps(v)}"]
+    if row.mode == "emulated":
+        argv += ["--emulate-gpu", row.gpu, "--mfu", repr(row.mfu), "--time-scale", repr(row.time_scale)]
+    return argv
+
+
+def training_window(statuses: list[dict]) -> tuple[bool, bool]:
+    """(started, done) of the training from the validators' ``status.json``: started once a lane step
+    is done, done when every validator says so."""
+    started = any(sum((s.get("steps_done") or {}).values()) > 0 for s in statuses)
+    return started, bool(statuses) and all(s.get("done") for s in statuses)
+
+
+def run_row(row: Row, out: Path, data: str, timeout_s: float, cpu_rates: Optional[list[float]] = None) -> dict:
+    """Run one row's localnet as a child process and collect its result row."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = localnet_argv(row, out, data)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    samples: list[tuple[int, int]] = []
+    with open(out / "bench.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+        error = None
+        try:
+            while proc.poll() is None:
+                time.sleep(2.0)
+                started, done = training_window([_read_json(q) for q in (out / "validators").glob("*/status.json")])
+                if started and not done:          # CPU load while the row trains (setup excluded)
+                    samples.append(read_proc_stat())
+                if time.monotonic() - t0 > timeout_s:
+                    proc.terminate()
+                    proc.wait(60)
+                    error = f"timed out after {timeout_s:.0f}s"
+            if proc.returncode and error is None:
+                error = f"localnet exited with code {proc.returncode}; see {out / 'bench.log'}"
+        except BaseException:
+            proc.terminate()
+            proc.wait(60)
+            raise
+    wall = time.monotonic() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    summary = _read_json(out / "summary.json")
+    miners = [_read_json(p) for p in sorted((out / "miners").glob("*/status.json"))]
+    metrics = []
+    if (out / "metrics.jsonl").exists():
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return result_row(row, summary, miners, metrics,
+                      ideal=ideal_tokens_per_s(row, cpu_rates) if not error or row.mode == "emulated" else None,
+                      host_cpu_busy=busy_fraction(samples[0], samples[-1]) if len(samples) >= 2 else None,
+                      own_cpu_busy=cpu_s / (wall * (os.cpu_count() or 1)), wall_s=round(wall, 1), error=error)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="one JSON object per row on stdout")
+    p.add_argument("--rows", default=None, help="comma-separated row names (default: all; see --list)")
+    p.add_argument("--list", action="store_true", help="print the rows with their ideal figures; run nothing")
+    p.add_argument("--out", default="runs/bench_wan")
+    p.add_argument("--data", default=str(WIKITEXT))
+    p.add_argument("--steps", type=int, default=None, help="override every row's inner steps")
+    p.add_argument("--time-scale", type=float, default=None, help="override every emulated row's time scale")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per row")
+    a = p.parse_args(argv)
+    todo = rows()
+    if a.rows:
+        want = [r.strip() for r in a.rows.split(",") if r.strip()]
+        names = {r.name for r in todo}
+        unknown = [w for w in want if w not in names]
+        if unknown:
+            print(f"error: unknown row(s) {unknown}; rows: {sorted(names)}", file=sys.stderr)
+            return 2
+        todo = [r for r in todo if r.name in want]
+    if a.steps:
+        todo = [dataclasses.replace(r, steps=a.steps, overrides={**r.overrides, "train": {
+            **r.overrides.get("train", {}), "total_steps": a.steps}} if r.mode == "emulated" else r.overrides)
+            for r in todo]
+    if a.time_scale:
+        todo = [dataclasses.replace(r, time_scale=a.time_scale) if r.mode == "emulated" else r for r in todo]
+    if a.list:
+        for r in todo:
+            print(json.dumps({"name": r.name, "mode": r.mode, "config": r.config, "stages": r.stages,
+                              "replicas": r.replicas, "compression_ratio": r.compression_ratio, "link": r.link,
+                              "gpu": r.gpu, "mfu": r.mfu if r.gpu else None, "time_scale": r.time_scale,
+                              "ideal_tokens_per_s": ideal_tokens_per_s(r)}))
+        return 0
+    cpu_rates: dict[str, list[float]] = {}
+    for r in todo:
+        if r.mode == "train" and r.config not in cpu_rates:
+            cpu_rates[r.config] = cpu_stage_seconds_per_token(r.run_config())
+        res = run_row(r, Path(a.out) / r.name.replace(":", "_"), a.data, a.timeout, cpu_rates.get(r.config))
+        print(json.dumps(res) if a.json else "\n".join(f"{k:>30}: {v}" for k, v in res.items()) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The WAN bench's row definitions, its ideal throughput, and how it reads a localnet's results
+(scripts/bench_wan.py; the runs themselves are the benchmark, not a test)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from iota_subnet.hardware import GPUS, parse_accelerator
+from iota_subnet.network.localnet import emulation_argv
+from iota_subnet.config import ConfigError
+from iota_subnet.plan import plan, stage_timings
+from iota_subnet.transport.shaping import LINK_PROFILES, parse_link
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_wan", REPO / "scripts" / "bench_wan.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_wan"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rows_are_the_issues_table(bench):
+    rows = bench.rows()
+    names = [r.name for r in rows]
+    assert len(set(names)) == len(names)
+    tiny = [r for r in rows if r.mode == "train"]
+    assert [(r.stages, r.replicas, r.link) for r in tiny] == [(3, 2, "loopback"), (3, 2, "100mbit:50ms")]
+    assert all(r.config.endswith("tiny_merge.yaml") and r.run_config().merge.enabled for r in tiny)
+    big = [r for r in rows if r.config.endswith("8b.yaml")]
+    assert {(r.compression_ratio, r.link) for r in big} == {(c, l) for c in (64, 8) for l in LINK_PROFILES}
+    for r in big:
+        cfg = r.run_config()
+        assert (r.mode, r.gpu, r.stages, r.replicas, r.wire_dtype) == ("emulated", "a100", 8, 2, "bf16")
+        assert cfg.pipeline.compression_ratio == r.compression_ratio and cfg.data.seq_len == 2048
+        assert cfg.train.micro_batch == r.rows_per_microbatch == 1
+        assert cfg.data.tokenizer is None               # emulation needs no hub tokenizer
+    (one_b,) = [r for r in rows if r.config.endswith("1b.yaml")]
+    assert (one_b.gpu, one_b.stages, one_b.replicas, one_b.link) == ("4090", 4, 4, "100mbit:50ms")
+    checked = set()
+    for r in rows:
+        parse_link(r.link)
+        if r.mode == "emulated":        # every emulated stage fits its GPU (the emulator would refuse it)
+            assert r.time_scale >= 1 and r.mfu == 0.5
+            key = (r.config, r.compression_ratio, r.gpu)
+            if key not in checked:
+                checked.add(key)
+                assert all(p.fits for p in plan(r.run_config(), parse_accelerator(r.gpu).memory_bytes))
+    assert len(checked) == 3
+
+
+def test_ideal_is_replicas_over_the_slowest_stage(bench):
+    row = next(r for r in bench.rows() if r.name == "8b-a100-r64-100mbit:50ms")
+    cfg = row.run_config()
+    tim = stage_timings(cfg, GPUS["a100"], 0.5)
+    per_token = max(t.forward_s + t.backward_s + t.step_s / (64 * 2048) for t in tim)
+    assert bench.ideal_tokens_per_s(row) == pytest.approx(2 / per_token)
+    # ~16.5k tokens/s per A100 replica: 156 TFLOP/s over the 5-block stage's ~9.4 GFLOP/token
+    assert 30_000 < bench.ideal_tokens_per_s(row) < 36_000
+    one_b = next(r for r in bench.rows() if r.config.endswith("1b.yaml"))
+    assert bench.ideal_tokens_per_s(one_b) == pytest.approx(
+        4 / max(t.per_token(64 * 2048) for t in stage_timings(one_b.run_config(), GPUS["4090"], 0.5)))
+    tiny = bench.rows()[0]
+    assert bench.ideal_tokens_per_s(tiny) is None
+    assert bench.ideal_tokens_per_s(tiny, [1e-4, 2e-4, 1.5e-4]) == pytest.approx(2 / 2e-4)
+
+
+def test_proc_stat_busy_fraction(bench):
+    a = bench.read_proc_stat("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3\n")
+    b = bench.read_proc_stat("cpu  160 0 90 900 50 0 0 0 0 0\n")
+    assert a == (150, 1000) and b == (250, 1200)
+    assert bench.busy_fraction(a, b) == pytest.approx(0.5)
+    busy, total = bench.read_proc_stat()             # this machine
+    assert 0 <= busy <= total
+
+
+def test_result_row_from_a_summary(bench):
+    row = next(r for r in bench.rows() if r.name == "8b-a100-r64-100mbit:50ms")
+    summary = {"tokens": 40960, "tokens_per_s": 100.0, "train_s": 50.0, "final_loss": 11.76, "val_loss": 11.76,
+               "validator_bytes_per_token": 3.0, "miner_bytes_per_token": 500.0, "verification_bytes": 4096}
+    metrics = [{"step": 0, "tokens": 8192, "elapsed_s": 20.0}, {"step": 1, "tokens": 16384, "elapsed_s": 30.0},
+               {"step": 2, "tokens": 24576, "elapsed_s": 40.0}]
+    miners = [{"busy_s": 20.0}, {"busy_s": 30.0}, {}]
+    out = bench.result_row(row, summary, miners, metrics, ideal=1000.0, host_cpu_busy=0.4, own_cpu_busy=0.3,
+                           wall_s=99.0)
+    assert out["mode"] == "emulated" and "EMULATION" in out["emulation"] and out["time_scale"] == 2.0
+    assert out["tokens_per_s"] == pytest.approx(2 * 16384 / 20)        # after the first step, emulated time
+    assert out["tokens_per_s_run"] == 200.0 and out["fraction_of_ideal"] == pytest.approx(1.6384)
+    assert out["stage_utilisation"] == pytest.approx((0.4 + 0.6) / 2)
+    assert out["verification_bytes_per_token"] == pytest.approx(0.1)
+    assert out["final_loss"] is None and out["val_loss"] is None      # emulated rows learn nothing
+    assert out["data_plane"] == "miner to miner" and out["validator_bytes_per_token"] == 3.0
+    # the data plane before issue 9: only wire bytes, all relayed by the validator
+    old = bench.result_row(bench.rows()[0], {"tokens": 10, "wire_bytes_per_token": 1052.0, "final_loss": 5.6},
+                           [], [], ideal=None, host_cpu_busy=None, own_cpu_busy=None, wall_s=None, error="boom")
+    assert old["validator_bytes_per_token"] == 1052.0 and old["miner_bytes_per_token"] == 0.0
+    assert old["final_loss"] == 5.6 and old["tokens_per_s"] is None and old["stage_utilisation"] is None
+    assert old["error"] == "boom" and "relays" in old["data_plane"]
+    for k in ("mode", "config", "stages", "replicas", "compression_ratio", "wire_dtype", "link", "tokens_per_s",
+              "stage_utilisation", "ideal_tokens_per_s", "validator_bytes_per_token", "miner_bytes_per_token",
+              "final_loss", "host_cpu_busy"):
+        assert k in out and k in old
+    json.dumps(out)
+
+
+def test_training_window(bench):
+    assert bench.training_window([]) == (False, False)
+    assert bench.training_window([{"steps_done": {"0": 0}}]) == (False, False)
+    assert bench.training_window([{"steps_done": {"0": 1}}, {"steps_done": {}}]) == (True, False)
+    assert bench.training_window([{"steps_done": {"0": 3}, "done": True}]) == (True, True)
+
+
+def test_localnet_argv_carries_link_and_emulation(bench):
+    row = next(r for r in bench.rows() if r.name == "8b-a100-r8-20mbit:100ms")
+    argv = bench.localnet_argv(row, Path("/tmp/x"), "data.txt")
+    s = " ".join(argv)
+    assert "--link 20mbit:100ms" in s and "--emulate-gpu a100" in s and "--time-scale 2.0" in s
+    assert "--set data.tokenizer=null" in s and "--set pipeline.compression_ratio=8" in s
+    tiny = bench.localnet_argv(bench.rows()[1], Path("/tmp/x"), "data.txt")
+    assert "--emulate-gpu" not in tiny and "100mbit:50ms" in tiny
+
+
+def test_localnet_emulation_plumbing():
+    link, emu, miner, validator = emulation_argv("100mbit:50ms", "a100", None, None, 2.0)
+    assert link == "100mbit:50ms" and emu["emulation"] and emu["accelerator"]["name"] == "A100-SXM4-80GB"
+    assert miner[:4] == ["--link", "100mbit:50ms", "--time-scale", "2.0"] and "--emulate-gpu" in miner
+    assert "--check-rate" in validator and "--emulate-gpu" not in validator
+    assert emulation_argv("loopback", None, None, None, 1.0)[1] is None
+    for bad in (("fast", None, None, None, 1.0), ("loopback", "tpu", None, None, 1.0),
+                ("loopback", None, 0.5, None, 1.0), ("loopback", "a100", 1.5, None, 1.0),
+                ("loopback", "2e14", None, None, 1.0), ("loopback", "a100", None, None, 0.0)):
+        with pytest.raises(ConfigError):
+            emulation_argv(*bad)
