@@ -25,8 +25,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="text source the first and last stage read token rows from (the run's data; see the README); "
                         "default: FineWeb-Edu when the hub is reachable, else an offline corpus")
     m.add_argument("--cache-dir", default=None, help="tokenizer and token cache (default $IOTA_CACHE or ~/.cache/iota-subnet)")
-    m.add_argument("--max-in-flight", type=_positive, default=8,
-                   help="micro-batches the first stage keeps waiting for their backward (bounds activation memory)")
+    m.add_argument("--max-in-flight", type=_positive, default=None,
+                   help="micro-batches the first stage keeps waiting for their backward (default: one lane step's "
+                        "worth, at most what the GPU's memory plan holds)")
     m.add_argument("--hop-timeout", type=float, default=30.0, help="seconds to deliver one hop to the next miner")
     add_emulation_args(p)
     return p

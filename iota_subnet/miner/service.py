@@ -49,20 +49,32 @@ MAX_MICRO_BATCH_ROWS = 64
 
 
 def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int,
-                emulation: Optional[Emulation] = None) -> StageWorker | EmulatedStageWorker:
+                emulation: Optional[Emulation] = None) -> tuple[StageWorker | EmulatedStageWorker, Optional[int]]:
     """The stage's compute: a real :class:`StageWorker`, or with ``emulation`` (``--emulate-gpu``) an
-    :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute."""
+    :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute. Also
+    returns how many micro-batches it can keep waiting for their backward (the memory plan's bound on
+    a GPU, real or emulated; None on the CPU)."""
     if emulation is None:
+        bound = None
         if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
             props = torch.cuda.get_device_properties(torch.device(device))
             p = require_fit(cfg, stage, props.total_memory, device_name=props.name)
+            bound = p.microbatches_in_flight_max
             logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
-                        f"{props.total_memory / 2**30:.1f} GiB planned, up to {p.microbatches_in_flight_max} "
-                        "micro-batches in flight")
-        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps)
+                        f"{props.total_memory / 2**30:.1f} GiB planned, up to {bound} micro-batches in flight")
+        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps), bound
     w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
     logger.warning(f"EMULATION, no training: {w.describe()}")
-    return w
+    return w, w.cache.max_entries
+
+
+def in_flight_window(cfg: RunConfig, requested: Optional[int], bound: Optional[int]) -> int:
+    """Micro-batches the first stage keeps waiting for their backward: ``requested``, or by default one
+    lane step's worth (with a flush per lane step no more can be in flight), never above what the
+    device's memory holds (``bound``)."""
+    per_step = cfg.train.batch_size // cfg.train.micro_batch
+    w = int(requested) if requested else per_step
+    return max(1, min(w, bound) if bound else w)
 
 
 class MinerService:
@@ -77,7 +89,7 @@ class MinerService:
                  external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
                  checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
                  adversary: Optional[str] = None, data: Optional[str] = None, cache_dir: Optional[str] = None,
-                 max_in_flight: int = 8, hop_timeout_s: float = 30.0, dataset: Any = None,
+                 max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
                  emulation: Optional[Emulation] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
@@ -186,7 +198,7 @@ class MinerService:
             self.uid = await self.chain.require_uid(self.hotkey, self.netuid)
         await self.refresh(force=True)
         self.stage = self.choose_stage()
-        self.worker = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
+        self.worker, bound = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
                                   emulation=self.emulation)
         await self._load_weights()
         if self.adversary:
@@ -215,7 +227,8 @@ class MinerService:
                                   max_rows=mb, neurons=lambda: self._neurons, endpoint_of=self._endpoint_of,
                                   refresh=lambda: self.refresh(force=True), compute=self._compute, rows=rows,
                                   gate=self._await_merge if self.merge is not None else None,
-                                  after_compute=self._maybe_merge, max_in_flight=self.max_in_flight,
+                                  after_compute=self._maybe_merge,
+                                  max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s)
         self.node.mount(self.server)
         if self.adversary == "poison":
