@@ -161,7 +161,7 @@ class DataPlane:
                  send: Callable[[str, Hop], Awaitable[HopAck]],
                  post_receipts: Callable[[str, list[dict]], Awaitable[None]], rows: Optional[RowSource] = None,
                  max_in_flight: int = 8, receipt_interval_s: float = 0.5, wire_dtype: Optional[str] = None,
-                 clock: Callable[[], float] = time.time):
+                 senders: int = 2, clock: Callable[[], float] = time.time):
         self.worker, self.me = worker, me
         self.stage, self.n_stages = int(worker.stage), int(n_stages)
         self.is_head, self.is_tail = self.stage == 0, self.stage == self.n_stages - 1
@@ -181,6 +181,13 @@ class DataPlane:
         self._wake = asyncio.Event()
         self._receipts: dict[str, list[dict]] = defaultdict(list)
         self._tasks: set[asyncio.Task] = set()
+        #: outbound hops: a priority queue (backward and abort before forward, then by step and index)
+        #: drained by ``senders`` concurrent transfers, so gradients never wait behind a step's forwards
+        #: on the uplink and the uplink is never shared by more transfers than it needs
+        self._out: list[tuple] = []
+        self._out_ready = asyncio.Event()
+        self.n_senders = max(1, int(senders))
+        self._senders: list[asyncio.Task] = []
         self._runner: Optional[asyncio.Task] = None
         self._flusher: Optional[asyncio.Task] = None
         self._stopping = False
@@ -192,16 +199,36 @@ class DataPlane:
     def start(self) -> None:
         self._runner = asyncio.create_task(self._run(), name="dataplane")
         self._flusher = asyncio.create_task(self._flush_loop(), name="receipts")
+        self._senders = [asyncio.create_task(self._send_loop(), name=f"sender{i}") for i in range(self.n_senders)]
 
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        for t in (self._runner, self._flusher, *self._tasks):
-            if t is not None and not t.done():
+        self._out_ready.set()
+        tasks = [t for t in (self._runner, self._flusher, *self._senders, *self._tasks) if t is not None]
+        for t in tasks:
+            if not t.done():
                 t.cancel()
-        await asyncio.gather(*(t for t in (self._runner, self._flusher, *self._tasks) if t is not None),
-                             return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.flush_receipts()
+
+    def _queue_send(self, prio: tuple, coro_fn: Callable[[], Awaitable[None]]) -> None:
+        heapq.heappush(self._out, (prio, next(self._seq), coro_fn))
+        self._out_ready.set()
+
+    async def _send_loop(self) -> None:
+        while not self._stopping:
+            if not self._out:
+                self._out_ready.clear()
+                await self._out_ready.wait()
+                continue
+            _, _, fn = heapq.heappop(self._out)
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a send reports its own failures; never stop the sender
+                logger.exception(f"stage {self.stage}: a send failed unexpectedly")
 
     # ------------------------------------------------------------------ inbound (after auth + ticket checks)
     def accept_tickets(self, tickets: list[Ticket], base_steps: Optional[dict[int, int]] = None
@@ -392,14 +419,14 @@ class DataPlane:
             if stepped:
                 await self._step(t)
             if wire is not None:
-                self._spawn(self._send_backward(t, path[:-1], wire, loss, receipt))
+                self._queue_send((0,), lambda: self._send_backward(t, path[:-1], wire, loss, receipt))
             else:
                 self._receipt(t, **receipt)
             return
         pend = Pending(t, path, accumulate, fwd_in=task.in_sha, started=task.received, compute_s=dt, weights=weights)
         if t.train:
             self.pending[t.microbatch_id] = pend
-        self._spawn(self._send_forward(t, path, wire, pend))
+        self._queue_send((1, t.step, t.index, t.attempt), lambda: self._send_forward(t, path, wire, pend))
 
     async def _backward(self, task: _Task) -> None:
         t, w = task.ticket, self.worker
@@ -431,7 +458,7 @@ class DataPlane:
         if stepped:
             await self._step(t)
         if wire is not None:
-            self._spawn(self._send_backward(t, pend.path[:-1], wire, task.loss, receipt))
+            self._queue_send((0,), lambda: self._send_backward(t, pend.path[:-1], wire, task.loss, receipt))
         else:
             self._receipt(t, **receipt)
             self._wake.set()            # the head: a window slot is free

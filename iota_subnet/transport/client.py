@@ -151,6 +151,10 @@ class NeuronClient:
                     await asyncio.wait_for(self.shaper.transmit(len(body) + request_head_bytes("POST", path, headers)),
                                            timeout_s)
                     left = max(1e-3, timeout_s - (time.perf_counter() - t0))
+                    # signed as it goes on the wire (a socket would send the head then), not when it was queued
+                    headers = http_auth.sign(self._signer, method="POST", path=path, body=body,
+                                             receiver_ss58=receiver_hotkey)
+                    headers["Content-Type"] = "application/octet-stream"
                 timeout = aiohttp.ClientTimeout(total=left)
                 async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
                     self.bytes_sent += len(body)
