@@ -250,11 +250,26 @@ class DataPlane:
                                 "message": f"(lane, step, index) {t.key} already queued as {old.microbatch_id}"})
                 continue
             self._remember((t.microbatch_id, "ticket"))
+            if t.train:
+                self._supersede_pending(t)
             self.tickets[t.key if t.train else (t.lane, -2, next(self._seq))] = t
             accepted += 1
         self.counts["tickets"] += accepted
         self._wake.set()
         return accepted, refused
+
+    def _supersede_pending(self, t: Ticket) -> None:
+        """A re-issued ticket (higher attempt for the same lane, step and index) replaces the forward
+        of an older attempt still waiting here for its backward: the validator gave that attempt up
+        (its backward may never come, e.g. a miner down the route died), and its window slot and stored
+        activations are freed now rather than at the old ticket's deadline."""
+        for mb, p in list(self.pending.items()):
+            o = p.ticket
+            if o.train and o.key == t.key and o.validator == t.validator and o.attempt < t.attempt:
+                self.pending.pop(mb, None)
+                self.worker.drop(self._key(o))
+                self.steps.release(o)
+                self.counts["superseded"] += 1
 
     def accept_hop(self, hop: Hop, ticket: Ticket, in_sha: str) -> HopAck:
         """Queue a hop from a neighbour (``in_sha``: :func:`commit_wire` of its data). A hop already
