@@ -89,6 +89,17 @@ Key = tuple[int, str]
 TOLERANCES = {"fp32": 1e-3, "bf16": 2e-2}
 
 
+def replay_precision(cfg: RunConfig) -> str:
+    """The precision a replay is judged at: the run config's ``train.precision`` (a miner's reply
+    cannot loosen its own tolerance, issue 10 item 5)."""
+    return cfg.train.precision
+
+
+def replay_tolerance(cfg: RunConfig) -> float:
+    """Relative L2 tolerance of a replayed hop for this run (:data:`TOLERANCES`)."""
+    return TOLERANCES[replay_precision(cfg)]
+
+
 def rel_err(got: Any, ref: Any) -> float:
     """``||got - ref|| / max(||ref||, 1e-12)`` (tensors of equal shape, or floats); inf on a shape mismatch
     or anything non-finite."""
@@ -285,7 +296,7 @@ class SpotChecker:
             return
         stats = getattr(reply, "stats", None) or {}
         ws = stats.get("weights_step", getattr(reply, "inner_step", None))
-        prec = "bf16" if float(stats.get("bf16", 0) or 0) > 0 else "fp32"
+        prec = replay_precision(self.cfg)       # the run's, never what the miner's reply says
         smp = Sample(r.uid, r.hotkey, r.stage, lane, step, microbatch_id, x.detach().clone(),
                      targets.detach().clone() if last else None, None if ws is None else int(ws), prec)
         wm = stats.get("weights_merges")
