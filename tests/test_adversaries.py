@@ -116,7 +116,7 @@ async def run_network(cfg, wallets, adversary: str | None, *, tempos: int = 3, s
         checker = SpotChecker(cfg, run_id="r", client=client, rate=rate, rng=random.Random(seed + 1))
         driver = PipelineDriver(cfg, run_id="r", router=router, client=client, dataset=PatternData(256, 16),
                                 ledger=ledger, n_lanes=3, hop_timeout_s=20, verifier=checker)
-        board = Scoreboard(alpha=0.5)
+        board = Scoreboard()
         probes: list[dict] = []
         next_steps: dict[int, int] = {}
         for t in range(tempos):

@@ -55,6 +55,75 @@ def poison_mean(shard_index: int, mean: "torch.Tensor") -> "torch.Tensor":
     return mean * -3.0
 
 
+def forged_hash(plan_id: str, shard: int, what: str) -> str:
+    """The ``accuse`` adversary's made-up hashes: the same for every accomplice (they match)."""
+    import hashlib
+    return hashlib.sha256(f"forged|{what}|{plan_id}|{shard}".encode()).hexdigest()
+
+
+class Accuser:
+    """``accuse``: after each merge this replica applies, it files forged evidence against a
+    reducer of the merge: the target's genuine signed result (fetched again from it), quoted
+    faithfully, beside a made-up "recomputed" hash, naming the target ``wrong``. Accomplices (hotkeys)
+    are never targeted; every accomplice picks the same target and the same hashes (matching
+    evidence). Installed with :func:`install_accuser` on a replica's merge engine."""
+
+    def __init__(self, engine: Any, accomplices: tuple = ()):
+        self.engine = engine
+        self.accomplices = set(accomplices) | {engine.me}
+        self.forged: list[dict] = []
+
+    def target(self, plan: Any) -> Optional[tuple[int, str]]:
+        for s in range(plan.num_shards):
+            for r in sorted(set(plan.reducers[s])):
+                if r not in self.accomplices:
+                    return s, r
+        return None
+
+    async def after_merge(self, rep: Any) -> None:
+        from iota_subnet.protocol import MergeResult, MergeResultRequest
+        e = self.engine
+        plans = [sess.plan for (ep, _, _), sess in list(e.sessions.items()) if ep == rep.epoch and sess.plan is not None]
+        if not plans:
+            return
+        plan = max(plans, key=lambda p: p.attempt)
+        pick = self.target(plan)
+        if pick is None:
+            return
+        s, tgt = pick
+        try:
+            res = await e._call(tgt, "/merge/result", MergeResultRequest(
+                run_id=e.run_id, stage=e.stage, epoch=plan.epoch, attempt=plan.attempt, plan_id=plan.plan_id,
+                shard_index=s, with_tensor=False), MergeResult)
+        except Exception:  # noqa: BLE001 - the target is gone: nothing to forge against
+            return
+        other = [r for r in plan.reducers[s] if r != tgt]
+        ev = {"epoch": plan.epoch, "attempt": plan.attempt, "plan_id": plan.plan_id, "shard": s,
+              "reducers": list(plan.reducers[s]),
+              "claimed_sha256": {tgt: res.mean_sha256, **{r: forged_hash(plan.plan_id, s, "other") for r in other}},
+              "served_sha256": {}, "recomputed_sha256": forged_hash(plan.plan_id, s, "recomputed"), "wrong": [tgt],
+              "reporter": e.me, "stage": e.stage, "run_id": e.run_id, "contribution_sha256": {},
+              "results": {tgt: dict(res.info)}, "time": 0.0}
+        e.reports.append(ev)
+        self.forged.append(ev)
+
+
+def install_accuser(engine: Any, accomplices: tuple = ()) -> Accuser:
+    """Make ``engine`` (a :class:`~iota_subnet.merge.engine.MergeEngine`) file forged evidence after
+    every applied merge (wraps its ``on_applied``)."""
+    acc = Accuser(engine, accomplices)
+    orig = engine.on_applied
+
+    async def on_applied(rep):
+        if orig is not None:
+            r = orig(rep)
+            if hasattr(r, "__await__"):
+                await r
+        await acc.after_merge(rep)
+    engine.on_applied = on_applied
+    return acc
+
+
 class AdversaryError(ValueError):
     """Unknown adversary kind."""
 
