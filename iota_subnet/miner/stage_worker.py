@@ -204,7 +204,7 @@ class StageWorker:
             return None
         if entry.meta.get("version") != self.version:      # weights replaced since: recompute
             x = entry.inputs.detach().requires_grad_(True)
-            with autocast_ctx(self.device):
+            with autocast_ctx(self.device, self.precision):
                 out = self.module(x)
             return torch.autograd.grad(out, x, grad.to(self.device, out.dtype))[0].detach()
         return torch.autograd.grad(entry.outputs, entry.inputs, grad.to(self.device, entry.outputs.dtype))[0].detach()
