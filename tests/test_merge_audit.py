@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from iota_subnet.merge.claims import (CONTRIBUTION, MergeClaims, chunk_tree, sign_claim, statement, verify_claim)
-from iota_subnet.merge.outer import weighted_mean
 from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, MergePayload, Outcome, ProtocolError,
-                                  UpdateAuditResponse, tensor_sha256)
+                                  tensor_sha256)
 from iota_subnet.transport import NeuronClient
 from iota_subnet.validator.audit_policy import AuditPolicy
 from iota_subnet.validator.merge_audit import MergeAuditor, record_verdicts

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from iota_subnet.audit.update import (UPDATE_TOL_UNITS, AdamHParams, adamw_reference, check_chain,
-                                      check_update_opening, param_layout, row_units, sample_rows)
+from iota_subnet.audit.update import (adamw_reference, check_chain, check_update_opening, param_layout, row_units,
+                                      sample_rows)
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
 from iota_subnet.miner.adversary import install

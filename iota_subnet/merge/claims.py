@@ -28,6 +28,7 @@ the means it served (about 2 / N of the stage per attempt).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from dataclasses import dataclass
@@ -213,7 +214,6 @@ class MergeAuditRoute:
         self.claims = claims
 
     async def __call__(self, msg: MergeAuditRequest, ctx: Any = None) -> MergeAuditResponse:
-        import asyncio
         if msg.run_id != self.claims.run_id or msg.stage != self.claims.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this replica merges run {self.claims.run_id!r} stage "
                                                    f"{self.claims.stage}, not {msg.run_id!r} stage {msg.stage}")

@@ -24,6 +24,7 @@ still being built with ``NOT_READY`` (503, retry).
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -332,7 +333,6 @@ class UpdateAuditRoute:
         self.store, self.run_id, self.stage = store, run_id, stage
 
     async def __call__(self, msg: UpdateAuditRequest, ctx: Any = None) -> UpdateAuditResponse:
-        import asyncio
         if msg.run_id != self.run_id or msg.stage != self.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner trains run {self.run_id!r} stage {self.stage}, "
                                                    f"not {msg.run_id!r} stage {msg.stage}")
