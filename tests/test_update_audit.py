@@ -117,9 +117,9 @@ def test_honest_steps_pass_bit_exact_and_chain():
     assert worst == 0.0                  # the single-tensor CPU path is reproduced bit for bit
     for a, b in zip(commits, commits[1:]):
         assert check_chain(a, b) is None
-    # the weights version after step 3 is the live weights' root
-    from iota_subnet.audit import combine_roots, tensor_root
-    live = combine_roots((n, tuple(p.shape), tensor_root(p)) for n, p in w.module.state_dict().items())
+    # the weights after step 3 are the weights version 4: the very root hop receipts name for it
+    from iota_subnet.audit.commit import weights_root
+    live = weights_root(w.module.state_dict())
     assert w.updates.weights_root(4) == live.hex() == commits[-1].roots["w1"]
     # K = 3 steps kept: step 0 is gone (LATE), byte figure as stated (3 (K+1) + K) x 4 x P at most
     with pytest.raises(ProtocolError) as ei:

@@ -23,6 +23,11 @@ and foreach implementations match the reference bit for bit (0 units), the fused
 What it must catch: ``noisy-update`` (noise instead of the update) is off by ~10^6 units; skipping the
 weight decay of a weight matrix (lr 3e-3, wd 0.1, |w| ~ 0.02) by ~2,000 units.
 
+Roots: ``m``, ``v`` and ``g`` combine per-parameter row roots; the weights (``w0``, ``w1``) also
+commit every matrix but the token embedding by columns, exactly as the weights version root that
+hop receipts name (:func:`iota_subnet.audit.commit.weights_commitment`), so a step's ``w0`` must be
+the root of the version its hops used and its ``w1`` the next version's.
+
 Limits (stated, not hidden): the gradient is checked for consistency (the committed norm bounds the
 opened rows' norm; the clip factor follows from the norm), not against the hops that produced it:
 the hop audits check those. A miner that inflates its committed norm scales its own step down (it
@@ -41,6 +46,7 @@ from iota_subnet.protocol.audit import (UPDATE_KINDS, UpdateAuditResponse, Updat
                                         proof_from_tensor)
 from iota_subnet.protocol.outcome import ProtocolError
 
+from .layout import has_columns
 from .merkle import combine_roots, leaf_hash, verify_proof
 
 #: Tolerance of a recomputed AdamW row, in row-scaled float32 units (see the module docstring).
@@ -191,17 +197,18 @@ def check_update_opening(commit: UpdateCommit, rows: Iterable[tuple[str, int]], 
     Anything missing or malformed is a failure (an honest miner answers exactly what was asked)."""
     by_name = {p.name: p for p in layout}
     rows = [(str(n), int(r)) for n, r in rows]
-    # 1. per-parameter roots -> committed roots
+    # 1. per-entry roots -> committed roots (weights: rows and columns, as the weights version root)
     param_roots: dict[str, dict[str, bytes]] = {}
     for kind in UPDATE_KINDS:
+        entries = commitment_entries(layout, columns=kind in ("w0", "w1"))
         t = resp.roots.get(kind)
-        if t is None or t.dtype != torch.uint8 or tuple(t.shape) != (len(layout), 32):
-            return _fail(f"roots of {kind}: expected uint8 [{len(layout)}, 32]")
+        if t is None or t.dtype != torch.uint8 or tuple(t.shape) != (len(entries), 32):
+            return _fail(f"roots of {kind}: expected uint8 [{len(entries)}, 32]")
         raw = t.contiguous().numpy().tobytes()
-        roots = [raw[i * 32:(i + 1) * 32] for i in range(len(layout))]
-        if combine_roots((p.name, p.shape, r) for p, r in zip(layout, roots)).hex() != commit.roots[kind]:
+        roots = [raw[i * 32:(i + 1) * 32] for i in range(len(entries))]
+        if combine_roots((n, sh, r) for (n, sh), r in zip(entries, roots)).hex() != commit.roots[kind]:
             return _fail(f"per-parameter roots of {kind} do not combine to the committed root")
-        param_roots[kind] = {p.name: r for p, r in zip(layout, roots)}
+        param_roots[kind] = {n: r for (n, _), r in zip(entries, roots)}
     # 2. the commitment's own scalars
     if not commit.skipped:
         if commit.adam_step < 1:
@@ -269,6 +276,18 @@ def check_chain(prev: UpdateCommit, cur: UpdateCommit) -> Optional[str]:
     if cur.merges == prev.merges and (cur.roots["m0"] != prev.roots["m1"] or cur.roots["v0"] != prev.roots["v1"]):
         return f"optimizer moments before step {cur.step} are not those after step {prev.step}"
     return None
+
+
+def commitment_entries(layout: Sequence[ParamInfo], *, columns: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every committed entry in order: each parameter's rows, and with
+    ``columns`` (the weights kinds) each matrix but the token embedding by columns as well
+    (``name^T``, shape ``(in, out)``: :func:`iota_subnet.audit.commit.weights_commitment`)."""
+    out = []
+    for p in layout:
+        out.append((p.name, p.shape))
+        if columns and has_columns(p.name, p.shape):
+            out.append((p.name + "^T", (p.shape[1], p.shape[0])))
+    return out
 
 
 def layout_of(names_shapes: Mapping[str, Sequence[int]], weight_decay: float) -> list[ParamInfo]:

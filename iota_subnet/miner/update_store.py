@@ -17,6 +17,10 @@ stage (~244 M) 10.7 GB; ``8b`` middle stage (~0.87 B) 38 GB, ``8b`` head or tail
 host RAM (the GPU holds 16 bytes per parameter for the live state). :attr:`UpdateStore.nbytes`
 reports the live figure.
 
+The weights kinds (``w0``, ``w1``) commit matrices by rows and by columns, exactly as the weights
+version root of hop receipts (:func:`iota_subnet.audit.commit.weights_commitment`): ``w1`` of step k
+is the root receipts name for the weights version ``(k + 1, merges)``. Audits open rows only.
+
 Serving (:meth:`UpdateStore.open`, mounted by :class:`UpdateAuditRoute`) reads only stored copies
 under the store's own lock: it never takes the worker's lock, never waits for the compute thread or
 a running merge. A step outside the window is refused with ``LATE`` (410), one whose trees are
@@ -35,6 +39,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from iota_subnet.audit.commit import host_cols
+from iota_subnet.audit.layout import has_columns
 from iota_subnet.audit.merkle import MerkleTree, as_rows, combine_roots
 from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAuditRequest, UpdateAuditResponse,
                                   UpdateCommit, opening_key, proof_tensor)
@@ -57,6 +63,7 @@ class _Copies:
             self.host[n] = self._copy(t)
         self.versions = list(versions)
         self.trees: dict[str, MerkleTree] = {}
+        self.entries: list[tuple[str, tuple, bytes]] = []    # (name, shape, root) in commitment order
         self.root: Optional[bytes] = None
         self.future: Optional[Future] = None
 
@@ -75,13 +82,21 @@ class _Copies:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.host.values())
 
-    def build(self, shapes: dict[str, tuple]) -> bytes:
+    def build(self, shapes: dict[str, tuple], columns: bool = False) -> bytes:
+        """Merkle trees and the combined root. ``columns`` (weights): matrices are also committed by
+        columns, as the weights version root of hop receipts is (:mod:`iota_subnet.audit.commit`),
+        so the root of the weights after step k *is* the root receipts name for version k + 1."""
         for ev in self.events:           # the device -> host copies have landed
             ev.synchronize()
         self.events.clear()
+        self.entries = []
         for n in self.names:
             self.trees[n] = MerkleTree.of_rows(self.host[n])
-        self.root = combine_roots((n, shapes[n], self.trees[n].root) for n in self.names)
+            self.entries.append((n, shapes[n], self.trees[n].root))
+            if columns and has_columns(n, shapes[n]):
+                self.entries.append((n + "^T", (shapes[n][1], shapes[n][0]),
+                                     MerkleTree.of_rows(host_cols(self.host[n])).root))
+        self.root = combine_roots(self.entries)
         return self.root
 
 
@@ -205,9 +220,10 @@ class UpdateStore:
             while len(self._records) > self.keep_steps:
                 self._records.popitem(last=False)
         futures = []
+        weights = {id(kinds["w0"]), id(kinds["w1"])}
         for c in dict.fromkeys(kinds.values()):      # each distinct copy once
             if c.future is None:
-                c.future = self.pool.submit(c.build, self.shapes)
+                c.future = self.pool.submit(c.build, self.shapes, id(c) in weights)
             futures.append(c.future)
         self.pool.submit(self._seal, rec, futures)
 
@@ -312,9 +328,8 @@ class UpdateStore:
                 out_rows[key] = as_rows(c.host[name])[r].float().contiguous().clone()
                 out_proofs[key] = proof_tensor(c.trees[name].proof(r))
         roots = {}
-        for kind in UPDATE_KINDS:
-            c = rec.kinds[kind]
-            roots[kind] = proof_tensor([c.trees[n].root for n in self.names])
+        for kind in UPDATE_KINDS:                    # every entry's root (weights: columns too)
+            roots[kind] = proof_tensor([r for _, _, r in rec.kinds[kind].entries])
         self.served += 1
         return UpdateAuditResponse(commit=rec.commit.to_dict(), rows=out_rows, proofs=out_proofs, roots=roots,
                                    inner_step=rec.step)
