@@ -574,7 +574,7 @@ class MinerService:
             if self.worker is not None:
                 await self.checkpoint()
             self.write_status()
-        if self.worker is not None and self.worker.updates is not None:
+        if isinstance(self.worker, StageWorker) and self.worker.updates is not None:
             self.worker.updates.close()
         self.pool.shutdown(wait=False)
 
