@@ -140,6 +140,9 @@ class TrainConfig:
     ``activation_checkpointing``: keep only each block's input between a micro-batch's forward and
     its backward and recompute the block in the backward (Chen et al. 2016, arXiv 1604.06174):
     about one extra block forward of compute for far less stored memory (``iota-subnet plan``).
+    ``precision``: the compute precision of the run, decided here for every miner and validator
+    (:data:`PRECISIONS`): ``fp32``, or ``bf16`` autocast with fp32 master weights. Validators take
+    their replay tolerance from it, never from a miner's reply.
     """
 
     batch_size: int = 8
@@ -156,6 +159,7 @@ class TrainConfig:
     eval_batches: int = 8
     total_steps: int = 150
     activation_checkpointing: bool = False
+    precision: str = "fp32"
 
     @property
     def micro_batch(self) -> int:
@@ -163,6 +167,8 @@ class TrainConfig:
 
 
 MERGE_QUANTIZATIONS = ("none", "bf16", "int8")
+#: Compute precisions a run can choose (``train.precision``).
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -296,6 +302,9 @@ def _check_ranges(cfg: "RunConfig") -> None:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if not 0 <= d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision {t.precision!r} unknown; choose one of {list(PRECISIONS)} (bf16: autocast "
+                          "with fp32 master weights, the usual GPU setting)")
     if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         raise ConfigError(f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
 

@@ -243,7 +243,10 @@ def test_merge_of_a_stage_larger_than_an_activation_body(tmp_path, tmp_home):
 def test_poisoning_reducer_caught_and_excluded(tmp_path, tmp_home):
     """``--adversary poison`` (a reducer serving poisoned means): the honest replicas still merge
     correctly, both report it with evidence, the validator's MergeOversight (over signed HTTP)
-    penalises only it, publishes merge weight 0 for it, and the next merge runs without it."""
+    penalises only it after checking the accusation itself, publishes merge weight 0 for it, and the
+    next merge runs without it."""
+    from iota_subnet.protocol import MergeAuditResponse
+    from iota_subnet.validator.merge_audit import MergeAuditor
     from iota_subnet.validator.merge_weights import MergeOversight, weights_from_commitments
     from iota_subnet.validator.routing import Replica
 
@@ -265,11 +268,15 @@ def test_poisoning_reducer_caught_and_excluded(tmp_path, tmp_home):
 
             mo = MergeOversight(RUN)
             reps_ = [Replica(s.uid, s.hotkey, s.server.endpoint, 1) for s in net.svcs]
+            eps = {s.hotkey: s.server.endpoint for s in net.svcs}
             async with NeuronClient(net.val) as cl:
                 assert await mo.collect(cl, reps_) > 0
-            pen = mo.penalised()
-            assert set(pen) == {p.hotkey}, pen
-            assert "2 replicas" in pen[p.hotkey]
+
+                async def fetch(hk, req):
+                    return await cl.call(eps[hk], hk, "/audit/merge", req, MergeAuditResponse, retries=0)
+                verdicts = await mo.verify(MergeAuditor(RUN, lambda stage: a.merge.params.numel), fetch)
+            assert verdicts and {hk for v in verdicts for hk in v.penalise} == {p.hotkey}, verdicts
+            assert all(v.outcome == "upheld" and "wrong merge result" in v.penalise[p.hotkey] for v in verdicts)
             # a miner may not read evidence (validators only)
             async with NeuronClient(a.wallet) as cl:
                 with pytest.raises(ProtocolError) as ei:

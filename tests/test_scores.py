@@ -112,12 +112,12 @@ def _ledger(works: dict) -> Ledger:
     return led
 
 
-def test_scoreboard_smoothing_penalty_decay_nonfinite():
+def test_scoreboard_rates_penalty_decay_nonfinite():
     led = _ledger({(1, 0): 100.0, (2, 0): 100.0, (3, 1): 100.0, (4, 2): 100.0})
     current = {u: f"hk{u}" for u in range(1, 5)}
-    sb = Scoreboard(alpha=0.5)
+    sb = Scoreboard()
     sb.update(led)
-    assert sb.entries[(1, "hk1")].score == 50.0
+    assert sb.entries[(1, "hk1")].score == 100.0 and sb.entries[(1, "hk1")].rate == 100.0
     w = sb.weights(led.shares, current)
     assert abs(w[1] - 0.125) < 1e-12 and abs(w[3] - 0.5) < 1e-12     # stage budgets follow compute shares
     # penalty never raises a score: the same update with quality < 1 gives a lower or equal score
@@ -125,20 +125,33 @@ def test_scoreboard_smoothing_penalty_decay_nonfinite():
         a = Scoreboard.from_dict(sb.to_dict())
         a.update(_ledger({(1, 0): 200.0, (2, 0): 200.0, (3, 1): 200.0, (4, 2): 200.0}), {(1, "hk1"): (q, ["x"])})
         assert a.entries[(1, "hk1")].score <= a.entries[(2, "hk2")].score
-        assert a.entries[(1, "hk1")].score == pytest.approx(q * 75.0)
+        assert a.entries[(1, "hk1")].score == pytest.approx(q * 100.0)
+    # a caught miner's share goes to its stage's honest replica
+    a = Scoreboard.from_dict(sb.to_dict())
+    a.update(_ledger({(1, 0): 200.0, (2, 0): 200.0, (3, 1): 200.0, (4, 2): 200.0}), {(1, "hk1"): (0.0, ["x"])})
+    w = a.weights(led.shares, current)
+    assert 1 not in w and w[2] == pytest.approx(0.25) and sum(w.values()) == pytest.approx(1.0)
     # a factor above 1 is clipped
     a = Scoreboard.from_dict(sb.to_dict())
     a.update(_ledger({(1, 0): 200.0, (2, 0): 200.0}), {(1, "hk1"): (5.0, [])})
     assert a.entries[(1, "hk1")].score == a.entries[(2, "hk2")].score
-    # no new work: decays instead of keeping a stale score
+    # no new work anywhere: the rate stays, the grace tempos are free, then everyone decays alike
     d = Scoreboard.from_dict(sb.to_dict())
+    for t in range(d.grace):
+        d.update(led)
+    assert d.entries[(1, "hk1")].score == 100.0 and not d.stale()
     d.update(led)
-    assert d.entries[(1, "hk1")].score == 25.0 and "decays" in d.entries[(1, "hk1")].why[0]
+    assert d.entries[(1, "hk1")].score == 50.0 and d.entries[(1, "hk1")].stale
+    assert any("stale" in x for x in d.entries[(1, "hk1")].why)
     # non-finite work or quality -> 0, and never NaN weights
     n = Scoreboard.from_dict(sb.to_dict())
     n.update(_ledger({(1, 0): math.nan, (2, 0): math.inf, (3, 1): 200.0, (4, 2): 200.0}), {(3, "hk3"): (math.nan, [])})
     assert n.entries[(3, "hk3")].score == 0.0
     assert all(math.isfinite(v) for v in n.weights(led.shares, current).values())
+    # a board saved by the older exponential-average code still loads
+    old = {"alpha": 0.5, "entries": [{"uid": 1, "hotkey": "hk1", "stage": 0, "score": 3.0, "last_work": 9.0,
+                                      "new_work": 1.0, "quality": 1.0, "weight": 0.5, "updates": 4, "why": []}]}
+    assert Scoreboard.from_dict(old).entries[(1, "hk1")].last_work == 9.0
     # a re-registered uid (other hotkey) earns nothing
     assert 1 not in balanced_weights({(1, "old"): 5.0, (2, "hk2"): 5.0}, {(1, "old"): 0, (2, "hk2"): 0},
                                      [1.0], {1: "new", 2: "hk2"})

@@ -142,7 +142,8 @@ class MergeEngine:
     ``run_id``/``stage`` seed the plans. ``on_applied(report)``: called after a merge is applied.
     ``tamper``: test hook ``(shard_index, mean) -> mean`` applied to the means this replica *serves*.
     ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read the merge
-    weights from the chain.
+    weights from the chain. ``observer``: signs and checks merge claims
+    (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
     """
 
     def __init__(self, me: str, cfg: MergeConfig, params: ModuleParams, transport: Optional[PeerTransport] = None, *,
@@ -150,8 +151,9 @@ class MergeEngine:
                  weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None,
                  on_applied: Optional[Callable[[MergeReport], Any]] = None,
                  tamper: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-                 before_attempt: Optional[Callable[[], Any]] = None):
+                 before_attempt: Optional[Callable[[], Any]] = None, observer: Any = None):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
+        self.observer = observer
         self.run_id, self.stage = run_id, stage
         self.weights_fn, self.on_applied, self.tamper = weights_fn, on_applied, tamper
         self.before_attempt = before_attempt
@@ -261,6 +263,8 @@ class MergeEngine:
             raise ProtocolError(Outcome.BAD_DTYPE, str(e)) from None
         if not bool(torch.isfinite(x).all()):
             raise ProtocolError(Outcome.NON_FINITE, "dequantized slice holds NaN or inf")
+        if self.observer is not None:
+            self.observer.on_contribution_in(caller, msg, x)
         sess = self._session(msg.epoch, msg.attempt, msg.plan_id)
         if sess.plan is None:
             if len(sess.raw) > 4 * 64:
@@ -489,6 +493,8 @@ class MergeEngine:
                                                   attempt=plan.attempt, plan_id=plan.plan_id, shard_index=s,
                                                   num_shards=plan.num_shards, offset=off, total_numel=plan.total_numel,
                                                   weight=plan.weight(self.me), quant=quant, shard=q, scales=sc)))
+        if self.observer is not None:
+            await asyncio.to_thread(self.observer.on_contributions, plan, dict(sess.mine), [m for _, m in sends])
         sess.arrived.set()
 
         async def send(r: str, m: MergePayload):
@@ -584,6 +590,7 @@ class MergeEngine:
                   "reducers": [a, b], "claimed_sha256": hashes, "served_sha256": served, "recomputed_sha256": digest,
                   "wrong": wrong, "reporter": self.me, "stage": self.stage, "run_id": self.run_id,
                   "contribution_sha256": {r: dict(zip(c.contributors, c.contribution_sha256)) for r, c in claims.items()},
+                  "results": {r: dict(c.info) for r, c in claims.items() if c.info},   # reducers' signed claims
                   "time": time.time()}
             self.reports.append(ev)
             rep.mismatches.append(ev)
@@ -634,6 +641,8 @@ class MergeEngine:
                                           contribution_sha256=[tensor_sha256(box[p]) for p in order],
                                           mean_sha256=tensor_sha256(served), shard_sha256=tensor_sha256(new),
                                           momentum_sha256=tensor_sha256(mom), mean=served)
+            if self.observer is not None:
+                await asyncio.to_thread(self.observer.on_result, sess.results[s], served, off)
         sess.ready_event(s).set()
 
     async def _recompute(self, plan: MergePlan, sess: _Session, s: int) -> Optional[torch.Tensor]:

@@ -19,6 +19,15 @@ shapes, finite numbers), so only verification can tell it from an honest miner:
 ``poison``  computes and trains honestly, but as a reducer in replica merges it publishes poisoned
             merge results (the mean pseudo-gradient of its shards negated and tripled, with the
             hash of what it serves), pushing its stage's weights away from where training goes.
+``noisy-update``  computes forward and backward honestly and keeps AdamW's moments, but instead of
+            the AdamW update adds Gaussian noise of the update's size to its weights; its commitments
+            (:class:`~iota_subnet.miner.update_store.UpdateStore`) show what it did.
+``precision``  claims a looser precision than the run's (reports ``bf16`` in its replies) and
+            skips work within it: computes under bf16 autocast and leaves out the last block's MLP
+            (its output within the bf16 tolerance, outside the fp32 one).
+``accuse``  trains and merges honestly, but files forged merge evidence: after every merge it
+            reports the reducer of a shard (the first reducer not among its accomplices) as
+            having served a wrong mean, with made-up hashes matching its accomplices' reports.
 
 How each is caught: see :mod:`iota_subnet.validator.verification` (replay of sampled hops for
 all but ``stale`` and ``poison``; ``stale`` and a head-stage ``claim`` by the weights-changed
@@ -36,13 +45,83 @@ import torch
 from torch import nn
 
 #: Adversary kinds this module implements (``poison`` needs merging: ``merge.every_steps`` > 0).
-ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim", "poison")
+ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim", "poison", "noisy-update", "precision",
+                   "accuse")
 
 
 def poison_mean(shard_index: int, mean: "torch.Tensor") -> "torch.Tensor":
     """The ``poison`` adversary's merge result for a shard it reduces: the honest mean pseudo-gradient
     [n] (float32) negated and tripled (installed as :attr:`iota_subnet.merge.engine.MergeEngine.tamper`)."""
     return mean * -3.0
+
+
+def forged_hash(plan_id: str, shard: int, what: str) -> str:
+    """The ``accuse`` adversary's made-up hashes: the same for every accomplice (they match)."""
+    import hashlib
+    return hashlib.sha256(f"forged|{what}|{plan_id}|{shard}".encode()).hexdigest()
+
+
+class Accuser:
+    """``accuse``: after each merge this replica applies, it files forged evidence against a
+    reducer of the merge: the target's genuine signed result (fetched again from it), quoted
+    faithfully, beside a made-up "recomputed" hash, naming the target ``wrong``. Accomplices (hotkeys)
+    are never targeted; every accomplice picks the same target and the same hashes (matching
+    evidence). Installed with :func:`install_accuser` on a replica's merge engine."""
+
+    def __init__(self, engine: Any, accomplices: tuple = ()):
+        self.engine = engine
+        self.accomplices = set(accomplices) | {engine.me}
+        self.forged: list[dict] = []
+
+    def target(self, plan: Any) -> Optional[tuple[int, str]]:
+        for s in range(plan.num_shards):
+            for r in sorted(set(plan.reducers[s])):
+                if r not in self.accomplices:
+                    return s, r
+        return None
+
+    async def after_merge(self, rep: Any) -> None:
+        from iota_subnet.protocol import MergeResult, MergeResultRequest
+        e = self.engine
+        plans = [sess.plan for (ep, _, _), sess in list(e.sessions.items()) if ep == rep.epoch and sess.plan is not None]
+        if not plans:
+            return
+        plan = max(plans, key=lambda p: p.attempt)
+        pick = self.target(plan)
+        if pick is None:
+            return
+        s, tgt = pick
+        try:
+            res = await e._call(tgt, "/merge/result", MergeResultRequest(
+                run_id=e.run_id, stage=e.stage, epoch=plan.epoch, attempt=plan.attempt, plan_id=plan.plan_id,
+                shard_index=s, with_tensor=False), MergeResult)
+        except Exception:  # noqa: BLE001 - the target is gone: nothing to forge against
+            return
+        other = [r for r in plan.reducers[s] if r != tgt]
+        ev = {"epoch": plan.epoch, "attempt": plan.attempt, "plan_id": plan.plan_id, "shard": s,
+              "reducers": list(plan.reducers[s]),
+              "claimed_sha256": {tgt: res.mean_sha256, **{r: forged_hash(plan.plan_id, s, "other") for r in other}},
+              "served_sha256": {}, "recomputed_sha256": forged_hash(plan.plan_id, s, "recomputed"), "wrong": [tgt],
+              "reporter": e.me, "stage": e.stage, "run_id": e.run_id, "contribution_sha256": {},
+              "results": {tgt: dict(res.info)}, "time": 0.0}
+        e.reports.append(ev)
+        self.forged.append(ev)
+
+
+def install_accuser(engine: Any, accomplices: tuple = ()) -> Accuser:
+    """Make ``engine`` (a :class:`~iota_subnet.merge.engine.MergeEngine`) file forged evidence after
+    every applied merge (wraps its ``on_applied``)."""
+    acc = Accuser(engine, accomplices)
+    orig = engine.on_applied
+
+    async def on_applied(rep):
+        if orig is not None:
+            r = orig(rep)
+            if hasattr(r, "__await__"):
+                await r
+        await acc.after_merge(rep)
+    engine.on_applied = on_applied
+    return acc
 
 
 class AdversaryError(ValueError):
@@ -87,6 +166,10 @@ class Adversary:
             w.step = self._stale_step
         elif self.kind == "claim":
             w.backward = self._claim_backward
+        elif self.kind == "noisy-update":
+            w._apply_update = self._noisy_update
+        elif self.kind == "precision":
+            self._make_low_precision(w)
 
     # ---- shapes ---------------------------------------------------------------------------------
     def _out_shape(self, x: torch.Tensor) -> tuple[int, ...]:
@@ -221,6 +304,29 @@ class Adversary:
             w.inner_step += 1
             w.version += 1
             w.pending = 0
+
+    # ---- noisy-update ------------------------------------------------------------------------------
+    def _noisy_update(self) -> None:
+        """AdamW runs (its moments and step count are honest), but the weights get noise of the size
+        of an Adam step (lr per value) instead of the update."""
+        w = self.w
+        lr = float(w.opt.param_groups[0]["lr"])
+        params = list(w.module.parameters())
+        with torch.no_grad():
+            before = [p.detach().clone() for p in params]
+            w.opt.step()
+            for p, b in zip(params, before):
+                p.copy_(b + torch.randn(p.shape, generator=self.gen).to(p.device, p.dtype) * lr)
+
+    # ---- precision ---------------------------------------------------------------------------------
+    def _make_low_precision(self, w: Any) -> None:
+        """Computes under bf16 autocast whatever the run says, claims bf16, and skips the last
+        block's MLP (the residual stream passes it by; its weights stay in ``/state``). On the test
+        model's middle stage at initialisation that is off by ~3.6e-3 (rel. L2 of the
+        activations): inside the bf16 tolerance, 3.6x the fp32 one."""
+        w.precision = "bf16"             # autocast bf16 in the worker, and ``bf16: 1`` in its replies
+        mlp = list(w.module.layers.values())[-1].mlp
+        mlp.forward = lambda x: torch.zeros_like(x)
 
     # ---- claim -----------------------------------------------------------------------------------
     def _claim_backward(self, mb_id, grad, **_):

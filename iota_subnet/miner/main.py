@@ -18,8 +18,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--stage", type=int, default=None, help="stage to hold (default: the stage with fewest replicas)")
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
-                   help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison; "
-                        "see iota_subnet/miner/adversary.py) so validators' verification can be exercised")
+                   help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
+                        "noisy-update, precision, accuse; see iota_subnet/miner/adversary.py) so validators' "
+                        "verification can be exercised")
     m.add_argument("--no-register", action="store_true", help="fail instead of registering (burns TAO) when unregistered")
     m.add_argument("--data", default=None,
                    help="text source the first and last stage read token rows from (the run's data; see the README); "
@@ -29,6 +30,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="micro-batches the first stage keeps waiting for their backward (default: one lane step's "
                         "worth, at most what the GPU's memory plan holds)")
     m.add_argument("--hop-timeout", type=float, default=30.0, help="seconds to deliver one hop to the next miner")
+    m.add_argument("--audit-window", type=int, default=0,
+                   help="inner steps kept for update audits (commitments + /audit/update; 44 bytes per parameter "
+                        "at 2); 0: off")
     add_emulation_args(p)
     return p
 
@@ -84,7 +88,8 @@ async def run_miner(args: argparse.Namespace) -> int:
                        device=str(pick_device(args.device)), total_steps=args.steps,
                        checkpoint_every=args.checkpoint_every, register=not args.no_register,
                        adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
-                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation)
+                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation,
+                       audit_window=max(0, args.audit_window))
     stop = install_stop(asyncio.get_running_loop())
     try:
         await svc.start()

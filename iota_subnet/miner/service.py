@@ -5,6 +5,11 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 * ``/forward``  Forward -> ForwardResult   (validators with a permit)
 * ``/backward`` Backward -> BackwardResult (validators with a permit; same caller as the forward)
 * ``/state``    StateRequest -> StateResponse (validators, and miners of the same stage)
+* ``/audit/update`` UpdateAuditRequest -> UpdateAuditResponse (validators): rows of a committed inner
+  step with Merkle proofs (:mod:`iota_subnet.miner.update_store`); ``/audit/merge``
+  MergeAuditRequest -> MergeAuditResponse (validators, with merging): chunks of a merge slice or mean
+  this replica signed (:mod:`iota_subnet.merge.claims`). Both answer from stored copies, never
+  waiting for the compute thread or a running merge.
 * ``/health``   Health -> Health           (any registered hotkey; ``ready`` is False while syncing)
 * ``/merge/join|contribute|result|contribution``, ``/state/chunk``: replica merging and state sync
   (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured;
@@ -48,12 +53,13 @@ from iota_subnet.utils.atomic import atomic_write_json
 MAX_MICRO_BATCH_ROWS = 64
 
 
-def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int,
-                emulation: Optional[Emulation] = None) -> tuple[StageWorker | EmulatedStageWorker, Optional[int]]:
+def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int, emulation: Optional[Emulation] = None,
+                audit_window: int = 0) -> tuple[StageWorker | EmulatedStageWorker, Optional[int]]:
     """The stage's compute: a real :class:`StageWorker`, or with ``emulation`` (``--emulate-gpu``) an
     :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute. Also
     returns how many micro-batches it can keep waiting for their backward (the memory plan's bound on
-    a GPU, real or emulated; None on the CPU)."""
+    a GPU, real or emulated; None on the CPU). ``audit_window``: inner steps a real worker keeps for
+    update audits (an emulated one has no weights to audit)."""
     if emulation is None:
         bound = None
         if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
@@ -62,7 +68,8 @@ def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int,
             bound = p.microbatches_in_flight_max
             logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
                         f"{props.total_memory / 2**30:.1f} GiB planned, up to {bound} micro-batches in flight")
-        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps), bound
+        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps,
+                           audit_window=audit_window), bound
     w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
     logger.warning(f"EMULATION, no training: {w.describe()}")
     return w, w.cache.max_entries
@@ -90,7 +97,7 @@ class MinerService:
                  checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
                  adversary: Optional[str] = None, data: Optional[str] = None, cache_dir: Optional[str] = None,
                  max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
-                 emulation: Optional[Emulation] = None):
+                 emulation: Optional[Emulation] = None, audit_window: int = 0, accomplices: tuple = ()):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
         self.out = Path(out_dir)
@@ -110,6 +117,12 @@ class MinerService:
         self.node: Optional[DataPlaneNode] = None
         #: ``--emulate-gpu``: an emulated accelerator instead of real compute (no training, no merging)
         self.emulation = emulation
+        #: (``accuse`` adversary, tests) hotkeys of the accomplices it never accuses
+        self.accomplices = tuple(accomplices)
+        #: inner steps kept for update audits (:class:`~iota_subnet.miner.update_store.UpdateStore`); 0: off
+        #: (no validator reads commitments until receipts carry them; on a toy stage the store costs
+        #: about as much CPU per inner step as the compute, proportionally less at real sizes)
+        self.audit_window = int(audit_window)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.hotkey: str = wallet.hotkey.ss58_address
         self.uid: Optional[int] = None
@@ -160,7 +173,8 @@ class MinerService:
         n = self._neurons.get(hotkey)
         if n is None:
             raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid {self.netuid}")
-        if route in ("/forward", "/backward", "/evidence", "/tickets") and not n.validator_permit:
+        if (route in ("/forward", "/backward", "/evidence", "/tickets") or route.startswith("/audit/")) \
+                and not n.validator_permit:
             raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for validators with a permit; uid {n.uid} has none")
         if route == "/state" and not (n.validator_permit or self._stages.get(hotkey) == self.stage):
             raise ProtocolError(Outcome.FORBIDDEN, "/state is for validators and replicas of the same stage")
@@ -199,7 +213,7 @@ class MinerService:
         await self.refresh(force=True)
         self.stage = self.choose_stage()
         self.worker, bound = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
-                                  emulation=self.emulation)
+                                         emulation=self.emulation, audit_window=self.audit_window)
         await self._load_weights()
         if self.adversary:
             from iota_subnet.miner.adversary import install
@@ -220,6 +234,7 @@ class MinerService:
         self.server.add_route("/backward", self._backward, Backward, lambda: bwd_contract)
         self.server.add_route("/state", self._state, StateRequest, None)
         self.server.add_route("/health", self._health, Health, None)
+        self._setup_audits()
         if self.cfg.merge.enabled and self.emulation is None:    # emulated stages have no weights to merge
             self._setup_merge()
         rows = await self._row_source() if (spec.is_head or spec.is_tail) else None
@@ -237,6 +252,12 @@ class MinerService:
                 raise ConfigError("--adversary poison poisons replica merges: enable merging (merge.every_steps "
                                   "or merge.every_blocks > 0 in the config)")
             self.merge.tamper = poison_mean
+        if self.adversary == "accuse":
+            from iota_subnet.miner.adversary import install_accuser
+            if self.merge is None:
+                raise ConfigError("--adversary accuse forges merge evidence: enable merging (merge.every_steps "
+                                  "or merge.every_blocks > 0 in the config)")
+            self.accuser = install_accuser(self.merge, self.accomplices)
         self.server.add_public_get("/metrics", self._metrics)
         self.port = await self.server.start()
         await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)
@@ -265,9 +286,20 @@ class MinerService:
             return ds.batch(seed, start, n) if split == "train" else ds.val_batch(start, n)
         return rows
 
+    # ---- audits (iota_subnet.miner.update_store, iota_subnet.merge.claims) -------------------------
+    def _setup_audits(self) -> None:
+        """``/audit/update``: rows of the last ``audit_window`` inner steps with proofs (validators)."""
+        from iota_subnet.miner.update_store import UpdateAuditRoute
+        from iota_subnet.protocol import UpdateAuditRequest
+        if isinstance(self.worker, StageWorker) and self.worker.updates is not None:   # not emulated
+            self.server.add_route("/audit/update", UpdateAuditRoute(self.worker.updates, self.run_id, self.stage),
+                                  UpdateAuditRequest, None)
+
     # ---- merging (iota_subnet.merge) -------------------------------------------------------------
     merge = None
     donor = None
+    claims = None
+    accuser = None
     _sync_task = None
     _merge_task = None
     merge_client = None
@@ -280,14 +312,18 @@ class MinerService:
         from iota_subnet.merge import MergeEngine, ModuleParams
         from iota_subnet.merge.sync import SnapshotDonor
         from iota_subnet.merge.transport import HttpTransport
+        from iota_subnet.merge.claims import MergeAuditRoute, MergeClaims
+        from iota_subnet.protocol import MergeAuditRequest
         mc = self.cfg.merge
         self.merge_client = NeuronClient(self.wallet)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
+        self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block)
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
                                  on_applied=self._on_merged,
-                                 before_attempt=lambda: self.refresh(force=True))
+                                 before_attempt=lambda: self.refresh(force=True), observer=self.claims)
+        self.server.add_route("/audit/merge", MergeAuditRoute(self.claims), MergeAuditRequest, None)
         self.merge.in_sync = False
         self._load_merge_state()
         self.donor = SnapshotDonor(self.run_id, self.stage, mc.sync_chunk_numel, mc.max_concurrent_transfers)
@@ -538,6 +574,8 @@ class MinerService:
             if self.worker is not None:
                 await self.checkpoint()
             self.write_status()
+        if isinstance(self.worker, StageWorker) and self.worker.updates is not None:
+            self.worker.updates.close()
         self.pool.shutdown(wait=False)
 
     def status(self) -> dict:

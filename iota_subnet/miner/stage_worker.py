@@ -21,8 +21,10 @@ from typing import Optional
 import torch
 from loguru import logger
 
+from iota_subnet.audit.update import clip_coef
 from iota_subnet.config import RunConfig
 from iota_subnet.miner.activation_cache import ActivationCache
+from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.model import PipelineStage
 from iota_subnet.train.checkpoint import (CheckpointError, checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
@@ -37,11 +39,14 @@ class UnknownMicrobatch(KeyError):
 class StageWorker:
     """One stage's weights, optimizer and in-flight micro-batches.
 
-    ``total_steps``: length of the learning-rate schedule in inner steps.
+    ``total_steps``: length of the learning-rate schedule in inner steps. ``audit_window``: inner
+    steps kept for update audits (:class:`~iota_subnet.miner.update_store.UpdateStore`; 0 = no
+    commitments, e.g. in benchmarks of the compute alone).
     """
 
     def __init__(self, cfg: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int = 0,
-                 total_steps: Optional[int] = None, cache: Optional[ActivationCache] = None):
+                 total_steps: Optional[int] = None, cache: Optional[ActivationCache] = None,
+                 audit_window: int = 0):
         self.cfg, self.stage = cfg, stage
         self.device = torch.device(device)
         torch.manual_seed(seed + 1000 * stage)       # same init as build_stages(cfg, seed)
@@ -70,8 +75,11 @@ class StageWorker:
         #: inner step it names the weights a result was computed with
         self.merges = 0
         self.last_weights_merges = 0
-        #: "bf16" under autocast on GPU, else "fp32" (sets the validator's replay tolerance)
-        self.precision = "bf16" if self.device.type == "cuda" else "fp32"
+        #: the run's compute precision (``train.precision``; validators read it from the run config)
+        self.precision = cfg.train.precision
+        #: commitments to every inner step and what update audits open (None: off)
+        self.updates: Optional[UpdateStore] = (UpdateStore(self.module, self.opt, keep_steps=audit_window)
+                                               if audit_window > 0 else None)
         #: seconds spent computing (forward, backward, inner steps); stage utilisation = busy_s / wall
         self.busy_s = 0.0
         self._busy_depth = 0
@@ -120,7 +128,7 @@ class StageWorker:
         with self.lock:
             x = x.to(self.device)
             if not train:
-                with torch.no_grad(), autocast_ctx(self.device):
+                with torch.no_grad(), autocast_ctx(self.device, self.precision):
                     if self.spec.is_tail:
                         if targets is None:
                             raise ValueError("the tail stage needs targets")
@@ -131,7 +139,7 @@ class StageWorker:
             if not self.spec.is_head:
                 inp = x.detach().float().requires_grad_(True)
                 x = inp
-            with autocast_ctx(self.device):
+            with autocast_ctx(self.device, self.precision):
                 if self.spec.is_tail:
                     if targets is None:
                         raise ValueError("the tail stage needs targets")
@@ -196,7 +204,7 @@ class StageWorker:
             return None
         if entry.meta.get("version") != self.version:      # weights replaced since: recompute
             x = entry.inputs.detach().requires_grad_(True)
-            with autocast_ctx(self.device):
+            with autocast_ctx(self.device, self.precision):
                 out = self.module(x)
             return torch.autograd.grad(out, x, grad.to(self.device, out.dtype))[0].detach()
         return torch.autograd.grad(entry.outputs, entry.inputs, grad.to(self.device, entry.outputs.dtype))[0].detach()
@@ -229,7 +237,7 @@ class StageWorker:
             x = entry.meta["token_ids"]
         else:
             x = entry.inputs.detach().requires_grad_(True)
-        with autocast_ctx(self.device):
+        with autocast_ctx(self.device, self.precision):
             out = self.module(x)
         out.backward(grad.to(self.device, out.dtype))
         return None if self.spec.is_head else x.grad.detach()
@@ -242,18 +250,30 @@ class StageWorker:
             self.step()
 
     def step(self) -> None:
-        """One inner optimizer step over the accumulated gradients."""
+        """One inner optimizer step over the accumulated gradients (committed for update audits when
+        :attr:`updates` is on: the gradient before clipping, the state before and after)."""
         with self.lock, self._busy():
-            set_lr(self.opt, lr_at(self.inner_step, self.total_steps, self.cfg.train))
+            lr = lr_at(self.inner_step, self.total_steps, self.cfg.train)
+            set_lr(self.opt, lr)
+            pending = self.updates.begin(self.inner_step, self.merges) if self.updates is not None else None
             gnorm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip))
-            if math.isfinite(gnorm):
-                self.opt.step()
+            applied = math.isfinite(gnorm)
+            if applied:
+                self._apply_update()
             else:
                 logger.warning(f"stage {self.stage}: non-finite gradient norm at inner step {self.inner_step}; step skipped")
+            if pending is not None:
+                self.updates.finish(pending, lr=lr, grad_norm=gnorm,
+                                    clip_coef=clip_coef(gnorm, self.cfg.train.grad_clip) if applied else 0.0,
+                                    skipped=not applied)
             self.opt.zero_grad(set_to_none=True)
             self.inner_step += 1
             self.version += 1
             self.pending = 0
+
+    def _apply_update(self) -> None:
+        """The optimizer update proper (AdamW on the clipped gradients)."""
+        self.opt.step()
 
     def weights_replaced(self) -> None:
         """Call (under :attr:`lock`) after overwriting the weights from outside (a replica merge,

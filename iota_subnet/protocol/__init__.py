@@ -49,6 +49,12 @@ from .messages import (
 from .ticket import Ticket, TicketError
 from .wire import from_wire, to_wire
 from .outcome import HTTP_STATUS, Outcome, ProtocolError
+from .audit import (UPDATE_KINDS, MergeAuditRequest, MergeAuditResponse, UpdateAuditRequest, UpdateAuditResponse,
+                    UpdateCommit, opening_key, parse_opening_key, proof_from_tensor, proof_tensor,
+                    update_audit_contract)
+
+MESSAGE_TYPES.update({c.TYPE: c for c in (UpdateAuditRequest, UpdateAuditResponse, MergeAuditRequest,
+                                          MergeAuditResponse)})
 
 __all__ = [
     "AuditOpening", "AuditOpenRequest", "AuditProjection", "AuditProjectRequest", "AuditTraceCommit",
@@ -58,5 +64,7 @@ __all__ = [
     "StateChunk", "StateChunkRequest", "Message", "Outcome", "ProtocolError", "SPEC_VERSION", "StateRequest",
     "StateResponse", "TensorContract", "TensorSpec", "decode", "encode", "read_header", "tensor_sha256",
     "tensor_field",
+    "UPDATE_KINDS", "MergeAuditRequest", "MergeAuditResponse", "UpdateAuditRequest", "UpdateAuditResponse",
+    "UpdateCommit", "opening_key", "parse_opening_key", "proof_from_tensor", "proof_tensor", "update_audit_contract",
     "activation_spec", "backward_contract", "forward_contract", "merge_contract", "merge_payload_contract", "payload_nbytes", "token_spec",
 ]

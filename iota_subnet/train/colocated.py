@@ -36,10 +36,11 @@ def pick_device(device: Optional[str] = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast_ctx(device: torch.device):
-    """bf16 autocast on GPU (fp32 master weights); plain fp32 on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast_ctx(device: torch.device, precision: str = "fp32"):
+    """The run's compute precision (``train.precision``): ``bf16`` autocast (fp32 master weights) on
+    any device, or plain fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -60,7 +61,7 @@ def evaluate(model: StagedModel, dataset, cfg: RunConfig, device: torch.device) 
         if rows.shape[0] == 0:
             break
         x, y = split_rows(rows)
-        with autocast_ctx(device):
+        with autocast_ctx(device, cfg.train.precision):
             total += float(model(x, y)) * rows.shape[0]
         count += rows.shape[0]
     model.train()
@@ -155,7 +156,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
             for m in range(n_micro):
                 rows = dataset.batch(seed, step * B + m * mb, mb).to(dev)
                 x, y = split_rows(rows)
-                with autocast_ctx(dev):
+                with autocast_ctx(dev, cfg.train.precision):
                     loss = model(x, y)
                 (loss / n_micro).backward()
                 loss_sum += float(loss.detach())

@@ -7,8 +7,11 @@ key ``scores``), served as JSON (``GET /scores`` on ``--port``), written into ``
 One row (``miners[]``): ``uid, hotkey, stage, work`` (verified work units: tokens x stage compute
 share), ``tokens, completed, failures`` (hops that failed), ``checks`` (``sampled, passed, failed,
 unverifiable, no_snapshot, stale_checks, stale_failed, max_err_passed, flagged``), ``clasp``
-(``n_in, excess`` nats, ``rel_excess, z, flagged`` or null), ``quality`` (0..1), ``score``,
-``weight`` (the latest weight this validator computed for the uid), ``why`` (sentences).
+(``n_in, excess`` nats, ``rel_excess, z, flagged`` or null), ``audits`` (``passed, failed,
+refused, timed_out, excused, flagged, audits, by_kind`` or null: :mod:`.audit_policy`), ``quality``
+(0..1), ``rate`` (verified work per tempo), ``freshness`` (0..1), ``stale`` (its score is not
+current and costs weight), ``score``, ``weight`` (the latest weight this validator computed for the
+uid), ``why`` (sentences).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Any, Mapping, Optional
 
 
 def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: Mapping[int, str],
-          block: Optional[int] = None) -> dict:
+          block: Optional[int] = None, audits: Any = None) -> dict:
     rows = []
     for key, rec in sorted(ledger.records.items()):
         if current and current.get(rec.uid) != rec.hotkey:
@@ -36,6 +39,11 @@ def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: 
         elif st is not None and st.passed:
             why.append(f"{st.passed} of {st.sampled} sampled hops replayed within tolerance "
                        f"(max rel err {st.max_err_passed:.1e})")
+        au = audits.stats.get(key) if audits is not None else None
+        if au is not None and au.flagged:
+            why = [f"flagged by audits: {r}" for r in au.reasons] + [w for w in why if not w.startswith("audit:")]
+        elif au is not None and au.audits:
+            why.append(f"audits: {au.passed} passed, {au.excused} excused (honest faults) of {au.audits}")
         rows.append({
             "uid": rec.uid, "hotkey": rec.hotkey, "stage": rec.stage, "work": rec.work, "tokens": rec.tokens,
             "completed": rec.completed, "failures": rec.failures,
@@ -43,7 +51,10 @@ def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: 
                 "sampled", "passed", "failed", "unverifiable", "no_snapshot", "stale_checks", "stale_failed",
                 "max_err_passed", "flagged")},
             "clasp": None if a is None else {k: getattr(a, k) for k in ("n_in", "excess", "rel_excess", "z", "flagged")},
+            "audits": audits.summary(key) if audits is not None else None,
             "quality": e.quality if e is not None else None, "score": e.score if e is not None else None,
+            "rate": e.rate if e is not None else None, "freshness": e.freshness if e is not None else None,
+            "stale": bool(e.stale) if e is not None else False,
             "weight": e.weight if e is not None else 0.0, "why": why,
         })
     return {"block": block, "updated_at": time.time(), "miners": rows}
@@ -73,14 +84,18 @@ def load(path: str | Path) -> dict:
 def format_table(d: Mapping) -> str:
     lines = [f"scores at block {d.get('block')} ({len(d.get('miners', []))} miners)",
              f"{'uid':>4} {'stage':>5} {'work total':>10} {'checks ok/fail/skip':>19} {'CLASP excess (z)':>17} "
-             f"{'quality':>7} {'weight':>7}  why"]
+             f"{'quality':>7} {'weight':>7}  why  (~: stale score, losing weight)"]
     for m in d.get("miners", []):
         c = m.get("checks") or {}
         cl = m.get("clasp")
         cls = f"{cl['excess']:+.3f} ({cl['z']:+.1f})" + ("!" if cl.get("flagged") else "") if cl else "-"
-        chk = f"{c.get('passed', 0)}/{c.get('failed', 0)}/{c.get('unverifiable', 0) + c.get('no_snapshot', 0)}"
+        a = m.get("audits") or {}
+        chk = (f"{c.get('passed', 0) + a.get('passed', 0)}/"
+               f"{c.get('failed', 0) + a.get('failed', 0) + a.get('refused', 0) + a.get('timed_out', 0)}/"
+               f"{c.get('unverifiable', 0) + c.get('no_snapshot', 0) + a.get('excused', 0)}")
         q = m.get("quality")
         lines.append(f"{m['uid']:>4} {m['stage']:>5} {m['work']:>10.1f} {chk:>19} {cls:>17} "
-                     f"{(f'{q:.2f}' if q is not None else '-'):>7} {m.get('weight', 0.0):>7.4f}  "
+                     f"{(f'{q:.2f}' if q is not None else '-'):>7} {m.get('weight', 0.0):>7.4f}"
+                     f"{'~' if m.get('stale') else ' '} "
                      + ("; ".join(m.get("why") or []))[:300])
     return "\n".join(lines)

@@ -32,7 +32,12 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     v.add_argument("--clasp-interval", type=float, default=5.0,
                    help="seconds between CLASP probe rounds (random pathways, forward only; 0: off)")
     v.add_argument("--clasp-paths", type=int, default=6, help="pathways per CLASP probe round")
-    v.add_argument("--score-alpha", type=float, default=0.5, help="EMA weight of the latest tempo's work in scores")
+    v.add_argument("--score-window", type=int, default=16,
+                   help="tempos (with verified work) over which miners' verified work rates are measured")
+    v.add_argument("--stale-grace", type=int, default=2,
+                   help="tempos without verified work before a miner's score is stale and loses weight")
+    v.add_argument("--burn-uid", type=int, default=0,
+                   help="uid that receives the weight stale scores lose (0: the subnet owner's; -1: none)")
     v.add_argument("--data-plane", choices=("p2p", "relay"), default="p2p",
                    help="p2p (default): miners pass activations to each other, this validator issues tickets and "
                         "reads receipts; relay (legacy): every activation goes through this validator")
@@ -57,7 +62,9 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                            ("--sync-interval", a.sync_interval > 0, "> 0"),
                            ("--clasp-interval", a.clasp_interval >= 0, ">= 0 (0 = off)"),
                            ("--clasp-paths", a.clasp_paths >= 1, ">= 1"),
-                           ("--score-alpha", 0 < a.score_alpha <= 1, "in (0, 1]"),
+                           ("--score-window", a.score_window >= 1, ">= 1"),
+                           ("--stale-grace", a.stale_grace >= 0, ">= 0"),
+                           ("--burn-uid", a.burn_uid >= -1, ">= -1 (-1: none)"),
                            ("--steps", a.steps is None or a.steps >= 1, ">= 1"),
                            ("--ticket-lookahead", a.ticket_lookahead >= 1, ">= 1"),
                            ("--stall", a.stall > 0, "> 0")):
@@ -71,7 +78,8 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
                             version_key=a.version_key, exit_when_done=a.exit_when_done,
                             check_rate=a.check_rate, min_lanes=a.min_lanes, snapshot_every=a.snapshot_every,
-                            clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_alpha=a.score_alpha,
+                            clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_window=a.score_window,
+                            stale_grace=a.stale_grace, burn_uid=None if a.burn_uid < 0 else a.burn_uid,
                             host=a.host, external_ip=a.external_ip, data_plane=a.data_plane, wire_dtype=a.wire_dtype,
                             ticket_lookahead=a.ticket_lookahead, stall_s=a.stall)
 

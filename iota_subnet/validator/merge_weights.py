@@ -5,8 +5,8 @@ Validators decide them from their scores and publish them as their chain commitm
     {"v": 1, "kind": "merge_weights", "run": "<run id>", "w": {"<uid>": 0.83, ...}}
 
 Rule (:func:`compute_merge_weights`): a replica this validator caught cheating (a failed spot
-check, or named ``wrong`` in merge mismatch evidence by two other replicas, see
-:func:`penalised_from_evidence`) gets 0; every other replica keeps the default 1.0 (equal weights
+check or audit, including a merge accusation the validator verified itself, see
+:mod:`.merge_audit`) gets 0; every other replica keeps the default 1.0 (equal weights
 among the replicas that reached the merge, which means they did the epoch's inner steps). Weights
 proportional to verified work were tried and dropped: lanes' work differs by a few percent from
 tempo to tempo, so the published weights changed every tempo, and a commitment landing between two
@@ -95,25 +95,28 @@ def penalised_from_evidence(evidence: Iterable[Mapping[str, Any]], *, min_report
 
 
 class MergeOversight:
-    """A validator's side of merging: collects mismatch evidence from the replicas, names the
-    reducers it proves wrong, and publishes merge weights.
+    """A validator's side of merging: collects mismatch evidence from the replicas, has every
+    accusation checked (:class:`~iota_subnet.validator.merge_audit.MergeAuditor`: the validator
+    recomputes the disputed shard from the participants' signed slices; nothing is penalised on
+    the accusers' word, however many they are), and publishes merge weights.
 
     * :meth:`collect` asks every replica for its evidence (``/evidence``, signed); a report counts
       only as coming from the replica that served it (its ``reporter`` must be that hotkey, its
       ``run_id`` this run, its ``stage`` the replica's stage).
-    * :meth:`penalised`: hotkey -> reason, for reducers named ``wrong`` by at least
-      ``min_reporters`` distinct replicas (default 2: with two replicas each can accuse the other,
-      so one accusation alone proves nothing).
+    * :meth:`accusations`: (report, accused) pairs not decided yet; :meth:`verify` decides up to
+      ``limit`` of them (unresolved ones are retried at later rounds, at most ``max_tries`` times).
     * :meth:`commitment`: the merge-weights commitment to publish (:func:`compute_merge_weights`:
       0 for the replicas caught cheating; only those entries), or None when unchanged.
     """
 
-    def __init__(self, run_id: str, *, min_reporters: int = 2, max_reports: int = 2000):
+    def __init__(self, run_id: str, *, max_reports: int = 2000, max_tries: int = 3):
         self.run_id = run_id
-        self.min_reporters = int(min_reporters)
         self.max_reports = int(max_reports)
+        self.max_tries = int(max_tries)
         self.reports: dict[tuple, dict] = {}
         self.published: Optional[str] = None
+        self.verdicts: dict[tuple, Any] = {}      # (report key, accused) -> Verdict (decided)
+        self.tries: dict[tuple, int] = {}
 
     def add(self, reporter: str, stage: int, reports: Iterable[Mapping[str, Any]]) -> int:
         """Keep ``reports`` served by ``reporter`` (a replica of ``stage``). Returns how many are new."""
@@ -147,17 +150,29 @@ class MergeOversight:
                 return 0
         return sum(await asyncio.gather(*(one(r) for r in replicas)))
 
-    def penalised(self) -> dict[str, str]:
-        hit = penalised_from_evidence(self.reports.values(), min_reporters=self.min_reporters)
-        out = {}
-        for hk in sorted(hit):
-            evs = [e for e in self.reports.values() if hk in (e.get("wrong") or []) and e.get("reporter") != hk]
-            reporters = sorted({str(e.get("reporter", ""))[:8] for e in evs})
-            epochs = sorted({e.get("epoch") for e in evs if e.get("epoch") is not None})
-            shards = {(e.get("epoch"), e.get("attempt"), e.get("shard")) for e in evs}
-            out[hk] = (f"merge: published merge results that {len(reporters)} replicas ({', '.join(reporters)}) "
-                       f"recomputed differently ({len(shards)} shard(s) in {len(evs)} report(s), "
-                       f"epoch(s) {epochs[:5]})")
+    def accusations(self) -> list[tuple[tuple, dict, str]]:
+        """(report key, report, accused) for every accusation not decided yet (self-accusations skipped)."""
+        out = []
+        for key, ev in self.reports.items():
+            for hk in ev.get("wrong") or []:
+                k = (key, hk)
+                if hk == ev.get("reporter") or k in self.verdicts or self.tries.get(k, 0) >= self.max_tries:
+                    continue
+                out.append((key, ev, hk))
+        return out
+
+    async def verify(self, auditor: Any, fetch: Any, limit: int = 8) -> list:
+        """Decide up to ``limit`` pending accusations with ``auditor`` (``MergeAuditor``) and ``fetch``
+        (hotkey, MergeAuditRequest) -> MergeAuditResponse. Returns the new verdicts (unresolved
+        ones included: their silent parties are reported too)."""
+        out = []
+        for key, ev, hk in self.accusations()[:max(0, int(limit))]:
+            v = await auditor.verify(ev, hk, fetch)
+            k = (key, hk)
+            self.tries[k] = self.tries.get(k, 0) + 1
+            if v.outcome != "unresolved":
+                self.verdicts[k] = v
+            out.append(v)
         return out
 
     def commitment(self, uids: Iterable[int], cheaters: Iterable[int]) -> Optional[str]:

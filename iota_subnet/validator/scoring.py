@@ -16,10 +16,11 @@ Anything non-finite or negative scores 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 from iota_subnet import plan
 from iota_subnet.config import RunConfig
@@ -160,22 +161,28 @@ def compute_weights(records: Iterable[MinerRecord], shares: list[float], current
 
 
 # ---------------------------------------------------------------------------------------------
-# Scores smoothed over tempos, with quality factors (spot checks, CLASP)
+# Scores over tempos: verified work rates, quality factors, staleness
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ScoreEntry:
-    """One miner's smoothed score and the reasons behind its latest update."""
+    """One miner's score and the reasons behind its latest update (see :class:`Scoreboard`)."""
 
     uid: int
     hotkey: str
     stage: int
-    score: float = 0.0         # smoothed work rate x quality (work units per tempo)
+    score: float = 0.0         # rate x quality x freshness: what the stage budget is split by
+    rate: float = 0.0          # verified work per active tempo over the window (work units)
     last_work: float = 0.0     # ledger work at the previous update
     new_work: float = 0.0      # verified work since the previous update
     quality: float = 1.0       # the latest quality factor, in [0, 1]
+    freshness: float = 1.0     # staleness factor, in (0, 1]
+    lag: int = 0               # tempos without verified work of its own while this validator verified others'
+    idle: int = 0              # tempos since its last verified work
+    stale: bool = False        # freshness < 1: its score is not current and costs weight
     weight: float = 0.0        # the latest weight this validator computed
     updates: int = 0
+    bins: list = field(default_factory=list)   # [active tempo index, work] inside the window
     why: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -184,61 +191,164 @@ class ScoreEntry:
 
 @dataclass
 class Scoreboard:
-    """Scores smoothed over tempos (an exponential moving average of verified work per tempo).
+    """Scores from verified work rates, so that equal verified work earns equal weight whatever the
+    timing, and stale scores cost weight (issue 10, item 7).
 
-    At every update (one per tempo, before weights are set), for each miner record:
+    Clock: one update per weights round (a tempo). An *active* tempo is one in which this validator
+    credited any verified work (to anyone); windows count active tempos, so nothing slides while no
+    work is verified (after a run ends, between runs).
 
-    * ``new_work`` = verified work (tokens x stage compute share, :class:`Ledger`) since the last update;
-    * ``quality`` = product of the factors given (spot checks: 0 when flagged; CLASP: ``clasp_penalty``
-      when flagged), clipped to [0, 1], so a penalty never raises a score;
-    * ``score = quality x ((1 - alpha) x score + alpha x new_work)``: a miner with no new verified
-      work (not evaluated this tempo) decays by ``1 - alpha`` per tempo instead of keeping a stale
-      score; a flagged miner's score is 0 at once; anything non-finite becomes 0.
+    At every update, for each ledger record:
 
-    Weights (:func:`balanced_weights`): each stage's budget is proportional to its compute share;
-    inside a stage the budget is split in proportion to the scores.
+    * ``new_work``: verified work (tokens x stage compute share, :class:`Ledger`) since the last update;
+    * ``rate`` = its verified work in the last ``window`` active tempos / the number of active tempos
+      from its first to its last tempo with work in that window: work per tempo while it was
+      working. Two replicas with the same verified work over the same span get the same rate, even
+      when their lanes' steps fall on different sides of tempo boundaries or one lane ends a tempo
+      before the other (today's exponential average froze a 2.5x gap in ``make localnet``);
+      a newcomer is scored on its own span from its first tempo;
+    * ``quality``: product of the factors given (spot checks, audits: 0 when flagged; CLASP), in [0, 1];
+    * ``freshness`` = ``2^-max(0, lag - grace) x 2^-max(0, quiet - grace)``: ``lag`` counts the
+      tempos in which this validator verified others' work but none of the miner's (a miner that
+      stopped, or that no lane reaches), ``quiet`` the tempos in which this validator verified no
+      work at all (everyone stale alike: after a run, with no lanes); ``grace`` tempos of either
+      are free (lanes finish a little apart). ``stale`` = freshness < 1 (shown in explanations);
+    * ``score`` = rate x quality x freshness.
+
+    Weights (:meth:`weights`): each stage's budget is proportional to its compute share (over the
+    stages with a scored miner); inside a stage, miner u gets ``budget x rate_u q_u f_u / D`` with
+    ``D = sum_v rate_v q_v r_v`` (``r``: the relative freshness ``2^-max(0, lag - grace)``) while
+    the stage has a fresh miner, else ``D = sum_v rate_v q_v``. So a caught cheater's share (q = 0)
+    and a departed miner's (r < 1) go to the replicas of its stage that work now, while a stage
+    nobody serves any more, or a validator that verifies nothing (``quiet``), loses weight: the
+    weights then sum to less than 1 and the validator puts the rest on its burn uid
+    (:func:`with_burn`; the chain normalises weights, so that is the only way a stale score is not
+    republished as current). Anything non-finite scores 0.
     """
 
-    alpha: float = 0.5
+    window: int = 16
+    grace: int = 2
     entries: dict[Key, ScoreEntry] = field(default_factory=dict)
+    tempo: int = 0              # updates so far
+    active: int = 0             # updates in which any verified work was credited
+    quiet: int = 0              # consecutive updates without any verified work
 
-    def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None) -> None:
+    def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None,
+               unrouted: Iterable[Key] = ()) -> None:
+        """One tempo. ``quality``: key -> (factor, reasons); ``unrouted``: miners this validator gave
+        no work this tempo by its own choice (e.g. the lane they serve finished its steps): their
+        ``lag`` does not grow."""
         quality = quality or {}
-        a = min(1.0, max(0.0, float(self.alpha)))
+        unrouted = set(unrouted)
+        W, grace = max(1, int(self.window)), max(0, int(self.grace))
+        new: dict[Key, float] = {}
         for key, rec in ledger.records.items():
             e = self.entries.get(key)
             if e is None:
                 e = self.entries[key] = ScoreEntry(rec.uid, rec.hotkey, rec.stage)
             e.stage = rec.stage
             work = _finite(rec.work)
-            e.new_work = _finite(work - e.last_work)
+            new[key] = _finite(work - e.last_work)
             e.last_work = work
+        any_work = any(v > 0 for v in new.values())
+        self.tempo += 1
+        if any_work:
+            self.active += 1
+            self.quiet = 0
+        else:
+            self.quiet += 1
+        lo = self.active - W + 1
+        for key, e in self.entries.items():
+            e.new_work = new.get(key, 0.0)
+            if e.new_work > 0:
+                e.bins.append([self.active, e.new_work])
+                e.idle = e.lag = 0
+            else:
+                e.idle += 1
+                e.lag += 1 if any_work and key not in unrouted else 0
+            e.bins = [b for b in e.bins if b[0] >= lo]
+            span = (e.bins[-1][0] - e.bins[0][0] + 1) if e.bins else 0
+            e.rate = _finite(sum(b[1] for b in e.bins) / span) if span else 0.0
             q, why = quality.get(key, (1.0, []))
-            q = _finite(q)
-            q = min(1.0, q)
-            e.quality = q
-            e.score = _finite(q * ((1 - a) * _finite(e.score) + a * e.new_work))
+            e.quality = min(1.0, _finite(q))
+            e.freshness = self.relative_freshness(e) * 2.0 ** -max(0, self.quiet - grace)
+            e.stale = e.freshness < 1.0
+            e.score = _finite(e.rate * e.quality * e.freshness)
             e.updates += 1
-            e.why = list(why) if why else ([f"verified work {e.new_work:.1f} units this tempo"] if e.new_work > 0
-                                            else ["no verified work this tempo: score decays"])
+            e.why = list(why) if why else []
+            if e.new_work > 0:
+                e.why.append(f"verified work {e.new_work:.1f} units this tempo; rate {e.rate:.1f} per tempo over "
+                             f"{span} tempo(s)")
+            elif e.rate > 0:
+                e.why.append(f"no verified work for {e.idle} tempo(s); rate {e.rate:.1f} from earlier tempos")
+            if e.stale:
+                parts = []
+                if e.lag > grace:
+                    parts.append(f"{e.lag} tempo(s) without its verified work while others' was verified")
+                if self.quiet > grace:
+                    parts.append(f"no work verified by this validator for {self.quiet} tempo(s)")
+                e.why.append(f"stale ({'; '.join(parts)}): weight x{e.freshness:.3g}, the rest is burned")
+
+    def relative_freshness(self, e: ScoreEntry) -> float:
+        """``2^-max(0, lag - grace)``: the part of the freshness that one miner's absence explains."""
+        return 2.0 ** -max(0, e.lag - max(0, int(self.grace)))
 
     def weights(self, shares: list[float], current: Mapping[int, str], exclude_uids: Iterable[int] = ()) -> dict[int, float]:
-        w = balanced_weights({k: e.score for k, e in self.entries.items()},
-                             {k: e.stage for k, e in self.entries.items()}, shares, current, exclude_uids)
-        for k, e in self.entries.items():
-            e.weight = w.get(e.uid, 0.0) if current.get(e.uid) == e.hotkey else 0.0
-        return w
+        """uid -> weight; sums to 1 when no score is stale, to less otherwise (see the class docstring)."""
+        excluded = set(int(u) for u in exclude_uids)
+        per_stage: dict[int, list[ScoreEntry]] = {}
+        for e in self.entries.values():
+            if e.uid in excluded or current.get(e.uid) != e.hotkey or not 0 <= e.stage < len(shares):
+                continue
+            per_stage.setdefault(e.stage, []).append(e)
+        denom = {}
+        for s, es in per_stage.items():
+            fresh = any(e.lag <= self.grace and e.rate * e.quality > 0 for e in es)
+            denom[s] = sum(_finite(e.rate * e.quality * (self.relative_freshness(e) if fresh else 1.0)) for e in es)
+        budgets = {s: _finite(shares[s]) for s, d in denom.items() if d > 0}
+        total = sum(budgets.values())
+        out: dict[int, float] = {}
+        if total > 0:
+            for s, b in budgets.items():
+                for e in per_stage[s]:
+                    w = _finite(b / total * e.score / denom[s])
+                    if w > 0:
+                        out[e.uid] = out.get(e.uid, 0.0) + w
+        z = sum(out.values())
+        if z > 1.0:                      # rounding only
+            out = {u: w / z for u, w in out.items()}
+        for e in self.entries.values():
+            e.weight = out.get(e.uid, 0.0) if current.get(e.uid) == e.hotkey else 0.0
+        return dict(sorted(out.items()))
+
+    def stale(self) -> set[Key]:
+        return {k for k, e in self.entries.items() if e.stale}
 
     def to_dict(self) -> dict:
-        return {"alpha": self.alpha, "entries": [e.to_dict() for e in self.entries.values()]}
+        return {"window": self.window, "grace": self.grace, "tempo": self.tempo, "active": self.active,
+                "quiet": self.quiet, "entries": [e.to_dict() for e in self.entries.values()]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Scoreboard":
-        sb = cls(alpha=float(d.get("alpha", 0.5)))
+        """Read a saved board (unknown keys, e.g. of the older exponential-average board, are ignored)."""
+        sb = cls(window=int(d.get("window", 16)), grace=int(d.get("grace", 2)), tempo=int(d.get("tempo", 0)),
+                 active=int(d.get("active", 0)), quiet=int(d.get("quiet", 0)))
+        known = {f.name for f in dataclasses.fields(ScoreEntry)}
         for row in d.get("entries", []):
-            e = ScoreEntry(**row)
+            e = ScoreEntry(**{k: v for k, v in row.items() if k in known})
             sb.entries[(e.uid, e.hotkey)] = e
         return sb
+
+
+def with_burn(weights: Mapping[int, float], burn_uid: Optional[int]) -> dict[int, float]:
+    """``weights`` plus ``1 - sum(weights)`` on ``burn_uid`` (the share that stale scores lost; the
+    chain normalises weights, so without it the loss would be renormalised away). Nothing is added
+    when ``burn_uid`` is None or the rest is below 1e-9; an empty ``weights`` puts everything on it."""
+    out = {int(u): float(w) for u, w in weights.items()}
+    rest = 1.0 - sum(out.values())
+    if burn_uid is not None and rest > 1e-9:
+        out[int(burn_uid)] = out.get(int(burn_uid), 0.0) + rest
+    return out
 
 
 def balanced_weights(scores: Mapping[Key, float], stages: Mapping[Key, int], shares: list[float],

@@ -53,11 +53,13 @@ from iota_subnet.transport import NeuronClient
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 
 from . import explain
+from .audit_policy import AuditPolicy, merge_quality
+from .merge_audit import record_verdicts
 from .clasp import attribute, quality_factors
 from .control import ControlPlane
 from .driver import LaneStepResult, PipelineDriver
 from .routing import Router, discover
-from .scoring import Scoreboard, stage_compute_shares
+from .scoring import Scoreboard, stage_compute_shares, with_burn
 from .state import ValidatorState
 from .verification import SpotChecker
 
@@ -96,7 +98,9 @@ class ValidatorOptions:
     clasp_paths: int = 6  # pathways per CLASP round
     clasp_window: int = 600  # most recent probes used for attribution
     clasp_penalty: float = 0.5  # quality factor of a CLASP-flagged miner
-    score_alpha: float = 0.5  # EMA weight of the latest tempo's work
+    score_window: int = 16  # active tempos over which verified work rates are measured
+    stale_grace: int = 2  # tempos without verified work before a score counts as stale and loses weight
+    burn_uid: Optional[int] = 0  # where the weight stale scores lost goes (uid 0: the subnet owner's); None: nowhere
     n_lanes: Optional[int] = None  # cap on the lanes driven (default: every complete lane)
     sync_interval_s: float = 5.0
     status_interval_s: float = 1.0
@@ -180,8 +184,12 @@ class ValidatorService:
         self._tempo = 0
         self._rate_limit = 0
         self.checker: Optional[SpotChecker] = None
+        #: outcomes of audits (update audits, hop audits, merge checks) and their excuses
+        self.audits = AuditPolicy()
         self.merge_oversight = None   # MergeOversight when the run merges replicas (see start())
-        self.board = Scoreboard(alpha=opts.score_alpha)
+        self.merge_auditor = None     # MergeAuditor (checks merge accusations) likewise
+        self._numel: dict[int, int] = {}
+        self.board = Scoreboard(window=opts.score_window, grace=opts.stale_grace)
         self.probes: list[dict] = []
         self.clasp_rounds = 0
         self.attribution: dict = {}
@@ -231,8 +239,10 @@ class ValidatorService:
         self.client = NeuronClient(self.wallet)          # training hops: forward, backward, evaluation
         self.verify_client = NeuronClient(self.wallet)   # spot-check snapshots and CLASP probes
         if self.cfg.merge.enabled:
+            from .merge_audit import MergeAuditor
             from .merge_weights import MergeOversight
             self.merge_oversight = MergeOversight(o.run_id)
+            self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel)
         self._load_verification()
         hp = await self.chain.hyperparameters(o.netuid)
         self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
@@ -376,24 +386,44 @@ class ValidatorService:
         return True
 
     async def _merge_round(self) -> None:
-        """With merging on: collect the replicas' merge mismatch evidence; a reducer that at least two
-        replicas proved wrong is flagged (weight 0, merge weight 0). See :class:`.merge_weights.MergeOversight`."""
+        """With merging on: collect the replicas' merge mismatch evidence and check every accusation
+        (:class:`.merge_audit.MergeAuditor`: this validator recomputes the disputed shard from the
+        participants' signed slices); the verdicts go to the audit policy: a reducer proven wrong, or
+        an accuser whose evidence does not hold, is flagged (weight 0, merge weight 0)."""
         mo = self.merge_oversight
-        if mo is None or self.router is None or self.checker is None:
+        if mo is None or self.router is None:
             return
         live = self.router.live_replicas()
         new = await mo.collect(self.verify_client, live)
         if new:
             logger.info("merge evidence: {} new report(s) from the replicas", new)
-        stages = {r.hotkey: (r.uid, r.stage) for r in live}
-        stages.update({hk: (uid, rec.stage) for (uid, hk), rec in self.ledger.records.items() if hk not in stages})
-        for hk, why in mo.penalised().items():
-            if hk in stages:
-                uid, stage = stages[hk]
-                s = self.checker.stat(uid, hk, stage)
-                if not s.flagged:
-                    logger.warning("uid {} flagged: {}", uid, why)
-                s.flag(why)
+        who = {hk: (uid, rec.stage) for (uid, hk), rec in self.ledger.records.items()}
+        who.update({r.hotkey: (r.uid, r.stage) for r in live})
+        endpoints = {r.hotkey: r.endpoint for r in live}
+
+        async def fetch(hotkey: str, req):
+            from iota_subnet.protocol import MergeAuditResponse
+            ep = endpoints.get(hotkey)
+            if ep is None:
+                raise ConnectionError(f"no endpoint for {hotkey[:10]}")
+            return await self.verify_client.call(ep, hotkey, "/audit/merge", req, MergeAuditResponse,
+                                                 timeout_s=self.opts.hop_timeout_s, retries=1)
+        verdicts = await mo.verify(self.merge_auditor, fetch)
+        for v in verdicts:
+            logger.log("WARNING" if v.penalise else "INFO", "merge accusation by {} against {}: {} ({})",
+                       v.reporter[:10], v.accused[:10], v.outcome, v.detail)
+        record_verdicts(self.audits, verdicts, who)
+
+    def _stage_numel(self, stage: int) -> int:
+        n = self._numel.get(stage)
+        if n is None:
+            import torch
+
+            from iota_subnet.model import PipelineStage
+            with torch.device("meta"):
+                n = self._numel[stage] = sum(p.numel() for p in PipelineStage(self.cfg.model, self.cfg.pipeline, stage,
+                                                                              init=False).parameters())
+        return n
 
     async def _publish_merge_weights(self) -> None:
         """Publish each replica's weight in its stage's merge (commitment), when it changed."""
@@ -402,7 +432,7 @@ class ValidatorService:
             return
         uids = [uid for (uid, hk) in self.ledger.records if self.current.get(uid) == hk]
         cheaters = {uid for uid, hk in (self.checker.flagged() if self.checker is not None else set())
-                    if self.current.get(uid) == hk}
+                    | self.audits.flagged() if self.current.get(uid) == hk}
         raw = mo.commitment(uids, cheaters)
         if raw is None:
             return
@@ -531,6 +561,9 @@ class ValidatorService:
         raw = self.state.get_meta("scoreboard")
         if raw:
             self.board = Scoreboard.from_dict(json.loads(raw))
+        raw = self.state.get_meta("audits")
+        if raw:
+            self.audits.load_dict(json.loads(raw))
         raw = self.state.get_meta("clasp_probes")
         if raw:
             self.probes = json.loads(raw)
@@ -542,6 +575,7 @@ class ValidatorService:
     def _save_verification(self) -> None:
         self.state.set_meta("spot_checks", json.dumps(self.checker.to_dict()))
         self.state.set_meta("scoreboard", json.dumps(self.board.to_dict()))
+        self.state.set_meta("audits", json.dumps(self.audits.to_dict()))
         self.state.set_meta("clasp_probes", json.dumps(self.probes[-self.opts.clasp_window:]))
         self.state.set_meta("scores", json.dumps(self.explained))
 
@@ -549,7 +583,7 @@ class ValidatorService:
         """One tempo's scoring: CLASP attribution, quality factors, Scoreboard update, weights
         (uid -> weight, summing to 1, or empty), explained scores. See :mod:`.scoring`."""
         flagged = self.checker.flagged() if self.checker is not None else set()
-        self.attribution = attribute(self.probes[-self.opts.clasp_window:], exclude=flagged)
+        self.attribution = attribute(self.probes[-self.opts.clasp_window:], exclude=flagged | self.audits.flagged())
         qf = quality_factors(self.attribution, self.opts.clasp_penalty)
         quality = {}
         for key in self.ledger.records:
@@ -560,10 +594,33 @@ class ValidatorService:
                     else "spot check failed"
                 f, why = 0.0, [f"{label}: " + "; ".join(reasons)] + list(why)
             quality[key] = (f, why)
-        self.board.update(self.ledger, quality)
+        quality = merge_quality(quality, self.audits.quality())
+        self.board.update(self.ledger, quality, unrouted=self._unrouted())
         weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
-        self.explained = explain.build(self.ledger, self.checker, self.attribution, self.board, self.current, block)
-        return weights
+        self.explained = explain.build(self.ledger, self.checker, self.attribution, self.board, self.current, block,
+                                       audits=self.audits)
+        return with_burn(weights, self._burn_uid())
+
+    def _unrouted(self) -> set:
+        """Miners of lanes this validator has finished driving (no work for them by its own choice)."""
+        if self.router is None:
+            return set()
+        out = set()
+        for lane, nxt in self.next_steps.items():
+            if nxt >= self.opts.steps:
+                for stage in range(self.cfg.pipeline.stages):
+                    r = self.router.lane_member(lane, stage)
+                    if r is not None:
+                        out.add(r.key)
+        return out
+
+    def _burn_uid(self) -> Optional[int]:
+        """The burn uid for stale weight, or None: not set, not in the metagraph, or this validator's
+        own uid (Yuma drops self-weights and renormalises: that would not burn anything)."""
+        b = self.opts.burn_uid
+        if b is None or int(b) == self.uid or int(b) not in self.current:
+            return None
+        return int(b)
 
     async def _clasp_round(self) -> None:
         if self.driver is None or self.router is None or self.router.n_lanes == 0:

@@ -8,8 +8,7 @@ What the validator has
     snapshot of each lane member's stage weights (``snapshot_every`` steps; ``state_meta.step`` is
     the miner's inner step). Between two lane steps a miner of the lane does exactly one inner step,
     so the hops of the step that follows a snapshot run with the snapshot's weights; a miner reports
-    the inner step whose weights it used (``stats.weights_step``; ``stats.bf16 = 1`` when it computes
-    under bf16 autocast) and a hop whose reported step
+    the inner step whose weights it used (``stats.weights_step``) and a hop whose reported step
     differs from the snapshot's is *unverifiable* (skipped, counted), never failed.
 
 Blindness
@@ -28,24 +27,27 @@ Replay
 
 Comparison and tolerances
     ``rel_err(got, ref) = ||got - ref||_2 / max(||ref||_2, 1e-12)`` over the whole tensor (the
-    loss: ``|got - ref| / max(|ref|, 1e-12)``). A hop fails when ``rel_err > tol``:
+    loss: ``|got - ref| / max(|ref|, 1e-12)``). A hop fails when ``rel_err > tol``, with ``tol`` set
+    by the **run config** (``train.precision``, :func:`replay_tolerance`), never by the miner's
+    reply (a ``bf16`` flag in a reply used to buy the 20x looser tolerance: the ``precision``
+    adversary claims it and skips work within it):
 
-    * ``fp32`` (a miner that does not report ``bf16``; the CPU default): ``tol = 1e-3``. A
-      replay of the same fp32 computation differs only by reduction order / kernel choice
-      (measured ``< 1e-5`` for the tiny model on CPU; a GPU's TF32 matmuls reach ``~1e-3`` on long
-      chains, which is why a GPU miner must report bf16 or disable TF32).
-    * ``bf16`` (autocast on GPU, fp32 master weights): ``tol = 2e-2``. bf16 keeps 8 mantissa bits
-      (unit round-off 2^-8 = 3.9e-3 per rounding, partly averaging out in long dot products):
-      measured bf16-autocast vs fp32 replay of stage 1 of the ``tiny`` model (3 blocks, 4 x 256
-      tokens): 2.1e-3 on activations and 2.2e-3 on input gradients, so 2e-2 leaves a ~10x margin.
-      The cheapest cheat it must still catch, skipping 1 of those 3 blocks, is off by 3.3e-2 at
-      initialisation (more once blocks have learned): only ~1.6x above the bf16 tolerance, so lazy
-      miners that skip a small fraction of a deep stage's blocks need the fp32 tolerance (or
-      CLASP) to be caught; the fp32 margin for the same cheat is 33x.
+    * ``fp32``: ``tol = 1e-3``. A replay of the same fp32 computation differs only by reduction
+      order / kernel choice (measured ``< 1e-5`` for the tiny model on CPU; a GPU's TF32 matmuls
+      reach ``~1e-3`` on long chains: an fp32 run disables TF32).
+    * ``bf16`` (autocast, fp32 master weights): ``tol = 2e-2``. bf16 keeps 8 mantissa bits (unit
+      round-off 2^-8 = 3.9e-3 per rounding, partly averaging out in long dot products). Measured
+      bf16 autocast vs fp32 (``scripts/bench_precision.py``, CPU, seeded initialisation):
+      stage 1 of ``1b`` cut in 4 (layers 4-7, 244 M parameters, 1 row x 128 tokens): 4.5e-3 on
+      activations, 6.6e-3 on input gradients (3x under the tolerance); stage 1 of ``tiny``
+      (3 blocks, 4 x 256 tokens): 2.1e-3 and 2.2e-3. Skipping the stage's last block (bf16) is off
+      by 0.26 / 0.39 at ``1b`` (13x the tolerance) but only 2.4e-2 / 3.6e-2 on ``tiny``: lazy
+      miners that skip a small fraction of a small stage need an fp32 run (33x margin) or CLASP.
+      Trained weights may raise the honest bf16 error: re-measure before tightening.
 
-    A miner that lies about its precision only gets the looser bf16 tolerance. Measured errors of
-    the cheats in the suite on the test model (fp32): lazy 4e-2..1e-1, claim (zero gradient) 1.0,
-    zero 1.0, replayed / copied outputs 0.5..1.5 (``tests/test_adversaries.py``).
+    Measured errors of the cheats in the suite on the test model (fp32): lazy 4e-2..1e-1, claim
+    (zero gradient) 1.0, zero 1.0, replayed / copied outputs 0.5..1.5, precision (bf16 plus a
+    skipped MLP) 3.6e-3 (``tests/test_adversaries.py``).
 
 Stale weights
     Between two snapshots of the same miner, if this validator delivered at least ``micro_per_step``
@@ -85,8 +87,19 @@ from iota_subnet.transport import TransportError
 
 Key = tuple[int, str]
 
-#: Relative L2 tolerance of a replayed hop, by the precision the miner computes in (see the module docstring).
+#: Relative L2 tolerance of a replayed hop, by the run's precision (``train.precision``; see the module docstring).
 TOLERANCES = {"fp32": 1e-3, "bf16": 2e-2}
+
+
+def replay_precision(cfg: RunConfig) -> str:
+    """The precision a replay is judged at: the run config's ``train.precision`` (a miner's reply
+    cannot loosen its own tolerance, issue 10 item 5)."""
+    return cfg.train.precision
+
+
+def replay_tolerance(cfg: RunConfig) -> float:
+    """Relative L2 tolerance of a replayed hop for this run (:data:`TOLERANCES`)."""
+    return TOLERANCES[replay_precision(cfg)]
 
 
 def rel_err(got: Any, ref: Any) -> float:
@@ -285,7 +298,7 @@ class SpotChecker:
             return
         stats = getattr(reply, "stats", None) or {}
         ws = stats.get("weights_step", getattr(reply, "inner_step", None))
-        prec = "bf16" if float(stats.get("bf16", 0) or 0) > 0 else "fp32"
+        prec = replay_precision(self.cfg)       # the run's, never what the miner's reply says
         smp = Sample(r.uid, r.hotkey, r.stage, lane, step, microbatch_id, x.detach().clone(),
                      targets.detach().clone() if last else None, None if ws is None else int(ws), prec)
         wm = stats.get("weights_merges")

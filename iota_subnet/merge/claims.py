@@ -1,0 +1,220 @@
+"""Signed merge claims: what each replica says it contributed and computed, so that validators can
+check accusations themselves instead of counting them (issue 10, item 6).
+
+Two statements, each a canonical JSON object signed with the replica's hotkey (sr25519):
+
+* **contribution claim** (by the sender of a slice): ``t="iota-merge-contribution/1", run, stage,
+  epoch, attempt, plan_id, shard, offset, numel, quant, sha256, root, by``: ``sha256`` of the
+  dequantized float32 slice (what reducers record as ``contribution_sha256``), ``root`` the Merkle
+  root of its chunks (:func:`chunk_tree`: rows of :data:`CHUNK_NUMEL` values, the last shorter).
+  It travels in ``MergePayload.info["claim"]``; a reducer refuses a slice whose claim is unsigned,
+  signed by another hotkey, for other coordinates, or does not match the slice (``FORBIDDEN``).
+* **result claim** (by a reducer): ``t="iota-merge-result/1", run, stage, epoch, attempt, plan_id,
+  shard, offset, numel, contributors, weights, contribution_sha256, mean_sha256, mean_root, by``
+  over the mean it serves. It travels in ``MergeResult.info["claim"]`` with the contributors'
+  claims it used (``info["contrib_claims"]``), so a result is self-contained evidence: the
+  reporters of a mismatch pass it on, and nobody can forge it.
+
+:class:`MergeClaims` is the miner side: the merge engine calls it as its ``observer`` (sign outgoing
+slices, check incoming ones, sign results), and it keeps, for the last ``keep_epochs`` merge epochs,
+the slices this replica contributed and the means it served with their chunk trees. It serves
+``/audit/merge`` (:meth:`MergeClaims.open`) from those copies only: never the engine's sessions,
+never waiting for a running merge. Answers are bounded (:data:`MAX_AUDIT_CHUNKS` chunks), so any
+shard size is fetched in parts (item 8).
+
+Cost: one extra hash pass (sha256 of the chunks) over every slice sent, received and served;
+memory: this replica's slices of the kept epochs (the whole stage per epoch and attempt, fp32) plus
+the means it served (about 2 / N of the stage per attempt).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from iota_subnet.audit.merkle import MerkleTree, leaf_hash
+from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, MergePayload, MergeResult, Outcome,
+                                  ProtocolError, proof_tensor, tensor_sha256)
+
+#: Values per chunk (Merkle row) of a merge slice or mean: 32 KB of float32.
+CHUNK_NUMEL = 8192
+#: Chunks one ``/audit/merge`` answer may carry (8 MB).
+MAX_AUDIT_CHUNKS = 256
+
+CONTRIBUTION = "iota-merge-contribution/1"
+RESULT = "iota-merge-result/1"
+
+
+def n_chunks(numel: int, chunk: int = CHUNK_NUMEL) -> int:
+    return max(1, -(-int(numel) // chunk))
+
+
+def chunk_tree(flat: torch.Tensor, chunk: int = CHUNK_NUMEL) -> MerkleTree:
+    """Merkle tree over the chunks of a flat float32 tensor (leaf i: values [i*chunk, (i+1)*chunk))."""
+    x = flat.detach().reshape(-1).float().contiguous()
+    return MerkleTree([leaf_hash(x[o:o + chunk]) for o in range(0, max(1, x.numel()), chunk)])
+
+
+def statement(claim: Mapping[str, Any]) -> bytes:
+    """The signed bytes of a claim: canonical JSON of every field but ``sig``."""
+    body = {k: v for k, v in claim.items() if k != "sig"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_claim(claim: dict, keypair: Any) -> dict:
+    """``claim`` with ``by`` (the signer's ss58) and ``sig`` (hex sr25519 signature) set."""
+    claim = dict(claim, by=keypair.ss58_address)
+    claim["sig"] = keypair.sign(statement(claim)).hex()
+    return claim
+
+
+def verify_claim(claim: Any, signer: str, kind: str) -> bool:
+    """True when ``claim`` is a ``kind`` claim signed by hotkey ``signer``."""
+    if not isinstance(claim, Mapping) or claim.get("t") != kind or claim.get("by") != signer:
+        return False
+    try:
+        from bittensor.sp_core import Keypair
+        return bool(Keypair(ss58_address=signer).verify(statement(claim), bytes.fromhex(str(claim.get("sig", "")))))
+    except Exception:  # noqa: BLE001 - malformed key or signature: not verified
+        return False
+
+
+def coords(run_id: str, stage: int, epoch: int, attempt: int, plan_id: str, shard: int) -> dict:
+    return {"run": run_id, "stage": int(stage), "epoch": int(epoch), "attempt": int(attempt), "plan_id": plan_id,
+            "shard": int(shard)}
+
+
+@dataclass
+class _Kept:
+    flat: torch.Tensor
+    tree: MerkleTree
+    claim: dict
+
+
+class MergeClaims:
+    """Miner side of merge claims (see the module docstring). ``keypair``: this replica's hotkey
+    (``wallet.hotkey``); ``chunk``: values per chunk; ``keep_epochs``: merge epochs kept for audits."""
+
+    def __init__(self, keypair: Any, run_id: str, stage: int, *, chunk: int = CHUNK_NUMEL, keep_epochs: int = 4,
+                 int8_block: int = 256):
+        self.keypair, self.run_id, self.stage = keypair, run_id, int(stage)
+        self.me = keypair.ss58_address
+        self.chunk, self.keep_epochs, self.int8_block = int(chunk), int(keep_epochs), int(int8_block)
+        self._lock = threading.Lock()
+        self.contributions: dict[tuple, _Kept] = {}       # (epoch, attempt, plan_id, shard) -> my slice
+        self.means: dict[tuple, _Kept] = {}               # (epoch, attempt, plan_id, shard) -> mean I served
+        self.received: dict[tuple, dict[str, dict]] = {}  # (epoch, attempt, plan_id, shard) -> sender -> claim
+        self.served = 0
+
+    # ---- engine observer ------------------------------------------------------------------------
+    def on_contributions(self, plan: Any, slices: Mapping[int, torch.Tensor], payloads: list[MergePayload]) -> None:
+        """Sign this replica's slices of ``plan`` (shard -> dequantized float32 slice), attach the
+        claims to the outgoing ``payloads`` and keep the slices. Runs off the event loop."""
+        claims = {}
+        for s, x in slices.items():
+            off, n = plan.bounds[s]
+            tree = chunk_tree(x, self.chunk)
+            claim = sign_claim({"t": CONTRIBUTION, **coords(self.run_id, self.stage, plan.epoch, plan.attempt,
+                                                            plan.plan_id, s),
+                                "offset": int(off), "numel": int(n), "sha256": tensor_sha256(x.float().contiguous()),
+                                "root": tree.root.hex()}, self.keypair)
+            claims[s] = claim
+            key = (plan.epoch, plan.attempt, plan.plan_id, s)
+            with self._lock:
+                self.contributions[key] = _Kept(x.detach().float().clone(), tree, claim)
+                self.received.setdefault(key, {})[self.me] = claim
+        for m in payloads:
+            m.info = {**m.info, "claim": claims[m.shard_index]}
+        self._prune(plan.epoch)
+
+    def on_contribution_in(self, sender: str, msg: MergePayload, x: torch.Tensor) -> None:
+        """Check the claim of an incoming slice (``x``: dequantized); raises ProtocolError(FORBIDDEN)."""
+        c = msg.info.get("claim") if isinstance(msg.info, Mapping) else None
+        if not verify_claim(c, sender, CONTRIBUTION):
+            raise ProtocolError(Outcome.FORBIDDEN, "merge slice without a valid contribution claim signed by its sender")
+        want = {**coords(self.run_id, self.stage, msg.epoch, msg.attempt, msg.plan_id, msg.shard_index),
+                "offset": int(msg.offset), "numel": int(x.numel())}
+        if any(c.get(k) != v for k, v in want.items()):
+            raise ProtocolError(Outcome.FORBIDDEN, "contribution claim is for other coordinates than the slice")
+        if c.get("sha256") != tensor_sha256(x.float().contiguous()) or c.get("root") != chunk_tree(x, self.chunk).root.hex():
+            raise ProtocolError(Outcome.FORBIDDEN, "contribution claim does not match the slice sent")
+        with self._lock:
+            self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = dict(c)
+
+    def on_result(self, res: MergeResult, served: torch.Tensor, offset: int) -> None:
+        """Sign a result this replica computed (``served``: the mean it serves) and keep the mean."""
+        key = (res.epoch, res.attempt, res.plan_id, res.shard_index)
+        tree = chunk_tree(served, self.chunk)
+        with self._lock:
+            got = dict(self.received.get(key, {}))
+        claim = sign_claim({"t": RESULT, **coords(self.run_id, self.stage, res.epoch, res.attempt, res.plan_id,
+                                                  res.shard_index),
+                            "offset": int(offset), "numel": int(served.numel()), "contributors": list(res.contributors),
+                            "weights": [float(w) for w in res.weights],
+                            "contribution_sha256": list(res.contribution_sha256), "mean_sha256": res.mean_sha256,
+                            "mean_root": tree.root.hex()}, self.keypair)
+        res.info = {**res.info, "claim": claim, "contrib_claims": {p: got[p] for p in res.contributors if p in got}}
+        with self._lock:
+            self.means[key] = _Kept(served.detach().float().clone(), tree, claim)
+
+    def _prune(self, epoch: int) -> None:
+        with self._lock:
+            for d in (self.contributions, self.means, self.received):
+                for k in [k for k in d if k[0] <= epoch - self.keep_epochs]:
+                    del d[k]
+
+    # ---- validators ---------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(k.flat.numel() * 4 for d in (self.contributions, self.means) for k in d.values())
+
+    def open(self, msg: MergeAuditRequest) -> MergeAuditResponse:
+        """Chunks (with proofs) of a kept slice or mean and its signed claim. Raises ProtocolError:
+        LATE (not kept: another plan, or an epoch out of the window), BAD_SHAPE (chunk indices),
+        MALFORMED (``what``)."""
+        if msg.what not in ("contribution", "mean"):
+            raise ProtocolError(Outcome.MALFORMED, f"what must be 'contribution' or 'mean', not {msg.what!r}")
+        key = (msg.epoch, msg.attempt, msg.plan_id, msg.shard_index)
+        with self._lock:
+            kept = (self.contributions if msg.what == "contribution" else self.means).get(key)
+        if kept is None:
+            raise ProtocolError(Outcome.LATE, f"no {msg.what} kept for epoch {msg.epoch} attempt {msg.attempt} plan "
+                                              f"{msg.plan_id[:12]} shard {msg.shard_index}")
+        n = n_chunks(kept.flat.numel(), self.chunk)
+        if len(msg.chunks) > MAX_AUDIT_CHUNKS or len(set(msg.chunks)) != len(msg.chunks) or any(
+                not 0 <= int(i) < n for i in msg.chunks):
+            raise ProtocolError(Outcome.BAD_SHAPE, f"chunks must be distinct indices in 0..{n - 1}, at most "
+                                                   f"{MAX_AUDIT_CHUNKS} per request")
+        chunks, proofs = {}, {}
+        for i in msg.chunks:
+            i = int(i)
+            chunks[str(i)] = kept.flat[i * self.chunk:(i + 1) * self.chunk].clone()
+            proofs[str(i)] = proof_tensor(kept.tree.proof(i))
+        claim = dict(kept.claim)
+        if msg.what == "mean":
+            with self._lock:
+                got = dict(self.received.get(key, {}))
+            claim = {"claim": claim, "contrib_claims": {p: got[p] for p in kept.claim["contributors"] if p in got}}
+        else:
+            claim = {"claim": claim}
+        self.served += 1
+        return MergeAuditResponse(run_id=self.run_id, stage=self.stage, claim=claim, chunks=chunks, proofs=proofs)
+
+
+class MergeAuditRoute:
+    """``/audit/merge`` handler (``MergeAuditRequest -> MergeAuditResponse``) over :class:`MergeClaims`;
+    authorisation (validators with a permit) is the server's authorizer's job."""
+
+    def __init__(self, claims: MergeClaims):
+        self.claims = claims
+
+    async def __call__(self, msg: MergeAuditRequest, ctx: Any = None) -> MergeAuditResponse:
+        if msg.run_id != self.claims.run_id or msg.stage != self.claims.stage:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this replica merges run {self.claims.run_id!r} stage "
+                                                   f"{self.claims.stage}, not {msg.run_id!r} stage {msg.stage}")
+        return await asyncio.to_thread(self.claims.open, msg)

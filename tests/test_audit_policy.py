@@ -1,0 +1,126 @@
+"""The audit-outcome policy (issue 10, item 2): unverifiable is a failure; a miner that was down
+(its training hops failed too) or restarted (announced) is excused, within a stated bound; a
+dodger that serves training but not audits is flagged; a churned honest miner is not."""
+from __future__ import annotations
+
+import pytest
+
+from iota_subnet.validator.audit_policy import AuditPolicy, merge_quality
+
+K = (4, "hk4")
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_wrong_answer_flags_at_once_and_is_never_excused():
+    c = Clock()
+    p = AuditPolicy(clock=c)
+    p.note_hop(K, False, c.t)                  # even while "down"
+    assert p.record(*K, 1, "update", "failed", detail="AdamW recomputed on 2 row(s) differs") == "failed"
+    s = p.stats[K]
+    assert s.flagged and s.failed == 1 and "update audit failed" in s.reasons[0]
+    assert p.quality()[K][0] == 0.0 and K in p.flagged()
+
+
+def test_dodger_serving_training_but_not_audits_is_flagged():
+    c = Clock()
+    p = AuditPolicy(clock=c)
+    for i in range(3):
+        c.t += 10
+        p.note_hop(K, True, c.t)                # it trains fine
+        out = p.record(*K, 1, "hop", "refused" if i % 2 else "timeout", detail="503")
+        assert out in ("refused", "timed_out")
+        if i == 0:
+            assert not p.stats[K].flagged       # one lost answer is not a pattern
+    s = p.stats[K]
+    assert s.flagged and s.refused + s.timed_out == 3 and "unanswered" in s.reasons[0]
+
+
+def test_down_miner_is_excused_within_the_bound():
+    c = Clock()
+    p = AuditPolicy(clock=c, min_excuses=3, max_excuse_fraction=0.5, excuse_window=20)
+    # up and passing for a while
+    for _ in range(4):
+        c.t += 10
+        p.note_hop(K, True, c.t)
+        assert p.record(*K, 1, "update", "passed") == "passed"
+    # down: its training hops time out too; audits of its earlier work time out -> excused
+    c.t += 120
+    outs = []
+    for _ in range(3):
+        c.t += 5
+        p.note_hop(K, False, c.t)
+        outs.append(p.record(*K, 1, "update", "timeout", work_at=c.t - 30))
+    assert outs == ["excused"] * 3 and not p.stats[K].flagged
+    # the bound: max(3, half of the last 20): after 4 passes, a 4th excuse (half of 8), not a 5th;
+    # a miner that stays down keeps at most half its audits excused and is flagged
+    c.t += 5
+    p.note_hop(K, False, c.t)
+    assert p.record(*K, 1, "update", "timeout") == "excused"
+    c.t += 5
+    p.note_hop(K, False, c.t)
+    assert p.record(*K, 1, "update", "timeout") == "timed_out"
+    assert "excuse bound" in p.stats[K].recent[-1]["why"] and not p.stats[K].flagged
+    while not p.stats[K].flagged:
+        c.t += 5
+        p.note_hop(K, False, c.t)
+        p.record(*K, 1, "update", "timeout")
+    s = p.stats[K]
+    assert s.timed_out == 2 and s.excused <= s.audits / 2 and "unanswered" in s.reasons[0]
+
+
+def test_churned_honest_miner_restarts_are_excused_not_flagged():
+    """Pauses and restarts on purpose (the churn issue): audits of work from before each announced
+    restart are refused (LATE: the store is gone), and excused."""
+    c = Clock()
+    p = AuditPolicy(clock=c, min_restart_interval_s=60)
+    flagged = []
+    for cycle in range(4):
+        for _ in range(5):                                   # works and passes
+            c.t += 10
+            p.note_hop(K, True, c.t)
+            p.record(*K, 1, "update", "passed")
+        work_at = c.t - 5
+        c.t += 30                                            # paused; restarts and announces it
+        assert p.announce_restart(K, c.t)
+        c.t += 5
+        p.note_hop(K, True, c.t)                             # serving again
+        assert p.record(*K, 1, "update", "refused", work_at=work_at, detail="LATE") == "excused"
+        flagged.append(p.stats[K].flagged)
+    assert flagged == [False] * 4 and p.stats[K].excused == 4
+    # work done after the restart is not covered: refusing it is a failure
+    c.t += 10
+    p.note_hop(K, True, c.t)
+    assert p.record(*K, 1, "update", "refused", work_at=c.t - 2) == "refused"
+
+
+def test_restart_excuses_need_restarts_apart():
+    c = Clock()
+    p = AuditPolicy(clock=c, min_restart_interval_s=60)
+    assert p.announce_restart(K, c.t)
+    assert not p.announce_restart(K, c.t + 10)             # "restarting" before every audit
+    w = c.t + 5
+    c.t += 20
+    p.note_hop(K, True, c.t)
+    assert p.record(*K, 1, "update", "refused", work_at=w) == "refused"
+    with pytest.raises(ValueError):
+        p.record(*K, 1, "update", "weird")
+
+
+def test_quality_merge_and_persistence():
+    c = Clock()
+    p = AuditPolicy(clock=c)
+    p.record(1, "a", 0, "update", "passed")
+    p.record(2, "b", 0, "merge", "failed", detail="served a wrong mean")
+    q = merge_quality(p.quality(), {(1, "a"): (0.5, ["clasp"])})
+    assert q[(1, "a")] == (0.5, ["clasp"]) and q[(2, "b")][0] == 0.0
+    p2 = AuditPolicy(clock=c)
+    p2.load_dict(p.to_dict())
+    assert p2.flagged() == {(2, "b")} and p2.summary((1, "a"))["passed"] == 1
+    assert p2.summary((2, "b"))["by_kind"] == {"merge": 1}

@@ -1,0 +1,223 @@
+"""Merge evidence verified, not counted (issue 10, item 6), with real MinerService replicas over
+signed HTTP on 127.0.0.1 (devnet chain), as in tests/test_merge_http.py.
+
+* ``accuse``: two colluding replicas file matching forged evidence against an honest reducer. The
+  old rule (two reporters suffice) would zero the honest reducer; the validator's own check
+  (``/audit/merge``: the participants' signed slices and the reducer's signed mean, chunk by chunk
+  with Merkle proofs) clears it and flags the two accusers.
+* ``poison`` stays caught: the honest reporters' accusation is upheld, they are not penalised.
+* Audits are never blocked by a running merge: ``/audit/update`` and ``/audit/merge`` answer while
+  the merge gate is closed and the worker's lock is held (a validator's ``/state`` used to wait 30 s).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from iota_subnet.merge.claims import (CONTRIBUTION, MergeClaims, chunk_tree, sign_claim, statement, verify_claim)
+from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, MergePayload, Outcome, ProtocolError,
+                                  tensor_sha256)
+from iota_subnet.transport import NeuronClient
+from iota_subnet.validator.audit_policy import AuditPolicy
+from iota_subnet.validator.merge_audit import MergeAuditor, record_verdicts
+from iota_subnet.validator.merge_weights import MergeOversight, penalised_from_evidence
+from iota_subnet.validator.routing import Replica
+from iota_subnet.validator.scoring import Ledger, Scoreboard
+from iota_subnet.validator.update_audit import UpdateAuditor
+from test_merge_http import RUN, Net, merge_epoch, train_locally
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class AuditNet(Net):
+    """Net whose miners keep update audits (``MinerService(audit_window=2)``)."""
+
+    async def add(self, adversary=None):
+        from iota_subnet.miner.service import MinerService
+        from iota_subnet.wallets import create_wallet
+        i = len(self.svcs)
+        w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
+        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
+                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary, audit_window=2)
+        await svc.start()
+        self.svcs.append(svc)
+        for s in self.svcs:
+            s._last_refresh = 0
+            await s.refresh(force=True)
+        return svc
+
+
+def test_claims_sign_verify_and_incoming_checks():
+    from bittensor.sp_core import Keypair
+    a, b = Keypair.create_from_uri("//Alice"), Keypair.create_from_uri("//Bob")
+    c = sign_claim({"t": CONTRIBUTION, "x": 1}, a)
+    assert verify_claim(c, a.ss58_address, CONTRIBUTION)
+    assert not verify_claim(c, b.ss58_address, CONTRIBUTION)            # another signer
+    assert not verify_claim({**c, "x": 2}, a.ss58_address, CONTRIBUTION)  # altered after signing
+    assert not verify_claim({**c, "sig": "zz"}, a.ss58_address, CONTRIBUTION)
+    assert statement(c) == statement({k: v for k, v in c.items() if k != "sig"})
+    # a reducer refuses a slice whose claim is missing, foreign, for other coordinates or another slice
+    mine = MergeClaims(b, "r", 1, chunk=4)
+    x = torch.arange(10, dtype=torch.float32)
+    ok = sign_claim({"t": CONTRIBUTION, "run": "r", "stage": 1, "epoch": 0, "attempt": 0, "plan_id": "p", "shard": 0,
+                     "offset": 0, "numel": 10, "sha256": tensor_sha256(x), "root": chunk_tree(x, 4).root.hex()}, a)
+    msg = MergePayload(run_id="r", stage=1, epoch=0, attempt=0, plan_id="p", shard_index=0, offset=0, total_numel=10,
+                       shard=x, info={"claim": ok})
+    mine.on_contribution_in(a.ss58_address, msg, x)
+    for bad in ({}, {"claim": sign_claim(dict(ok, by=None), b)}, {"claim": sign_claim({**ok, "epoch": 1}, a)},
+                {"claim": sign_claim({**ok, "sha256": "00" * 32}, a)}):
+        with pytest.raises(ProtocolError) as ei:
+            mine.on_contribution_in(a.ss58_address, MergePayload(**{**msg.__dict__, "info": bad}), x)
+        assert ei.value.outcome == Outcome.FORBIDDEN
+
+
+async def _verify(net, mo: MergeOversight):
+    """The validator's merge round, as ValidatorService._merge_round runs it."""
+    reps = [Replica(s.uid, s.hotkey, s.server.endpoint, s.stage) for s in net.svcs]
+    eps = {s.hotkey: s.server.endpoint for s in net.svcs}
+    numel = net.svcs[0].merge.params.numel
+    async with NeuronClient(net.val) as cl:
+        await mo.collect(cl, reps)
+
+        async def fetch(hk, req):
+            return await cl.call(eps[hk], hk, "/audit/merge", req, MergeAuditResponse, retries=0, timeout_s=20)
+        auditor = MergeAuditor(RUN, lambda stage: numel, sample_chunks=2)
+        verdicts = await mo.verify(auditor, fetch, limit=20)
+        bytes_ = cl.bytes_sent + cl.bytes_received
+    return verdicts, bytes_
+
+
+def _scores(net, policy):
+    led = Ledger([1.0])
+    for s in net.svcs:
+        led.record(s.uid, s.hotkey, 0).work = 100.0            # equal verified work
+    board = Scoreboard()
+    board.update(led, policy.quality())
+    return board.weights([1.0], {s.uid: s.hotkey for s in net.svcs})
+
+
+def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp_home):
+    async def main():
+        net = Net(tmp_path)
+        await net.start(1)
+        honest = net.svcs[0]
+        x = await net.add("accuse")
+        y = await net.add("accuse")
+        x.accuser.accomplices |= {y.hotkey}
+        y.accuser.accomplices |= {x.hotkey}
+        try:
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.applied for r in reps), [(r.status, r.reason) for r in reps]
+            assert len(x.accuser.forged) == 1 and len(y.accuser.forged) == 1
+            fx, fy = x.accuser.forged[0], y.accuser.forged[0]
+            assert fx["wrong"] == fy["wrong"] == [honest.hotkey]                  # matching forged evidence
+            assert fx["recomputed_sha256"] == fy["recomputed_sha256"]
+            # the old rule (two reporters) would have penalised the honest reducer
+            assert penalised_from_evidence([fx, fy], min_reporters=2) == {honest.hotkey}
+            mo = MergeOversight(RUN)
+            verdicts, nbytes = await _verify(net, mo)
+            assert sorted(v.outcome for v in verdicts) == ["false", "false"], [(v.outcome, v.detail) for v in verdicts]
+            assert {hk for v in verdicts for hk in v.penalise} == {x.hotkey, y.hotkey}
+            assert all(v.chunks_checked > 0 and 0 < v.bytes < 2_000_000 for v in verdicts)
+            policy = AuditPolicy()
+            record_verdicts(policy, verdicts, {s.hotkey: (s.uid, s.stage) for s in net.svcs})
+            assert {k[1] for k in policy.flagged()} == {x.hotkey, y.hotkey}
+            w = _scores(net, policy)
+            assert w == {honest.uid: pytest.approx(1.0)}                          # the honest reducer keeps its weight
+            assert mo.accusations() == []                                        # decided, not retried
+            # a report that misquotes or drops the accused's signed claim is false at once
+            bogus = {**fx, "reporter": y.hotkey, "claimed_sha256": {honest.hotkey: "00" * 32}}
+            v = await MergeAuditor(RUN, lambda s: 1).verify(bogus, honest.hotkey, None)
+            assert v.outcome == "false" and "misquotes" in v.detail
+            v = await MergeAuditor(RUN, lambda s: 1).verify({**fx, "results": {}}, honest.hotkey, None)
+            assert v.outcome == "false" and "no result claim" in v.detail
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_poisoning_reducer_accusation_upheld(tmp_path, tmp_home):
+    async def main():
+        net = Net(tmp_path)
+        await net.start(3, adversary_last="poison")
+        try:
+            a, b, p = net.svcs
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.applied for r in reps)
+            mo = MergeOversight(RUN)
+            verdicts, _ = await _verify(net, mo)
+            assert verdicts and all(v.outcome == "upheld" and v.accused == p.hotkey for v in verdicts), \
+                [(v.outcome, v.accused[:8], v.detail) for v in verdicts]
+            assert {hk for v in verdicts for hk in v.penalise} == {p.hotkey}
+            policy = AuditPolicy()
+            record_verdicts(policy, verdicts, {s.hotkey: (s.uid, s.stage) for s in net.svcs})
+            assert {k[1] for k in policy.flagged()} == {p.hotkey}
+            w = _scores(net, policy)
+            assert set(w) == {a.uid, b.uid} and sum(w.values()) == pytest.approx(1.0)
+            # the poisoner's signed claim describes what it served: a validator's own chunk check shows it
+            ev = next(e for s in (a, b) for e in s.merge.reports)
+            claim = ev["results"][p.hotkey]["claim"]
+            assert verify_claim(claim, p.hotkey, "iota-merge-result/1")
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_audits_answer_while_a_merge_runs(tmp_path, tmp_home):
+    """Tried: a validator's /state request to a replica running a merge waited the full 30 s. The
+    audit routes answer from stored copies: merge gate closed and worker lock held, they still answer."""
+    async def main():
+        net = AuditNet(tmp_path)
+        await net.start(2)
+        a, b = net.svcs
+        try:
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            reps = await merge_epoch(net.svcs, 0)
+            assert all(r.applied for r in reps)
+            # a few real inner steps on a (its update store commits them)
+            w = a.worker
+            g = torch.Generator().manual_seed(0)
+            for m in range(2 * w.micro_per_step):
+                out = w.forward(f"v:{m}", torch.randn(2, 16, w.spec.in_width, generator=g))
+                w.backward(f"v:{m}", torch.randn(out["activations"].shape, generator=g) * 1e-2)
+            commit = w.updates.commitment(w.updates.steps()[-1], timeout_s=10)
+            plan_key = next(iter(a.claims.contributions))
+            # a merge "runs": gate closed, the worker's lock held by another thread
+            a._gate.clear()
+            release = threading.Event()
+            holder = threading.Thread(target=lambda: (w.lock.acquire(), release.wait(30), w.lock.release()))
+            holder.start()
+            try:
+                async with NeuronClient(net.val) as cl:
+                    t0 = time.monotonic()
+                    res = await UpdateAuditor(net.cfg, run_id=RUN, total_steps=a.total_steps).audit(
+                        cl, a.server.endpoint, a.hotkey, a.stage, commit, timeout_s=10)
+                    assert res.outcome == "passed", res
+                    got = await cl.call(a.server.endpoint, a.hotkey, "/audit/merge", MergeAuditRequest(
+                        run_id=RUN, stage=a.stage, epoch=plan_key[0], attempt=plan_key[1], plan_id=plan_key[2],
+                        shard_index=plan_key[3], what="contribution", chunks=[0]), MergeAuditResponse, retries=0,
+                        timeout_s=10)
+                    took = time.monotonic() - t0
+                    assert "0" in got.chunks and took < 8.0, took
+                    # validators only: a replica may not open another's audit routes
+                async with NeuronClient(b.wallet) as cl:
+                    with pytest.raises(ProtocolError) as ei:
+                        await cl.call(a.server.endpoint, a.hotkey, "/audit/merge", MergeAuditRequest(
+                            run_id=RUN, stage=a.stage), MergeAuditResponse, retries=0)
+                    assert ei.value.outcome == Outcome.FORBIDDEN
+            finally:
+                release.set()
+                holder.join()
+                a._gate.set()
+        finally:
+            await net.close()
+    asyncio.run(main())
