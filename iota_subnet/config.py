@@ -181,6 +181,11 @@ class MergeConfig:
     merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
     since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
     requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk.
+    ``chunk_numel``: values per merge message (a shard travels as chunks of at most this many values,
+    reduced as they stream in; a multiple of ``int8_block``). ``overlap``: keep training while the
+    merge runs and apply the merged weights plus the local progress made meanwhile (the overlapped
+    outer step of Streaming DiLoCo, arXiv 2501.18512, section 2.3); off, the replica's lane pauses for
+    the merge.
     """
 
     every_steps: int = 0
@@ -196,6 +201,8 @@ class MergeConfig:
     min_work_steps: int = 1
     max_concurrent_transfers: int = 2
     sync_chunk_numel: int = 1 << 20
+    chunk_numel: int = 1 << 22
+    overlap: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -217,10 +224,13 @@ class MergeConfig:
         for k in ("join_timeout_s", "phase_timeout_s"):
             if not (isinstance(getattr(self, k), (int, float)) and getattr(self, k) > 0):
                 raise ConfigError(f"merge.{k} must be a positive number of seconds, got {getattr(self, k)!r}")
-        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel"):
+        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "chunk_numel"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"merge.{k} must be an integer >= 1, got {v!r}")
+        if self.chunk_numel % self.int8_block:
+            raise ConfigError(f"merge.chunk_numel={self.chunk_numel} must be a multiple of merge.int8_block="
+                              f"{self.int8_block} (e.g. {max(1, self.chunk_numel // self.int8_block) * self.int8_block})")
         return self
 
 

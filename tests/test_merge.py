@@ -74,8 +74,18 @@ def test_plan_is_deterministic_and_balanced():
     assert HK[3] not in {r for pair in c.reducers for r in pair}
     with pytest.raises(ValueError):
         MergePlan.make(7, 0, seed, [], 10)
-    with pytest.raises(ValueError):
-        MergePlan.make(7, 0, seed, HK[:2], 10, {HK[0]: 0.0})
+    # a participant that did no work weighs 0 (it still reduces and gathers); all 0 or negative: refused
+    assert MergePlan.make(7, 0, seed, HK[:2], 10, {HK[0]: 0.0}).weight(HK[0]) == 0.0
+    for bad in ({HK[0]: 0.0, HK[1]: 0.0}, {HK[0]: -1.0}, {HK[0]: float("nan")}):
+        with pytest.raises(ValueError):
+            MergePlan.make(7, 0, seed, HK[:2], 10, bad)
+    # chunks: consecutive, at most chunk_numel values, covering each shard; chunk size is part of the plan
+    pc = MergePlan.make(7, 0, seed, HK[:3], 1000, chunk_numel=128)
+    for s, (off, n) in enumerate(pc.bounds):
+        ch = pc.chunks(s)
+        assert ch[0][0] == off and sum(k for _, k in ch) == n and all(k <= 128 for _, k in ch)
+        assert all(ch[i][0] + ch[i][1] == ch[i + 1][0] for i in range(len(ch) - 1))
+    assert pc.plan_id != MergePlan.make(7, 0, seed, HK[:3], 1000, chunk_numel=256).plan_id
     # bytes per replica do not grow with the number of replicas (bounded by 3P)
     e2 = MergePlan.make(0, 0, seed, HK[:2], 10**6).expected_bytes()["sent"]
     e8 = MergePlan.make(0, 0, seed, HK[:8], 10**6).expected_bytes()["sent"]
