@@ -140,6 +140,10 @@ class TrainConfig:
     ``activation_checkpointing``: keep only each block's input between a micro-batch's forward and
     its backward and recompute the block in the backward (Chen et al. 2016, arXiv 1604.06174):
     about one extra block forward of compute for far less stored memory (``iota-subnet plan``).
+    ``compile``: a ``torch.compile`` backend for the stage (``inductor`` on GPUs; ``None`` = eager).
+    ``activation_cache_mib`` / ``activation_cache_entries`` / ``activation_cache_ttl_s``: a miner's
+    bound on the memory its cached forwards hold (measured, see :mod:`iota_subnet.miner.activation_cache`),
+    on their number and on their age.
     """
 
     batch_size: int = 8
@@ -156,6 +160,10 @@ class TrainConfig:
     eval_batches: int = 8
     total_steps: int = 150
     activation_checkpointing: bool = False
+    compile: Optional[str] = None
+    activation_cache_mib: int = 512
+    activation_cache_entries: int = 64
+    activation_cache_ttl_s: float = 120.0
 
     @property
     def micro_batch(self) -> int:
@@ -163,6 +171,9 @@ class TrainConfig:
 
 
 MERGE_QUANTIZATIONS = ("none", "bf16", "int8")
+#: ``train.compile`` values: torch.compile backends (``inductor`` generates kernels; ``aot_eager`` and
+#: ``eager`` only trace, for testing on machines without a compiler toolchain).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -302,6 +313,13 @@ def _check_ranges(cfg: "RunConfig") -> None:
             raise ConfigError(f"{name} must be >= {lo}, got {v}")
     if not t.lr > 0:
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if t.compile is not None and t.compile not in COMPILE_BACKENDS:
+        raise ConfigError(f"train.compile={t.compile!r} unknown; use one of {list(COMPILE_BACKENDS)} or leave it unset (eager)")
+    for name, v in (("train.activation_cache_mib", t.activation_cache_mib),
+                    ("train.activation_cache_entries", t.activation_cache_entries),
+                    ("train.activation_cache_ttl_s", t.activation_cache_ttl_s)):
+        if not v > 0:
+            raise ConfigError(f"{name} must be > 0, got {v}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if not 0 <= d.val_fraction < 1:

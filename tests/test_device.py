@@ -23,7 +23,9 @@ from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import MergePayload, decode, encode, tensor_sha256
 from shadow_device import MIXES, ShadowDevice, on_shadow
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120),
+              # load_state_dict warns for every parameter that reports the meta device (it still copies)
+              pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")]
 
 HK = [f"5Device{i:02d}" for i in range(4)]
 #: On a GPU host ``IOTA_TEST_DEVICE=cuda`` runs the same tests on the real device.
@@ -151,3 +153,116 @@ def test_state_sync_from_device_tensors(dev, tmp_path):
     n = e.params.numel
     e.set_state(anchor[:n], momentum[:n], 4)
     assert not dev.on_device(e.anchor) and torch.equal(_flat_host(mod), anchor[:n].to("cpu"))
+
+
+# ------------------------------------------------------------------------------------------- stage worker
+WOVR = {"model": {"name": "tiny", "dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+                  "vocab_size": 128},
+        "data": {"seq_len": 8, "vocab_size": 128},
+        "pipeline": {"stages": 3, "compression_ratio": 4},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1, "total_steps": 4}}
+
+
+def _chain(workers, rows, mb):
+    """One inner step through chained workers, tensors handed over as the network does (host)."""
+    out = []
+    for m in range(0, rows.shape[0], mb):
+        x, y = rows[m:m + mb, :-1], rows[m:m + mb, 1:]
+        a0 = workers[0].forward(f"m{m}", x)["activations"]
+        a1 = workers[1].forward(f"m{m}", a0)["activations"]
+        t = workers[2].forward(f"m{m}", a1, y)
+        g1 = workers[1].backward(f"m{m}", t["grad"])
+        assert workers[0].backward(f"m{m}", g1) is None
+        out += [a0, a1, t["grad"], g1]
+    return out
+
+
+def test_stage_workers_on_a_device_match_host_and_checkpoint(dev, tmp_path):
+    from iota_subnet.config import load_config
+    from iota_subnet.miner import StageWorker
+    cfg = load_config("configs/tiny.yaml", WOVR)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 128, (4, 9), generator=g) for _ in range(2)]
+    with torch.utils._python_dispatch._disable_current_modes():       # the host reference
+        ref = [StageWorker(cfg, s, seed=3) for s in range(3)]
+        ref_out = [t for rows in data for t in _chain(ref, rows, 2)]
+    on_dev = [StageWorker(cfg, s, seed=3, device=dev.device) for s in range(3)]
+    dev_out = [t for rows in data for t in _chain(on_dev, rows, 2)]
+    assert not MIXES, MIXES
+    assert all(not dev.on_device(t) for t in dev_out)               # what goes to the wire is on the host
+    for a, b in zip(ref_out, dev_out):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    for w, r in zip(on_dev, ref):
+        assert w.inner_step == r.inner_step == 2
+        assert all(dev.on_device(p) for p in w.module.parameters())
+        for (n, p), q in zip(w.module.named_parameters(), r.module.parameters()):
+            assert torch.allclose(p.to("cpu"), q, atol=1e-5, rtol=1e-4), n
+    # checkpoint: snapshot on the host, written, read back into a fresh worker on the device
+    snap = on_dev[1].snapshot()
+    assert all(not dev.on_device(t) for t in snap.module.state_dict().values())
+    path = on_dev[1].write_snapshot(snap, tmp_path / "s1.safetensors")
+    w2 = StageWorker(cfg, 1, seed=9, device=dev.device)
+    assert w2.load(path) and w2.inner_step == 2
+    for (n, a), b in zip(on_dev[1].module.state_dict().items(), w2.module.state_dict().values()):
+        assert torch.equal(a.to("cpu"), b.to("cpu")), n
+    st = on_dev[1].opt.state
+    for p, q in zip(on_dev[1].module.parameters(), w2.module.parameters()):
+        assert torch.equal(st[p]["exp_avg"].to("cpu"), w2.opt.state[q]["exp_avg"].to("cpu"))
+    # training goes on from the checkpoint on the device
+    _chain([on_dev[0], w2, on_dev[2]], data[0], 2)
+    assert w2.inner_step == 3 and not MIXES
+
+
+def test_spot_check_replay_on_a_device(dev):
+    """The validator replays on its device (modules built on ``meta``, storage on the device)."""
+    import random
+    from types import SimpleNamespace
+
+    from iota_subnet.config import load_config
+    from iota_subnet.miner import StageWorker
+    from iota_subnet.validator.routing import Replica
+    from iota_subnet.validator.verification import Snapshot, SpotChecker
+    cfg = load_config("configs/tiny.yaml", WOVR)
+    with torch.utils._python_dispatch._disable_current_modes():       # an honest miner on the host
+        w = StageWorker(cfg, 1, seed=0)
+        x = torch.randn(2, 8, w.spec.in_width)
+        out = w.forward("mb", x)
+        g = torch.randn_like(out["activations"])
+        gb = w.backward("mb", g)
+        state = {k: v.detach().clone() for k, v in w.module.state_dict().items()}
+    r = Replica(5, "hk5", "127.0.0.1:1", 1)
+    ch = SpotChecker(cfg, run_id="r", rate=1.0, rng=random.Random(0), device=str(dev.device))
+    ch.snaps[r.key] = Snapshot(r.uid, r.hotkey, 1, 0, state)
+    ch.on_forward(0, 0, "mb", r, x, None, SimpleNamespace(activations=out["activations"],
+                                                          stats={"weights_step": 0}, inner_step=0), True)
+    ch.on_backward("mb", r, g, gb, SimpleNamespace(stats={"weights_step": 0}))
+    assert ch.check(ch.pending.pop(("mb", 1))) is True, ch.events[-1:]
+    assert dev.on_device(next(ch._module(1).parameters())) and not MIXES
+    # a wrong answer still fails on the device
+    ch.on_forward(0, 0, "mb", r, x, None, SimpleNamespace(activations=out["activations"] * 1.1,
+                                                          stats={"weights_step": 0}, inner_step=0), True)
+    assert ch.check(ch.pending.pop(("mb", 1))) is False
+
+
+def test_stage_flops_never_allocate_a_full_size_stage():
+    """The validator counts FLOPs of ``8b`` stages on the meta device: any host allocation of a
+    weight-sized tensor while counting is refused (on today's code it would build 32 GB on the CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from iota_subnet.config import load_config
+    from iota_subnet.validator.scoring import stage_compute_shares, stage_flops
+
+    class RefuseBigHost(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() > (1 << 20):
+                    raise MemoryError(f"{func} allocated {t.numel():,} values on {t.device}")
+            return out
+    cfg = load_config("configs/tiny.yaml", {"model": {"name": "8b"}, "data": {"seq_len": 2048, "vocab_size": 128256},
+                                            "pipeline": {"stages": 8, "compression_ratio": 1}})
+    with RefuseBigHost():
+        flops = stage_flops(cfg)
+    assert len(flops) == 8 and all(f > 0 for f in flops)
+    shares = stage_compute_shares(flops)
+    assert abs(sum(shares) - 1) < 1e-9 and shares[-1] > shares[1]     # the tail carries the LM head

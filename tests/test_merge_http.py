@@ -73,7 +73,9 @@ class Net:
 
 
 def train_locally(svc, k):
-    """Stand-in for inner steps on different data: move every replica's weights differently."""
+    """Stand-in for inner steps on different data: move every replica's weights differently (and
+    count the tokens such steps would have trained: a replica weighs in a merge by its work)."""
+    svc.worker.trained_tokens += 64
     g = torch.Generator().manual_seed(10 + k)
     with torch.no_grad():
         for p in svc.worker.module.parameters():

@@ -117,6 +117,9 @@ class MinerService:
         self.worker: Optional[StageWorker] = None
         self.server: Optional[NeuronServer] = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        #: checkpoints are serialised and written here, off the compute thread (see checkpoint())
+        self.ckpt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._ckpt_write: Optional[asyncio.Future] = None
         self._neurons: dict[str, Any] = {}
         self._stages: dict[str, int] = {}
         self._last_refresh = 0.0
@@ -286,7 +289,7 @@ class MinerService:
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
-                                 on_applied=self._on_merged,
+                                 work_fn=lambda: float(self.worker.trained_tokens), on_applied=self._on_merged,
                                  before_attempt=lambda: self.refresh(force=True))
         self.merge.in_sync = False
         self._load_merge_state()
@@ -297,10 +300,11 @@ class MinerService:
         self._last_epoch = self._epoch_at(self.worker.inner_step)
         P = self.merge.params.numel
         self.server.add_route("/merge/join", self._merge_route, MergeJoin, None)
-        # a slice holds at most the whole stage (fp32) plus int8 scales and the JSON header
+        # a message holds one chunk of a slice (fp32) plus int8 scales and the JSON header
+        C = min(P, mc.chunk_numel)
         self.server.add_route("/merge/contribute", self._merge_route, MergePayload,
-                              merge_payload_contract(max_numel=P, block=mc.int8_block),
-                              max_body_bytes=4 * P + 4 * (P // mc.int8_block + 1) + (1 << 20))
+                              merge_payload_contract(max_numel=C, block=mc.int8_block),
+                              max_body_bytes=4 * C + 4 * (C // mc.int8_block + 1) + (1 << 20))
         self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)
@@ -346,6 +350,8 @@ class MinerService:
         try:
             tensors, meta = read_checkpoint(p)
             self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=False)
+            self.merge.work_base = min(float(meta.get("work_base", self.merge.work_base)),
+                                       float(self.worker.trained_tokens))
         except Exception as e:  # noqa: BLE001 - a bad file means: sync from peers
             logger.warning(f"ignoring merge state {p}: {e}")
 
@@ -355,7 +361,8 @@ class MinerService:
         import json as _json
         data = safetensors.torch.save({"anchor": self.merge.anchor.contiguous(), "momentum": self.merge.momentum.contiguous()},
                                       metadata={"meta": _json.dumps({"merged_epoch": self.merge.merged_epoch,
-                                                                     "step": self.worker.inner_step})})
+                                                                     "step": self.worker.inner_step,
+                                                                     "work_base": self.merge.work_base})})
         atomic_write_bytes(self.merge_state_path, data)
 
     async def _on_merged(self, rep) -> None:
@@ -516,13 +523,28 @@ class MinerService:
         finally:
             await self.stop()
 
-    async def checkpoint(self) -> None:
+    async def checkpoint(self, wait: bool = False) -> None:
+        """Snapshot weights + optimizer state on the compute thread (host copies only), then serialise
+        and write them on the checkpoint-writer thread while training goes on. A checkpoint due while
+        the previous one is still being written is skipped (the next one is taken later). ``wait``:
+        return only when written (shutdown)."""
+        loop = asyncio.get_running_loop()
+        if self._ckpt_write is not None and not self._ckpt_write.done():
+            if not wait:
+                return
+            await self._ckpt_write
         step = self.worker.inner_step
-        await asyncio.get_running_loop().run_in_executor(self.pool, self.worker.save, self.checkpoint_path)
-        if self.merge is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
+        t0 = time.monotonic()
+        snap = await loop.run_in_executor(self.pool, self.worker.snapshot)
+        paused = time.monotonic() - t0
+        self._ckpt_write = loop.run_in_executor(self.ckpt_pool, self.worker.write_snapshot, snap, self.checkpoint_path)
         self._last_ckpt_step = step
-        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path}")
+        if self.merge is not None:
+            await loop.run_in_executor(None, self._save_merge_state)
+        if wait:
+            await self._ckpt_write
+        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path} (compute paused {paused:.3f}s for "
+                     f"the {snap.nbytes / 1e6:.1f} MB snapshot)")
 
     async def stop(self) -> None:
         for t in (self._merge_task, self._sync_task):
@@ -536,9 +558,10 @@ class MinerService:
             await self.server.stop()
             self.server = None
             if self.worker is not None:
-                await self.checkpoint()
+                await self.checkpoint(wait=True)
             self.write_status()
         self.pool.shutdown(wait=False)
+        self.ckpt_pool.shutdown(wait=True)
 
     def status(self) -> dict:
         w = self.worker
@@ -575,9 +598,11 @@ class MinerService:
     async def _compute(self, fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
 
-    async def _await_merge(self) -> None:
-        """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines."""
-        if self._gate.is_set():
+    async def _await_merge(self, training: bool = False) -> None:
+        """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines.
+        With ``merge.overlap`` training goes on during a merge (``training``: a training forward, or
+        ``/state``) and only evaluation waits."""
+        if self._gate.is_set() or (training and self.cfg.merge.overlap):
             return
         mc = self.cfg.merge
         try:
@@ -592,8 +617,8 @@ class MinerService:
             if msg.keep_for_backward and not self.merge.in_sync:
                 raise ProtocolError(Outcome.NOT_READY, "syncing the stage's merged weights from peers")
             # training and evaluation pause while the replicas merge (an evaluation must not see
-            # merged weights on one stage and unmerged ones on the next)
-            await self._await_merge()
+            # merged weights on one stage and unmerged ones on the next); with merge.overlap training goes on
+            await self._await_merge(training=msg.keep_for_backward)
         out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
         if msg.keep_for_backward:
             self._maybe_merge()
@@ -627,11 +652,13 @@ class MinerService:
         if msg.stage != self.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
         if self.merge is not None:
-            await self._await_merge()     # a snapshot taken mid-merge would name weights the next step no longer uses
+            # a snapshot taken mid-merge would name weights the next step no longer uses (with
+            # merge.overlap hops are named by (step, merges), so those hops are unverifiable, not failed)
+            await self._await_merge(training=True)
 
         def snapshot():
             with self.worker.lock:
-                sd = {k: v.detach().clone() for k, v in self.worker.module.state_dict().items()}
+                sd = {k: v.detach().to("cpu", copy=True) for k, v in self.worker.module.state_dict().items()}
                 return sd, self.worker.meta()
         tensors, meta = await self._compute(snapshot)
         if msg.names:
