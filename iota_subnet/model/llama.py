@@ -13,7 +13,6 @@ frequency scaling, grouped-query attention (Ainslie et al. 2023, arXiv 2305.1324
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -81,15 +80,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
-@functools.cache
-def sdpa_supports_gqa() -> bool:
+def _sdpa_supports_gqa() -> bool:
     """Whether this torch's ``F.scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5)."""
     try:
-        z = torch.zeros(1, 2, 1, 2)
+        z = torch.zeros(1, 2, 1, 2, device="cpu")
         F.scaled_dot_product_attention(z, z[:, :1], z[:, :1], enable_gqa=True)
         return True
     except TypeError:
         return False
+
+
+#: Read once at import (a constant for torch.compile to trace through).
+SDPA_GQA = _sdpa_supports_gqa()
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     H, K = q.shape[1], k.shape[1]
     if H == K:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if sdpa_supports_gqa():
+    if SDPA_GQA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     rep = H // K
     return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
