@@ -113,7 +113,8 @@ def _replicas_on_device(dev, n: int, cfg: MergeConfig, steps: int = 2):
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_merge_with_stages_on_a_device(dev, quant):
     """Today's failure: ``_reduce`` mixed this replica's device slice with decoded host slices."""
-    cfg = MergeConfig(every_steps=1, quantization=quant, chunk_numel=256, join_timeout_s=5, phase_timeout_s=5)
+    cfg = MergeConfig(every_steps=1, quantization=quant, chunk_numel=256, join_timeout_s=5, phase_timeout_s=5,
+                      outer_lr=0.7, outer_momentum=0.9)
     net, engines, mods = _replicas_on_device(dev, 3, cfg)
     anchor = engines[0].anchor.to("cpu")
     deltas = [anchor - _flat_host(m) for m in mods]
@@ -190,13 +191,15 @@ def test_stage_workers_on_a_device_match_host_and_checkpoint(dev, tmp_path):
     dev_out = [t for rows in data for t in _chain(on_dev, rows, 2)]
     assert not MIXES, MIXES
     assert all(not dev.on_device(t) for t in dev_out)               # what goes to the wire is on the host
+    # a real GPU computes under bf16 autocast (8 mantissa bits): compare loosely there
+    tol = dict(atol=5e-2, rtol=5e-2) if REAL_DEVICE else dict(atol=1e-5, rtol=1e-4)
     for a, b in zip(ref_out, dev_out):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(a, b, **tol)
     for w, r in zip(on_dev, ref):
         assert w.inner_step == r.inner_step == 2
         assert all(dev.on_device(p) for p in w.module.parameters())
         for (n, p), q in zip(w.module.named_parameters(), r.module.parameters()):
-            assert torch.allclose(p.to("cpu"), q, atol=1e-5, rtol=1e-4), n
+            assert torch.allclose(p.to("cpu"), q, **tol), n
     # checkpoint: snapshot on the host, written, read back into a fresh worker on the device
     snap = on_dev[1].snapshot()
     assert all(not dev.on_device(t) for t in snap.module.state_dict().values())
@@ -266,3 +269,67 @@ def test_stage_flops_never_allocate_a_full_size_stage():
     assert len(flops) == 8 and all(f > 0 for f in flops)
     shares = stage_compute_shares(flops)
     assert abs(sum(shares) - 1) < 1e-9 and shares[-1] > shares[1]     # the tail carries the LM head
+
+
+# ------------------------------------------------------------------------------------------- CUDA only (gpu_check.sh)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+
+
+@cuda
+def test_cuda_hot_path_pinned_copies_fused_adamw_and_measured_cache():
+    from iota_subnet.config import load_config
+    from iota_subnet.miner import StageWorker
+    cfg = load_config("configs/tiny.yaml", {**WOVR, "train": {**WOVR["train"], "activation_cache_mib": 64}})
+    w = StageWorker(cfg, 1, device="cuda")
+    assert w.io.cuda and w.io.stream is not None and w.opt.defaults.get("fused") is True
+    x = torch.randn(2, 8, w.spec.in_width)
+    out = w.forward("a", x)["activations"]
+    assert out.device.type == "cpu" and out.is_pinned()
+    e = w.cache.get("a")
+    assert w.meter.cuda and 0 < e.nbytes <= w.cache.max_bytes
+    g = w.backward("a", torch.randn_like(out))
+    assert g.device.type == "cpu" and g.is_pinned()
+    torch.cuda.synchronize()
+
+
+@cuda
+def test_cuda_cache_bound_by_allocated_memory():
+    """Forwards without backwards: what torch.cuda.memory_allocated says the cache holds stays under the bound."""
+    from iota_subnet.config import load_config
+    from iota_subnet.miner import ActivationCache, StageWorker
+    cfg = load_config("configs/tiny.yaml", WOVR)
+    probe = StageWorker(cfg, 1, device="cuda")
+    probe.forward("p", torch.randn(2, 8, probe.spec.in_width))
+    one = probe.cache.get("p").nbytes
+    del probe
+    torch.cuda.empty_cache()
+    cache = ActivationCache(max_bytes=int(3.5 * one), max_entries=1000, ttl_s=1000)
+    w = StageWorker(cfg, 1, device="cuda", cache=cache)
+    base = None
+    for i in range(20):
+        w.forward(f"m{i}", torch.randn(2, 8, w.spec.in_width))
+        torch.cuda.synchronize()
+        now = torch.cuda.memory_allocated()
+        base = now - cache.bytes if base is None else base
+        assert now - base <= cache.max_bytes + (1 << 20) and len(cache) <= 3
+
+
+@cuda
+def test_cuda_chunked_cross_entropy_peak_memory():
+    """The tail's peak memory with a 128k vocabulary stays far below the full fp32 logits."""
+    from iota_subnet.config import ModelConfig, PipelineConfig
+    from iota_subnet.model import PipelineStage
+    cfg = ModelConfig("t", vocab_size=128256, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                      max_seq_len=2048)
+    st = PipelineStage(cfg, PipelineConfig(stages=2), 1).cuda()
+    x = torch.randn(2, 2048, 256, device="cuda", requires_grad=True)
+    y = torch.randint(0, 128256, (2, 2048), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = st(x, y)
+    loss.backward()
+    torch.cuda.synchronize()
+    full_logits = 2 * 2048 * 128256 * 4                       # 2.1 GB
+    assert torch.cuda.max_memory_allocated() - base < full_logits / 2

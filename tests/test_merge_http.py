@@ -27,6 +27,7 @@ OVR = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_h
        "pipeline": {"stages": 3, "compression_ratio": 4},
        "train": {"batch_size": 4, "micro_batch_size": 2},
        "merge": {"every_steps": 2, "join_timeout_s": 3.0, "phase_timeout_s": 3.0, "max_attempts": 2,
+                 "outer_lr": 0.7, "outer_momentum": 0.9,
                  "sync_chunk_numel": 4096, "max_concurrent_transfers": 1}}
 
 

@@ -140,8 +140,9 @@ class ModuleParams:
                 src = flat[off:off + n].view(p.shape)
                 if carry_from is None:
                     p.copy_(src)
-                else:
-                    p.add_((src - carry_from[off:off + n].view(p.shape)).to(p.device, p.dtype))
+                else:       # flat + (p - start): exactly flat where nothing moved
+                    start = carry_from[off:off + n].view(p.shape).to(p.device, p.dtype)
+                    p.copy_(src.to(p.device, p.dtype) + (p - start))
                 off += n
             if self.on_write is not None:
                 self.on_write()
