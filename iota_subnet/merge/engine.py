@@ -40,8 +40,8 @@ plan names it and that completes for every shard; otherwise they are dropped wit
 
 Memory per replica (host, float32 values): anchor and momentum (2P), the pseudo-gradient (P; plus
 its dequantized copy with int8 / bf16 payloads), the new anchor and momentum while they are built
-(2P), the means of the two shards it reduces (2P/N) and at most ``STREAM_WINDOW + 1`` chunks per
-contributor of each shard it reduces.
+(2P), the means of the two shards it reduces (2P/N), at most ``STREAM_WINDOW + 1`` chunks per
+contributor of each shard it reduces, and with ``merge.overlap`` the weights read at the start (P).
 """
 from __future__ import annotations
 
@@ -646,6 +646,8 @@ class MergeEngine:
         sess = self._session(plan.epoch, plan.attempt, plan.plan_id)
         current = await asyncio.to_thread(self.params.read)        # host float32 [P]
         delta = self.anchor - current
+        carry = current if self.cfg.overlap else None              # the overlapped apply adds progress since now
+        del current
         quant, block = self.cfg.quantization, self.cfg.int8_block
         mine = plan.shards_of(self.me)
         sess.plan = plan                                           # from here contributions are accepted
@@ -811,7 +813,7 @@ class MergeEngine:
             return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
 
         # all or nothing: one write under the worker lock
-        await asyncio.to_thread(self.params.write, new_anchor, current if self.cfg.overlap else None)
+        await asyncio.to_thread(self.params.write, new_anchor, carry)
         self.anchor, self.momentum, self.merged_epoch = new_anchor, new_momentum, plan.epoch
         rep.weights_sha256 = tensor_sha256(new_anchor)
         return True, [], ""
