@@ -417,3 +417,16 @@ def test_overlapped_merge_keeps_the_steps_taken_meanwhile():
             assert torch.allclose(w0, engines[0].anchor + progress, atol=1e-6) and torch.equal(w1, engines[1].anchor)
         else:
             assert torch.equal(w0, w1)                 # the step taken during the merge is overwritten
+
+
+def test_an_unreachable_peer_does_not_hold_the_lane_for_the_join_timeout():
+    """A replica that is down (killed, restarting) is not waited for at the join: with merging on by
+    default, every boundary would otherwise pause its peers' lanes for ``join_timeout_s``."""
+    import time
+    cfg = MergeConfig(every_steps=1, **{**FAST, "join_timeout_s": 20.0})
+    net, engines, mods = make_replicas(3, cfg)
+    net.kill(HK[2])
+    t0 = time.monotonic()
+    reps = asyncio.run(merge_all(engines, 0, alive=[0, 1]))
+    assert all(r.applied and r.participants == HK[:2] for r in reps)
+    assert time.monotonic() - t0 < 10 and torch.equal(flat(mods[0]), flat(mods[1]))

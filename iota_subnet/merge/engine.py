@@ -497,7 +497,8 @@ class MergeEngine:
         peer is at when above ``attempt``, else -1, the work each participant reports for its window).
         A peer counts as ready for this attempt only
         when it is at the same attempt of the same epoch: one still finishing the previous attempt
-        is waited for (its phase deadline is at most ``phase_timeout_s`` away)."""
+        is waited for (its phase deadline is at most ``phase_timeout_s`` away); one that cannot be
+        reached (dead, restarting) is not: it pulls the merged weights when it is back."""
         deadline = time.monotonic() + (self.cfg.join_timeout_s if attempt == 0
                                        else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
         w = self._weights([p for p in peers if p != self.me])
@@ -531,6 +532,8 @@ class MergeEngine:
                             works[p] = float(r.work) if r.work >= 0 else 0.0
                         elif r.attempt > attempt:
                             jump = max(jump, r.attempt)
+                elif not isinstance(r, ProtocolError) and p in want:
+                    want.remove(p)                # unreachable (dead, restarting): do not hold the lane for it
             if ahead:
                 return [], ahead, -1, {}
             if jump > attempt and jump < self.cfg.max_attempts:

@@ -229,7 +229,7 @@ class MinerService:
         self.node = DataPlaneNode(self.worker, self.wallet, cfg=self.cfg, run_id=self.run_id, stage=self.stage, width=b,
                                   max_rows=mb, neurons=lambda: self._neurons, endpoint_of=self._endpoint_of,
                                   refresh=lambda: self.refresh(force=True), compute=self._compute, rows=rows,
-                                  gate=self._await_merge if self.merge is not None else None,
+                                  gate=self._merge_gate if self.merge is not None else None,
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s)
@@ -597,6 +597,10 @@ class MinerService:
 
     async def _compute(self, fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+
+    async def _merge_gate(self) -> None:
+        """The data plane's gate before each compute: waits for a running merge unless ``merge.overlap``."""
+        await self._await_merge(training=True)
 
     async def _await_merge(self, training: bool = False) -> None:
         """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines.
