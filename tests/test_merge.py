@@ -428,5 +428,5 @@ def test_an_unreachable_peer_does_not_hold_the_lane_for_the_join_timeout():
     net.kill(HK[2])
     t0 = time.monotonic()
     reps = asyncio.run(merge_all(engines, 0, alive=[0, 1]))
-    assert all(r.applied and r.participants == HK[:2] for r in reps)
+    assert all(r.applied and r.participants == HK[:2] and r.missing == [HK[2]] for r in reps)
     assert time.monotonic() - t0 < 10 and torch.equal(flat(mods[0]), flat(mods[1]))

@@ -217,7 +217,7 @@ def test_activation_checkpointing_same_gradients_less_saved_memory():
     pcfg = PipelineConfig(stages=3, compression_ratio=1)
     torch.manual_seed(0)
     plain = PipelineStage(CFG, pcfg, 1)
-    ckpt = PipelineStage(CFG, pcfg, 1, activation_checkpointing=True)
+    ckpt = PipelineStage(CFG, pcfg, 1, checkpointing=True)
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randn(2, 64, CFG.dim)
     held = {}

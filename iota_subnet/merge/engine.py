@@ -492,18 +492,19 @@ class MergeEngine:
         return reply
 
     async def _join(self, epoch: int, attempt: int, peers: list[str], exclude: set[str]
-                    ) -> tuple[list[str], list[str], int, dict[str, float]]:
+                    ) -> tuple[list[str], list[str], int, dict[str, float], set[str]]:
         """Returns (participants incl. me, peers that merged ``epoch`` already, the highest attempt a
-        peer is at when above ``attempt``, else -1, the work each participant reports for its window).
-        A peer counts as ready for this attempt only
-        when it is at the same attempt of the same epoch: one still finishing the previous attempt
-        is waited for (its phase deadline is at most ``phase_timeout_s`` away); one that cannot be
-        reached (dead, restarting) is not: it pulls the merged weights when it is back."""
+        peer is at when above ``attempt``, else -1, the work each participant reports for its window,
+        the peers that could not be reached). A peer counts as ready for this attempt only when it
+        is at the same attempt of the same epoch: one still finishing the previous attempt is waited
+        for (its phase deadline is at most ``phase_timeout_s`` away); one that cannot be reached
+        (dead, restarting) is not: it pulls the merged weights when it is back."""
         deadline = time.monotonic() + (self.cfg.join_timeout_s if attempt == 0
                                        else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
         w = self._weights([p for p in peers if p != self.me])
         want = [p for p in peers if p != self.me and p not in exclude and w.get(p, 1.0) > 0]
         ready: set[str] = set()
+        gone: set[str] = set()
         works: dict[str, float] = {self.me: self.ready_work}
         ahead: list[str] = []
         first = True
@@ -534,15 +535,16 @@ class MergeEngine:
                             jump = max(jump, r.attempt)
                 elif not isinstance(r, ProtocolError) and p in want:
                     want.remove(p)                # unreachable (dead, restarting): do not hold the lane for it
+                    gone.add(p)
             if ahead:
-                return [], ahead, -1, {}
+                return [], ahead, -1, {}, gone
             if jump > attempt and jump < self.cfg.max_attempts:
-                return [], [], jump, {}
+                return [], [], jump, {}, gone
             if len(ready) == len(want) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.1)
         parts = sorted(ready | {self.me})
-        return parts, [], -1, {p: works[p] for p in parts}
+        return parts, [], -1, {p: works[p] for p in parts}, gone - ready
 
     def _weights(self, participants: list[str]) -> dict[str, float]:
         if self.weights_fn is None:
@@ -564,6 +566,7 @@ class MergeEngine:
             self.ready_work = rep.work = self.window_work()   # fixed while ready: every peer reads the same value
             self.ready_epoch = epoch
             exclude: set[str] = set()
+            unreachable: set[str] = set()          # peers that could not be reached at a join
             try:
                 if epoch <= self.merged_epoch:
                     rep.status, rep.reason = "late", f"epoch {epoch} <= merged epoch {self.merged_epoch}"
@@ -582,7 +585,8 @@ class MergeEngine:
                         rep.status, rep.reason = "abandoned", "this replica has merge weight 0"
                         return rep
                     peer_list = list(peers()) if callable(peers) else list(peers)
-                    participants, ahead, jump, works = await self._join(epoch, attempt, peer_list, exclude)
+                    participants, ahead, jump, works, gone = await self._join(epoch, attempt, peer_list, exclude)
+                    unreachable |= gone
                     if jump > attempt:                  # the peers gave up on this attempt: follow them
                         self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
                         attempt = jump - 1
@@ -612,7 +616,7 @@ class MergeEngine:
                     ok, missing, why = await self._allreduce(plan, rep)
                     self.closed_epochs[epoch] = attempt
                     if ok:
-                        rep.status, rep.missing = "merged", sorted(exclude)
+                        rep.status, rep.missing = "merged", sorted(exclude | (unreachable - set(participants)))
                         self.work_base = work_at_ready
                         return rep
                     # peers that contributed to this attempt under another plan built it from another

@@ -32,6 +32,7 @@ from iota_subnet.chain import Chain
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
+from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.plan import require_fit
@@ -55,17 +56,28 @@ def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int,
     returns how many micro-batches it can keep waiting for their backward (the memory plan's bound on
     a GPU, real or emulated; None on the CPU)."""
     if emulation is None:
-        bound = None
+        bound, cache = None, None
         if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
             props = torch.cuda.get_device_properties(torch.device(device))
             p = require_fit(cfg, stage, props.total_memory, device_name=props.name)
             bound = p.microbatches_in_flight_max
+            cache = plan_cache(cfg, p)
             logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
                         f"{props.total_memory / 2**30:.1f} GiB planned, up to {bound} micro-batches in flight")
-        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps), bound
+        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps, cache=cache), bound
     w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
     logger.warning(f"EMULATION, no training: {w.describe()}")
     return w, w.cache.max_entries
+
+
+def plan_cache(cfg: RunConfig, p: Any) -> ActivationCache:
+    """The activation cache a GPU stage gets from its memory plan: the planned bound on what cached
+    forwards may hold (measured by the cache itself) and on their number, instead of the config's
+    CPU-sized defaults (512 MiB would hold two ``8b`` micro-batches of the 30+ a pipeline needs)."""
+    t = cfg.train
+    return ActivationCache(ttl_s=t.activation_cache_ttl_s,
+                           max_bytes=max(p.activation_cache_bound_bytes, t.activation_cache_mib << 20),
+                           max_entries=max(1, p.microbatches_in_flight_max))
 
 
 def in_flight_window(cfg: RunConfig, requested: Optional[int], bound: Optional[int]) -> int:
@@ -543,8 +555,8 @@ class MinerService:
             await loop.run_in_executor(None, self._save_merge_state)
         if wait:
             await self._ckpt_write
-        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path} (compute paused {paused:.3f}s for "
-                     f"the {snap.nbytes / 1e6:.1f} MB snapshot)")
+        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path} (compute paused {paused:.3f}s "
+                     f"for the host snapshot)")
 
     async def stop(self) -> None:
         for t in (self._merge_task, self._sync_task):

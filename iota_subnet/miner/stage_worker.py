@@ -303,8 +303,7 @@ class StageWorker:
         with self.lock:
             return StateSnapshot(self.module, self.opt, self.meta())
 
-    @staticmethod
-    def write_snapshot(snap: StateSnapshot, path: str | Path) -> Path:
+    def write_snapshot(self, snap: StateSnapshot, path: str | Path) -> Path:
         """Serialise and atomically write a :meth:`snapshot` (safetensors); safe off the compute thread."""
         return save_checkpoint(path, snap.module, snap.optimizer, snap.meta)
 
