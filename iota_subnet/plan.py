@@ -8,8 +8,9 @@ counts that balance these training FLOPs over the stages (the tail also carries 
 
 Memory of one stage replica on its accelerator, all in bytes:
 
-* **state**: fp32 weights (4 B/param), fp32 gradients (4), AdamW moments (8), and with merging the
-  merge anchor and outer momentum (8; :mod:`iota_subnet.merge` keeps them on the weights' device);
+* **state**: fp32 weights (4 B/param), fp32 gradients (4), AdamW moments (8). With merging, the
+  merge anchor and outer momentum (8 B/param, ``merge_bytes``) live in host memory
+  (:mod:`iota_subnet.merge` keeps all merge state on the host), not on the accelerator;
 * **activations per micro-batch in flight**: what autograd holds between a micro-batch's forward
   and its backward, *measured* on the ``meta`` device (no memory used) with
   ``torch.autograd.graph.saved_tensors_hooks``: every distinct storage saved for backward that is not
@@ -51,7 +52,7 @@ from iota_subnet.model.stages import PipelineStage, split_layers
 
 #: Bytes per parameter of a stage's training state: fp32 weights, gradients, AdamW exp_avg, exp_avg_sq.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8
-#: Merge anchor + outer momentum, fp32 each (:class:`iota_subnet.merge.MergeEngine`).
+#: Merge anchor + outer momentum, fp32 each, in host memory (:class:`iota_subnet.merge.MergeEngine`).
 MERGE_BYTES = 8
 #: Bytes the fused AdamW step moves per parameter (reads p, g, m, v; writes p, m, v; fp32).
 OPTIMIZER_STEP_BYTES = 28
@@ -351,8 +352,8 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
     ckpt = cfg.train.activation_checkpointing if checkpointing is None else bool(checkpointing)
     m = module if module is not None else meta_stage(cfg, stage)
     P = m.param_count()
-    merge = MERGE_BYTES * P if cfg.merge.enabled else 0
-    state = (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) * P + merge
+    merge = MERGE_BYTES * P if cfg.merge.enabled else 0          # host memory, not the accelerator's
+    state = (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) * P
     full = measure_activations(m, rows, T, checkpointing=False)
     light = measure_activations(m, rows, T, checkpointing=True)
     act = light if ckpt else full

@@ -285,7 +285,7 @@ def test_same_interface_as_the_real_stage_worker():
     worker with the same parameters (this fails when StageWorker's interface changes alone)."""
     import inspect
     for name in ("forward", "backward", "step", "drop", "skip_to", "weights_replaced", "meta", "save", "load",
-                 "state_bytes"):
+                 "state_bytes", "snapshot", "write_snapshot"):
         real = inspect.signature(getattr(StageWorker, name))
         emu = inspect.signature(getattr(EmulatedStageWorker, name))
         assert list(real.parameters) == list(emu.parameters), name
@@ -296,7 +296,7 @@ def test_same_interface_as_the_real_stage_worker():
     real = StageWorker(cfg, 1)
     emu = EmulatedStageWorker(cfg, 1, Emulation(parse_accelerator("1e12", 4.0)), sleep=lambda s: None)
     for attr in ("spec", "cache", "lock", "inner_step", "version", "merges", "pending", "forwards", "backwards",
-                 "tokens", "busy_s", "auto_step", "micro_per_step", "precision", "last_weights_step",
+                 "tokens", "trained_tokens", "busy_s", "auto_step", "micro_per_step", "precision", "last_weights_step",
                  "last_weights_merges", "module"):
         assert hasattr(real, attr) and hasattr(emu, attr), attr
     for key in ("entries", "bytes", "max_bytes", "ttl_s", "evictions"):

@@ -51,7 +51,7 @@ async def merge_all(engines, epoch, alive=None):
     return await asyncio.gather(*(engines[i].merge(epoch, peers) for i in idx))
 
 
-FAST = dict(join_timeout_s=2.0, phase_timeout_s=2.0, max_attempts=2)
+FAST = dict(join_timeout_s=2.0, phase_timeout_s=2.0, max_attempts=2, outer_lr=0.7, outer_momentum=0.9)
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -74,8 +74,18 @@ def test_plan_is_deterministic_and_balanced():
     assert HK[3] not in {r for pair in c.reducers for r in pair}
     with pytest.raises(ValueError):
         MergePlan.make(7, 0, seed, [], 10)
-    with pytest.raises(ValueError):
-        MergePlan.make(7, 0, seed, HK[:2], 10, {HK[0]: 0.0})
+    # a participant that did no work weighs 0 (it still reduces and gathers); all 0 or negative: refused
+    assert MergePlan.make(7, 0, seed, HK[:2], 10, {HK[0]: 0.0}).weight(HK[0]) == 0.0
+    for bad in ({HK[0]: 0.0, HK[1]: 0.0}, {HK[0]: -1.0}, {HK[0]: float("nan")}):
+        with pytest.raises(ValueError):
+            MergePlan.make(7, 0, seed, HK[:2], 10, bad)
+    # chunks: consecutive, at most chunk_numel values, covering each shard; chunk size is part of the plan
+    pc = MergePlan.make(7, 0, seed, HK[:3], 1000, chunk_numel=128)
+    for s, (off, n) in enumerate(pc.bounds):
+        ch = pc.chunks(s)
+        assert ch[0][0] == off and sum(k for _, k in ch) == n and all(k <= 128 for _, k in ch)
+        assert all(ch[i][0] + ch[i][1] == ch[i + 1][0] for i in range(len(ch) - 1))
+    assert pc.plan_id != MergePlan.make(7, 0, seed, HK[:3], 1000, chunk_numel=256).plan_id
     # bytes per replica do not grow with the number of replicas (bounded by 3P)
     e2 = MergePlan.make(0, 0, seed, HK[:2], 10**6).expected_bytes()["sent"]
     e8 = MergePlan.make(0, 0, seed, HK[:8], 10**6).expected_bytes()["sent"]
@@ -207,7 +217,8 @@ def test_replica_killed_mid_merge_leaves_others_consistent():
 
 
 def test_merge_abandoned_when_it_cannot_complete():
-    cfg = MergeConfig(every_steps=1, join_timeout_s=0.5, phase_timeout_s=0.5, max_attempts=1)
+    cfg = MergeConfig(every_steps=1, join_timeout_s=0.5, phase_timeout_s=0.5, max_attempts=1, outer_lr=0.7,
+                      outer_momentum=0.9)
     net, engines, mods = make_replicas(3, cfg)
     before = [flat(m).clone() for m in mods]
 
@@ -295,3 +306,130 @@ def test_plan_mismatch_from_a_late_weights_view_is_retried_not_excluded():
     assert reps[2].status == "abandoned" and "weight 0" in reps[2].reason
     assert torch.equal(flat(mods[0]), flat(mods[1])) and not torch.equal(flat(mods[0]), flat(mods[2]))
     assert engines[0].merged_epoch == 0 and engines[2].merged_epoch == -1
+
+
+# ---------------------------------------------------------------------------------------------- work, overlap, chunks
+def _engines_with_work(n, cfg, works):
+    net = InProcessTransport()
+    engines, mods = [], []
+    for i in range(n):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
+                        work_fn=lambda i=i: works[i])
+        net.register(HK[i], e.handle)
+        engines.append(e)
+        mods.append(m)
+    return net, engines, mods
+
+
+def _train(m, seed, steps=3):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = m(torch.randn(4, 16, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_replica_without_work_does_not_dilute_and_weights_follow_work():
+    """A replica that trained nothing in the window (inner step 0, zero pseudo-gradient) takes part
+    (it reduces, gathers and ends with the merged weights) but weighs 0: the replica that trained
+    keeps all of its progress (fraction kept 1.0; it was 0.5 with equal weights)."""
+    cfg = MergeConfig(every_steps=1, **{**FAST, "outer_lr": 1.0, "outer_momentum": 0.0})
+    works = [0.0, 0.0]
+    net, engines, mods = _engines_with_work(2, cfg, works)
+    anchor = engines[0].anchor.clone()
+    _train(mods[0], 1)
+    works[0] = 2048.0                                   # tokens replica 0 trained; replica 1 got nothing
+    moved = anchor - flat(mods[0])
+    reps = asyncio.run(merge_all(engines, 0))
+    assert all(r.applied for r in reps) and reps[0].weights == {HK[0]: 2048.0, HK[1]: 0.0}
+    kept = float(((anchor - flat(mods[1])) @ moved) / (moved @ moved))
+    assert abs(kept - 1.0) < 1e-6 and torch.equal(flat(mods[0]), flat(mods[1]))
+    # next window: weights in proportion to the work since the last merge (3:1)
+    anchor = engines[0].anchor.clone()
+    _train(mods[0], 2)
+    _train(mods[1], 3)
+    works[0], works[1] = works[0] + 300.0, 100.0
+    d0, d1 = anchor - flat(mods[0]), anchor - flat(mods[1])
+    reps = asyncio.run(merge_all(engines, 1))
+    assert all(r.applied for r in reps) and reps[1].weights == {HK[0]: 300.0, HK[1]: 100.0}
+    assert torch.allclose(flat(mods[0]), anchor - (3 * d0 + d1) / 4, atol=1e-6)
+    # nobody worked: nothing to merge, nothing changes
+    before = flat(mods[0]).clone()
+    reps = asyncio.run(merge_all(engines, 2))
+    assert all(r.status == "alone" and "work" in r.reason for r in reps) and torch.equal(flat(mods[0]), before)
+
+
+def test_claimed_work_is_capped_at_twice_the_median():
+    from iota_subnet.merge.engine import cap_work
+    assert cap_work({"a": 100.0, "b": 100.0, "c": 1e9}) == {"a": 100.0, "b": 100.0, "c": 200.0}
+    assert cap_work({"a": 100.0, "b": 0.0}) == {"a": 100.0, "b": 0.0}
+
+
+def test_chunked_merge_equals_unchunked_and_no_message_holds_a_shard():
+    """Every shard travels as chunks of at most ``merge.chunk_numel`` values (one message each); the
+    merged weights are the same as with one message per shard, bit for bit, whatever the payload."""
+    for quant in ("none", "int8"):
+        outs = {}
+        for cn in (256, 1 << 22):
+            cfg = MergeConfig(every_steps=1, quantization=quant, chunk_numel=cn, **FAST)
+            net, engines, mods = make_replicas(3, cfg)
+            sizes = []
+            orig = net._call
+
+            async def spy(me, peer, route, msg, rtype, orig=orig):
+                if route == "/merge/contribute":
+                    sizes.append(msg.shard.numel())
+                reply = await orig(me, peer, route, msg, rtype)
+                if route == "/merge/result" and reply[0].mean is not None:
+                    sizes.append(reply[0].mean.numel())
+                return reply
+            net._call = spy
+            reps = asyncio.run(merge_all(engines, 0))
+            assert all(r.applied for r in reps), [r.reason for r in reps]
+            outs[cn] = flat(mods[0])
+            shard = engines[0].params.numel // 3
+            assert max(sizes) <= min(cn, shard + 1)
+            if cn == 256:
+                assert len(sizes) > 6 * 3                # several chunks per shard
+        assert torch.equal(outs[256], outs[1 << 22]), quant
+
+
+def test_overlapped_merge_keeps_the_steps_taken_meanwhile():
+    """``merge.overlap``: training goes on while the merge runs; the applied weights are the merged
+    ones plus the local progress made meanwhile, and the anchors stay identical across replicas."""
+    for overlap in (False, True):
+        cfg = MergeConfig(every_steps=1, overlap=overlap, **FAST)
+        net, engines, mods = make_replicas(2, cfg, transport=InProcessTransport(delay_s=0.05))
+        progress = torch.full((engines[0].params.numel,), 1e-3)
+
+        async def run():
+            tasks = [asyncio.create_task(e.merge(0, HK[:2])) for e in engines]
+            await asyncio.sleep(0.08)                  # both have read their weights; the merge is running
+            cur = engines[0].params.read()
+            engines[0].params.write(cur + progress)    # an inner step on replica 0 during the merge
+            return await asyncio.gather(*tasks)
+        reps = asyncio.run(run())
+        assert all(r.applied for r in reps)
+        assert torch.equal(engines[0].anchor, engines[1].anchor)
+        w0, w1 = flat(mods[0]), flat(mods[1])
+        if overlap:
+            assert torch.allclose(w0, engines[0].anchor + progress, atol=1e-6) and torch.equal(w1, engines[1].anchor)
+        else:
+            assert torch.equal(w0, w1)                 # the step taken during the merge is overwritten
+
+
+def test_an_unreachable_peer_does_not_hold_the_lane_for_the_join_timeout():
+    """A replica that is down (killed, restarting) is not waited for at the join: with merging on by
+    default, every boundary would otherwise pause its peers' lanes for ``join_timeout_s``."""
+    import time
+    cfg = MergeConfig(every_steps=1, **{**FAST, "join_timeout_s": 20.0})
+    net, engines, mods = make_replicas(3, cfg)
+    net.kill(HK[2])
+    t0 = time.monotonic()
+    reps = asyncio.run(merge_all(engines, 0, alive=[0, 1]))
+    assert all(r.applied and r.participants == HK[:2] and r.missing == [HK[2]] for r in reps)
+    assert time.monotonic() - t0 < 10 and torch.equal(flat(mods[0]), flat(mods[1]))

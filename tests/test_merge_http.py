@@ -27,6 +27,7 @@ OVR = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_h
        "pipeline": {"stages": 3, "compression_ratio": 4},
        "train": {"batch_size": 4, "micro_batch_size": 2},
        "merge": {"every_steps": 2, "join_timeout_s": 3.0, "phase_timeout_s": 3.0, "max_attempts": 2,
+                 "outer_lr": 0.7, "outer_momentum": 0.9,
                  "sync_chunk_numel": 4096, "max_concurrent_transfers": 1}}
 
 
@@ -73,7 +74,9 @@ class Net:
 
 
 def train_locally(svc, k):
-    """Stand-in for inner steps on different data: move every replica's weights differently."""
+    """Stand-in for inner steps on different data: move every replica's weights differently (and
+    count the tokens such steps would have trained: a replica weighs in a merge by its work)."""
+    svc.worker.trained_tokens += 64
     g = torch.Generator().manual_seed(10 + k)
     with torch.no_grad():
         for p in svc.worker.module.parameters():

@@ -146,3 +146,110 @@ def test_unknown_config_names_the_choices(tmp_path):
 def test_split_layers_balanced():
     assert [len(r) for r in split_layers(8, 3)] == [3, 3, 2]
     assert split_layers(8, 1) == [range(0, 8)]
+
+
+# ---------------------------------------------------------------------------------------------- GPU hot path
+def test_gqa_runs_inside_sdpa_without_kv_copies(monkeypatch):
+    """K/V reach SDPA with their K heads (``enable_gqa``), no [B, H, T, D] copies; same result as
+    expanding K and V by hand (the transformers parity test above covers the whole model)."""
+    import torch.nn.functional as F
+
+    from iota_subnet.model import llama
+    assert llama.SDPA_GQA                                       # torch 2.13 has enable_gqa
+    attn = llama.Attention(CFG)
+    x = torch.randn(2, 24, CFG.dim)
+    cos, sin = llama.rope_cos_sin(CFG, 24)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[1], k.shape[1], v.shape[1], kw.get("enable_gqa", False)))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", spy)
+    y = attn(x, cos, sin)
+    assert seen == [(CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads, True)]
+    monkeypatch.setattr(llama, "SDPA_GQA", False)               # the fallback for older torch
+    y_old = attn(x, cos, sin)
+    assert seen[-1] == (CFG.n_heads, CFG.n_heads, CFG.n_heads, False)
+    assert torch.allclose(y, y_old, atol=1e-6)
+
+
+def test_tail_cross_entropy_is_chunked_and_exact():
+    """The tail never holds [rows x T, vocab] fp32 logits: forward and backward run chunk by chunk
+    (every op output is recorded); loss and gradients equal the unchunked computation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from iota_subnet.model import PipelineStage
+    pcfg = PipelineConfig(stages=2, compression_ratio=1)
+    torch.manual_seed(0)
+    plain = PipelineStage(CFG, pcfg, 1)
+    chunk_tokens = 16
+    chunked = PipelineStage(CFG, pcfg, 1, ce_chunk_bytes=chunk_tokens * CFG.vocab_size * 4)
+    chunked.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 48, CFG.dim, requires_grad=True)
+    y = torch.randint(0, CFG.vocab_size, (2, 48))
+    ref = plain(x, y)
+    ref.backward()
+    gx, gw = x.grad.clone(), plain.lm_head.weight.grad.clone()
+    x.grad = None
+
+    class Largest(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == CFG.vocab_size
+                        and tuple(t.shape) != (CFG.dim, CFG.vocab_size)):      # not the LM head weight (transposed)
+                    Largest.biggest = max(Largest.biggest, t.numel())
+            return out
+    with Largest():
+        loss = chunked(x, y)
+        loss.backward()
+    assert Largest.biggest == chunk_tokens * CFG.vocab_size < 2 * 48 * CFG.vocab_size
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(x.grad, gx, atol=1e-6) and torch.allclose(chunked.lm_head.weight.grad, gw, atol=1e-6)
+
+
+def test_activation_checkpointing_same_gradients_less_saved_memory():
+    from iota_subnet.miner.activation_cache import SavedTensorMeter
+    from iota_subnet.model import PipelineStage
+    pcfg = PipelineConfig(stages=3, compression_ratio=1)
+    torch.manual_seed(0)
+    plain = PipelineStage(CFG, pcfg, 1)
+    ckpt = PipelineStage(CFG, pcfg, 1, checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 64, CFG.dim)
+    held = {}
+    for name, m in (("plain", plain), ("ckpt", ckpt)):
+        inp = x.clone().requires_grad_(True)
+        meter = SavedTensorMeter(m, "cpu")
+        with meter.measure(inputs=inp) as mm:
+            out = m(inp)
+        held[name] = meter.finish(mm, out)
+        out.pow(2).sum().backward()
+        held[name + "_grad"] = inp.grad
+    assert torch.allclose(held["plain_grad"], held["ckpt_grad"], atol=1e-5)
+    for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+    # 1 block: its input, the RoPE tables and the output, against every intermediate of the block
+    assert held["ckpt"] * 4 < held["plain"], held
+
+
+def test_compiled_stage_matches_eager():
+    """``train.compile``: the stage runs through torch.compile (``aot_eager`` here: no compiler
+    toolchain needed; ``inductor`` on GPUs) with the eager results, forward and backward."""
+    from iota_subnet.miner import StageWorker
+    ovr = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                     "vocab_size": 256},
+           "data": {"seq_len": 16, "vocab_size": 256}, "pipeline": {"stages": 3, "compression_ratio": 4},
+           "train": {"batch_size": 4, "micro_batch_size": 2}}
+    compiled = StageWorker(load_config("configs/tiny.yaml", {**ovr, "train": {**ovr["train"], "compile": "aot_eager"}}), 1)
+    eager = StageWorker(load_config("configs/tiny.yaml", ovr), 1)
+    assert compiled.compiled is not None and eager.compiled is None
+    x = torch.randn(2, 16, 16)
+    a, b = compiled.forward("m", x)["activations"], eager.forward("m", x)["activations"]
+    g = torch.randn_like(a)
+    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(compiled.backward("m", g), eager.backward("m", g), atol=1e-6)
+    with pytest.raises(ConfigError, match="train.compile"):
+        load_config("configs/tiny.yaml", {"train": {"compile": "turbo"}})

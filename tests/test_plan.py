@@ -226,9 +226,12 @@ def test_plan_fits_and_in_flight_bound():
     # the tail never holds micro-batches between calls
     tail = plan_stage(cfg, 2, 4 * GIB, reserve_bytes=0)
     assert not tail.holds_microbatches and tail.rows_in_flight == 4 and tail.activation_cache_bound_bytes == 0
-    # merging adds the anchor and the outer momentum
+    # merging keeps the anchor and the outer momentum in host memory, not on the accelerator
     merged = dataclasses.replace(cfg, merge=dataclasses.replace(cfg.merge, every_steps=10))
-    assert plan_stage(merged, 1, 4 * GIB).state_bytes == 24 * big.params
+    mp = plan_stage(merged, 1, 4 * GIB)
+    assert mp.state_bytes == 16 * big.params and mp.merge_bytes == 8 * big.params
+    off = dataclasses.replace(cfg, merge=dataclasses.replace(cfg.merge, every_steps=0))
+    assert plan_stage(off, 1, 4 * GIB).merge_bytes == 0
 
 
 def test_plan_auto_checkpointing_only_where_needed():

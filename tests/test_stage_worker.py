@@ -110,3 +110,93 @@ def test_backward_after_an_inner_step_recomputes_instead_of_failing():
         if g is not None:
             assert g.shape == (2, 16, 16) and torch.isfinite(g).all()
         assert any(p.grad is not None for p in w.module.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- item 4: memory bounds
+def graph_bytes(entries, module) -> int:
+    """Ground truth, independent of the cache's own measurement: the distinct storages the cached
+    forwards' autograd graphs really keep (every ``_saved_*`` tensor of every node reachable from the
+    outputs, plus inputs and outputs), the stage's parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    found: dict[int, int] = {}
+    for e in entries:
+        seen, stack = set(), [e.outputs.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for name in dir(node):
+                if not name.startswith("_saved_"):
+                    continue
+                try:
+                    v = getattr(node, name)
+                except Exception:  # noqa: BLE001 - released or not a tensor
+                    continue
+                for t in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        if st.data_ptr() not in params:
+                            found[st.data_ptr()] = st.nbytes()
+            stack.extend(n for n, _ in node.next_functions)
+        for t in (e.inputs, e.outputs):
+            if t is not None:
+                found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(found.values())
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_cache_bound_holds_when_backwards_never_come(stage):
+    """Forwards arrive, backwards never do: the memory the cached graphs really hold (walked, not
+    estimated) stays under the configured bound. The old bound counted inputs + outputs only, an
+    entry's graph holds ~40x that here (313x for ``tiny`` at 4 x 256 tokens)."""
+    cfg = load_config("configs/tiny.yaml", OVR)
+    probe = StageWorker(cfg, stage)
+    x0 = torch.randint(0, 256, (2, 16)) if stage == 0 else torch.randn(2, 16, 16)
+    probe.forward("probe", x0)
+    one = probe.cache.get("probe")
+    assert one.nbytes == graph_bytes([one], probe.module)                       # measured = what it holds
+    assert one.nbytes > 20 * ActivationCache.entry_bytes(one.inputs, one.outputs)
+    bound = int(3.5 * one.nbytes)
+    cache = ActivationCache(max_bytes=bound, max_entries=1000, ttl_s=1000)
+    w = StageWorker(cfg, stage, cache=cache)
+    assert w.cache is cache
+    for i in range(25):
+        x = torch.randint(0, 256, (2, 16)) if stage == 0 else torch.randn(2, 16, 16)
+        w.forward(f"mb{i}", x)
+        held = graph_bytes(list(cache._d.values()), w.module)
+        # entries share the RoPE tables (held by the module anyway): each entry counts them, so the
+        # cache's sum is at most a few KiB above what the graphs hold together
+        assert held <= cache.bytes <= bound and cache.bytes - held <= 4096 * len(cache), (i, held, bound)
+    assert len(cache) == 3 and cache.evictions["bytes"] == 22 and cache.peak_bytes <= bound
+
+
+def test_cache_ttl_expires_without_new_forwards_and_caps_entries():
+    cfg = load_config("configs/tiny.yaml", OVR)
+    cache = ActivationCache(ttl_s=0.3, max_entries=2, max_bytes=1 << 30, sweep_s=0.05)
+    w = StageWorker(cfg, 1, cache=cache)
+    for i in range(3):
+        w.forward(f"mb{i}", torch.randn(2, 16, 16))
+    assert len(cache) == 2 and "mb0" not in cache and cache.evictions["entries"] == 1
+    import time
+    deadline = time.monotonic() + 5
+    while len(cache) and time.monotonic() < deadline:      # no new put, no pop: the sweeper expires them
+        time.sleep(0.05)
+    assert len(cache) == 0 and cache.bytes == 0 and cache.evictions["ttl"] == 2
+    # an entry larger than the whole bound is not kept (its backward gets UnknownMicrobatch)
+    small = ActivationCache(max_bytes=1000)
+    w2 = StageWorker(cfg, 1, cache=small)
+    w2.forward("big", torch.randn(2, 16, 16))
+    assert len(small) == 0 and small.evictions["too_large"] == 1
+    with pytest.raises(UnknownMicrobatch):
+        w2.backward("big", torch.zeros(2, 16, 16))
+    cache.close()
+    small.close()
+
+
+def test_cache_limits_come_from_the_config():
+    cfg = load_config("configs/tiny.yaml", {**OVR, "train": {**OVR["train"], "activation_cache_mib": 3,
+                                                             "activation_cache_entries": 7,
+                                                             "activation_cache_ttl_s": 9.0}})
+    w = StageWorker(cfg, 1)
+    assert (w.cache.max_bytes, w.cache.max_entries, w.cache.ttl_s) == (3 << 20, 7, 9.0)

@@ -130,5 +130,8 @@ def test_localnet_refuses_unknown_adversary_and_poison_without_three_replicas(tm
                  out=tmp_path / "b", adversary="poison")
     ln = LocalNet(stages=3, replicas=3, validators=1, config="configs/tiny.yaml", data=None, steps=2,
                   out=tmp_path / "c", adversary="poison")
-    assert ln.cfg.merge.every_steps == 5               # poison turns merging on
+    assert ln.cfg.merge.every_steps == 10              # merging is on by default: the config's H stays
+    ln = LocalNet(stages=3, replicas=3, validators=1, config="configs/tiny.yaml", data=None, steps=2,
+                  out=tmp_path / "d", adversary="poison", overrides={"merge": {"every_steps": 0}})
+    assert ln.cfg.merge.every_steps == 5               # poison turns merging on when the config has it off
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

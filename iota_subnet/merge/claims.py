@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from loguru import logger
 
 from iota_subnet.audit.merkle import MerkleTree, leaf_hash
 from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, MergePayload, MergeResult, Outcome,
@@ -111,9 +112,11 @@ class MergeClaims:
         self.served = 0
 
     # ---- engine observer ------------------------------------------------------------------------
-    def on_contributions(self, plan: Any, slices: Mapping[int, torch.Tensor], payloads: list[MergePayload]) -> None:
+    def on_contributions(self, plan: Any, slices: Mapping[int, torch.Tensor], payloads: list[MergePayload]
+                         ) -> dict[int, dict]:
         """Sign this replica's slices of ``plan`` (shard -> dequantized float32 slice), attach the
-        claims to the outgoing ``payloads`` and keep the slices. Runs off the event loop."""
+        claims to the outgoing ``payloads`` (the engine streams chunks and attaches them itself) and
+        keep the slices. Returns shard -> signed claim. Runs off the event loop."""
         claims = {}
         for s, x in slices.items():
             off, n = plan.bounds[s]
@@ -130,17 +133,26 @@ class MergeClaims:
         for m in payloads:
             m.info = {**m.info, "claim": claims[m.shard_index]}
         self._prune(plan.epoch)
+        return claims
 
     def on_contribution_in(self, sender: str, msg: MergePayload, x: torch.Tensor) -> None:
         """Check the claim of an incoming slice (``x``: dequantized); raises ProtocolError(FORBIDDEN)."""
         c = msg.info.get("claim") if isinstance(msg.info, Mapping) else None
         if not verify_claim(c, sender, CONTRIBUTION):
             raise ProtocolError(Outcome.FORBIDDEN, "merge slice without a valid contribution claim signed by its sender")
-        want = {**coords(self.run_id, self.stage, msg.epoch, msg.attempt, msg.plan_id, msg.shard_index),
-                "offset": int(msg.offset), "numel": int(x.numel())}
+        want = coords(self.run_id, self.stage, msg.epoch, msg.attempt, msg.plan_id, msg.shard_index)
         if any(c.get(k) != v for k, v in want.items()):
             raise ProtocolError(Outcome.FORBIDDEN, "contribution claim is for other coordinates than the slice")
-        if c.get("sha256") != tensor_sha256(x.float().contiguous()) or c.get("root") != chunk_tree(x, self.chunk).root.hex():
+        try:
+            c_off, c_n = int(c.get("offset", -1)), int(c.get("numel", -1))
+        except (TypeError, ValueError):
+            raise ProtocolError(Outcome.FORBIDDEN, "contribution claim without a valid offset and numel") from None
+        if not (c_off <= msg.offset and msg.offset + x.numel() <= c_off + c_n):
+            raise ProtocolError(Outcome.FORBIDDEN, "contribution claim does not cover this chunk of the slice")
+        # a slice sent whole is checked here; a slice streamed in chunks is bound to its claim by the
+        # reducer's digest of the chunks it received (contribution_sha256, checked in on_result)
+        if x.numel() == c_n and (c.get("sha256") != tensor_sha256(x.float().contiguous())
+                                 or c.get("root") != chunk_tree(x, self.chunk).root.hex()):
             raise ProtocolError(Outcome.FORBIDDEN, "contribution claim does not match the slice sent")
         with self._lock:
             self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = dict(c)
@@ -151,6 +163,12 @@ class MergeClaims:
         tree = chunk_tree(served, self.chunk)
         with self._lock:
             got = dict(self.received.get(key, {}))
+        for p, digest in zip(res.contributors, res.contribution_sha256):
+            if p in got and got[p].get("sha256") != digest:
+                # the chunks this sender streamed are not the slice it signed: its claim is not evidence
+                logger.warning(f"merge claims: {p[:10]}'s chunks of shard {res.shard_index} do not match its "
+                               f"signed contribution claim")
+                got.pop(p)
         claim = sign_claim({"t": RESULT, **coords(self.run_id, self.stage, res.epoch, res.attempt, res.plan_id,
                                                   res.shard_index),
                             "offset": int(offset), "numel": int(served.numel()), "contributors": list(res.contributors),

@@ -1,39 +1,56 @@
 """The merge state machine of one replica: join, scatter, reduce, gather + verify, apply.
 
-One merge epoch ``e`` of a stage, seen from replica ``me`` (all tensors float32, flat [P]):
+One merge epoch ``e`` of a stage, seen from replica ``me`` (all tensors float32, flat [P], in host
+memory whatever device the stage trains on: :class:`ModuleParams` is the only place where values
+cross between the module's device and the host):
 
 1. **join**: ``me`` reached the boundary and waits (``merge.join_timeout_s``) for the stage's other
-   replicas to report ``ready_epoch == e`` (``/merge/join``). Participants = the ready ones. A peer
-   that already merged ``e`` means ``me`` is late: it returns ``status="late"`` and the miner pulls
-   the merged weights (:mod:`.sync`).
+   replicas to report ``ready_epoch == e`` (``/merge/join``); each reports the work it did in the
+   window (tokens trained since its last merge). Participants = the ready ones. A peer that already
+   merged ``e`` means ``me`` is late: it returns ``status="late"`` and the miner pulls the merged
+   weights (:mod:`.sync`).
 2. **plan**: :class:`~iota_subnet.merge.plan.MergePlan` from the epoch seed, the attempt number and
-   the sorted participants (and their merge weights); ``plan_id`` names it in every message.
+   the sorted participants; a participant's weight in the mean is its validators' merge weight times
+   its work in the window (a replica that did no work weighs 0: it takes part and ends with the
+   merged weights, but does not dilute the others); ``plan_id`` names it in every message.
 3. **scatter**: pseudo-gradient ``delta = anchor - weights`` is cut by the plan; slice ``s`` goes
    (quantized as configured; the sender keeps the dequantized copy so both reducers and the sender
-   see the same values) to both reducers of ``s`` (``/merge/contribute``).
-4. **reduce**: for each of its shards ``me`` waits (``merge.phase_timeout_s``) for every participant's
-   slice, then computes the weighted mean and the outer step (:func:`.outer.outer_step`); a shard
-   missing a contributor is ``incomplete`` (its ``missing`` list names who).
-5. **gather + verify**: for every shard ``me`` fetches the mean from one reducer and the hash from the
-   other (``/merge/result``). Equal hashes (and a tensor matching them): accepted. Different hashes,
-   or a tensor that does not match its hash: ``me`` acts as the third party, fetches every
-   participant's slice (``/merge/contribution``), recomputes the mean, uses it and records evidence
+   see the same values) to both reducers of ``s`` (``/merge/contribute``) as consecutive chunks of at
+   most ``merge.chunk_numel`` values, one message each, one stream per (reducer, shard).
+4. **reduce**: chunk ``c`` of a shard is reduced (weighted mean in the plan's participant order, then
+   the outer step, :func:`.outer.outer_step`) as soon as every participant's chunk ``c`` is there;
+   a reducer acknowledges a chunk only when the shard's reduced chunks are at most
+   :data:`STREAM_WINDOW` behind it, so it buffers a bounded number of chunks per contributor. A
+   shard still missing a contributor after ``merge.phase_timeout_s`` is ``incomplete`` (its
+   ``missing`` list names who).
+5. **gather + verify**: for every shard ``me`` fetches the mean chunk by chunk from one reducer and
+   the hash from the other (``/merge/result``). Equal hashes (and chunks matching them): accepted.
+   Different hashes, or chunks that do not match: ``me`` acts as the third party, fetches every
+   participant's chunks (``/merge/contribution``), recomputes the mean, uses it and records evidence
    naming the reducer(s) whose hash differs (:attr:`MergeEngine.reports`).
 6. **apply** (only with every shard verified): weights, anchor and momentum replaced together under the
-   worker lock; else nothing changes and the attempt is retried without the missing / unreachable
+   worker lock (with ``merge.overlap``: the merged weights plus the local progress made while the
+   merge ran); else nothing changes and the attempt is retried without the missing / unreachable
    replicas (their shards reassigned by the new plan), at most ``merge.max_attempts`` times; then the
    epoch is abandoned (the next epoch's pseudo-gradient covers both).
 
 Contributions for a closed or already merged epoch are refused with ``Outcome.LATE`` (410): non-fatal,
 the sender pulls the merged weights. A straggler's slices are only ever used by an attempt whose
 plan names it and that completes for every shard; otherwise they are dropped with the attempt.
+
+Memory per replica (host, float32 values): anchor and momentum (2P), the pseudo-gradient (P; plus
+its dequantized copy with int8 / bf16 payloads), the new anchor and momentum while they are built
+(2P), the means of the two shards it reduces (2P/N), at most ``STREAM_WINDOW + 1`` chunks per
+contributor of each shard it reduces, and with ``merge.overlap`` the weights read at the start (P).
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 from loguru import logger
@@ -41,12 +58,15 @@ from loguru import logger
 from iota_subnet.config import MergeConfig
 from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult, MergeResultRequest, Message,
                                   Outcome, ProtocolError, payload_nbytes, tensor_sha256)
+from iota_subnet.protocol.codec import host_bytes
 
 from .outer import dequantize, outer_step, quantize, weighted_mean
 from .plan import MergePlan, epoch_seed
 
 #: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
 MAX_SESSIONS = 6
+#: Chunks a contributor may run ahead of a shard's reduced chunks before the reducer delays its acks.
+STREAM_WINDOW = 2
 
 
 class PeerTransport(Protocol):
@@ -61,30 +81,68 @@ def flat_numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def sha256_of(chunks: Iterable[torch.Tensor]) -> str:
+    """sha256 of the concatenated raw bytes of ``chunks`` (equals ``tensor_sha256(torch.cat(chunks))``)."""
+    h = hashlib.sha256()
+    for x in chunks:
+        for view in host_bytes(x):
+            h.update(view)
+    return h.hexdigest()
+
+
+def cap_work(works: dict[str, float]) -> dict[str, float]:
+    """Work reported by the participants, each capped at twice the median (a replica cannot buy
+    itself a larger share of the mean by claiming more work than it could have done; with the
+    median at 0 only relative weights among the working replicas matter, nothing to cap)."""
+    vals = sorted(works.values())
+    if not vals:
+        return {}
+    k = len(vals)
+    med = vals[k // 2] if k % 2 else (vals[k // 2 - 1] + vals[k // 2]) / 2
+    return {p: min(w, 2 * med) if med > 0 else w for p, w in works.items()}
+
+
 class ModuleParams:
-    """Flat float32 view of a module's parameters (in ``module.parameters()`` order), read and
+    """Flat float32 host copy of a module's parameters (in ``module.parameters()`` order), read and
     written under ``lock`` (the stage worker's lock); ``on_write()`` runs under the lock after
-    every write (the stage worker's :meth:`~iota_subnet.miner.stage_worker.StageWorker.weights_replaced`)."""
+    every write (the stage worker's :meth:`~iota_subnet.miner.stage_worker.StageWorker.weights_replaced`).
+
+    The module may live on any device; values cross to and from the host one parameter at a time
+    (no device-side concatenation of the whole stage)."""
 
     def __init__(self, module: torch.nn.Module, lock: Any = None, on_write: Optional[Callable[[], Any]] = None):
-        import threading
         self.module = module
         self.lock = lock or threading.RLock()
         self.numel = flat_numel(module)
         self.on_write = on_write
 
     def read(self) -> torch.Tensor:
+        """Host float32 [P] copy of the parameters."""
         with self.lock, torch.no_grad():
-            return torch.cat([p.detach().float().reshape(-1) for p in self.module.parameters()]).clone()
+            out = torch.empty(self.numel, dtype=torch.float32)
+            off = 0
+            for p in self.module.parameters():
+                n = p.numel()
+                out[off:off + n].view(p.shape).copy_(p.detach())
+                off += n
+            return out
 
-    def write(self, flat: torch.Tensor) -> None:
-        if flat.numel() != self.numel:
+    def write(self, flat: torch.Tensor, carry_from: Optional[torch.Tensor] = None) -> None:
+        """Set the parameters to ``flat`` (host or device, [P]). With ``carry_from`` (the values
+        read when the merge started, [P]), add the progress made since then instead:
+        ``p = flat + (p - carry_from)`` (an overlapped merge keeps the steps taken meanwhile)."""
+        if flat.numel() != self.numel or (carry_from is not None and carry_from.numel() != self.numel):
             raise ValueError(f"flat vector of {flat.numel()} values for {self.numel} parameters")
         with self.lock, torch.no_grad():
             off = 0
             for p in self.module.parameters():
                 n = p.numel()
-                p.copy_(flat[off:off + n].view_as(p).to(p.dtype))
+                src = flat[off:off + n].view(p.shape)
+                if carry_from is None:
+                    p.copy_(src)
+                else:       # flat + (p - start): exactly flat where nothing moved
+                    start = carry_from[off:off + n].view(p.shape).to(p.device, p.dtype)
+                    p.copy_(src.to(p.device, p.dtype) + (p - start))
                 off += n
             if self.on_write is not None:
                 self.on_write()
@@ -92,9 +150,10 @@ class ModuleParams:
 
 @dataclass
 class MergeReport:
-    """Outcome of one merge epoch on one replica. ``status``: ``merged`` | ``alone`` (no peer ready) |
-    ``late`` (a peer merged this epoch already: pull its weights) | ``abandoned``. Bytes are encoded
-    message bodies this replica sent / received for the merge (as client and as server)."""
+    """Outcome of one merge epoch on one replica. ``status``: ``merged`` | ``alone`` (no peer ready,
+    or no participant did any work) | ``late`` (a peer merged this epoch already: pull its weights) |
+    ``abandoned``. Bytes are encoded message bodies this replica sent / received for the merge (as
+    client and as server). ``weights``: each participant's weight in the mean (merge weight x work)."""
 
     epoch: int
     status: str = "abandoned"
@@ -107,10 +166,30 @@ class MergeReport:
     wall_s: float = 0.0
     reason: str = ""
     weights_sha256: str = ""
+    weights: dict[str, float] = field(default_factory=dict)
+    work: float = 0.0
 
     @property
     def applied(self) -> bool:
         return self.status == "merged"
+
+
+class _ShardReduce:
+    """A reducer's state for one shard: chunks streaming in from every participant, reduced in order."""
+
+    def __init__(self, chunks: list[tuple[int, int]], participants: Iterable[str]):
+        self.chunks = chunks
+        self.inbox: dict[int, dict[str, torch.Tensor]] = {}     # chunk -> sender -> float32 values
+        self.got: dict[str, int] = {p: 0 for p in participants}  # chunks received per sender (in order)
+        self.contribution_h = {p: hashlib.sha256() for p in self.got}
+        self.reduced = 0                                        # chunks reduced so far
+        self.means: list[torch.Tensor] = []
+        self.shard_h, self.momentum_h = hashlib.sha256(), hashlib.sha256()
+        self.progress = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.reduced >= len(self.chunks)
 
 
 class _Session:
@@ -119,14 +198,15 @@ class _Session:
     def __init__(self, epoch: int, attempt: int, plan_id: str):
         self.epoch, self.attempt, self.plan_id = epoch, attempt, plan_id
         self.plan: Optional[MergePlan] = None
-        self.inbox: dict[int, dict[str, torch.Tensor]] = {}     # shard -> sender -> float32 slice
+        self.planned = asyncio.Event()
+        self.reduce: dict[int, _ShardReduce] = {}                # shards this replica reduces
         self.raw: list[tuple[str, MergePayload]] = []            # arrived before our plan existed
-        self.mine: dict[int, torch.Tensor] = {}                  # my (dequantized) slices, for third parties
-        self.mine_wire: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-        self.results: dict[int, MergeResult] = {}
-        self.honest: dict[int, torch.Tensor] = {}                # means computed here (before any tamper hook)
+        self.mine: dict[int, list[torch.Tensor]] = {}            # my (dequantized) chunks per shard
+        self.mine_wire: dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.results: dict[int, MergeResult] = {}                # header of each result (no tensor)
+        self.honest: dict[int, list[torch.Tensor]] = {}          # means computed here (before any tamper hook)
+        self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
         self.result_ready: dict[int, asyncio.Event] = {}
-        self.arrived = asyncio.Event()
         self.closed = False
         self.created = time.monotonic()
 
@@ -139,6 +219,8 @@ class MergeEngine:
 
     ``me``: this replica's hotkey. ``params``: :class:`ModuleParams`. ``transport``: :class:`PeerTransport`.
     ``weights_fn(participants) -> {hotkey: weight}``: validators' merge weights (0 excludes; default 1).
+    ``work_fn() -> float``: this replica's cumulative work (tokens trained); its weight in a merge is
+    proportional to the work done since its last merge (None: every replica weighs the same).
     ``run_id``/``stage`` seed the plans. ``on_applied(report)``: called after a merge is applied.
     ``tamper``: test hook ``(shard_index, mean) -> mean`` applied to the means this replica *serves*.
     ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read the merge
@@ -149,18 +231,21 @@ class MergeEngine:
     def __init__(self, me: str, cfg: MergeConfig, params: ModuleParams, transport: Optional[PeerTransport] = None, *,
                  run_id: str = "", stage: int = 0,
                  weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None,
+                 work_fn: Optional[Callable[[], float]] = None,
                  on_applied: Optional[Callable[[MergeReport], Any]] = None,
                  tamper: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
                  before_attempt: Optional[Callable[[], Any]] = None, observer: Any = None):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
         self.observer = observer
         self.run_id, self.stage = run_id, stage
-        self.weights_fn, self.on_applied, self.tamper = weights_fn, on_applied, tamper
+        self.weights_fn, self.work_fn, self.on_applied, self.tamper = weights_fn, work_fn, on_applied, tamper
         self.before_attempt = before_attempt
-        self.anchor = params.read()                  # weights at the last merge (the run's seeded init before)
+        self.anchor = params.read()                  # weights at the last merge (the run's seeded init before), host
         self.momentum = torch.zeros_like(self.anchor)
         self.merged_epoch = -1
         self.ready_epoch = -1
+        self.ready_work = 0.0                        # work in the window of ready_epoch (reported at join)
+        self.work_base = self._work_total()          # cumulative work at the last merge
         self.attempt_now = -1                        # the attempt of ready_epoch this replica is at
         self.current: Optional[tuple[int, int, list[str]]] = None   # (epoch, attempt, participants) in progress
         self.in_sync = True
@@ -172,24 +257,37 @@ class MergeEngine:
         self._lock = asyncio.Lock()                  # one merge at a time
 
     # ------------------------------------------------------------------ state
+    def _work_total(self) -> float:
+        return float(self.work_fn()) if self.work_fn is not None else 0.0
+
+    def window_work(self) -> float:
+        """Work done since the last merge (1.0 without ``work_fn``: every replica weighs the same)."""
+        if self.work_fn is None:
+            return 1.0
+        return max(0.0, self._work_total() - self.work_base)
+
     def set_state(self, anchor: torch.Tensor, momentum: torch.Tensor, merged_epoch: int, *, write_params: bool = True
                   ) -> None:
-        """Adopt a synced (or checkpointed) merge state all at once."""
+        """Adopt a synced (or checkpointed) merge state all at once (tensors on any device; kept on the host)."""
         if anchor.numel() != self.params.numel or momentum.numel() != self.params.numel:
             raise ValueError(f"state of {anchor.numel()}/{momentum.numel()} values for {self.params.numel} parameters")
+        anchor = anchor.detach().to("cpu", torch.float32).reshape(-1).clone()
+        momentum = momentum.detach().to("cpu", torch.float32).reshape(-1).clone()
         if write_params:
             self.params.write(anchor)
-        self.anchor, self.momentum = anchor.float().clone(), momentum.float().clone()
+            self.work_base = self._work_total()
+        self.anchor, self.momentum = anchor, momentum
         self.merged_epoch = int(merged_epoch)
 
     def status(self) -> dict:
         return {"merged_epoch": self.merged_epoch, "ready_epoch": self.ready_epoch, "in_sync": self.in_sync,
                 "merges": sum(1 for r in self.history if r.applied), "abandoned": sum(1 for r in self.history
                                                                                       if r.status == "abandoned"),
-                "mismatch_reports": len(self.reports),
+                "mismatch_reports": len(self.reports), "window_work": self.window_work(),
                 "last": None if not self.history else {k: getattr(self.history[-1], k) for k in
                                                       ("epoch", "status", "attempts", "participants", "missing",
-                                                       "bytes_sent", "bytes_received", "wall_s", "reason")}}
+                                                       "bytes_sent", "bytes_received", "wall_s", "reason",
+                                                       "weights")}}
 
     def _count(self, sent: int, received: int) -> None:
         self._bytes[0] += sent
@@ -208,7 +306,9 @@ class MergeEngine:
         if route == "/merge/join":
             return self._on_join(msg)
         if route == "/merge/contribute":
-            return self._on_contribute(msg, caller)
+            ack = self._on_contribute(msg, caller)
+            await self._throttle(msg)
+            return ack
         if route == "/merge/result":
             return await self._on_result(msg, caller)
         if route == "/merge/contribution":
@@ -221,7 +321,7 @@ class MergeEngine:
                          ready_epoch=self.ready_epoch, merged_epoch=self.merged_epoch,
                          closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
                                                                  if a >= self.cfg.max_attempts]),
-                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync)
+                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync, work=self.ready_work)
 
     def _late(self, epoch: int, attempt: int) -> bool:
         return epoch <= self.merged_epoch or self.closed_epochs.get(epoch, -1) >= attempt
@@ -255,6 +355,9 @@ class MergeEngine:
             raise ProtocolError(Outcome.MALFORMED, f"quantization {msg.quant!r}, this run uses {self.cfg.quantization!r}")
         if msg.shard.dim() != 1 or not (0 <= msg.offset and msg.offset + msg.shard.numel() <= msg.total_numel):
             raise ProtocolError(Outcome.BAD_SHAPE, f"slice [{msg.offset}, +{msg.shard.numel()}) outside [0, {msg.total_numel})")
+        if msg.shard.numel() > self.cfg.chunk_numel:
+            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk of {msg.shard.numel()} values > merge.chunk_numel "
+                                                   f"{self.cfg.chunk_numel}")
         if not msg.plan_id or len(msg.plan_id) > 64:
             raise ProtocolError(Outcome.MALFORMED, "plan_id missing or too long")
         try:
@@ -271,28 +374,78 @@ class MergeEngine:
                 raise ProtocolError(Outcome.BUSY, "too many early contributions")
             sess.raw.append((caller, msg))
         else:
-            self._accept(sess, caller, msg.shard_index, msg.offset, x)
-        sess.arrived.set()
+            self._accept(sess, caller, msg.shard_index, msg.chunk, msg.offset, x)
         return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
 
-    def _accept(self, sess: _Session, sender: str, s: int, offset: int, x: torch.Tensor) -> None:
+    async def _throttle(self, msg: MergePayload) -> None:
+        """Backpressure: acknowledge chunk ``c`` only once this replica has a plan for it and the shard's
+        reduced chunks are at most :data:`STREAM_WINDOW` behind (or the phase deadline passes)."""
+        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
+        if sess is None:
+            return
+        deadline = time.monotonic() + self.cfg.phase_timeout_s
+        try:
+            await asyncio.wait_for(sess.planned.wait(), timeout=self.cfg.phase_timeout_s)
+        except asyncio.TimeoutError:
+            return
+        red = sess.reduce.get(msg.shard_index)
+        while red is not None and red.reduced < msg.chunk - STREAM_WINDOW + 1 and not sess.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            red.progress.clear()
+            try:
+                await asyncio.wait_for(red.progress.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                return
+
+    def _accept(self, sess: _Session, sender: str, s: int, c: int, offset: int, x: torch.Tensor) -> None:
         plan = sess.plan
         if sender not in plan.participants:
             raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} is not in plan {plan.plan_id}")
-        if not 0 <= s < plan.num_shards or self.me not in plan.reducers[s]:
+        if not 0 <= s < plan.num_shards or s not in sess.reduce:
             raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {s} of plan {plan.plan_id}")
-        if (offset, x.numel()) != plan.bounds[s]:
-            raise ProtocolError(Outcome.BAD_SHAPE, f"shard {s} is {plan.bounds[s]} (offset, numel), got ({offset}, {x.numel()})")
-        box = sess.inbox.setdefault(s, {})
-        if sender in box and not torch.equal(box[sender], x):
-            raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} sent two different slices for shard {s}")
-        box[sender] = x
+        red = sess.reduce[s]
+        if not 0 <= c < len(red.chunks) or (offset, x.numel()) != red.chunks[c]:
+            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk {c} of shard {s} is {red.chunks[c] if 0 <= c < len(red.chunks) else 'none'} "
+                                                   f"(offset, numel), got ({offset}, {x.numel()})")
+        got = red.got[sender]
+        if c < got:                                    # a resent chunk: must repeat the first one
+            prev = red.inbox.get(c, {}).get(sender)
+            if prev is not None and not torch.equal(prev, x):
+                raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} sent two different chunks {c} for shard {s}")
+            return
+        if c > got:
+            raise ProtocolError(Outcome.MALFORMED, f"chunk {c} of shard {s} before chunk {got}: chunks go in order")
+        red.inbox.setdefault(c, {})[sender] = x
+        red.got[sender] = c + 1
+        for view in host_bytes(x):
+            red.contribution_h[sender].update(view)
+        self._advance(sess, s)
+
+    def _advance(self, sess: _Session, s: int) -> None:
+        """Reduce the shard's complete chunks, in order."""
+        plan, red = sess.plan, sess.reduce[s]
+        order = plan.participants
+        while not red.done and len(red.inbox.get(red.reduced, {})) == len(order):
+            c = red.reduced
+            box = red.inbox.pop(c)
+            off, n = red.chunks[c]
+            mean = weighted_mean([(plan.weight(p), box[p]) for p in order])
+            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
+                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
+            for h, t in ((red.shard_h, new), (red.momentum_h, mom)):
+                for view in host_bytes(t):
+                    h.update(view)
+            red.means.append(mean)
+            red.reduced += 1
+        red.progress.set()
 
     def _adopt_raw(self, sess: _Session) -> None:
         for sender, msg in sess.raw:
             try:
                 x = dequantize(msg.shard, msg.scales, msg.quant, self.cfg.int8_block)
-                self._accept(sess, sender, msg.shard_index, msg.offset, x)
+                self._accept(sess, sender, msg.shard_index, msg.chunk, msg.offset, x)
             except (ProtocolError, ValueError) as e:
                 logger.warning(f"merge: early contribution from {sender[:10]} dropped: {e}")
         sess.raw.clear()
@@ -311,21 +464,27 @@ class MergeEngine:
         res = sess.results.get(msg.shard_index)
         if res is None:
             raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")
-        if not msg.with_tensor:
-            return MergeResult(**{**res.__dict__, "mean": None})
-        return res
+        served = sess.served.get(msg.shard_index)
+        if not msg.with_tensor or served is None:
+            return res
+        if not 0 <= msg.chunk < len(served):
+            raise ProtocolError(Outcome.BAD_SHAPE, f"shard {msg.shard_index} has {len(served)} chunks, not {msg.chunk}")
+        return MergeResult(**{**res.__dict__, "chunk": msg.chunk, "mean": served[msg.chunk]})
 
     def _on_contribution(self, msg: MergeResultRequest, caller: str) -> MergePayload:
         sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
-        if sess is None or sess.plan is None or msg.shard_index not in sess.mine_wire:
-            raise ProtocolError(Outcome.NOT_READY, f"no contribution for plan {msg.plan_id} shard {msg.shard_index}")
+        key = (msg.shard_index, msg.chunk)
+        if sess is None or sess.plan is None or key not in sess.mine_wire:
+            raise ProtocolError(Outcome.NOT_READY, f"no contribution for plan {msg.plan_id} shard {msg.shard_index} "
+                                                   f"chunk {msg.chunk}")
         if caller not in sess.plan.participants:
             raise ProtocolError(Outcome.FORBIDDEN, "only participants of the plan may fetch contributions")
-        q, sc = sess.mine_wire[msg.shard_index]
-        off, _ = sess.plan.bounds[msg.shard_index]
+        q, sc = sess.mine_wire[key]
+        chunks = sess.plan.chunks(msg.shard_index)
         return MergePayload(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=msg.attempt,
                             plan_id=msg.plan_id, shard_index=msg.shard_index, num_shards=sess.plan.num_shards,
-                            offset=off, total_numel=sess.plan.total_numel, weight=sess.plan.weight(self.me),
+                            chunk=msg.chunk, num_chunks=len(chunks), offset=chunks[msg.chunk][0],
+                            total_numel=sess.plan.total_numel, weight=sess.plan.weight(self.me),
                             quant=self.cfg.quantization, shard=q, scales=sc)
 
     # ------------------------------------------------------------------ client side
@@ -337,16 +496,20 @@ class MergeEngine:
         return reply
 
     async def _join(self, epoch: int, attempt: int, peers: list[str], exclude: set[str]
-                    ) -> tuple[list[str], list[str], int]:
+                    ) -> tuple[list[str], list[str], int, dict[str, float], set[str]]:
         """Returns (participants incl. me, peers that merged ``epoch`` already, the highest attempt a
-        peer is at when above ``attempt``, else -1). A peer counts as ready for this attempt only
-        when it is at the same attempt of the same epoch: one still finishing the previous attempt
-        is waited for (its phase deadline is at most ``phase_timeout_s`` away)."""
+        peer is at when above ``attempt``, else -1, the work each participant reports for its window,
+        the peers that could not be reached). A peer counts as ready for this attempt only when it
+        is at the same attempt of the same epoch: one still finishing the previous attempt is waited
+        for (its phase deadline is at most ``phase_timeout_s`` away); one that cannot be reached
+        (dead, restarting) is not: it pulls the merged weights when it is back."""
         deadline = time.monotonic() + (self.cfg.join_timeout_s if attempt == 0
                                        else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
         w = self._weights([p for p in peers if p != self.me])
         want = [p for p in peers if p != self.me and p not in exclude and w.get(p, 1.0) > 0]
         ready: set[str] = set()
+        gone: set[str] = set()
+        works: dict[str, float] = {self.me: self.ready_work}
         ahead: list[str] = []
         first = True
         while True:
@@ -371,22 +534,28 @@ class MergeEngine:
                     elif r.ready_epoch == epoch and r.in_sync and p not in exclude:
                         if r.attempt == attempt:
                             ready.add(p)
+                            works[p] = float(r.work) if r.work >= 0 else 0.0
                         elif r.attempt > attempt:
                             jump = max(jump, r.attempt)
+                elif not isinstance(r, ProtocolError) and p in want:
+                    want.remove(p)                # unreachable (dead, restarting): do not hold the lane for it
+                    gone.add(p)
             if ahead:
-                return [], ahead, -1
+                return [], ahead, -1, {}, gone
             if jump > attempt and jump < self.cfg.max_attempts:
-                return [], [], jump
+                return [], [], jump, {}, gone
             if len(ready) == len(want) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.1)
-        return sorted(ready | {self.me}), [], -1
+        parts = sorted(ready | {self.me})
+        return parts, [], -1, {p: works[p] for p in parts}, gone - ready
 
     def _weights(self, participants: list[str]) -> dict[str, float]:
         if self.weights_fn is None:
             return {p: 1.0 for p in participants}
         w = self.weights_fn(list(participants)) or {}
         return {p: float(w.get(p, 1.0)) for p in participants}
+
 
     async def merge(self, epoch: int, peers: list[str] | Callable[[], list[str]]) -> MergeReport:
         """Run merge epoch ``epoch`` with the stage's other replicas ``peers`` (hotkeys, or a callable
@@ -397,8 +566,11 @@ class MergeEngine:
             t0 = time.monotonic()
             b0 = list(self._bytes)
             rep = MergeReport(epoch=epoch)
+            work_at_ready = self._work_total()
+            self.ready_work = rep.work = self.window_work()   # fixed while ready: every peer reads the same value
             self.ready_epoch = epoch
             exclude: set[str] = set()
+            unreachable: set[str] = set()          # peers that could not be reached at a join
             try:
                 if epoch <= self.merged_epoch:
                     rep.status, rep.reason = "late", f"epoch {epoch} <= merged epoch {self.merged_epoch}"
@@ -417,7 +589,8 @@ class MergeEngine:
                         rep.status, rep.reason = "abandoned", "this replica has merge weight 0"
                         return rep
                     peer_list = list(peers()) if callable(peers) else list(peers)
-                    participants, ahead, jump = await self._join(epoch, attempt, peer_list, exclude)
+                    participants, ahead, jump, works, gone = await self._join(epoch, attempt, peer_list, exclude)
+                    unreachable |= gone
                     if jump > attempt:                  # the peers gave up on this attempt: follow them
                         self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
                         attempt = jump - 1
@@ -435,13 +608,20 @@ class MergeEngine:
                     if len(participants) < 2:
                         rep.status, rep.reason = "alone", "no other replica ready"
                         return rep
-                    plan = MergePlan.make(epoch, attempt, seed, participants, self.params.numel,
-                                          {p: weights[p] for p in participants})
+                    works = cap_work({p: works.get(p, 0.0) for p in participants})
+                    contrib = {p: weights[p] * works[p] for p in participants}
+                    rep.weights = dict(contrib)
+                    if not sum(contrib.values()) > 0:
+                        rep.status, rep.reason = "alone", "no participant did any work in this window"
+                        return rep
+                    plan = MergePlan.make(epoch, attempt, seed, participants, self.params.numel, contrib,
+                                          chunk_numel=self.cfg.chunk_numel)
                     self.current = (epoch, attempt, list(plan.participants))
                     ok, missing, why = await self._allreduce(plan, rep)
                     self.closed_epochs[epoch] = attempt
                     if ok:
-                        rep.status, rep.missing = "merged", sorted(exclude)
+                        rep.status, rep.missing = "merged", sorted(exclude | (unreachable - set(participants)))
+                        self.work_base = work_at_ready
                         return rep
                     # peers that contributed to this attempt under another plan built it from another
                     # view (merge weights changed between reads): not missing, retry with them
@@ -459,6 +639,7 @@ class MergeEngine:
             finally:
                 self.current = None
                 self.ready_epoch = -1
+                self.ready_work = 0.0
                 self.attempt_now = -1
                 self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), self.cfg.max_attempts)
                 self._prune()
@@ -474,39 +655,51 @@ class MergeEngine:
     async def _allreduce(self, plan: MergePlan, rep: MergeReport) -> tuple[bool, list[str], str]:
         """One attempt. Returns (applied, replicas to exclude next time, reason)."""
         sess = self._session(plan.epoch, plan.attempt, plan.plan_id)
-        sess.plan = plan
-        self._adopt_raw(sess)
-        current = await asyncio.to_thread(self.params.read)
+        current = await asyncio.to_thread(self.params.read)        # host float32 [P]
         delta = self.anchor - current
+        carry = current if self.cfg.overlap else None              # the overlapped apply adds progress since now
+        del current
         quant, block = self.cfg.quantization, self.cfg.int8_block
-        unreachable: set[str] = set()
-        sends = []
-        for s, (off, n) in enumerate(plan.bounds):
-            q, sc = quantize(delta[off:off + n], quant, block)
-            x = dequantize(q, sc, quant, block)
-            sess.mine[s], sess.mine_wire[s] = x, (q, sc)
-            for r in dict.fromkeys(plan.reducers[s]):
-                if r == self.me:
-                    sess.inbox.setdefault(s, {})[self.me] = x
-                else:
-                    sends.append((r, MergePayload(run_id=self.run_id, stage=self.stage, epoch=plan.epoch,
-                                                  attempt=plan.attempt, plan_id=plan.plan_id, shard_index=s,
-                                                  num_shards=plan.num_shards, offset=off, total_numel=plan.total_numel,
-                                                  weight=plan.weight(self.me), quant=quant, shard=q, scales=sc)))
-        if self.observer is not None:
-            await asyncio.to_thread(self.observer.on_contributions, plan, dict(sess.mine), [m for _, m in sends])
-        sess.arrived.set()
+        mine = plan.shards_of(self.me)
+        sess.plan = plan                                           # from here contributions are accepted
+        for s in mine:
+            sess.reduce[s] = _ShardReduce(plan.chunks(s), plan.participants)
+        for s in range(plan.num_shards):
+            parts = []
+            for c, (off, n) in enumerate(plan.chunks(s)):
+                q, sc = quantize(delta[off:off + n], quant, block)
+                parts.append(dequantize(q, sc, quant, block))
+                sess.mine_wire[(s, c)] = (q, sc)
+            sess.mine[s] = parts
+        claims: dict[int, dict] = {}
+        if self.observer is not None:                              # signed contribution claims (merge/claims.py)
+            claims = await asyncio.to_thread(self.observer.on_contributions, plan,
+                                             {s: torch.cat(parts) for s, parts in sess.mine.items()}, [])
+        sess.planned.set()
+        self._adopt_raw(sess)
+        for s in mine:
+            for c, x in enumerate(sess.mine[s]):
+                self._accept(sess, self.me, s, c, plan.chunks(s)[c][0], x)
 
-        async def send(r: str, m: MergePayload):
+        async def stream(r: str, s: int):
+            """Chunks of my slice of shard ``s`` to reducer ``r``, in order, one at a time."""
+            chunks = plan.chunks(s)
             try:
-                await self._call(r, "/merge/contribute", m, MergeAck)
+                for c, (off, _) in enumerate(chunks):
+                    q, sc = sess.mine_wire[(s, c)]
+                    await self._call(r, "/merge/contribute", MergePayload(
+                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
+                        plan_id=plan.plan_id, shard_index=s, num_shards=plan.num_shards, chunk=c,
+                        num_chunks=len(chunks), offset=off, total_numel=plan.total_numel,
+                        weight=plan.weight(self.me), quant=quant, shard=q, scales=sc,
+                        info={"claim": claims[s]} if s in claims else {}), MergeAck)
                 return None
-            except ProtocolError as e:
+            except Exception as e:  # noqa: BLE001 - a refusal or an unreachable peer
                 return r, e
-            except Exception as e:  # noqa: BLE001
-                return r, e
-        reducers = asyncio.gather(*(self._reduce(sess, s) for s in plan.shards_of(self.me)))
-        send_res = await asyncio.gather(*(send(r, m) for r, m in sends))
+        streams = [(r, s) for s in range(plan.num_shards) for r in dict.fromkeys(plan.reducers[s]) if r != self.me]
+        reducers = asyncio.gather(*(self._reduce(sess, s) for s in mine))
+        send_res = await asyncio.gather(*(stream(r, s) for r, s in streams))
+        unreachable: set[str] = set()
         late = False
         for item in send_res:
             if item is None:
@@ -521,40 +714,77 @@ class MergeEngine:
         if late:
             return False, [], "a reducer refused as LATE (it merged or closed this attempt)"
 
-        # gather + verify
-        means: dict[int, torch.Tensor] = {}
+        # gather + verify, applying the outer step chunk by chunk into the new anchor and momentum
+        new_anchor = torch.empty_like(self.anchor)
+        new_momentum = torch.empty_like(self.momentum)
+        done: set[int] = set()
         missing: set[str] = set(unreachable)
         reasons: list[str] = []
 
+        def apply_chunk(off: int, mean: torch.Tensor) -> None:
+            n = mean.numel()
+            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
+                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
+            new_anchor[off:off + n] = new
+            new_momentum[off:off + n] = mom
+
+        async def result(r: str, s: int, c: int, with_tensor: bool) -> Any:
+            try:
+                return await self._call(r, "/merge/result", MergeResultRequest(
+                    run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt, plan_id=plan.plan_id,
+                    shard_index=s, chunk=c, with_tensor=with_tensor), MergeResult)
+            except Exception as e:  # noqa: BLE001
+                return e
+
         async def gather_one(s: int) -> None:
             a, b = plan.reducers[s]
-            others = [r for r in (a, b) if r != self.me]
+            chunks = plan.chunks(s)
+            claims: dict[str, MergeResult] = {}
+            got: dict[str, Any] = {}
+            served_h = hashlib.sha256()
+            chunks_ok = True
             if self.me in (a, b):
-                mine = sess.results.get(s)
-                if mine is None or mine.status != "ok":
-                    missing.update(mine.missing if mine is not None else [])
+                mine_res = sess.results.get(s)
+                if mine_res is None or mine_res.status != "ok":
+                    missing.update(mine_res.missing if mine_res is not None else [])
                     reasons.append(f"shard {s}: incomplete here")
                     return
-                fetch = {others[0]: False} if others else {}
-                primary_res = mine
-                primary_mean = sess_means[s]
+                claims[self.me] = mine_res
+                prim = self.me
+                other = [r for r in (a, b) if r != self.me]
+                if other:
+                    got[other[0]] = await result(other[0], s, 0, False)
+                for (off, _), mean in zip(chunks, sess.honest[s]):
+                    apply_chunk(off, mean)
+                served_digest = mine_res.mean_sha256
             else:
                 prim = plan.primary_for(self.me, s)
-                fetch = {a: a == prim, b: b == prim}
-                primary_res, primary_mean = None, None
-            got: dict[str, Any] = {}
-
-            async def fetch_one(r: str, with_tensor: bool):
-                try:
-                    got[r] = await self._call(r, "/merge/result", MergeResultRequest(
-                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
-                        plan_id=plan.plan_id, shard_index=s, with_tensor=with_tensor), MergeResult)
-                except Exception as e:  # noqa: BLE001
-                    got[r] = e
-            await asyncio.gather(*(fetch_one(r, wt) for r, wt in fetch.items()))
-            claims: dict[str, MergeResult] = {}
-            if primary_res is not None:
-                claims[self.me] = primary_res
+                sec = b if prim == a else a
+                first, got[sec] = await asyncio.gather(result(prim, s, 0, True), result(sec, s, 0, False))
+                got[prim] = first
+                served_digest = None
+                if isinstance(first, MergeResult) and first.status == "ok":
+                    hashes = list(first.chunk_sha256)
+                    chunks_ok = len(hashes) == len(chunks)
+                    reply = first
+                    for c, (off, n) in enumerate(chunks):
+                        if c:
+                            reply = await result(prim, s, c, True)
+                            if not isinstance(reply, MergeResult):
+                                got[prim] = reply           # unreachable mid-way
+                                break
+                        m = reply.mean
+                        if m is None or m.dtype != torch.float32 or m.numel() != n:
+                            chunks_ok = False
+                            break
+                        for view in host_bytes(m):
+                            served_h.update(view)
+                        if not chunks_ok or tensor_sha256(m) != hashes[c]:
+                            chunks_ok = False
+                            continue                    # keep hashing what it serves (evidence), apply nothing
+                        apply_chunk(off, m)
+                    else:
+                        served_digest = served_h.hexdigest()
             for r, res in got.items():
                 if isinstance(res, MergeResult):
                     if res.status != "ok":
@@ -566,25 +796,20 @@ class MergeEngine:
                     missing.add(r)
                     reasons.append(f"shard {s}: {r[:10]} unreachable ({type(res).__name__})")
                     return
-            if primary_mean is None:
-                prim = plan.primary_for(self.me, s)
-                primary_mean = claims[prim].mean
-                if primary_mean is None or primary_mean.dtype != torch.float32 or primary_mean.numel() != plan.bounds[s][1]:
-                    primary_mean = None
             hashes = {r: c.mean_sha256 for r, c in claims.items()}
             agree = len(set(hashes.values())) == 1 and len({(tuple(c.contributors), tuple(c.weights))
                                                              for c in claims.values()}) == 1
-            if agree and primary_mean is not None and tensor_sha256(primary_mean) == next(iter(hashes.values())):
-                means[s] = primary_mean
+            if agree and chunks_ok and served_digest == next(iter(hashes.values())):
+                done.add(s)
                 return
-            # mismatch: recompute as a third party from every participant's slice
+            # mismatch: recompute as a third party from every participant's chunks
             recomputed = await self._recompute(plan, sess, s)
             if recomputed is None:
                 missing.update(r for r in (a, b) if r != self.me)
                 reasons.append(f"shard {s}: mismatch and contributions unavailable")
                 return
-            digest = tensor_sha256(recomputed)
-            served = {} if primary_mean is None else {plan.primary_for(self.me, s): tensor_sha256(primary_mean)}
+            digest = sha256_of(recomputed)
+            served = {} if prim == self.me else {prim: served_digest or served_h.hexdigest()}
             wrong = sorted(r for r in (a, b) if hashes.get(r) != digest or served.get(r, digest) != digest)
             ev = {"epoch": plan.epoch, "attempt": plan.attempt, "plan_id": plan.plan_id, "shard": s,
                   "reducers": [a, b], "claimed_sha256": hashes, "served_sha256": served, "recomputed_sha256": digest,
@@ -596,72 +821,74 @@ class MergeEngine:
             rep.mismatches.append(ev)
             logger.warning(f"merge epoch {plan.epoch} shard {s}: reducers disagree; recomputed, wrong: "
                            f"{[w[:10] for w in wrong]}")
-            means[s] = recomputed
+            for (off, _), mean in zip(chunks, recomputed):
+                apply_chunk(off, mean)
+            done.add(s)
 
-        sess_means = dict(sess.honest)   # the means this replica computed itself
         await asyncio.gather(*(gather_one(s) for s in range(plan.num_shards)))
-        if len(means) != plan.num_shards:
+        if len(done) != plan.num_shards:
             return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
 
-        mean = torch.cat([means[s] for s in range(plan.num_shards)])
-        new, mom = outer_step(self.anchor, self.momentum, mean, lr=self.cfg.outer_lr, mu=self.cfg.outer_momentum,
-                              nesterov=self.cfg.nesterov)
-        await asyncio.to_thread(self.params.write, new)          # all or nothing: one write under the lock
-        self.anchor, self.momentum, self.merged_epoch = new, mom, plan.epoch
-        rep.weights_sha256 = tensor_sha256(new)
+        # all or nothing: one write under the worker lock
+        await asyncio.to_thread(self.params.write, new_anchor, carry)
+        self.anchor, self.momentum, self.merged_epoch = new_anchor, new_momentum, plan.epoch
+        rep.weights_sha256 = tensor_sha256(new_anchor)
         return True, [], ""
 
     async def _reduce(self, sess: _Session, s: int) -> None:
-        plan = sess.plan
+        """Wait until shard ``s`` is reduced (chunks are reduced as they arrive, see :meth:`_advance`)
+        or the phase deadline passes, then publish the result."""
+        plan, red = sess.plan, sess.reduce[s]
         deadline = time.monotonic() + self.cfg.phase_timeout_s
-        box = sess.inbox.setdefault(s, {})
-        while len(box) < len(plan.participants) and time.monotonic() < deadline:
-            sess.arrived.clear()
-            if len(box) >= len(plan.participants):
-                break
+        while not red.done and time.monotonic() < deadline:
+            red.progress.clear()
             try:
-                await asyncio.wait_for(sess.arrived.wait(), timeout=max(0.01, deadline - time.monotonic()))
+                await asyncio.wait_for(red.progress.wait(), timeout=max(0.01, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 break
-        off, n = plan.bounds[s]
         base = dict(run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
                     plan_id=plan.plan_id, shard_index=s)
-        missing = [p for p in plan.participants if p not in box]
-        if missing:
+        if not red.done:
+            missing = [p for p in plan.participants if red.got[p] < len(red.chunks)]
             sess.results[s] = MergeResult(**base, status="incomplete", missing=missing)
         else:
             order = list(plan.participants)
-            mean = weighted_mean([(plan.weight(p), box[p]) for p in order])
-            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
-                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
-            sess.honest[s] = mean
-            served = mean if self.tamper is None else self.tamper(s, mean.clone())
+            honest = red.means
+            served = honest
+            if self.tamper is not None:
+                bad = self.tamper(s, torch.cat(honest).clone())
+                served = list(bad.split([t.numel() for t in honest]))
+            sess.honest[s], sess.served[s] = honest, served
             sess.results[s] = MergeResult(**base, status="ok", contributors=order,
                                           weights=[plan.weight(p) for p in order],
-                                          contribution_sha256=[tensor_sha256(box[p]) for p in order],
-                                          mean_sha256=tensor_sha256(served), shard_sha256=tensor_sha256(new),
-                                          momentum_sha256=tensor_sha256(mom), mean=served)
+                                          contribution_sha256=[red.contribution_h[p].hexdigest() for p in order],
+                                          mean_sha256=sha256_of(served), shard_sha256=red.shard_h.hexdigest(),
+                                          momentum_sha256=red.momentum_h.hexdigest(),
+                                          chunk_sha256=[tensor_sha256(t) for t in served])
             if self.observer is not None:
-                await asyncio.to_thread(self.observer.on_result, sess.results[s], served, off)
+                await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0])
         sess.ready_event(s).set()
 
-    async def _recompute(self, plan: MergePlan, sess: _Session, s: int) -> Optional[torch.Tensor]:
-        """Third-party check: fetch shard ``s`` of every participant's pseudo-gradient, recompute the mean."""
-        off, n = plan.bounds[s]
-        slices: dict[str, torch.Tensor] = {self.me: sess.mine[s]}
+    async def _recompute(self, plan: MergePlan, sess: _Session, s: int) -> Optional[list[torch.Tensor]]:
+        """Third-party check: fetch shard ``s`` of every participant's pseudo-gradient chunk by chunk and
+        recompute the mean (a list of chunks), or None when a participant cannot provide its chunks."""
+        out = []
+        for c, (off, n) in enumerate(plan.chunks(s)):
+            slices: dict[str, torch.Tensor] = {self.me: sess.mine[s][c]}
 
-        async def get(p: str):
-            try:
-                m = await self._call(p, "/merge/contribution", MergeResultRequest(
-                    run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
-                    plan_id=plan.plan_id, shard_index=s), MergePayload)
-                x = dequantize(m.shard, m.scales, m.quant, self.cfg.int8_block)
-                if m.quant != self.cfg.quantization or (m.offset, x.numel()) != (off, n):
-                    return
-                slices[p] = x
-            except Exception as e:  # noqa: BLE001
-                logger.debug(f"merge: contribution fetch from {p[:10]} failed: {e}")
-        await asyncio.gather(*(get(p) for p in plan.participants if p != self.me))
-        if len(slices) != len(plan.participants):
-            return None
-        return weighted_mean([(plan.weight(p), slices[p]) for p in plan.participants])
+            async def get(p: str):
+                try:
+                    m = await self._call(p, "/merge/contribution", MergeResultRequest(
+                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
+                        plan_id=plan.plan_id, shard_index=s, chunk=c), MergePayload)
+                    x = dequantize(m.shard, m.scales, m.quant, self.cfg.int8_block)
+                    if m.quant != self.cfg.quantization or (m.offset, x.numel()) != (off, n):
+                        return
+                    slices[p] = x
+                except Exception as e:  # noqa: BLE001
+                    logger.debug(f"merge: contribution fetch from {p[:10]} failed: {e}")
+            await asyncio.gather(*(get(p) for p in plan.participants if p != self.me))
+            if len(slices) != len(plan.participants):
+                return None
+            out.append(weighted_mean([(plan.weight(p), slices[p]) for p in plan.participants]))
+        return out

@@ -9,6 +9,15 @@ participants is drawn from ``sha256(seed | attempt | participants)``; shard ``s`
 ``perm[s]`` and ``perm[(s + 1) % N]``. Each replica reduces exactly two shards (2P/N values), so
 the bytes a replica sends and receives per merge stay below 3P whatever N is (P = parameters of
 the stage, see :meth:`MergePlan.expected_bytes`). With one participant there is nothing to reduce.
+
+Chunks: every shard travels as consecutive chunks of at most ``chunk_numel`` values
+(:meth:`MergePlan.chunks`), one message each, so no message body holds a whole shard (a shard
+of an ``8b`` head stage at N = 2 is 700M values, 2.8 GB in fp32).
+
+Weights: a participant's weight in the mean is its validators' merge weight times the work it did
+in the merge window (tokens trained since the last merge). A participant with weight 0 (it did no
+work) still reduces and gathers, so it ends with the merged weights, but does not dilute the mean;
+the weights must sum to more than 0.
 """
 from __future__ import annotations
 
@@ -26,7 +35,8 @@ def epoch_seed(run_id: str, stage: int, epoch: int) -> bytes:
 @dataclass(frozen=True)
 class MergePlan:
     """``bounds[s] = (offset, numel)``; ``reducers[s] = (a, b)`` (hotkeys, a != b when N >= 2);
-    ``weights[hotkey]`` the participant's weight in the mean (> 0)."""
+    ``weights[hotkey]`` the participant's weight in the mean (>= 0, sum > 0); ``chunk_numel``: values
+    per message (see :meth:`chunks`)."""
 
     epoch: int
     attempt: int
@@ -36,11 +46,13 @@ class MergePlan:
     reducers: tuple[tuple[str, str], ...]
     weights: tuple[tuple[str, float], ...]
     plan_id: str
+    chunk_numel: int = 1 << 62
 
     @classmethod
     def make(cls, epoch: int, attempt: int, seed: bytes, participants: Sequence[str], total_numel: int,
-             weights: Optional[Mapping[str, float]] = None) -> "MergePlan":
-        """Raises ValueError for no participants, duplicates, a non-positive size or weight."""
+             weights: Optional[Mapping[str, float]] = None, chunk_numel: Optional[int] = None) -> "MergePlan":
+        """Raises ValueError for no participants, duplicates, a non-positive size or chunk size, a
+        negative weight or weights summing to 0."""
         parts = tuple(sorted(participants))
         if not parts:
             raise ValueError("a merge plan needs at least one participant")
@@ -49,8 +61,11 @@ class MergePlan:
         if total_numel <= 0:
             raise ValueError(f"total_numel must be positive, got {total_numel}")
         w = {hk: float((weights or {}).get(hk, 1.0)) for hk in parts}
-        if any(not (v > 0) for v in w.values()):
-            raise ValueError(f"merge weights must be > 0 (exclude a participant instead): {w}")
+        if any(not (v >= 0 and v < float("inf")) for v in w.values()) or not sum(w.values()) > 0:
+            raise ValueError(f"merge weights must be finite, >= 0 and not all 0: {w}")
+        cn = int(chunk_numel) if chunk_numel is not None else 1 << 62
+        if cn <= 0:
+            raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
         n = len(parts)
         n_shards = max(1, min(n, total_numel))
         base, extra = divmod(total_numel, n_shards)
@@ -67,8 +82,8 @@ class MergePlan:
         else:
             reducers = [(perm[s % n], perm[(s + 1) % n]) for s in range(n_shards)]
         wt = tuple(sorted(w.items()))
-        pid = hashlib.sha256(json.dumps([epoch, attempt, seed.hex(), parts, total_numel, wt]).encode()).hexdigest()[:32]
-        return cls(epoch, attempt, parts, total_numel, tuple(bounds), tuple(reducers), wt, pid)
+        pid = hashlib.sha256(json.dumps([epoch, attempt, seed.hex(), parts, total_numel, wt, cn]).encode()).hexdigest()[:32]
+        return cls(epoch, attempt, parts, total_numel, tuple(bounds), tuple(reducers), wt, pid, cn)
 
     @property
     def num_shards(self) -> int:
@@ -76,6 +91,13 @@ class MergePlan:
 
     def weight(self, hotkey: str) -> float:
         return dict(self.weights)[hotkey]
+
+    def chunks(self, shard: int) -> list[tuple[int, int]]:
+        """``(offset, numel)`` of the chunks of ``shard`` in order: ``chunk_numel`` values each from
+        the shard's start (a multiple of the int8 block, so chunked quantization equals whole-shard
+        quantization), the last one shorter."""
+        off, n = self.bounds[shard]
+        return [(off + o, min(self.chunk_numel, n - o)) for o in range(0, n, self.chunk_numel)] or [(off, 0)]
 
     def shards_of(self, hotkey: str) -> list[int]:
         """Shards ``hotkey`` reduces."""

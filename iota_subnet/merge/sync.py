@@ -1,9 +1,11 @@
 """State sync for a joining or restarting replica: the stage's merged weights and outer momentum.
 
 Donor side (:class:`SnapshotDonor`): after every applied merge the replica keeps an immutable
-snapshot ``concat(anchor, momentum)`` (float32 [2P]) with a manifest (``snapshot_id``,
+snapshot ``concat(anchor, momentum)`` (float32 [2P], host memory, held by reference: the engine
+replaces its anchor and momentum by new tensors, never in place) with a manifest (``snapshot_id``,
 ``merged_epoch``, ``step``, ``total_numel``, ``chunk_numel``, per-chunk sha256 and the whole
-sha256). All replicas of a stage hold the same snapshot after a merge, so a joiner can fetch
+sha256), computed off the event loop the first time a joiner asks (publishing costs nothing, which
+matters at scale: hashing 2P values of an ``8b`` head stage takes seconds). All replicas of a stage hold the same snapshot after a merge, so a joiner can fetch
 different chunks from different donors and check every chunk against one manifest. A running
 merge never blocks it (the snapshot is swapped by reference when a merge is applied). A donor
 serves at most ``max_concurrent`` chunk requests at once; more get ``BUSY`` (503).
@@ -18,6 +20,7 @@ which applies them in one step. Raises :class:`SyncError` (nothing applied) when
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import shutil
 from pathlib import Path
@@ -27,6 +30,7 @@ import torch
 from loguru import logger
 
 from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest, tensor_sha256
+from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.atomic import atomic_write_bytes
 
 
@@ -40,40 +44,87 @@ class SnapshotDonor:
     def __init__(self, run_id: str, stage: int, chunk_numel: int = 1 << 20, max_concurrent: int = 2):
         self.run_id, self.stage = run_id, stage
         self.chunk_numel, self.max_concurrent = int(chunk_numel), int(max_concurrent)
-        self.flat: Optional[torch.Tensor] = None
-        self.manifest: dict[str, Any] = {}
+        self.parts: Optional[tuple[torch.Tensor, torch.Tensor]] = None    # (anchor [P], momentum [P]) on the host
+        self.info: dict[str, int] = {}
+        self._manifest: Optional[dict[str, Any]] = None
+        self._hashing: Optional[asyncio.Future] = None
         self.active = 0
         self.served_chunks = 0
         self.refused_busy = 0
 
     def publish(self, anchor: torch.Tensor, momentum: torch.Tensor, merged_epoch: int, step: int) -> None:
-        flat = torch.cat([anchor.detach().float().reshape(-1), momentum.detach().float().reshape(-1)]).contiguous()
-        n = flat.numel()
-        chunks = [tensor_sha256(flat[o:o + self.chunk_numel]) for o in range(0, n, self.chunk_numel)]
-        whole = tensor_sha256(flat)
-        manifest = {"snapshot_id": f"{merged_epoch}-{whole[:16]}", "merged_epoch": int(merged_epoch), "step": int(step),
-                    "total_numel": n, "param_numel": anchor.numel(), "chunk_numel": self.chunk_numel,
-                    "chunk_sha256": chunks, "sha256": whole}
-        self.flat, self.manifest = flat, manifest      # swapped by reference: readers keep the old one
+        """Offer ``(anchor, momentum)`` (any device; kept as host float32 views, no copy when they are
+        host float32 already). Must not be modified in place afterwards."""
+        a = anchor.detach().to("cpu", torch.float32).reshape(-1)
+        m = momentum.detach().to("cpu", torch.float32).reshape(-1)
+        if a.numel() != m.numel():
+            raise ValueError(f"anchor of {a.numel()} values, momentum of {m.numel()}")
+        # swapped by reference: readers keep the old one
+        self.parts, self.info = (a, m), {"merged_epoch": int(merged_epoch), "step": int(step)}
+        self._manifest, self._hashing = None, None
+
+    @property
+    def flat_numel(self) -> int:
+        return 0 if self.parts is None else 2 * self.parts[0].numel()
+
+    def _slice(self, parts: tuple[torch.Tensor, torch.Tensor], offset: int, numel: int) -> torch.Tensor:
+        """Values ``[offset, offset + numel)`` of ``concat(anchor, momentum)`` (a copy)."""
+        a, m = parts
+        p, end = a.numel(), offset + numel
+        pieces = [t for t in (a[offset:min(end, p)] if offset < p else None,
+                              m[max(0, offset - p):end - p] if end > p else None) if t is not None and t.numel()]
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+
+    def _build_manifest(self, parts: tuple[torch.Tensor, torch.Tensor], info: dict) -> dict[str, Any]:
+        n = 2 * parts[0].numel()
+        whole = hashlib.sha256()
+        chunks = []
+        for o in range(0, n, self.chunk_numel):
+            h = hashlib.sha256()
+            for view in host_bytes(self._slice(parts, o, min(self.chunk_numel, n - o))):
+                h.update(view)
+                whole.update(view)
+            chunks.append(h.hexdigest())
+        digest = whole.hexdigest()
+        return {"snapshot_id": f"{info['merged_epoch']}-{digest[:16]}", "merged_epoch": info["merged_epoch"],
+                "step": info["step"], "total_numel": n, "param_numel": parts[0].numel(),
+                "chunk_numel": self.chunk_numel, "chunk_sha256": chunks, "sha256": digest}
+
+    async def manifest(self) -> dict[str, Any]:
+        """The current snapshot's manifest (hashed once, in a worker thread)."""
+        parts, info = self.parts, self.info
+        if parts is None:
+            raise ProtocolError(Outcome.NOT_READY, "no snapshot yet")
+        if self._manifest is None:
+            if self._hashing is None:
+                self._hashing = asyncio.ensure_future(asyncio.to_thread(self._build_manifest, parts, info))
+            fut = self._hashing
+            man = await asyncio.shield(fut)
+            if self.parts is parts:
+                self._manifest = man
+            return man
+        return self._manifest
 
     async def handle(self, msg: StateChunkRequest, caller: str = "") -> StateChunk:
-        flat, man = self.flat, self.manifest
-        if flat is None:
-            raise ProtocolError(Outcome.NOT_READY, "no snapshot yet")
+        parts = self.parts
+        man = await self.manifest()
+        if self.parts is not parts:          # replaced while hashing: describe the new one
+            return await self.handle(msg, caller)
         if not msg.snapshot_id:
             return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], manifest=man)
         if msg.snapshot_id != man["snapshot_id"]:
             raise ProtocolError(Outcome.LATE, f"snapshot {msg.snapshot_id} replaced by {man['snapshot_id']}")
-        if msg.offset < 0 or msg.numel <= 0 or msg.numel > self.chunk_numel or msg.offset + msg.numel > flat.numel():
+        total = man["total_numel"]
+        if msg.offset < 0 or msg.numel <= 0 or msg.numel > self.chunk_numel or msg.offset + msg.numel > total:
             raise ProtocolError(Outcome.BAD_SHAPE, f"chunk [{msg.offset}, +{msg.numel}) outside the snapshot of "
-                                                   f"{flat.numel()} values (chunks of at most {self.chunk_numel})")
+                                                   f"{total} values (chunks of at most {self.chunk_numel})")
         if self.active >= self.max_concurrent:
             self.refused_busy += 1
             raise ProtocolError(Outcome.BUSY, f"{self.active} state transfers in progress (cap {self.max_concurrent})")
         self.active += 1
         try:
             await asyncio.sleep(0)          # let concurrent requests see the cap
-            data = flat[msg.offset:msg.offset + msg.numel].clone()
+            data = self._slice(parts, msg.offset, msg.numel)
             self.served_chunks += 1
             return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], offset=msg.offset,
                               data=data)
@@ -136,7 +187,8 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
                 d = r.data
                 if d is None or d.dtype != torch.float32 or d.numel() != n or tensor_sha256(d) != hashes[i]:
                     raise SyncError(f"chunk {i} from {p[:10]} does not match the manifest")
-                await asyncio.to_thread(atomic_write_bytes, wd / f"chunk{i:06d}.bin", d.contiguous().numpy().tobytes())
+                d = d.detach().to("cpu").contiguous()
+                await asyncio.to_thread(atomic_write_bytes, wd / f"chunk{i:06d}.bin", b"".join(host_bytes(d)))
                 have[i] = d
             except ProtocolError as e:
                 todo.put_nowait(i)
@@ -160,10 +212,10 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
     if len(have) != len(hashes):
         raise SyncError(f"{len(hashes) - len(have)} of {len(hashes)} chunks missing: every donor failed "
                         f"({[p[:10] for p in stats['dropped']]}); verified chunks kept in {wd} for a resume")
-    flat = torch.cat([have[i] for i in range(len(hashes))])
+    flat = torch.cat([have.pop(i) for i in range(len(hashes))])        # host float32 [2P]
     if tensor_sha256(flat) != best["sha256"]:
         raise SyncError("assembled snapshot does not match the manifest hash")
-    anchor, momentum = flat[:param_numel].clone(), flat[param_numel:].clone()
+    anchor, momentum = flat[:param_numel], flat[param_numel:]
     shutil.rmtree(wd, ignore_errors=True)
     manifest = dict(best, sync=stats)
     return anchor, momentum, manifest

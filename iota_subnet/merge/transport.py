@@ -31,6 +31,7 @@ class InProcessTransport:
         self.delay_s = delay_s
         self.sent: dict[str, int] = {}
         self.received: dict[str, int] = {}
+        self.max_body = 0                    # largest message body seen (bytes)
 
     def register(self, hotkey: str, handler: Callable[..., Any]) -> None:
         self.handlers[hotkey] = handler
@@ -45,6 +46,7 @@ class InProcessTransport:
     def reset_counters(self) -> None:
         self.sent.clear()
         self.received.clear()
+        self.max_body = 0
 
     async def _call(self, me: str, peer: str, route: str, msg: Message, rtype: type) -> tuple[Any, int, int]:
         if me in self.dead:
@@ -62,6 +64,7 @@ class InProcessTransport:
         if peer in self.dead:
             raise PeerUnreachable(f"{peer[:10]} died while answering")
         rbody = encode(reply)
+        self.max_body = max(self.max_body, len(body), len(rbody))
         for k, n in ((me, len(body)), (peer, len(rbody))):
             self.sent[k] = self.sent.get(k, 0) + n
         for k, n in ((peer, len(body)), (me, len(rbody))):

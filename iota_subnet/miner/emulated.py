@@ -182,6 +182,7 @@ class EmulatedStageWorker:
         self.pending = 0
         self.forwards = self.backwards = 0
         self.tokens = 0
+        self.trained_tokens = 0             # tokens accumulated into (emulated) weights: merge work
         self.lock = threading.RLock()
         self.last_weights_step = 0
         self.merges = 0
@@ -296,6 +297,7 @@ class EmulatedStageWorker:
     def _count_backward(self, tokens: int) -> None:
         self.backwards += 1
         self.tokens += int(tokens)
+        self.trained_tokens += int(tokens)
         self.pending += 1
         if self.auto_step and self.pending >= self.micro_per_step:
             self.step()
@@ -331,7 +333,8 @@ class EmulatedStageWorker:
     # ---- state ---------------------------------------------------------------------------------
     def meta(self) -> dict:
         return {"step": self.inner_step, "merges": self.merges, "stage": self.stage, "forwards": self.forwards,
-                "backwards": self.backwards, "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
+                "backwards": self.backwards, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+                "busy_s": round(self.busy_s, 3),
                 "emulated_busy_s": round(self.busy_s / self.emulation.time_scale, 3),
                 "refused_in_flight": self.refused, "max_in_flight": self.cache.max_entries,
                 "emulation": self.emulation.to_json(), "saved_at": time.time()}
@@ -340,10 +343,18 @@ class EmulatedStageWorker:
     def _state_path(path: str | Path) -> Path:
         return Path(str(path) + ".emulated.json")
 
+    def snapshot(self) -> dict:
+        """As :meth:`StageWorker.snapshot`: what a checkpoint holds (here only the step counters)."""
+        with self.lock:
+            return self.meta()
+
+    def write_snapshot(self, snap: dict, path: str | Path) -> Path:
+        """As :meth:`StageWorker.write_snapshot`: atomically write a :meth:`snapshot` next to ``path``."""
+        return atomic_write_json(self._state_path(path), snap)
+
     def save(self, path: str | Path) -> Path:
         """Atomically write the step counters (there are no weights) next to ``path``."""
-        with self.lock:
-            return atomic_write_json(self._state_path(path), self.meta())
+        return self.write_snapshot(self.snapshot(), path)
 
     def load(self, path: str | Path) -> bool:
         """Resume the step counters saved by :meth:`save`. Returns True: an emulated stage has no
@@ -356,6 +367,7 @@ class EmulatedStageWorker:
                     self.inner_step = int(meta["step"])
                     self.forwards, self.backwards = int(meta["forwards"]), int(meta["backwards"])
                     self.tokens = int(meta["tokens"])
+                    self.trained_tokens = int(meta.get("trained_tokens", self.tokens))
                 logger.info(f"emulated stage {self.stage}: resumed at inner step {self.inner_step}")
             except (ValueError, KeyError, TypeError) as e:
                 logger.warning(f"ignoring emulated state {p}: {e}")

@@ -37,6 +37,7 @@ from iota_subnet.chain import Chain
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
+from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.plan import require_fit
@@ -61,18 +62,29 @@ def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int, em
     a GPU, real or emulated; None on the CPU). ``audit_window``: inner steps a real worker keeps for
     update audits (an emulated one has no weights to audit)."""
     if emulation is None:
-        bound = None
+        bound, cache = None, None
         if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
             props = torch.cuda.get_device_properties(torch.device(device))
             p = require_fit(cfg, stage, props.total_memory, device_name=props.name)
             bound = p.microbatches_in_flight_max
+            cache = plan_cache(cfg, p)
             logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
                         f"{props.total_memory / 2**30:.1f} GiB planned, up to {bound} micro-batches in flight")
-        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps,
+        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps, cache=cache,
                            audit_window=audit_window), bound
     w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
     logger.warning(f"EMULATION, no training: {w.describe()}")
     return w, w.cache.max_entries
+
+
+def plan_cache(cfg: RunConfig, p: Any) -> ActivationCache:
+    """The activation cache a GPU stage gets from its memory plan: the planned bound on what cached
+    forwards may hold (measured by the cache itself) and on their number, instead of the config's
+    CPU-sized defaults (512 MiB would hold two ``8b`` micro-batches of the 30+ a pipeline needs)."""
+    t = cfg.train
+    return ActivationCache(ttl_s=t.activation_cache_ttl_s,
+                           max_bytes=max(p.activation_cache_bound_bytes, t.activation_cache_mib << 20),
+                           max_entries=max(1, p.microbatches_in_flight_max))
 
 
 def in_flight_window(cfg: RunConfig, requested: Optional[int], bound: Optional[int]) -> int:
@@ -130,6 +142,9 @@ class MinerService:
         self.worker: Optional[StageWorker] = None
         self.server: Optional[NeuronServer] = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        #: checkpoints are serialised and written here, off the compute thread (see checkpoint())
+        self.ckpt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._ckpt_write: Optional[asyncio.Future] = None
         self._neurons: dict[str, Any] = {}
         self._stages: dict[str, int] = {}
         self._last_refresh = 0.0
@@ -241,7 +256,7 @@ class MinerService:
         self.node = DataPlaneNode(self.worker, self.wallet, cfg=self.cfg, run_id=self.run_id, stage=self.stage, width=b,
                                   max_rows=mb, neurons=lambda: self._neurons, endpoint_of=self._endpoint_of,
                                   refresh=lambda: self.refresh(force=True), compute=self._compute, rows=rows,
-                                  gate=self._await_merge if self.merge is not None else None,
+                                  gate=self._merge_gate if self.merge is not None else None,
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s)
@@ -321,7 +336,7 @@ class MinerService:
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
-                                 on_applied=self._on_merged,
+                                 work_fn=lambda: float(self.worker.trained_tokens), on_applied=self._on_merged,
                                  before_attempt=lambda: self.refresh(force=True), observer=self.claims)
         self.server.add_route("/audit/merge", MergeAuditRoute(self.claims), MergeAuditRequest, None)
         self.merge.in_sync = False
@@ -333,10 +348,11 @@ class MinerService:
         self._last_epoch = self._epoch_at(self.worker.inner_step)
         P = self.merge.params.numel
         self.server.add_route("/merge/join", self._merge_route, MergeJoin, None)
-        # a slice holds at most the whole stage (fp32) plus int8 scales and the JSON header
+        # a message holds one chunk of a slice (fp32) plus int8 scales and the JSON header
+        C = min(P, mc.chunk_numel)
         self.server.add_route("/merge/contribute", self._merge_route, MergePayload,
-                              merge_payload_contract(max_numel=P, block=mc.int8_block),
-                              max_body_bytes=4 * P + 4 * (P // mc.int8_block + 1) + (1 << 20))
+                              merge_payload_contract(max_numel=C, block=mc.int8_block),
+                              max_body_bytes=4 * C + 4 * (C // mc.int8_block + 1) + (1 << 20))
         self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)
@@ -382,6 +398,8 @@ class MinerService:
         try:
             tensors, meta = read_checkpoint(p)
             self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=False)
+            self.merge.work_base = min(float(meta.get("work_base", self.merge.work_base)),
+                                       float(self.worker.trained_tokens))
         except Exception as e:  # noqa: BLE001 - a bad file means: sync from peers
             logger.warning(f"ignoring merge state {p}: {e}")
 
@@ -391,7 +409,8 @@ class MinerService:
         import json as _json
         data = safetensors.torch.save({"anchor": self.merge.anchor.contiguous(), "momentum": self.merge.momentum.contiguous()},
                                       metadata={"meta": _json.dumps({"merged_epoch": self.merge.merged_epoch,
-                                                                     "step": self.worker.inner_step})})
+                                                                     "step": self.worker.inner_step,
+                                                                     "work_base": self.merge.work_base})})
         atomic_write_bytes(self.merge_state_path, data)
 
     async def _on_merged(self, rep) -> None:
@@ -552,13 +571,28 @@ class MinerService:
         finally:
             await self.stop()
 
-    async def checkpoint(self) -> None:
+    async def checkpoint(self, wait: bool = False) -> None:
+        """Snapshot weights + optimizer state on the compute thread (host copies only), then serialise
+        and write them on the checkpoint-writer thread while training goes on. A checkpoint due while
+        the previous one is still being written is skipped (the next one is taken later). ``wait``:
+        return only when written (shutdown)."""
+        loop = asyncio.get_running_loop()
+        if self._ckpt_write is not None and not self._ckpt_write.done():
+            if not wait:
+                return
+            await self._ckpt_write
         step = self.worker.inner_step
-        await asyncio.get_running_loop().run_in_executor(self.pool, self.worker.save, self.checkpoint_path)
-        if self.merge is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
+        t0 = time.monotonic()
+        snap = await loop.run_in_executor(self.pool, self.worker.snapshot)
+        paused = time.monotonic() - t0
+        self._ckpt_write = loop.run_in_executor(self.ckpt_pool, self.worker.write_snapshot, snap, self.checkpoint_path)
         self._last_ckpt_step = step
-        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path}")
+        if self.merge is not None:
+            await loop.run_in_executor(None, self._save_merge_state)
+        if wait:
+            await self._ckpt_write
+        logger.debug(f"checkpoint at inner step {step} -> {self.checkpoint_path} (compute paused {paused:.3f}s "
+                     f"for the host snapshot)")
 
     async def stop(self) -> None:
         for t in (self._merge_task, self._sync_task):
@@ -572,11 +606,12 @@ class MinerService:
             await self.server.stop()
             self.server = None
             if self.worker is not None:
-                await self.checkpoint()
+                await self.checkpoint(wait=True)
             self.write_status()
         if isinstance(self.worker, StageWorker) and self.worker.updates is not None:
             self.worker.updates.close()
         self.pool.shutdown(wait=False)
+        self.ckpt_pool.shutdown(wait=True)
 
     def status(self) -> dict:
         w = self.worker
@@ -613,9 +648,15 @@ class MinerService:
     async def _compute(self, fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
 
-    async def _await_merge(self) -> None:
-        """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines."""
-        if self._gate.is_set():
+    async def _merge_gate(self) -> None:
+        """The data plane's gate before each compute: waits for a running merge unless ``merge.overlap``."""
+        await self._await_merge(training=True)
+
+    async def _await_merge(self, training: bool = False) -> None:
+        """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines.
+        With ``merge.overlap`` training goes on during a merge (``training``: a training forward, or
+        ``/state``) and only evaluation waits."""
+        if self._gate.is_set() or (training and self.cfg.merge.overlap):
             return
         mc = self.cfg.merge
         try:
@@ -630,8 +671,8 @@ class MinerService:
             if msg.keep_for_backward and not self.merge.in_sync:
                 raise ProtocolError(Outcome.NOT_READY, "syncing the stage's merged weights from peers")
             # training and evaluation pause while the replicas merge (an evaluation must not see
-            # merged weights on one stage and unmerged ones on the next)
-            await self._await_merge()
+            # merged weights on one stage and unmerged ones on the next); with merge.overlap training goes on
+            await self._await_merge(training=msg.keep_for_backward)
         out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
         if msg.keep_for_backward:
             self._maybe_merge()
@@ -665,11 +706,13 @@ class MinerService:
         if msg.stage != self.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
         if self.merge is not None:
-            await self._await_merge()     # a snapshot taken mid-merge would name weights the next step no longer uses
+            # a snapshot taken mid-merge would name weights the next step no longer uses (with
+            # merge.overlap hops are named by (step, merges), so those hops are unverifiable, not failed)
+            await self._await_merge(training=True)
 
         def snapshot():
             with self.worker.lock:
-                sd = {k: v.detach().clone() for k, v in self.worker.module.state_dict().items()}
+                sd = {k: v.detach().to("cpu", copy=True) for k, v in self.worker.module.state_dict().items()}
                 return sd, self.worker.meta()
         tensors, meta = await self._compute(snapshot)
         if msg.names:

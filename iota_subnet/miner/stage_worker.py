@@ -1,7 +1,17 @@
 """The compute core of a miner: one pipeline stage, its inner optimizer and its activation cache.
 
 No networking here: the miner service (transport) calls :meth:`StageWorker.forward` and
-:meth:`StageWorker.backward` from a single compute thread.
+:meth:`StageWorker.backward` from a single compute thread. Tensors come in and go out in host
+memory; the stage computes on ``device`` (inputs and outputs cross through
+:class:`~iota_subnet.utils.device.DeviceIO`: pinned buffers, non-blocking copies on a side stream).
+
+Memory: a cached forward is charged what its autograd graph really holds (measured by
+:class:`~iota_subnet.miner.activation_cache.SavedTensorMeter`), and the cache is bounded by
+``train.activation_cache_mib`` / ``_entries`` / ``_ttl_s``. ``train.activation_checkpointing`` keeps
+only block inputs; ``train.compile`` runs the stage through ``torch.compile``.
+
+Checkpoints: :meth:`snapshot` copies weights and optimizer state to host memory under the lock
+(fast); :meth:`write_snapshot` serialises and writes them on any other thread.
 
 Gradient accumulation: one inner step = ``train.batch_size / train.micro_batch_size`` micro-batches
 (the same tokens as one co-located optimizer step). The tail divides each micro-batch loss by that
@@ -23,13 +33,15 @@ from loguru import logger
 
 from iota_subnet.audit.update import clip_coef
 from iota_subnet.config import RunConfig
-from iota_subnet.miner.activation_cache import ActivationCache
+from iota_subnet.miner.activation_cache import ActivationCache, SavedTensorMeter
 from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.model import PipelineStage
 from iota_subnet.train.checkpoint import (CheckpointError, checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
 from iota_subnet.train.colocated import autocast_ctx
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
+from iota_subnet.train.snapshot import StateSnapshot
+from iota_subnet.utils.device import DeviceIO
 
 
 class UnknownMicrobatch(KeyError):
@@ -54,7 +66,13 @@ class StageWorker:
                                     checkpointing=cfg.train.activation_checkpointing).to(self.device)
         self.opt = make_optimizer(self.module, cfg.train)
         self.spec = self.module.spec
-        self.cache = cache if cache is not None else ActivationCache()
+        t = cfg.train
+        self.cache = cache if cache is not None else ActivationCache(
+            ttl_s=t.activation_cache_ttl_s, max_bytes=t.activation_cache_mib << 20, max_entries=t.activation_cache_entries)
+        self.io = DeviceIO(self.device)
+        self.meter = SavedTensorMeter(self.module, self.device)
+        #: the stage as torch.compile'd (``train.compile``), else None (eager)
+        self.compiled = torch.compile(self.module, backend=t.compile) if t.compile else None
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         #: step after every ``micro_per_step`` accumulated backward passes (the relay driver); the
         #: data plane (:mod:`iota_subnet.miner.dataplane`) sets it False and calls :meth:`step` itself
@@ -67,6 +85,8 @@ class StageWorker:
         self.pending = 0                    # backward passes accumulated since the last inner step
         self.forwards = self.backwards = 0
         self.tokens = 0                     # tokens processed forward+backward (training only)
+        #: tokens whose gradients this stage accumulated into its own weights (its work in a merge window)
+        self.trained_tokens = 0
         self.fingerprint = config_fingerprint(cfg.model, cfg.pipeline, stage)
         self.lock = threading.RLock()
         #: inner step of the weights the last backward used (reported to validators for spot checks)
@@ -123,31 +143,33 @@ class StageWorker:
             res.setdefault("weights_merges", self.merges)
             return res
 
+    def _run(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The stage itself (compiled when configured)."""
+        fn = self.compiled if self.compiled is not None else self.module
+        return fn(x) if targets is None else fn(x, targets)
+
     def _forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                  train: bool = True, accumulate: bool = True) -> dict:
         with self.lock:
-            x = x.to(self.device)
+            x = self.io.to_device(x)
+            if self.spec.is_tail:
+                if targets is None:
+                    raise ValueError("the tail stage needs targets")
+                targets = self.io.to_device(targets)
             if not train:
                 with torch.no_grad(), autocast_ctx(self.device, self.precision):
                     if self.spec.is_tail:
-                        if targets is None:
-                            raise ValueError("the tail stage needs targets")
-                        return {"loss": float(self.module(x, targets.to(self.device)))}
-                    return {"activations": self.module(x).float()}
+                        return {"loss": float(self._run(x, targets))}
+                    return {"activations": self.io.to_host(self._run(x).float())}
             inp = None
             tokens_in = x
             if not self.spec.is_head:
                 inp = x.detach().float().requires_grad_(True)
                 x = inp
-            with autocast_ctx(self.device, self.precision):
-                if self.spec.is_tail:
-                    if targets is None:
-                        raise ValueError("the tail stage needs targets")
-                    loss = self.module(x, targets.to(self.device))
-                else:
-                    out = self.module(x)
-            self.forwards += 1
             if self.spec.is_tail:
+                with autocast_ctx(self.device, self.precision):
+                    loss = self._run(x, targets)
+                self.forwards += 1
                 loss_v = float(loss.detach())
                 if accumulate:
                     (loss / self.micro_per_step).backward()
@@ -159,12 +181,15 @@ class StageWorker:
                     self.tokens += int(targets.numel())
                 res = {"loss": loss_v}
                 if grad is not None:
-                    res["grad"] = grad
+                    res["grad"] = self.io.to_host(grad)
                 return res
-            self.cache.put(mb_id, inp, out, tokens=int(x.shape[0] * x.shape[1]), version=self.version,
-                           token_ids=tokens_in if self.spec.is_head else None, step=self.inner_step,
-                           merges=self.merges, accumulate=accumulate)
-            return {"activations": out.detach().float()}
+            with self.meter.measure(inputs=inp) as m, autocast_ctx(self.device, self.precision):
+                out = self._run(x)
+            self.forwards += 1
+            self.cache.put(mb_id, inp, out, nbytes=self.meter.finish(m, out), tokens=int(x.shape[0] * x.shape[1]),
+                           version=self.version, token_ids=tokens_in if self.spec.is_head else None,
+                           step=self.inner_step, merges=self.merges, accumulate=accumulate)
+            return {"activations": self.io.to_host(out.detach().float())}
 
     def backward(self, mb_id: str, grad: torch.Tensor, accumulate: Optional[bool] = None) -> Optional[torch.Tensor]:
         """Backpropagate the activation gradient [B, T, b] of micro-batch ``mb_id``.
@@ -181,18 +206,20 @@ class StageWorker:
                 raise UnknownMicrobatch(mb_id)
             if tuple(grad.shape) != tuple(entry.outputs.shape):
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != activation shape {tuple(entry.outputs.shape)}")
+            grad = self.io.to_device(grad)
             if accumulate is False or not entry.meta.get("accumulate", True):
-                return self._input_grad_only(entry, grad)
+                gin = self._input_grad_only(entry, grad)
+                return None if gin is None else self.io.to_host(gin)
             if entry.meta.get("version") == self.version:
                 self.last_weights_step = int(entry.meta.get("step", self.inner_step))
                 self.last_weights_merges = int(entry.meta.get("merges", self.merges))
-                entry.outputs.backward(grad.to(self.device, entry.outputs.dtype))
+                entry.outputs.backward(grad.to(entry.outputs.dtype))
                 gin = entry.inputs.grad.detach() if entry.inputs is not None else None
             else:
                 self.last_weights_step, self.last_weights_merges = self.inner_step, self.merges
                 gin = self._recompute_backward(entry, grad)
             self._count_backward(entry.meta.get("tokens", 0))
-            return gin
+            return None if gin is None else self.io.to_host(gin)
 
     def _input_grad_only(self, entry, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """Backward of a micro-batch this stage does not train on: d loss / d input only (the
@@ -205,7 +232,7 @@ class StageWorker:
         if entry.meta.get("version") != self.version:      # weights replaced since: recompute
             x = entry.inputs.detach().requires_grad_(True)
             with autocast_ctx(self.device, self.precision):
-                out = self.module(x)
+                out = self._run(x)
             return torch.autograd.grad(out, x, grad.to(self.device, out.dtype))[0].detach()
         return torch.autograd.grad(entry.outputs, entry.inputs, grad.to(self.device, entry.outputs.dtype))[0].detach()
 
@@ -238,13 +265,14 @@ class StageWorker:
         else:
             x = entry.inputs.detach().requires_grad_(True)
         with autocast_ctx(self.device, self.precision):
-            out = self.module(x)
+            out = self._run(x)
         out.backward(grad.to(self.device, out.dtype))
         return None if self.spec.is_head else x.grad.detach()
 
     def _count_backward(self, tokens: int) -> None:
         self.backwards += 1
         self.tokens += int(tokens)
+        self.trained_tokens += int(tokens)
         self.pending += 1
         if self.auto_step and self.pending >= self.micro_per_step:
             self.step()
@@ -287,17 +315,26 @@ class StageWorker:
     def meta(self) -> dict:
         return {"step": self.inner_step, "merges": self.merges, "stage": self.stage, "config_fingerprint": self.fingerprint,
                 "forwards": self.forwards, "backwards": self.backwards, "tokens": self.tokens,
-                "busy_s": round(self.busy_s, 3), "saved_at": time.time()}
+                "trained_tokens": self.trained_tokens, "busy_s": round(self.busy_s, 3), "saved_at": time.time()}
+
+    def snapshot(self) -> StateSnapshot:
+        """Host copy of weights + optimizer state + meta, taken under the lock (device-to-host copies
+        only; call on the compute thread, then :meth:`write_snapshot` anywhere)."""
+        with self.lock:
+            return StateSnapshot(self.module, self.opt, self.meta())
+
+    def write_snapshot(self, snap: StateSnapshot, path: str | Path) -> Path:
+        """Serialise and atomically write a :meth:`snapshot` (safetensors); safe off the compute thread."""
+        return save_checkpoint(path, snap.module, snap.optimizer, snap.meta)
 
     def save(self, path: str | Path) -> Path:
-        """Atomic checkpoint of weights + optimizer state (safetensors)."""
-        with self.lock:
-            return save_checkpoint(path, self.module, self.opt, self.meta())
+        """Atomic checkpoint of weights + optimizer state (safetensors), snapshot and write in one call."""
+        return self.write_snapshot(self.snapshot(), path)
 
     def state_bytes(self, with_optimizer: bool = False) -> bytes:
         """The stage weights (and optionally optimizer state) as safetensors bytes (state sync)."""
-        with self.lock:
-            return checkpoint_bytes(self.module, self.opt if with_optimizer else None, self.meta())
+        snap = self.snapshot()
+        return checkpoint_bytes(snap.module, snap.optimizer if with_optimizer else None, snap.meta)
 
     def load(self, path: str | Path) -> bool:
         """Resume from a checkpoint if it exists. Returns True if loaded.
@@ -310,9 +347,14 @@ class StageWorker:
         tensors, meta = read_checkpoint(path)
         with self.lock:
             restore(self.module, self.opt, tensors, meta, expect_fingerprint=self.fingerprint, path=str(path))
+            if self.opt.defaults.get("fused"):      # fused AdamW keeps its step counts on the parameters' device
+                for p, st in self.opt.state.items():
+                    if torch.is_tensor(st.get("step")):
+                        st["step"] = st["step"].to(p.device, torch.float32)
             self.inner_step = int(meta["step"])
             self.forwards, self.backwards = int(meta.get("forwards", 0)), int(meta.get("backwards", 0))
             self.tokens = int(meta.get("tokens", 0))
+            self.trained_tokens = int(meta.get("trained_tokens", self.tokens))
             self.pending = 0
         logger.info(f"stage {self.stage}: resumed from {path} at inner step {self.inner_step}")
         return True

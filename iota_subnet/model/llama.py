@@ -80,6 +80,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
 
+def _sdpa_supports_gqa() -> bool:
+    """Whether this torch's ``F.scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5)."""
+    try:
+        z = torch.zeros(1, 2, 1, 2, device="cpu")
+        F.scaled_dot_product_attention(z, z[:, :1], z[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+#: Read once at import (a constant for torch.compile to trace through).
+SDPA_GQA = _sdpa_supports_gqa()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention. q: [B, H, T, D]; k, v: [B, K, T, D] with K dividing H -> [B, H, T, D].
+
+    Grouped-query attention runs inside SDPA (``enable_gqa``: each group of H/K query heads reads
+    its key/value head in place, no [B, H, T, D] copies of K and V); torch versions without it fall
+    back to ``repeat_interleave``."""
+    H, K = q.shape[1], k.shape[1]
+    if H == K:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    rep = H // K
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                          is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention through ``F.scaled_dot_product_attention``."""
 
@@ -97,11 +127,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, D]
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(rep, dim=1)                                         # [B, H, T, D]
-            v = v.repeat_interleave(rep, dim=1)                                         # [B, H, T, D]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                     # [B, H, T, D]
+        y = causal_attention(q, k, v)                                                   # [B, H, T, D]
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)               # [B, T, d]
         return self.o_proj(y)
 

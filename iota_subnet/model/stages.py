@@ -29,6 +29,37 @@ from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder, b
 from iota_subnet.model.llama import Block, RMSNorm, block_flops_per_token, init_weights, rope_cos_sin
 
 
+#: The tail computes the LM head and cross-entropy over at most this many bytes of fp32 logits at a
+#: time (the whole [rows x T, vocab] logits of an ``8b`` tail are ~1 GB per 2,048-token row).
+CE_CHUNK_BYTES = 256 << 20
+
+
+def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Tensor,
+                          chunk_bytes: int = CE_CHUNK_BYTES) -> torch.Tensor:
+    """Mean cross-entropy (nats/token) of ``lm_head(h)`` against ``targets``, computed in chunks of
+    tokens so that at most ``chunk_bytes`` of fp32 logits exist at once, in the forward and in the
+    backward (each chunk is recomputed in the backward, ``torch.utils.checkpoint``: Chen et al. 2016).
+
+    h: [B, T, d] (after the final norm); targets: int64 [B, T]. Returns a scalar. With one chunk
+    (small vocabularies) it is plain ``F.cross_entropy`` over the whole logits."""
+    d, V = h.shape[-1], lm_head.out_features
+    hf, tf = h.reshape(-1, d), targets.reshape(-1)
+    n = hf.shape[0]
+    chunk = max(1, int(chunk_bytes) // (4 * V))
+    if n <= chunk:
+        return F.cross_entropy(lm_head(hf).float(), tf)
+
+    def ce_sum(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(lm_head(hc).float(), tc, reduction="sum")
+    total = None
+    for o in range(0, n, chunk):
+        hc, tc = hf[o:o + chunk], tf[o:o + chunk]
+        part = (torch.utils.checkpoint.checkpoint(ce_sum, hc, tc, use_reentrant=False) if torch.is_grad_enabled()
+                else ce_sum(hc, tc))
+        total = part if total is None else total + part
+    return total / n
+
+
 def split_layers(n_layers: int, stages: int, layer_split: Optional[list] = None) -> list[range]:
     """Layer ranges, one per stage. ``layer_split``: explicit counts per stage (sum = n_layers);
     ``None`` balances (earlier stages take the remainder; the tail also carries the LM head).
@@ -76,13 +107,20 @@ class StageSpec:
 
 
 class PipelineStage(nn.Module):
-    """One pipeline stage. See the module docstring for inputs and outputs."""
+    """One pipeline stage. See the module docstring for inputs and outputs.
+
+    ``checkpointing``: per-block activation checkpointing in training (``train.activation_checkpointing``):
+    keep only each block's input for the backward and recompute the block there
+    (``torch.utils.checkpoint``, non-reentrant; Chen et al. 2016, arXiv 1604.06174).
+    ``ce_chunk_bytes``: see :func:`lm_head_cross_entropy`.
+    """
 
     def __init__(self, cfg: ModelConfig, pcfg: PipelineConfig, index: int, *, init: bool = True,
-                 checkpointing: bool = False):
+                 checkpointing: bool = False, ce_chunk_bytes: int = CE_CHUNK_BYTES):
         super().__init__()
         #: per-block activation checkpointing in training: only block inputs are kept for backward
         self.checkpointing = bool(checkpointing)
+        self.ce_chunk_bytes = int(ce_chunk_bytes)
         cfg.validate()
         ranges = split_layers(cfg.n_layers, pcfg.stages, pcfg.layer_split)
         if not 0 <= index < pcfg.stages:
@@ -156,14 +194,14 @@ class PipelineStage(nn.Module):
                 h = blk(h, cos, sin)                                           # [B, T, d]
         if not self.spec.is_tail:
             return self.bottleneck_out(h) if self.bottleneck_out is not None else h   # [B, T, b]
-        logits = self.lm_head(self.norm(h))                                    # [B, T, V]
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            return self.lm_head(self.norm(h))                                  # [B, T, V]
+        return lm_head_cross_entropy(self.norm(h), self.lm_head, targets, self.ce_chunk_bytes)
 
 
 def build_stages(cfg: RunConfig | tuple[ModelConfig, PipelineConfig], seed: int = 0) -> list[PipelineStage]:
-    """All S stages of a run, initialised from one seed (each stage from ``seed + index``)."""
+    """All S stages of a run, initialised from one seed (each stage from ``seed + index``);
+    ``train.activation_checkpointing`` of a RunConfig applies to every stage."""
     mcfg, pcfg = (cfg.model, cfg.pipeline) if isinstance(cfg, RunConfig) else cfg
     ckpt = cfg.train.activation_checkpointing if isinstance(cfg, RunConfig) else False
     out = []

@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 from functools import lru_cache
-from typing import Any, Optional, TypeVar, get_type_hints
+from typing import Any, Iterator, Optional, TypeVar, get_type_hints
 
 import pydantic
 import safetensors.torch
@@ -51,12 +51,38 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot travel on the wire; use one of {sorted(_NAME_DTYPES)}") from None
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of the tensor's raw (C-contiguous, little-endian) bytes, as safetensors stores them."""
-    t = t.detach().contiguous()
+#: Bytes copied to host memory at a time when hashing a tensor that lives on an accelerator.
+HASH_CHUNK_BYTES = 64 << 20
+
+
+def host_bytes(t: torch.Tensor, chunk_bytes: int = HASH_CHUNK_BYTES) -> Iterator[memoryview]:
+    """The tensor's raw (C-contiguous, little-endian) bytes as host memory views, in order.
+
+    A CPU tensor is viewed in place (no copy when contiguous). A tensor on any other device is
+    copied to host ``chunk_bytes`` at a time (never ``.numpy()`` on a device tensor, never a host
+    copy of the whole tensor at once). Raises NotImplementedError for ``meta`` tensors (no data).
+    """
+    t = t.detach()
     if t.numel() == 0:
-        return hashlib.sha256(b"").hexdigest()
-    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        return
+    flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)   # [nbytes], same device
+    if flat.device.type == "cpu":
+        yield memoryview(flat.numpy())
+        return
+    step = max(1, int(chunk_bytes))
+    for off in range(0, flat.numel(), step):
+        yield memoryview(flat[off:off + step].to("cpu").numpy())
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw (C-contiguous, little-endian) bytes, as safetensors stores them.
+
+    Works for tensors on any device (see :func:`host_bytes`); equal values give equal digests
+    whatever the device."""
+    h = hashlib.sha256()
+    for view in host_bytes(t):
+        h.update(view)
+    return h.hexdigest()
 
 
 def _wire_tensors(msg: Message) -> dict[str, torch.Tensor]:

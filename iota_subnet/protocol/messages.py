@@ -121,10 +121,15 @@ class BackwardResult(Message):
 
 @dataclass(kw_only=True)
 class MergePayload(Message):
+    """One chunk of a replica's pseudo-gradient slice for shard ``shard_index``: values
+    ``[offset, offset + n)`` of the flat stage vector, chunk ``chunk`` of ``num_chunks`` (a shard
+    travels as chunks of at most ``merge.chunk_numel`` values, in order)."""
     TYPE: ClassVar[str] = "MergePayload"
     epoch: int = 0
     shard_index: int = 0
     num_shards: int = 1
+    chunk: int = 0
+    num_chunks: int = 1
     offset: int = 0
     total_numel: int = 0
     weight: float = 1.0
@@ -150,6 +155,9 @@ class MergeJoin(Message):
     closed_epoch: int = -1
     participants: list[str] = field(default_factory=list)
     in_sync: bool = True
+    #: work this replica did in the merge window it is ready to merge (tokens trained since its last
+    #: merge); its weight in the mean is proportional to it
+    work: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -160,22 +168,25 @@ class MergeAck(Message):
 
 @dataclass(kw_only=True)
 class MergeResultRequest(Message):
-    """Ask a reducer for its result for one shard (``with_tensor``: include the mean), or (route
-    ``/merge/contribution``) ask a contributor for the pseudo-gradient shard it sent."""
+    """Ask a reducer for its result for one shard (``with_tensor``: include chunk ``chunk`` of the
+    mean), or (route ``/merge/contribution``) ask a contributor for chunk ``chunk`` of the
+    pseudo-gradient slice it sent."""
     TYPE: ClassVar[str] = "MergeResultRequest"
     epoch: int = 0
     attempt: int = 0
     plan_id: str = ""
     shard_index: int = 0
+    chunk: int = 0
     with_tensor: bool = True
 
 
 @dataclass(kw_only=True)
 class MergeResult(Message):
     """A reducer's result for one shard. ``status``: ``ok`` | ``incomplete`` (``missing`` names the
-    contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``);
-    ``contribution_sha256``: per contributor (same order as ``contributors``), of the dequantized values
-    it used: the evidence a third party checks."""
+    contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``) of the
+    whole shard; ``chunk_sha256``: of each chunk of the mean, in order; ``mean``: chunk ``chunk`` of
+    the mean (when asked with ``with_tensor``). ``contribution_sha256``: per contributor (same order
+    as ``contributors``), of the dequantized values it used: the evidence a third party checks."""
     TYPE: ClassVar[str] = "MergeResult"
     epoch: int = 0
     attempt: int = 0
@@ -189,6 +200,8 @@ class MergeResult(Message):
     mean_sha256: str = ""
     shard_sha256: str = ""
     momentum_sha256: str = ""
+    chunk: int = 0
+    chunk_sha256: list[str] = field(default_factory=list)
     mean: Optional[torch.Tensor] = tensor_field()
 
 

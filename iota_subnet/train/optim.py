@@ -26,15 +26,25 @@ def lr_at(step: int, total_steps: int, tcfg: TrainConfig) -> float:
     return floor + 0.5 * (tcfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_kernel(params: list[torch.Tensor]) -> dict:
+    """AdamW implementation flags for where ``params`` live: ``fused=True`` (one kernel for all
+    parameters) when they are all on a CUDA device, else torch's default (``foreach`` where
+    supported)."""
+    if params and all(p.is_cuda for p in params) and torch.cuda.is_available():
+        return {"fused": True}
+    return {}
+
+
 def make_optimizer(module: torch.nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    """AdamW with weight decay on matrices only (norm gains are not decayed); fused on CUDA."""
     decay, no_decay = [], []
     for _, p in module.named_parameters():
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=1e-8,
+                             **optimizer_kernel(decay + no_decay))
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

@@ -114,7 +114,7 @@ def rel_err(got: Any, ref: Any) -> float:
         return e if math.isfinite(e) else math.inf
     if got is None or ref is None or tuple(got.shape) != tuple(ref.shape):
         return math.inf
-    g, r = got.detach().double(), ref.detach().double()
+    g, r = got.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)   # any devices
     e = float((g - r).norm() / max(float(r.norm()), 1e-12))
     return e if math.isfinite(e) else math.inf
 
@@ -337,7 +337,11 @@ class SpotChecker:
         from iota_subnet.model import PipelineStage
         m = self._modules.get(stage)
         if m is None:
-            m = self._modules[stage] = PipelineStage(self.cfg.model, self.cfg.pipeline, stage, init=False).to(self.device)
+            # shapes only on the meta device (no host copy of a full-size stage, no init), then
+            # storage on the replay device; every value comes from the snapshot (load_state_dict, strict)
+            with torch.device("meta"):
+                m = PipelineStage(self.cfg.model, self.cfg.pipeline, stage, init=False)
+            m = self._modules[stage] = m.to_empty(device=self.device)
         return m
 
     def check_samples(self, samples: list[Sample]) -> None:

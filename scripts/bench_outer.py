@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Outer-optimizer benchmark: R replicas merging every H inner steps, simulated in one process.
+
+What a localnet with R replicas per stage does, without the network: lane r (replica r of every
+stage) trains its own copy of the staged model on its own micro-batch stream (the validator's
+addressing, :func:`iota_subnet.validator.driver.sample_start`), with the miners' inner optimizer and
+schedule; every H inner steps each stage's pseudo-gradients (anchor - weights) are averaged and the
+outer step (:func:`iota_subnet.merge.outer_step`, the function the merge engine applies) moves the
+anchor, which every lane adopts (inner AdamW state stays local, as on miners). The final validation
+loss is lane 0's after the last merge, over the co-located trainer's held-out micro-batches.
+
+Cheap enough to compare outer settings (lr, momentum) and H before spending a long localnet run on
+the winner; it does not model stragglers, failed merges or reroutes.
+
+    python scripts/bench_outer.py --config configs/tiny.yaml --replicas 3 --steps 150 --every 10 \\
+        --outer 1.0:0.0 --outer 0.7:0.9 --outer 1.0:0.5 --seeds 0 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from loguru import logger  # noqa: E402
+
+from iota_subnet.config import load_config  # noqa: E402
+from iota_subnet.data import build_dataset  # noqa: E402
+from iota_subnet.merge import ModuleParams, outer_step  # noqa: E402
+from iota_subnet.model import StagedModel, build_stages  # noqa: E402
+from iota_subnet.train.colocated import evaluate, split_rows  # noqa: E402
+from iota_subnet.train.optim import lr_at, make_optimizer, set_lr  # noqa: E402
+from iota_subnet.validator.driver import sample_start  # noqa: E402
+
+
+def simulate(cfg, dataset, *, replicas: int, steps: int, every: int, lr: float, mu: float, nesterov: bool,
+             seed: int) -> dict:
+    cfg_seed = seed
+    lanes = [StagedModel(build_stages(cfg, seed=cfg_seed)) for _ in range(replicas)]   # same init everywhere
+    opts = [make_optimizer(m, cfg.train) for m in lanes]
+    S = cfg.pipeline.stages
+    params = [[ModuleParams(m.stages[s]) for s in range(S)] for m in lanes]
+    anchors = [params[0][s].read() for s in range(S)]
+    moms = [torch.zeros_like(a) for a in anchors]
+    B, mb = cfg.train.batch_size, cfg.train.micro_batch
+    n_micro = B // mb
+    losses, merges = [], 0
+    t0 = time.perf_counter()
+    for k in range(steps):
+        step_loss = []
+        for r, (m, opt) in enumerate(zip(lanes, opts)):
+            set_lr(opt, lr_at(k, steps, cfg.train))
+            tot = 0.0
+            for j in range(n_micro):
+                rows = dataset.batch(seed, sample_start(r, k, j, replicas, B, mb), mb)
+                x, y = split_rows(rows)
+                loss = m(x, y)
+                (loss / n_micro).backward()
+                tot += float(loss.detach())
+            for st in m.stages:
+                torch.nn.utils.clip_grad_norm_(st.parameters(), cfg.train.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step_loss.append(tot / n_micro)
+        losses.append(sum(step_loss) / replicas)
+        if every and (k + 1) % every == 0 and replicas > 1:
+            for s in range(S):
+                mean = sum(anchors[s] - params[r][s].read() for r in range(replicas)) / replicas
+                anchors[s], moms[s] = outer_step(anchors[s], moms[s], mean, lr=lr, mu=mu, nesterov=nesterov)
+                for r in range(replicas):
+                    params[r][s].write(anchors[s])
+            merges += 1
+    val = evaluate(lanes[0], dataset, cfg, torch.device("cpu"))
+    return {"replicas": replicas, "steps": steps, "every": every, "outer_lr": lr, "outer_momentum": mu,
+            "nesterov": nesterov, "seed": seed, "merges": merges, "val_loss": round(val, 4),
+            "train_loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+            "tokens": steps * replicas * B * cfg.data.seq_len, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/wiki.valid.raw.txt"))
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--every", default="10", help="H values, comma separated (0: never merge)")
+    ap.add_argument("--outer", action="append", default=[], metavar="LR:MOMENTUM",
+                    help="outer settings to try (repeatable; Nesterov when momentum > 0), default 1.0:0.0")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    cfg = load_config(a.config)
+    _, dataset = build_dataset(cfg.data, a.data, None)
+    rows = []
+    for seed in (int(s) for s in a.seeds.split(",")):
+        for every in (int(h) for h in a.every.split(",")):
+            for spec in a.outer or ["1.0:0.0"]:
+                lr, mu = (float(v) for v in spec.split(":"))
+                row = simulate(cfg, dataset, replicas=a.replicas, steps=a.steps, every=every, lr=lr, mu=mu,
+                               nesterov=mu > 0, seed=seed)
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    if a.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"H={r['every']:>3} lr={r['outer_lr']:.2f} mu={r['outer_momentum']:.2f} seed={r['seed']} "
+                  f"val {r['val_loss']:.4f} train {r['train_loss_last10']:.4f} ({r['wall_s']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
