@@ -32,7 +32,7 @@ import asyncio
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from loguru import logger
@@ -157,8 +157,9 @@ class MergeClaims:
         with self._lock:
             self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = dict(c)
 
-    def on_result(self, res: MergeResult, served: torch.Tensor, offset: int) -> None:
-        """Sign a result this replica computed (``served``: the mean it serves) and keep the mean."""
+    def on_result(self, res: MergeResult, served: torch.Tensor, offset: int, chunk_numel: Optional[int] = None) -> None:
+        """Sign a result this replica computed (``served``: the mean it serves; ``chunk_numel``: the
+        plan's streaming chunk, part of its plan id) and keep the mean."""
         key = (res.epoch, res.attempt, res.plan_id, res.shard_index)
         tree = chunk_tree(served, self.chunk)
         with self._lock:
@@ -174,7 +175,8 @@ class MergeClaims:
                             "offset": int(offset), "numel": int(served.numel()), "contributors": list(res.contributors),
                             "weights": [float(w) for w in res.weights],
                             "contribution_sha256": list(res.contribution_sha256), "mean_sha256": res.mean_sha256,
-                            "mean_root": tree.root.hex()}, self.keypair)
+                            "mean_root": tree.root.hex(),
+                            **({"chunk_numel": int(chunk_numel)} if chunk_numel is not None else {})}, self.keypair)
         res.info = {**res.info, "claim": claim, "contrib_claims": {p: got[p] for p in res.contributors if p in got}}
         with self._lock:
             self.means[key] = _Kept(served.detach().float().clone(), tree, claim)

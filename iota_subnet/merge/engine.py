@@ -866,7 +866,8 @@ class MergeEngine:
                                           momentum_sha256=red.momentum_h.hexdigest(),
                                           chunk_sha256=[tensor_sha256(t) for t in served])
             if self.observer is not None:
-                await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0])
+                await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0],
+                                        plan.chunk_numel)
         sess.ready_event(s).set()
 
     async def _recompute(self, plan: MergePlan, sess: _Session, s: int) -> Optional[list[torch.Tensor]]:

@@ -127,7 +127,8 @@ class MergeAuditor:
         parts, weights = list(claim.get("contributors") or []), list(claim.get("weights") or [])
         try:
             plan = MergePlan.make(epoch, attempt, epoch_seed(self.run_id, stage, epoch), parts,
-                                  int(self.stage_numel(stage)), dict(zip(parts, weights)))
+                                  int(self.stage_numel(stage)), dict(zip(parts, weights)),
+                                  chunk_numel=claim.get("chunk_numel"))
         except (ValueError, TypeError) as e:
             return upheld(f"its claim names no valid plan ({e})")
         if (plan.plan_id != claim["plan_id"] or list(plan.participants) != parts or not 0 <= shard < plan.num_shards
