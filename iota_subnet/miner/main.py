@@ -84,7 +84,8 @@ async def run_miner(args: argparse.Namespace) -> int:
                        device=str(pick_device(args.device)), total_steps=args.steps,
                        checkpoint_every=args.checkpoint_every, register=not args.no_register,
                        adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
-                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation)
+                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation,
+                       dashboard_port=args.dashboard_port)
     stop = install_stop(asyncio.get_running_loop())
     try:
         await svc.start()
