@@ -113,6 +113,7 @@ class LocalNet:
             self.chaos_spec = ChaosSpec.parse(chaos, min_live=1)
         self.chaos_duration_s = chaos_duration_s or 3600.0
         self.chaos = None
+        self.dashboards: dict[str, str] = {}   # validator name -> its dashboard URL, once it serves one
         self.run_id = f"localnet-{self.cfg.model.name}"
         self.chain_db = self.out / "chain.db"
         self.config_path = self.out / "config.yaml"
@@ -130,6 +131,7 @@ class LocalNet:
             self.data, why = default_source()
             logger.info(f"no --data given: using {self.data} ({why})")
         tok, ds = build_dataset(self.cfg.data, self.data)
+        atomic_write_text(self.out / "tokenizer.json", tok.to_str())   # `iota-subnet export` ships it
         logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
         if self.chain_db.exists():
             from iota_subnet.chain import resume_devnet
@@ -187,7 +189,8 @@ class LocalNet:
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
                     "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
-                    str(out / "link-control.json"), *relay, *self.extra_validator_args]
+                    str(out / "link-control.json"), *relay, "--dashboard-port", "0",
+                    *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------
@@ -336,6 +339,7 @@ class LocalNet:
                 if self.chaos is not None and not all(s.get("done") for s in self.validator_status()):
                     self.chaos.tick()
                 st = self.validator_status()
+                self._announce_dashboards(st)
                 steps_done = self._steps_done(st)
                 line = self._progress_line(st)
                 if bar is not None:
@@ -378,6 +382,16 @@ class LocalNet:
                 logger.info(f"devnet halted at block {block} (rerunning in {self.out} resumes it)")
             except Exception as e:  # noqa: BLE001 - never mask the run's own outcome
                 logger.warning(f"could not halt the devnet: {e}")
+
+    def _announce_dashboards(self, st: list[dict]) -> None:
+        """Print each validator's dashboard address once it serves one (``--dashboard-port 0``)."""
+        names = [c.name for c in self.children if c.kind == "validator"]
+        for name, s in zip(names, st):
+            url = s.get("dashboard")
+            if url and self.dashboards.get(name) != url:
+                self.dashboards[name] = url
+                logger.info(f"{name} dashboard: {url}")
+                print(f"dashboard ({name}): {url}", flush=True)
 
     @staticmethod
     def _steps_done(st: list[dict]) -> int:
