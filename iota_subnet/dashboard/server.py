@@ -7,7 +7,8 @@ Routes (GET only; anything else is 405):
   loads nothing from other hosts (its Content-Security-Policy forbids it), so it works offline;
 * ``/api/snapshot``: the source's :meth:`snapshot` (JSON);
 * ``/metrics``: Prometheus metrics, when a :class:`~iota_subnet.telemetry.NeuronMetrics` is given;
-* ``/healthz``: ``ok``.
+* ``/healthz``: ``ok``;
+* ``/ops/reach``, ``/ops/bandwidth``: ``iota-subnet doctor``'s peer probes.
 
 A background task calls the source's ``sample()`` every ``sample_every_s`` seconds.
 """
@@ -21,6 +22,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 from loguru import logger
+
+from iota_subnet.doctor.probe import PeerProbe
 
 STATIC = Path(__file__).resolve().parent / "static"
 #: Only this origin's scripts, styles and data: no CDN, no third-party requests.
@@ -56,6 +59,8 @@ class DashboardServer:
         self.app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
         if metrics is not None:
             self.app.router.add_get("/metrics", metrics.handler)
+        for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
+            self.app.router.add_get(path, handler)
         self._runner: Optional[web.AppRunner] = None
         self._task: Optional[asyncio.Task] = None
 

@@ -42,6 +42,8 @@ from iota_subnet.config import MergeConfig
 from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult, MergeResultRequest, Message,
                                   Outcome, ProtocolError, payload_nbytes, tensor_sha256)
 
+from iota_subnet.utils.progress import Progress
+
 from .outer import dequantize, outer_step, quantize, weighted_mean
 from .plan import MergePlan, epoch_seed
 
@@ -592,7 +594,14 @@ class MergeEngine:
             means[s] = recomputed
 
         sess_means = dict(sess.honest)   # the means this replica computed itself
-        await asyncio.gather(*(gather_one(s) for s in range(plan.num_shards)))
+        prog = Progress(4 * sum(plan.bounds[s][1] for s in range(plan.num_shards)), f"merge epoch {plan.epoch}: "
+                        "gather", "B", unit_scale=True, min_total=64 << 20)
+
+        async def gather_counted(s: int) -> None:
+            await gather_one(s)
+            prog.update(4 * plan.bounds[s][1])
+        with prog:
+            await asyncio.gather(*(gather_counted(s) for s in range(plan.num_shards)))
         if len(means) != plan.num_shards:
             return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
 

@@ -9,7 +9,8 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 * ``/merge/join|contribute|result|contribution``, ``/state/chunk``: replica merging and state sync
   (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured;
   ``/evidence`` (validators): the merge mismatch evidence this replica recorded
-* ``GET /metrics`` Prometheus text (unauthenticated, counters only)
+* ``GET /metrics`` Prometheus text (unauthenticated; names in the README), ``GET /ops/reach`` and
+  ``GET /ops/bandwidth`` (``iota-subnet doctor``'s peer probes, :mod:`iota_subnet.doctor.probe`)
 
 Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
 while a stage computes. Micro-batches are keyed by (caller hotkey, micro-batch id): one
@@ -40,6 +41,7 @@ from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResu
                                   StateResponse, backward_contract, forward_contract, merge_payload_contract)
 from iota_subnet.protocol.commitment import StageCommitment
 from iota_subnet.dashboard import DashboardServer, MinerSource
+from iota_subnet.doctor.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.checkpoint import CheckpointError
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
@@ -237,6 +239,8 @@ class MinerService:
                                   "or merge.every_blocks > 0 in the config)")
             self.merge.tamper = poison_mean
         self.server.add_public_get("/metrics", self.metrics.handler)
+        for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
+            self.server.add_public_get(path, handler)
         self.metrics.instrument(self.server.app)
         self.port = await self.server.start()
         await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)

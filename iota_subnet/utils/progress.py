@@ -35,6 +35,10 @@ def format_seconds(s: Optional[float]) -> str:
     return f"{s // 3600} h {(s % 3600) // 60:02d} min"
 
 
+def _int(x: Optional[float]) -> Optional[float]:
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
 def _num(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 or float(x).is_integer() else f"{x:,.2f}"
 
@@ -67,7 +71,7 @@ class Progress:
         self._bar = None
         if not self.quiet and self.tty:
             from tqdm import tqdm
-            self._bar = tqdm(total=self.total, initial=initial, desc=desc, unit=unit, file=self.stream,
+            self._bar = tqdm(total=_int(self.total), initial=_int(initial), desc=desc, unit=unit, file=self.stream,
                              dynamic_ncols=True, unit_scale=unit_scale, leave=True)
 
     # ------------------------------------------------------------------ measurement
@@ -99,6 +103,10 @@ class Progress:
                     f"ETA {format_seconds(self.eta_s)}")
         return f"{self.desc}: {_num(self.done)} {self.unit}, {rate}"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ------------------------------------------------------------------ updates
     def update(self, n: float = 1) -> None:
         self.set(self.done + n)
@@ -111,7 +119,7 @@ class Progress:
             return
         if self._bar is not None:
             if delta:
-                self._bar.update(delta)
+                self._bar.update(_int(delta))
             if postfix is not None:
                 self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.refresh()
