@@ -58,7 +58,7 @@
     card.dataset.points = String(points);
     const sig = names.join("|");
     const body = card.querySelector(".plot-body");
-    const width = Math.max(300, body.clientWidth || 400);
+    const width = Math.max(260, Math.floor(card.getBoundingClientRect().width) - 30);
     if (data[0].length === 0) {
       if (state.plots[key]) { state.plots[key].destroy(); delete state.plots[key]; }
       body.replaceChildren(el("div", { class: "empty", text: "waiting for data…" }));
@@ -236,6 +236,7 @@
     pointCounts: () => Object.fromEntries(Array.from(document.querySelectorAll(".plot-card"))
       .map(c => [c.dataset.plot, Number(c.dataset.points || 0)])),
   };
+  window.addEventListener("resize", () => { if (state.snapshot) renderPlots(state.snapshot.series); });
   tick();
   setInterval(tick, 2000);
 })();
