@@ -171,3 +171,17 @@ def test_every_metric_name_is_documented_in_the_readme():
     readme = README.read_text()
     missing = sorted(n for n in names if n not in readme)
     assert not missing, f"undocumented metrics: {missing}"
+
+
+def test_grafana_example_uses_only_exported_metrics():
+    import inspect
+    import json as _json
+
+    import iota_subnet.telemetry as t
+    from iota_subnet.miner import service
+    exported = set(re.findall(r'"(iota_[a-z_]+)"', inspect.getsource(t) + inspect.getsource(service)))
+    dash = _json.loads((README.parent / "deploy" / "grafana" / "iota-subnet.json").read_text())
+    used = {m for p in dash["panels"] for tgt in p["targets"] for m in re.findall(r"iota_[a-z_]+", tgt["expr"])}
+    assert len(dash["panels"]) >= 8 and used
+    base = {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in used}
+    assert base <= exported, base - exported

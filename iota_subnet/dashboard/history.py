@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 class Series:
     """Points ``(x, y)`` in arrival order, at most ``max_points``: when full, every second point is
     dropped and only every ``stride``-th new point is kept from then on, so a days-long run keeps its
-    whole shape at a bounded size (memory O(max_points))."""
+    whole shape at a bounded size (memory O(max_points)). The latest point is always shown."""
 
     def __init__(self, max_points: int = 1000):
         if max_points < 4:
@@ -18,11 +18,13 @@ class Series:
         self.points: list[tuple[float, float]] = []
         self.stride = 1
         self._seen = 0
+        self._latest: Optional[tuple[float, float]] = None
 
     def add(self, x: float, y: Optional[float]) -> None:
         if y is None or y != y:        # None or NaN: nothing to plot
             return
         self._seen += 1
+        self._latest = (float(x), float(y))
         if (self._seen - 1) % self.stride:
             return
         self.points.append((float(x), float(y)))
@@ -30,14 +32,19 @@ class Series:
             self.points = self.points[::2]
             self.stride *= 2
 
+    def _shown(self) -> list[tuple[float, float]]:
+        if self._latest is not None and (not self.points or self.points[-1] != self._latest):
+            return self.points + [self._latest]
+        return self.points
+
     def last(self) -> Optional[tuple[float, float]]:
-        return self.points[-1] if self.points else None
+        return self._latest
 
     def to_json(self) -> list[list[float]]:
-        return [[x, y] for x, y in self.points]
+        return [[x, y] for x, y in self._shown()]
 
     def __len__(self) -> int:
-        return len(self.points)
+        return len(self._shown())
 
 
 class JsonlTail:
