@@ -5,7 +5,8 @@
   leaving 127.0.0.1, every plot holds at least 3 points, the pipeline shows every miner, the
   verification table the explained scores, and a screenshot has more than 1% non-background pixels;
 * the dashboard is read-only and shows no secret;
-* `/metrics` of the validator and of a miner carry the documented families with live values;
+* `/metrics` of the validator and of a miner carry the documented families with live values, and a
+  miner serves its own dashboard;
 * `iota-subnet doctor` prints no FAIL against it, and FAIL with the fix (exit code 1) for a wrong
   wallet name.
 
@@ -67,7 +68,7 @@ def net(tmp_path_factory, wikitext_path, cache_dir):
         cfg.write_text(yaml.safe_dump(CFG))
         ln = LocalNet(stages=2, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=2000,
                       out=tmp / "ln", block_time=0.5, tempo=5, progress=False, timeout_s=400,
-                      extra_validator_args=["--clasp-interval", "1"])
+                      extra_validator_args=["--clasp-interval", "1"], extra_miner_args=["--dashboard-port", "0"])
         box: dict = {}
         th = threading.Thread(target=lambda: box.update(summary=ln.run()), daemon=True)
         th.start()
@@ -208,6 +209,12 @@ def test_metrics_of_the_validator_and_a_miner(net):
     assert _metric_value(text, "iota_miner_activation_cache_bytes") >= 0
     assert 'iota_http_served_requests_total{outcome="OK",route="/forward"}' in text
     assert _metric_value(text, "iota_miner_tokens_total") > 0
+    # the miner's own (optional) dashboard
+    url = _status(m.out / "status.json")["dashboard"]
+    snap = json.loads(_get(url + "api/snapshot")[2])
+    assert snap["role"] == "miner" and snap["identity"]["stage"] == 1 and snap["totals"]["inner_step"] >= 1
+    assert len(snap["series"]["inner_step"]["lines"]["inner step"]) >= 1
+    assert _get(url)[0] == 200
 
 
 def _free_port() -> int:

@@ -32,6 +32,10 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from loguru import logger
 
+from iota_subnet.chain import metagraph_json
+from iota_subnet.protocol import Health, ProtocolError
+from iota_subnet.transport import TransportError
+
 from .history import JsonlTail, Series, per_lane_loss
 
 StatusFn = Callable[[], Mapping[str, Any]]
@@ -154,7 +158,6 @@ class ValidatorSource:
                 self.weights.setdefault(str(uid), Series(self.max_points)).add(float(blocks[-1]), _finite(w))
 
     async def _read_chain(self) -> dict:
-        from iota_subnet.chain import metagraph_json
         c = self.chain
         t0 = time.perf_counter()
         block = await c.block()
@@ -301,8 +304,6 @@ def health_poller(client: Any, run_id: str, timeout_s: float = 3.0) -> HealthFn:
     """An async ``replicas -> {uid: stats}`` that asks each replica's ``/health`` (signed, through
     ``client``, a :class:`~iota_subnet.transport.NeuronClient`) at once. A replica that does not
     answer gets ``{"error": ...}``."""
-    from iota_subnet.protocol import Health, ProtocolError
-    from iota_subnet.transport import TransportError
 
     async def one(r: dict) -> tuple[int, dict]:
         uid = int(r["uid"])
