@@ -231,6 +231,8 @@ class MinerService:
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s)
+        for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
+            client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
         if self.adversary == "poison":
             from iota_subnet.miner.adversary import poison_mean
@@ -289,7 +291,7 @@ class MinerService:
         from iota_subnet.merge.sync import SnapshotDonor
         from iota_subnet.merge.transport import HttpTransport
         mc = self.cfg.merge
-        self.merge_client = NeuronClient(self.wallet)
+        self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,

@@ -50,6 +50,7 @@ from loguru import logger
 from iota_subnet.chain import Chain, ChainError, open_chain
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
+from iota_subnet.doctor.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient
@@ -621,6 +622,8 @@ class ValidatorService:
         self.server.add_route("/receipts", receipts, ReceiptBatch, None)
         self.server.add_public_get("/scores", scores)
         self.server.add_public_get("/metrics", self.prom.handler)
+        for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
+            self.server.add_public_get(path, handler)
         self.prom.instrument(self.server.app)
         port = await self.server.start()
         await self.chain.serve(self.wallet, self.opts.netuid, self.opts.external_ip, port)
