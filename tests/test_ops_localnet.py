@@ -199,15 +199,17 @@ def test_metrics_of_the_validator_and_a_miner(net):
     v = _get(net.dashboard_url + "metrics")[2].decode()
     assert _metric_value(v, "iota_validator_tokens_total") > 0
     assert _metric_value(v, "iota_validator_loss") > 0
-    assert "iota_hop_latency_seconds_bucket{le=\"0.1\",route=\"/forward\"}" in v
-    assert 'iota_hop_sent_bytes_total{route="/backward"}' in v
+    assert 'iota_hop_latency_seconds_bucket{le="0.1",route="/tickets"}' in v          # control plane
+    assert 'iota_http_served_requests_total{outcome="OK",route="/receipts"}' in v
     assert "iota_audit_checks_total" in v and "iota_miner_weight" in v
     m = net.miner("miner-s1-r0")
     port = _status(m.out / "status.json")["port"]
     text = _get(f"http://127.0.0.1:{port}/metrics")[2].decode()
     assert _metric_value(text, "iota_miner_inner_step") >= 1
     assert _metric_value(text, "iota_miner_activation_cache_bytes") >= 0
-    assert 'iota_http_served_requests_total{outcome="OK",route="/forward"}' in text
+    assert 'iota_http_served_requests_total{outcome="OK",route="/hop"}' in text        # data plane, served
+    assert _metric_value(text, "iota_hop_sent_bytes_total") > 0                         # ... and sent on
+    assert 'iota_hop_latency_seconds_count{route="/receipts"}' in text
     assert _metric_value(text, "iota_miner_tokens_total") > 0
     # the miner's own (optional) dashboard
     url = _status(m.out / "status.json")["dashboard"]
