@@ -50,6 +50,10 @@
     });
     return { names, data: [xs, ...ys] };
   }
+  function plotWidth(card) {
+    const body = card.querySelector(".plot-body");
+    return Math.max(260, Math.floor(body.clientWidth || card.clientWidth - 28) - 2);
+  }
   function drawPlot(key, spec, container) {
     const { names, data } = align(spec.lines || {});
     const pointsOnly = new Set(spec.points_only || []);
@@ -58,7 +62,7 @@
     card.dataset.points = String(points);
     const sig = names.join("|");
     const body = card.querySelector(".plot-body");
-    const width = Math.max(260, Math.floor(card.getBoundingClientRect().width) - 30);
+    const width = plotWidth(card);
     if (data[0].length === 0) {
       if (state.plots[key]) { state.plots[key].destroy(); delete state.plots[key]; }
       body.replaceChildren(el("div", { class: "empty", text: "waiting for data…" }));
@@ -89,15 +93,21 @@
   }
   function renderPlots(series) {
     const host = document.getElementById("plots");
-    for (const [key, spec] of Object.entries(series || {})) {
-      let card = document.getElementById("plot-" + key);
-      if (!card) {
-        card = el("section", { class: "card plot-card", id: "plot-" + key, "data-plot": key }, [
+    const entries = Object.entries(series || {});
+    for (const [key, spec] of entries) {      // every card first: the grid's columns are final before sizing
+      if (!document.getElementById("plot-" + key)) {
+        const card = el("section", { class: "card plot-card", id: "plot-" + key, "data-plot": key }, [
           el("h2", { text: spec.title || key }), el("div", { class: "plot-body" })]);
         host.appendChild(card);
+        // a plot follows its card's width (grid reflow, window resize, scrollbar)
+        new ResizeObserver(() => {
+          const u = state.plots[key];
+          const w = plotWidth(card);
+          if (u && Math.abs(u.width - w) > 4) u.setSize({ width: w, height: 240 });
+        }).observe(card);
       }
-      drawPlot(key, spec, card);
     }
+    for (const [key, spec] of entries) drawPlot(key, spec, document.getElementById("plot-" + key));
   }
 
   // ---------------------------------------------------------------- sections
@@ -236,7 +246,6 @@
     pointCounts: () => Object.fromEntries(Array.from(document.querySelectorAll(".plot-card"))
       .map(c => [c.dataset.plot, Number(c.dataset.points || 0)])),
   };
-  window.addEventListener("resize", () => { if (state.snapshot) renderPlots(state.snapshot.series); });
   tick();
   setInterval(tick, 2000);
 })();
