@@ -242,7 +242,7 @@ class ValidatorSource:
             "pipeline": {"stages": len(st.get("stage_replicas") or []) or (max((c["stage"] for c in cells), default=-1) + 1),
                          "lanes": st.get("lanes"), "cells": cells},
             "merges": {"replicas": merges},
-            "scores": {"block": None, "miners": scores},
+            "scores": {"miners": scores},
             "chain": chain,
         }
 
