@@ -2,12 +2,9 @@
 SKIP, with what was seen and, unless PASS, how to fix it). :func:`run_checks` runs them in order;
 checks that need an earlier result (the wallet, the chain) SKIP with the reason when it failed.
 
-Memory plan (GPU or RAM against the chosen config): a miner holds one stage; its state is
-16 bytes per parameter (fp32 weights and gradients, AdamW's two moments), its activations per
-micro-batch in flight ``seq_len x micro_batch x layers x d x (34 + 5 x heads x seq_len / d)`` bytes
-(Korthikanti et al. 2022, arXiv 2205.05198, section 4.1, 16-bit activations), plus the tail's fp32
-logits and their gradient (``2 x 4 x micro_batch x seq_len x vocab``); two micro-batches in flight.
-An estimate, stated as such.
+Memory (GPU, or RAM without one, against the chosen config): the plan of :mod:`iota_subnet.plan`
+(the one ``iota-subnet plan`` prints and a CUDA miner enforces at start) for ``--stage`` or the stage
+that needs the most memory.
 """
 from __future__ import annotations
 
@@ -103,24 +100,12 @@ def check_packages() -> Check:
     return Check("packages", PASS, f"{len(reqs)} requirements met; " + ", ".join(seen))
 
 
-def memory_plan(cfg: Any, stage: Optional[int]) -> tuple[int, int, int]:
-    """(stage index, parameters, bytes) of the largest stage (or ``stage``) for a miner: see the
-    module docstring. Built on the meta device: nothing is allocated."""
-    import torch
-
-    from iota_subnet.model import PipelineStage, split_layers
-    m, p, t, d = cfg.model, cfg.pipeline, cfg.train, cfg.data
-    counts = []
-    with torch.device("meta"):
-        for s in range(p.stages):
-            counts.append(PipelineStage(m, p, s, init=False).param_count())
-    s = max(range(p.stages), key=lambda i: counts[i]) if stage is None else int(stage)
-    layers = len(split_layers(m.n_layers, p.stages, p.layer_split)[s])
-    mb, T = t.micro_batch, d.seq_len
-    act = T * mb * layers * m.dim * (34 + 5 * m.n_heads * T / m.dim)
-    if s == p.stages - 1:
-        act += 2 * 4 * mb * T * m.vocab_size
-    return s, counts[s], int(16 * counts[s] + 2 * act)
+def memory_plan(cfg: Any, stage: Optional[int], mem_bytes: int) -> Any:
+    """The :class:`iota_subnet.plan.StagePlan` on ``mem_bytes`` of ``stage``, or of the stage that
+    needs the most memory (built on the meta device: nothing is allocated)."""
+    from iota_subnet.plan import plan_stage
+    stages = [int(stage)] if stage is not None else range(cfg.pipeline.stages)
+    return max((plan_stage(cfg, s, mem_bytes) for s in stages), key=lambda p: p.total_bytes)
 
 
 def _ram_bytes() -> Optional[int]:
@@ -135,26 +120,30 @@ def check_compute(o: DoctorOptions, cfg: Any) -> list[Check]:
         return [Check("gpu", SKIP, "no usable config (see the config line)")]
     if o.role == "validator":
         return [Check("gpu", SKIP, "validators hold no weights: no GPU needed")]
-    s, params, need = memory_plan(cfg, o.stage)
-    plan = f"stage {s} of {cfg.model.name}: {params / 1e6:.1f}M parameters, plan ~{_gib(need)}"
     import torch
-    out = []
-    if not torch.cuda.is_available():
-        out.append(Check("gpu", SKIP, "no CUDA GPU visible (torch.cuda.is_available() is False): training "
-                         f"runs on the CPU, which suits only tiny or small configs; {plan}",
-                         "on a GPU host install a CUDA build of torch (TORCH_SPEC=torch make setup)"))
-    else:
+    fix = ("turn on train.activation_checkpointing, use more pipeline stages or a smaller micro_batch_size, or a "
+           "device with more memory (`iota-subnet plan` shows the table)")
+    if torch.cuda.is_available():
         i = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(i).total_memory
-        name = torch.cuda.get_device_name(i)
-        st = PASS if total >= need * 1.1 else (WARN if total >= need else FAIL)
-        out.append(Check("gpu", st, f"{name} with {_gib(total)}; {plan}",
-                         "use more pipeline stages, a smaller micro_batch_size or a larger GPU"))
+        p = memory_plan(cfg, o.stage, total)
+        return [Check("gpu", PASS if p.fits else FAIL,
+                      f"{torch.cuda.get_device_name(i)} with {_gib(total)}; stage {p.stage} of {cfg.model.name} "
+                      f"({p.params / 1e6:.1f}M parameters) plans {_gib(p.total_bytes)}, up to "
+                      f"{p.microbatches_in_flight_max} micro-batches in flight (needs {p.microbatches_in_flight_needed})",
+                      fix)]
+    out = []
     ram = _ram_bytes()
-    if ram is not None and not torch.cuda.is_available():
+    p = memory_plan(cfg, o.stage, ram or (1 << 40))
+    plan = (f"stage {p.stage} of {cfg.model.name}: {p.params / 1e6:.1f}M parameters, plans {_gib(p.total_bytes)} "
+            "on a GPU (CUDA reserve included)")
+    out.append(Check("gpu", SKIP, "no CUDA GPU visible (torch.cuda.is_available() is False): training runs on the "
+                     f"CPU, which suits only tiny or small configs; {plan}",
+                     "on a GPU host install a CUDA build of torch (TORCH_SPEC=torch make setup)"))
+    if ram is not None:
+        need = p.total_bytes - p.reserve_bytes          # no CUDA context on the CPU
         st = PASS if ram >= need * 1.5 else (WARN if ram >= need else FAIL)
-        out.append(Check("memory", st, f"{_gib(ram)} RAM for a CPU plan of ~{_gib(need)}",
-                         "use a smaller model config or more stages"))
+        out.append(Check("memory", st, f"{_gib(ram)} RAM for a CPU plan of {_gib(need)}", fix))
     return out
 
 
@@ -165,7 +154,7 @@ def check_disk(o: DoctorOptions, cfg: Any) -> Check:
     free = shutil.disk_usage(p).free
     need = 2 << 30
     if cfg is not None and o.role == "miner":
-        _, params, _ = memory_plan(cfg, o.stage)
+        params = memory_plan(cfg, o.stage, 1 << 40).params
         need += params * (12 * 2 + 8)      # checkpoint (weights + Adam) twice during a write, merge state
     st = PASS if free >= 2 * need else (WARN if free >= need else FAIL)
     return Check("disk", st, f"{_gib(free)} free at {p} (needs ~{_gib(need)} for checkpoints and caches)",
