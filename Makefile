@@ -8,9 +8,19 @@ DATA   ?= $(firstword $(wildcard ../shared/data/wikitext-2/wiki.valid.raw.txt))
 STEPS  ?= 150
 OUT    ?= runs/localnet
 
-.PHONY: setup test test-slow localnet colocated bench clean
+.PHONY: setup browser test test-slow localnet colocated bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed browser
+
+# Debian's chromium + chromium-driver for the dashboard's browser test (tests/test_ops_localnet.py).
+# Needs apt-get as root; where it cannot install them it says so and that test skips with the reason.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium and chromium-driver (dashboard browser test)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+	    || echo "could not install chromium: the dashboard browser test will skip"; \
+	else echo "no chromium and no root apt-get: the dashboard browser test will skip"; fi
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +30,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -rs -m "not slow" tests
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow tests

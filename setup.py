@@ -23,10 +23,15 @@ setup(
         "tqdm>=4.66",
         "prometheus-client>=0.20",
         "pytest>=8",
+        # export / generate / eval: the trained model as a Hugging Face folder (also the parity test)
+        "transformers>=4.46",
     ],
     extras_require={
-        # transformers is only used by the parity test against LlamaForCausalLM.
-        "test": ["transformers>=4.40", "pytest-timeout>=2.3"],
+        # selenium drives Debian's chromium (make browser) in the dashboard test; pillow reads its screenshot.
+        "test": ["pytest-timeout>=2.3", "selenium>=4.20", "pillow>=10"],
     },
+    # the dashboard's page and vendored assets; the Hugging Face modeling code copied into exports
+    package_data={"iota_subnet.dashboard": ["static/*.html", "static/*.js", "static/*.css", "static/vendor/*"],
+                  "iota_subnet.hf": ["remote/*.py"]},
     entry_points={"console_scripts": ["iota-subnet=iota_subnet.cli:main"]},
 )

@@ -6,6 +6,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from iota_subnet.chain import ChainError
     from iota_subnet.config import ConfigError
     from iota_subnet.data import DataError
+    from iota_subnet.hf import ExportError, ModelFolderError
     from iota_subnet.train.checkpoint import CheckpointError
     from iota_subnet.wallets import WalletError
-    return (ConfigError, DataError, CheckpointError, ChainError, WalletError)
+    return (ConfigError, DataError, CheckpointError, ChainError, WalletError, ExportError, ModelFolderError)

@@ -41,6 +41,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     n.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="emulation only: run emulated links (and --emulate-gpu compute) this many times slower, "
                         "so the host keeps up; figures in emulated time = wall time / time scale")
+    n.add_argument("--dashboard-port", type=_port, default=None,
+                   help="serve the read-only web dashboard (and /metrics) on this port (0: any free port; "
+                        "default: off)")
 
 
 def link_arg(text: str):

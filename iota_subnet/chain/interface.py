@@ -42,6 +42,14 @@ class Chain(abc.ABC):
     async def block(self) -> int:
         """Current block height."""
 
+    async def timestamp(self) -> float:
+        """UNIX time (seconds) of the head block, from its ``Timestamp`` (``iota-subnet doctor``'s clock check)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read block timestamps")
+
+    async def block_seconds(self) -> float:
+        """Seconds per block (12 on mainnet)."""
+        return 12.0
+
     @abc.abstractmethod
     async def tempo(self, netuid: int) -> int:
         """Blocks per epoch of the subnet."""

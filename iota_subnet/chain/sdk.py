@@ -88,6 +88,12 @@ class SdkChain(Chain):
     async def block(self) -> int:
         return await self.client.block()
 
+    async def timestamp(self) -> float:
+        return (await self.client.timestamp()).timestamp()
+
+    async def block_seconds(self) -> float:
+        return float(await self.client.block_time())
+
     async def tempo(self, netuid: int) -> int:
         value = await self.client.query(("SubtensorModule", "Tempo"), [netuid])
         if value is None:

@@ -17,7 +17,7 @@ from loguru import logger
 from ..config import DataConfig
 from .packing import DEFAULT_STREAM_MAX_TOKENS, TokenDataset, tokenize_documents
 from .sources import (DEFAULT_HF_SPEC, STDLIB_SPEC, SUPPORTED_EXTENSIONS, DataError, default_source, describe,
-                      hub_reachable, hub_status, iter_documents, source_key)
+                      hub_reachable, hub_status, iter_documents, local_size, source_key)
 from .tokenizer import EOS_TOKEN, TextTokenizer, hub_tokenizer_path, load_tokenizer, train_bpe
 
 __all__ = [
@@ -51,7 +51,8 @@ def build_dataset(cfg: DataConfig, data: Optional[str], cache_dir: Optional[Path
         logger.info(f"data: {describe(data)}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = source_key(data)
-    tok = load_tokenizer(cfg.tokenizer, lambda: iter_documents(data), cfg.vocab_size, cache_dir / "tokenizers", key)
+    tok = load_tokenizer(cfg.tokenizer, lambda: iter_documents(data), cfg.vocab_size, cache_dir / "tokenizers", key,
+                         local_size(data))
     if tok.vocab_size > cfg.vocab_size:
         raise DataError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids but data.vocab_size is {cfg.vocab_size}; "
                         f"set data.vocab_size and model.vocab_size to at least {tok.vocab_size}")

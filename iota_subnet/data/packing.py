@@ -24,7 +24,8 @@ import torch
 from loguru import logger
 
 from ..utils.atomic import atomic_write_json, atomic_write_with
-from .sources import HF_PREFIX, DataError, describe, iter_documents, source_key
+from ..utils.progress import Progress
+from .sources import HF_PREFIX, DataError, describe, iter_documents, local_size, source_key
 from .tokenizer import TextTokenizer
 
 #: Token cap applied to streamed (``hf://``) sources when no ``max_tokens`` is given.
@@ -32,9 +33,14 @@ DEFAULT_STREAM_MAX_TOKENS = 20_000_000
 _ENCODE_CHUNK = 256  # documents per encode_batch call
 
 
-def tokenize_documents(docs: Iterable[str], tokenizer: TextTokenizer, max_tokens: Optional[int] = None) -> np.ndarray:
+def tokenize_documents(docs: Iterable[str], tokenizer: TextTokenizer, max_tokens: Optional[int] = None,
+                       total_chars: Optional[int] = None) -> np.ndarray:
     """Tokenize ``docs`` into one flat ``np.int32`` array, each document followed by ``tokenizer.eos_id``;
-    cut to at most ``max_tokens`` tokens (reading stops once the cap is reached)."""
+    cut to at most ``max_tokens`` tokens (reading stops once the cap is reached). Progress with an
+    ETA against ``max_tokens``, else against ``total_chars`` (the source's size) when known; sources
+    under 4 M characters tokenize in seconds and show none."""
+    prog = (Progress(max_tokens, "tokenizing", "tok", unit_scale=True) if max_tokens else
+            Progress(total_chars, "tokenizing", "char", unit_scale=True, min_total=4_000_000 if total_chars else 0))
     parts: list[np.ndarray] = []
     total = 0
     eos = np.array([tokenizer.eos_id], dtype=np.int32)
@@ -42,22 +48,28 @@ def tokenize_documents(docs: Iterable[str], tokenizer: TextTokenizer, max_tokens
 
     def flush() -> bool:
         nonlocal total
+        before = total
+        if not max_tokens:
+            prog.update(sum(len(d) for d in chunk))
         for ids in tokenizer.encode_batch(chunk):
             parts.append(np.asarray(ids, dtype=np.int32))
             parts.append(eos)
             total += len(ids) + 1
             if max_tokens is not None and total >= max_tokens:
                 return True
+        if max_tokens:
+            prog.update(total - before)
         chunk.clear()
         return False
 
-    for d in docs:
-        chunk.append(d)
-        if len(chunk) >= _ENCODE_CHUNK and flush():
-            break
-    else:
-        if chunk:
-            flush()
+    with prog:
+        for d in docs:
+            chunk.append(d)
+            if len(chunk) >= _ENCODE_CHUNK and flush():
+                break
+        else:
+            if chunk:
+                flush()
     out = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     if max_tokens is not None:
         out = out[:max_tokens]
@@ -114,7 +126,7 @@ class TokenDataset:
                 except (OSError, ValueError) as e:
                     logger.warning(f"ignoring unreadable token cache {path} ({e}); rebuilding")
         t0 = time.monotonic()
-        tokens = tokenize_documents(iter_documents(spec), tokenizer, max_tokens)
+        tokens = tokenize_documents(iter_documents(spec), tokenizer, max_tokens, local_size(spec))
         logger.info(f"tokenized {describe(spec)}: {len(tokens):,} tokens in {time.monotonic() - t0:.1f}s")
         if path is not None and len(tokens):
             def _w(tmp: str) -> None:

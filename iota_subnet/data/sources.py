@@ -147,6 +147,19 @@ def stdlib_files() -> list[Path]:
     return out
 
 
+def local_size(spec: str) -> Optional[int]:
+    """Bytes of a local file or folder source (about its characters, for progress), else None."""
+    p = Path(spec).expanduser()
+    try:
+        if p.is_file():
+            return p.stat().st_size
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and f.suffix in SUPPORTED_EXTENSIONS)
+    except OSError:
+        return None
+    return None
+
+
 def source_key(spec: str) -> str:
     """A stable short hex key (16 chars) for caching what was derived from ``spec``.
 

@@ -18,6 +18,7 @@ from loguru import logger
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..utils.atomic import atomic_write_text
+from ..utils.progress import Progress
 from .sources import DataError, hub_status, limit_chars
 
 EOS_TOKEN = "<|endoftext|>"
@@ -87,12 +88,23 @@ def new_bpe(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:
     return tok, trainer
 
 
-def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with ``vocab_size`` ids (fewer if the corpus is too small) on ``docs``."""
+def _counted(docs: Iterable[str], prog: Progress) -> Iterable[str]:
+    for d in docs:
+        prog.update(len(d))
+        yield d
+
+
+def train_bpe(docs: Iterable[str], vocab_size: int, total_chars: Optional[int] = None) -> Tokenizer:
+    """Train a byte-level BPE with ``vocab_size`` ids (fewer if the corpus is too small) on ``docs``.
+    Progress (with an ETA when ``total_chars`` is known) covers reading the corpus; the merges are
+    computed after it, inside ``tokenizers``."""
     if vocab_size < 257 + 1:
         raise DataError(f"vocab_size={vocab_size} is too small for a byte-level BPE; use at least 258")
     tok, trainer = new_bpe(vocab_size)
-    tok.train_from_iterator(limit_chars(docs, MAX_TRAIN_CHARS), trainer=trainer)
+    total = min(total_chars, MAX_TRAIN_CHARS) if total_chars else None
+    with Progress(total, "tokenizer training: reading the corpus", "char", unit_scale=True,
+                  min_total=4_000_000 if total else 0) as prog:
+        tok.train_from_iterator(_counted(limit_chars(docs, MAX_TRAIN_CHARS), prog), trainer=trainer)
     return tok
 
 
@@ -124,7 +136,7 @@ def _load_hub(name: str, cache_dir: Path) -> TextTokenizer:
 
 
 def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Iterable[str]]], vocab_size: int,
-                   cache_dir: Path, corpus_key: str) -> TextTokenizer:
+                   cache_dir: Path, corpus_key: str, total_chars: Optional[int] = None) -> TextTokenizer:
     """Load or train the tokenizer.
 
     ``name``: a hub tokenizer, read from its cache file or fetched from the hub (then cached). Every
@@ -152,7 +164,7 @@ def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Itera
         raise DataError(f"no cached tokenizer at {path} and no corpus to train one on; pass data (or a reachable "
                         "hub tokenizer name)")
     t0 = time.monotonic()
-    tok = train_bpe(corpus_docs(), vocab_size)
+    tok = train_bpe(corpus_docs(), vocab_size, total_chars)
     tt = TextTokenizer(tok, bpe_name)
     if tt.vocab_size <= 257:
         raise DataError(f"the corpus for {bpe_name} yielded no text to train a tokenizer on; pass data with text")

@@ -60,6 +60,8 @@ from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult
                                   Outcome, ProtocolError, payload_nbytes, tensor_sha256)
 from iota_subnet.protocol.codec import host_bytes
 
+from iota_subnet.utils.progress import Progress
+
 from .outer import dequantize, outer_step, quantize, weighted_mean
 from .plan import MergePlan, epoch_seed
 
@@ -825,7 +827,14 @@ class MergeEngine:
                 apply_chunk(off, mean)
             done.add(s)
 
-        await asyncio.gather(*(gather_one(s) for s in range(plan.num_shards)))
+        prog = Progress(4 * sum(plan.bounds[s][1] for s in range(plan.num_shards)), f"merge epoch {plan.epoch}: "
+                        "gather", "B", unit_scale=True, min_total=64 << 20)
+
+        async def gather_counted(s: int) -> None:
+            await gather_one(s)
+            prog.update(4 * plan.bounds[s][1])
+        with prog:
+            await asyncio.gather(*(gather_counted(s) for s in range(plan.num_shards)))
         if len(done) != plan.num_shards:
             return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
 

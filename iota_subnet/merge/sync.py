@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 from loguru import logger
 
+from iota_subnet.utils.progress import Progress
+
 from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest, tensor_sha256
 from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.atomic import atomic_write_bytes
@@ -174,6 +176,8 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
             todo.put_nowait(i)
     alive = list(donors)
     stats = {"donors": list(donors), "dropped": [], "chunks": len(hashes), "resumed": resumed, "busy": 0}
+    prog = Progress(4 * total, f"state sync stage {stage}", "B", initial=4 * sum(t.numel() for t in have.values()),
+                    unit_scale=True, min_total=64 << 20)
 
     async def worker(p: str) -> None:
         rounds = 0
@@ -190,6 +194,7 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
                 d = d.detach().to("cpu").contiguous()
                 await asyncio.to_thread(atomic_write_bytes, wd / f"chunk{i:06d}.bin", b"".join(host_bytes(d)))
                 have[i] = d
+                prog.update(4 * n)
             except ProtocolError as e:
                 todo.put_nowait(i)
                 if e.outcome.retryable and rounds < max_rounds:
@@ -207,8 +212,9 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
                     stats["dropped"].append(p)
                 logger.warning(f"state sync: donor {p[:10]} failed ({type(e).__name__}: {e}); replaced by the others")
 
-    while not todo.empty() and alive:
-        await asyncio.gather(*(worker(p) for p in list(alive)))
+    with prog:
+        while not todo.empty() and alive:
+            await asyncio.gather(*(worker(p) for p in list(alive)))
     if len(have) != len(hashes):
         raise SyncError(f"{len(hashes) - len(have)} of {len(hashes)} chunks missing: every donor failed "
                         f"({[p[:10] for p in stats['dropped']]}); verified chunks kept in {wd} for a resume")

@@ -89,7 +89,7 @@ async def run_miner(args: argparse.Namespace) -> int:
                        checkpoint_every=args.checkpoint_every, register=not args.no_register,
                        adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
                        max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation,
-                       audit_window=max(0, args.audit_window))
+                       audit_window=max(0, args.audit_window), dashboard_port=args.dashboard_port)
     stop = install_stop(asyncio.get_running_loop())
     try:
         await svc.start()

@@ -14,7 +14,8 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 * ``/merge/join|contribute|result|contribution``, ``/state/chunk``: replica merging and state sync
   (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured;
   ``/evidence`` (validators): the merge mismatch evidence this replica recorded
-* ``GET /metrics`` Prometheus text (unauthenticated, counters only)
+* ``GET /metrics`` Prometheus text (unauthenticated; names in the README), ``GET /ops/reach`` and
+  ``GET /ops/bandwidth`` (``iota-subnet doctor``'s peer probes, :mod:`iota_subnet.doctor.probe`)
 
 Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
 while a stage computes. Micro-batches are keyed by (caller hotkey, micro-batch id): one
@@ -29,9 +30,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from aiohttp import web
 from loguru import logger
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import Counter
 
 from iota_subnet.chain import Chain
 from iota_subnet.config import ConfigError, RunConfig
@@ -46,6 +46,9 @@ from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResu
                                   MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
                                   StateResponse, backward_contract, forward_contract, merge_payload_contract)
 from iota_subnet.protocol.commitment import StageCommitment
+from iota_subnet.dashboard import DashboardServer, MinerSource
+from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.checkpoint import CheckpointError
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
 from iota_subnet.utils.atomic import atomic_write_json
@@ -109,7 +112,8 @@ class MinerService:
                  checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
                  adversary: Optional[str] = None, data: Optional[str] = None, cache_dir: Optional[str] = None,
                  max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
-                 emulation: Optional[Emulation] = None, audit_window: int = 0, accomplices: tuple = ()):
+                 emulation: Optional[Emulation] = None, audit_window: int = 0, accomplices: tuple = (),
+                 dashboard_port: Optional[int] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
         self.out = Path(out_dir)
@@ -151,15 +155,13 @@ class MinerService:
         self._refresh_lock = asyncio.Lock()
         self._last_ckpt_step = 0
         self.started_at = time.time()
-        self.registry = CollectorRegistry()
-        self.m_requests = Counter("iota_miner_requests", "requests served by route and outcome", ["route", "outcome"],
-                                  registry=self.registry)
-        self.m_inner_step = Gauge("iota_miner_inner_step", "inner optimizer steps taken", registry=self.registry)
-        self.m_tokens = Gauge("iota_miner_tokens", "tokens processed (forward+backward)", registry=self.registry)
-        self.m_cache_bytes = Gauge("iota_miner_activation_cache_bytes", "bytes held for pending backwards",
-                                   registry=self.registry)
-        self.m_evictions = Gauge("iota_miner_activation_evictions", "activation cache evictions", ["reason"],
-                                 registry=self.registry)
+        #: Prometheus metrics (GET /metrics): served requests, merges, and this miner's status()
+        self.metrics = NeuronMetrics("miner")
+        self.metrics.watch(self.status)
+        self.dashboard_port = dashboard_port   # the read-only web dashboard (None: off; 0: any free port)
+        self.dashboard: Optional[DashboardServer] = None
+        self.m_requests = Counter("iota_miner_requests", "compute requests completed, by route and outcome",
+                                  ["route", "outcome"], registry=self.metrics.registry)
 
     # ---- chain view ----------------------------------------------------------------------------
     async def refresh(self, force: bool = False) -> None:
@@ -260,6 +262,8 @@ class MinerService:
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s)
+        for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
+            client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
         if self.adversary == "poison":
             from iota_subnet.miner.adversary import poison_mean
@@ -273,7 +277,10 @@ class MinerService:
                 raise ConfigError("--adversary accuse forges merge evidence: enable merging (merge.every_steps "
                                   "or merge.every_blocks > 0 in the config)")
             self.accuser = install_accuser(self.merge, self.accomplices)
-        self.server.add_public_get("/metrics", self._metrics)
+        self.server.add_public_get("/metrics", self.metrics.handler)
+        for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
+            self.server.add_public_get(path, handler)
+        self.metrics.instrument(self.server.app)
         self.port = await self.server.start()
         await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)
         await self.chain.publish(self.wallet, self.netuid, StageCommitment(self.run_id, self.stage).encode())
@@ -283,6 +290,10 @@ class MinerService:
         if self.merge is not None:
             self._sync_task = asyncio.create_task(self._catch_up())
         self.node.start()
+        if self.dashboard_port is not None:
+            self.dashboard = DashboardServer(MinerSource(status=self.status), self.host, self.dashboard_port,
+                                             metrics=self.metrics)
+            await self.dashboard.start()
         self.write_status()
         return self.port
 
@@ -330,7 +341,7 @@ class MinerService:
         from iota_subnet.merge.claims import MergeAuditRoute, MergeClaims
         from iota_subnet.protocol import MergeAuditRequest
         mc = self.cfg.merge
-        self.merge_client = NeuronClient(self.wallet)
+        self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
         self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block)
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
@@ -488,6 +499,7 @@ class MinerService:
     async def _run_merge(self, epoch: int) -> None:
         try:
             rep = await self.merge.merge(epoch, self._peers)     # re-read after each attempt's refresh
+            self.metrics.observe_merge(rep.status, rep.wall_s, rep.bytes_sent, rep.bytes_received)
             if rep.status == "late":
                 await self.pull_merged_state(min_epoch=epoch)
             elif rep.status != "merged":
@@ -600,6 +612,9 @@ class MinerService:
                 t.cancel()
         if self.node is not None:
             await self.node.stop()
+        if self.dashboard is not None:
+            await self.dashboard.stop()
+            self.dashboard = None
         if self.merge_client is not None:
             await self.merge_client.close()
         if self.server is not None:
@@ -621,6 +636,8 @@ class MinerService:
             d["adversary"] = self.adversary
         if self.emulation is not None:
             d["emulation"] = self.emulation.to_json()
+        if self.dashboard is not None:
+            d["dashboard"] = self.dashboard.url
         if w is not None:
             d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
                       "tokens": w.tokens, "cache": w.cache.stats(), "busy_s": round(w.busy_s, 3)})
@@ -728,13 +745,14 @@ class MinerService:
                       hotkey=self.hotkey, uptime_s=time.time() - self.started_at,
                       stats={"stage": self.stage, "inner_step": w.inner_step, "forwards": w.forwards,
                              "backwards": w.backwards, "tokens": w.tokens, "cache_bytes": w.cache.bytes,
-                             "evictions_ttl": w.cache.evictions["ttl"], "evictions_bytes": w.cache.evictions["bytes"]})
+                             "evictions_ttl": w.cache.evictions["ttl"], "evictions_bytes": w.cache.evictions["bytes"],
+                             **self._merge_health()})
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        w = self.worker
-        self.m_inner_step.set(w.inner_step)
-        self.m_tokens.set(w.tokens)
-        self.m_cache_bytes.set(w.cache.bytes)
-        for reason, n in w.cache.evictions.items():
-            self.m_evictions.labels(reason).set(n)
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+    def _merge_health(self) -> dict[str, float]:
+        """Merge figures for ``/health`` (validators' dashboards show them); empty when merging is off."""
+        if self.merge is None:
+            return {}
+        m = self.merge.status()
+        return {"merges": m["merges"], "merged_epoch": m["merged_epoch"], "merges_abandoned": m["abandoned"],
+                "merge_last_wall_s": float((m["last"] or {}).get("wall_s") or 0.0)}
+

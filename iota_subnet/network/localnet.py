@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,7 @@ from loguru import logger
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.train.metrics import write_summary
 from iota_subnet.utils.atomic import atomic_write_text
+from iota_subnet.utils.progress import Progress
 
 NETUID = 9
 
@@ -113,6 +115,8 @@ class LocalNet:
             self.chaos_spec = ChaosSpec.parse(chaos, min_live=1)
         self.chaos_duration_s = chaos_duration_s or 3600.0
         self.chaos = None
+        self.dashboards: dict[str, str] = {}   # validator name -> its dashboard URL, once it serves one
+        self._stop_requested = threading.Event()
         self.run_id = f"localnet-{self.cfg.model.name}"
         self.chain_db = self.out / "chain.db"
         self.config_path = self.out / "config.yaml"
@@ -130,6 +134,7 @@ class LocalNet:
             self.data, why = default_source()
             logger.info(f"no --data given: using {self.data} ({why})")
         tok, ds = build_dataset(self.cfg.data, self.data)
+        atomic_write_text(self.out / "tokenizer.json", tok.to_str())   # `iota-subnet export` ships it
         logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
         if self.chain_db.exists():
             from iota_subnet.chain import resume_devnet
@@ -187,7 +192,8 @@ class LocalNet:
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
                     "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
-                    str(out / "link-control.json"), *relay, *self.extra_validator_args]
+                    str(out / "link-control.json"), *relay, "--dashboard-port", "0",
+                    *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------
@@ -314,14 +320,12 @@ class LocalNet:
         self.prepare()
         logger.info(f"devnet {self.chain_db}: {self.n_validators} validator(s), "
                     f"{self.stages} stages x {self.replicas} replicas; logs in {self.out / 'logs'}")
-        bar = None
+        bar = startup = None
         try:
             for c in self.children:
                 self.start(c)
             t0 = time.monotonic()
-            if self.progress:
-                from tqdm import tqdm
-                bar = tqdm(total=self.steps, desc="localnet", unit="step", dynamic_ncols=True)
+            startup = Progress(len(self.children), "localnet start-up", "neuron", tty=self.progress, log_every_s=5)
             last_log = 0.0
             done_at = None
             if self.chaos_spec is not None:
@@ -336,6 +340,14 @@ class LocalNet:
                 if self.chaos is not None and not all(s.get("done") for s in self.validator_status()):
                     self.chaos.tick()
                 st = self.validator_status()
+                self._announce_dashboards(st)
+                if not startup.closed:
+                    startup.set(self._ready(st))
+                    if startup.done >= startup.total:
+                        startup.close()
+                if startup.closed and bar is None and self.progress:
+                    from tqdm import tqdm
+                    bar = tqdm(total=self.steps, desc="localnet", unit="step", dynamic_ncols=True)
                 steps_done = self._steps_done(st)
                 line = self._progress_line(st)
                 if bar is not None:
@@ -352,6 +364,9 @@ class LocalNet:
                     if time.monotonic() - done_at > 6 * self.tempo * self.block_time + 60:
                         logger.warning("training done but weights/incentive did not land in time; summarising anyway")
                         break
+                if self._stop_requested.is_set():
+                    logger.info("stop requested: summarising and stopping every neuron")
+                    break
                 if self.timeout_s and time.monotonic() - t0 > self.timeout_s:
                     raise TimeoutError(f"localnet did not finish within {self.timeout_s:.0f}s")
             wall_s = time.monotonic() - t_setup
@@ -360,6 +375,8 @@ class LocalNet:
         finally:
             if bar is not None:
                 bar.close()
+            if startup is not None:
+                startup.close()
             for c in self.children:          # nothing stays stopped (SIGSTOP) or held back
                 if c.alive():
                     c.proc.send_signal(signal.SIGCONT)
@@ -378,6 +395,31 @@ class LocalNet:
                 logger.info(f"devnet halted at block {block} (rerunning in {self.out} resumes it)")
             except Exception as e:  # noqa: BLE001 - never mask the run's own outcome
                 logger.warning(f"could not halt the devnet: {e}")
+
+    def _ready(self, st: list[dict]) -> int:
+        """Neurons up: miners that serve (their status.json names a port), validators driving lanes."""
+        n = sum(1 for s in st if s.get("lanes"))
+        for c in self.children:
+            if c.kind == "miner" and c.alive():
+                try:
+                    n += bool(json.loads((c.out / "status.json").read_text()).get("port"))
+                except (OSError, ValueError):
+                    pass
+        return n
+
+    def request_stop(self) -> None:
+        """Ask a running :meth:`run` (in another thread) to stop early: it summarises and stops every process."""
+        self._stop_requested.set()
+
+    def _announce_dashboards(self, st: list[dict]) -> None:
+        """Print each validator's dashboard address once it serves one (``--dashboard-port 0``)."""
+        names = [c.name for c in self.children if c.kind == "validator"]
+        for name, s in zip(names, st):
+            url = s.get("dashboard")
+            if url and self.dashboards.get(name) != url:
+                self.dashboards[name] = url
+                logger.info(f"{name} dashboard: {url}")
+                print(f"dashboard ({name}): {url}", flush=True)
 
     @staticmethod
     def _steps_done(st: list[dict]) -> int:

@@ -27,7 +27,7 @@ from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, r
                                           save_checkpoint)
 from iota_subnet.train.metrics import MetricsLog, write_summary
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
-from iota_subnet.utils.atomic import atomic_write_json
+from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 
 
 def pick_device(device: Optional[str] = None) -> torch.device:
@@ -119,6 +119,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
             eval_only = True
         logger.info(f"resuming from {ckpt} at step {start}")
     atomic_write_json(out / "config.json", cfg.to_dict())
+    atomic_write_text(out / "tokenizer.json", tok.to_str())     # `iota-subnet export` ships it with the model
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=start)
     elapsed0 = metrics.last_elapsed_s
     B, mb, T = cfg.train.batch_size, cfg.train.micro_batch, cfg.data.seq_len

@@ -18,7 +18,7 @@ import json
 import random
 import socket
 import time
-from typing import Any, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import aiohttp
 from bittensor import http_auth
@@ -67,11 +67,16 @@ class NeuronClient:
 
     ``shaper``: the emulated uplink every request passes (head + body), by default the process's
     (:func:`iota_subnet.transport.shaping.configure_process_link`; none unless ``--link`` is given).
+
+    ``on_request(route, bytes_sent, bytes_received, seconds, outcome)``: called after every attempt
+    (``outcome``: ``OK``, the refusal's outcome name, or ``TRANSPORT_ERROR``); the metrics hook
+    (:meth:`iota_subnet.telemetry.NeuronMetrics.observe_hop`).
     """
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
                  verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20,
-                 shaper: Optional[UplinkShaper] = None):
+                 shaper: Optional[UplinkShaper] = None,
+                 on_request: Optional[Callable[[str, int, int, float, str], None]] = None):
         self.wallet = wallet
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
@@ -91,6 +96,11 @@ class NeuronClient:
         self.requests = 0
         self.retries = 0
         self.failures = 0
+        self.on_request = on_request
+
+    def _observe(self, path: str, sent: int, received: int, t0: float, outcome: str) -> None:
+        if self.on_request is not None:
+            self.on_request(path, sent, received, time.perf_counter() - t0, outcome)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -167,9 +177,13 @@ class NeuronClient:
                         if self.verify_responses:
                             self._verify_response(resp, data, path, receiver_hotkey, headers)
                         if len(data) > OFFLOAD_BYTES:
-                            return await asyncio.to_thread(decode, data, response_type, response_contract)
-                        return decode(data, response_type, response_contract)
+                            reply = await asyncio.to_thread(decode, data, response_type, response_contract)
+                        else:
+                            reply = decode(data, response_type, response_contract)
+                        self._observe(path, len(body), len(data), t0, "OK")
+                        return reply
                     err = _refusal_from(resp.status, data)
+                    self._observe(path, len(body), len(data), t0, err.outcome.value)
                     if resp.status == 503 and attempt + 1 < attempts:
                         logger.debug("{}{}: {} (attempt {}/{}), retrying", endpoint, path, err.outcome.value,
                                      attempt + 1, attempts)
@@ -179,6 +193,7 @@ class NeuronClient:
                     raise err
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last = e
+                self._observe(path, len(body), 0, t0, "TRANSPORT_ERROR")
                 logger.debug("{}{}: {} after {:.0f} ms (attempt {}/{})", endpoint, path, type(e).__name__,
                              (time.perf_counter() - t0) * 1e3, attempt + 1, attempts)
         self.failures += 1

@@ -50,12 +50,24 @@ def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], None]) ->
     return path
 
 
+#: Writes at least this large show progress (checkpoints of large stages take minutes on slow disks).
+PROGRESS_BYTES = 256 << 20
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` (bytes) to ``path`` atomically."""
+    """Write ``data`` (bytes) to ``path`` atomically (with progress from :data:`PROGRESS_BYTES` up)."""
 
     def _w(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        if len(data) < PROGRESS_BYTES:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            return
+        from .progress import Progress
+        view = memoryview(data)
+        with open(tmp, "wb") as f, Progress(len(data), f"writing {Path(path).name}", "B", unit_scale=True) as p:
+            for off in range(0, len(data), 64 << 20):
+                f.write(view[off:off + (64 << 20)])
+                p.update(min(64 << 20, len(data) - off))
 
     return atomic_write_with(path, _w)
 

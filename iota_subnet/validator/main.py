@@ -75,6 +75,7 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
     return ValidatorOptions(wallet_name=a.wallet_name, wallet_hotkey=a.wallet_hotkey, wallet_path=a.wallet_path,
                             network=a.network, chain_db=a.chain_db, netuid=a.netuid, config=a.config, data=a.data,
                             cache_dir=a.cache_dir, steps=steps, out=out, run_id=run_id_for(a), port=a.port,
+                            dashboard_port=a.dashboard_port,
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
                             version_key=a.version_key, exit_when_done=a.exit_when_done,
                             check_rate=a.check_rate, min_lanes=a.min_lanes, snapshot_every=a.snapshot_every,

@@ -28,9 +28,10 @@ After the steps and the evaluation, weights keep being set every tempo until SIG
 status.json fields: ``hotkey, uid, run_id, netuid, lanes, lane_members, steps_done (per lane),
 next_step (per lane), total_steps, validator_index, n_validators, tokens, tokens_per_s, loss (mean of
 the last step of each lane), losses (per lane), reroutes, failures, microbatches_ok,
-microbatches_failed, live_miners, stage_replicas, miners (per replica: uid, hotkey, stage, endpoint,
-lane, available, throughput, successes, failures), val_loss, done, weights_set_blocks,
-last_weights, elapsed_s, updated_at``.
+microbatches_failed, live_miners, stage_replicas, replicas (per replica: uid, hotkey, stage, endpoint,
+lane, available, throughput, successes, failures), miners (per uid: hotkey, stage, work, tokens,
+completed, failures, reroutes), probe_loss (latest CLASP round: round, loss, paths), dashboard (its
+URL or null), val_loss, done, weights_set_blocks, last_weights, scores, elapsed_s, updated_at``.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ from loguru import logger
 
 from iota_subnet.chain import Chain, ChainError, open_chain
 from iota_subnet.config import ConfigError, RunConfig, load_config
+from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
+from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
@@ -86,6 +90,7 @@ class ValidatorOptions:
     out: str = "runs/validator"
     run_id: str = "iota"
     port: int = 0  # the validator's server: /receipts (signed) and GET /scores; 0 = any free port
+    dashboard_port: Optional[int] = None  # the web dashboard and GET /metrics (None: off; 0: any free port)
     host: str = "0.0.0.0"
     external_ip: str = "127.0.0.1"  # published on chain (ServeAxon) so miners can deliver receipts
     data_plane: str = "p2p"  # "p2p": miners pass tensors to each other; "relay": through this validator (legacy)
@@ -195,6 +200,12 @@ class ValidatorService:
         self.attribution: dict = {}
         self.explained: dict = {}
         self.server: Any = None   # NeuronServer: /receipts, GET /scores
+        self.last_probe: dict = {}  # the latest CLASP round: {round, loss (mean, nats/token), paths}
+        #: Prometheus metrics (GET /metrics on the validator's server and --dashboard-port): hops sent and this status()
+        self.prom = NeuronMetrics("validator")
+        self.prom.watch(self.status)
+        self.dashboard: Optional[DashboardServer] = None
+        self._dashboard_client: Optional[NeuronClient] = None
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> None:
@@ -236,8 +247,8 @@ class ValidatorService:
         self.ledger = self.state.load_ledger(shares)
         self.weights_blocks = self.state.weights_blocks()
         self.router = Router(self.cfg.pipeline.stages)
-        self.client = NeuronClient(self.wallet)          # training hops: forward, backward, evaluation
-        self.verify_client = NeuronClient(self.wallet)   # spot-check snapshots and CLASP probes
+        self.client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)         # training hops
+        self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # spot checks, CLASP
         if self.cfg.merge.enabled:
             from .merge_audit import MergeAuditor
             from .merge_weights import MergeOversight
@@ -334,7 +345,8 @@ class ValidatorService:
             "microbatches_ok": d.microbatches_ok if d else 0, "microbatches_failed": d.microbatches_failed if d else 0,
             "live_miners": sum(1 for r in self.router.live_replicas() if self.router.is_available(r)) if self.router else 0,
             "stage_replicas": self.router.stage_counts() if self.router else [],
-            "miners": self.router.snapshot() if self.router else [],
+            "replicas": self.router.snapshot() if self.router else [],
+            "probe_loss": self.last_probe, "dashboard": self.dashboard.url if self.dashboard else None,
             "val_loss": self.val_loss, "done": self.done, "weights_set_blocks": list(self.weights_blocks),
             "last_weights": {str(k): v for k, v in self.last_weights.items()},
             "miners": {str(r.uid): {"hotkey": r.hotkey, "stage": r.stage, "work": r.work, "tokens": r.tokens,
@@ -532,6 +544,7 @@ class ValidatorService:
         if self.opts.clasp_interval_s > 0:
             loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
         await self._serve()
+        await self._serve_dashboard()
         train = asyncio.create_task(self._train())
         stop = asyncio.create_task(self.stop_event.wait())
         try:
@@ -629,6 +642,9 @@ class ValidatorService:
         rng = getattr(self, "_clasp_rng", None) or _random.Random(int.from_bytes(os.urandom(8), "little"))
         self._clasp_rng = rng
         got = await self.driver.clasp_round(self.clasp_rounds, self.opts.clasp_paths, rng)
+        if got:
+            self.last_probe = {"round": self.clasp_rounds, "loss": sum(g["loss"] for g in got) / len(got),
+                               "paths": len(got)}
         self.clasp_rounds += 1
         self.probes.extend(got)
         del self.probes[:-self.opts.clasp_window]
@@ -662,12 +678,32 @@ class ValidatorService:
                                    nonce_store_path=self.out / "nonces.sqlite", max_body_bytes=8 << 20)
         self.server.add_route("/receipts", receipts, ReceiptBatch, None)
         self.server.add_public_get("/scores", scores)
+        self.server.add_public_get("/metrics", self.prom.handler)
+        for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
+            self.server.add_public_get(path, handler)
+        self.prom.instrument(self.server.app)
         port = await self.server.start()
         await self.chain.serve(self.wallet, self.opts.netuid, self.opts.external_ip, port)
         logger.info("validator serves receipts and GET /scores on {}:{} (published as {}:{})", self.opts.host, port,
                     self.opts.external_ip, port)
 
+    async def _serve_dashboard(self) -> None:
+        """The read-only web dashboard (``dashboard_port``; see :mod:`iota_subnet.dashboard`)."""
+        if self.opts.dashboard_port is None:
+            return
+        self._dashboard_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)
+        src = ValidatorSource(status=self.status, metrics_path=self.out / "metrics.jsonl", chain=self.chain,
+                              netuid=self.opts.netuid, network=self.opts.network,
+                              health=health_poller(self._dashboard_client, self.opts.run_id))
+        self.dashboard = DashboardServer(src, self.opts.host, self.opts.dashboard_port, metrics=self.prom)
+        self.prom.instrument(self.dashboard.app)
+        await self.dashboard.start()
+        self.write_status()
+
     async def close(self) -> None:
+        if self.dashboard is not None:
+            await self.dashboard.stop()
+            await self._dashboard_client.close()
         if self.server is not None:
             await self.server.stop()
             self.server = None
