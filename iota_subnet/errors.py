@@ -7,5 +7,6 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from iota_subnet.config import ConfigError
     from iota_subnet.data import DataError
     from iota_subnet.train.checkpoint import CheckpointError
+    from iota_subnet.utils.sqlite_file import CorruptStateError
     from iota_subnet.wallets import WalletError
-    return (ConfigError, DataError, CheckpointError, ChainError, WalletError)
+    return (ConfigError, DataError, CheckpointError, ChainError, WalletError, CorruptStateError)

@@ -98,14 +98,16 @@ def test_tokenizer_cache_reuse(wikitext_path, tmp_path, logs):
     assert t4.fingerprint == t1.fingerprint and len(calls) == 3
 
 
-def test_named_tokenizer_offline_falls_back_to_training(wikitext_path, tmp_path, logs):
+def test_named_tokenizer_offline_falls_back_to_training_only_when_asked(wikitext_path, tmp_path, logs):
     assert not hub_reachable()  # conftest sets HF_HUB_OFFLINE=1
     spec = str(wikitext_path)
-    tok = load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec))
+    with pytest.raises(DataError, match="gpt2.*unreachable.*--allow-data-fallback"):
+        load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec))
+    tok = load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec), allow_fallback=True)
     assert tok.vocab_size == 512 and tok.name.startswith("bpe-")
     assert any("WARNING" in r and "gpt2" in r and "training" in r for r in logs)
     with pytest.raises(DataError, match="no corpus"):
-        load_tokenizer("gpt2", None, 512, tmp_path / "empty", "k")
+        load_tokenizer("gpt2", None, 512, tmp_path / "empty", "k", allow_fallback=True)
 
 
 # -------------------------------------------------------------------------------------- sources

@@ -95,21 +95,26 @@ def train_bpe(docs: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _load_hub(name: str, cache_dir: Path) -> Optional[TextTokenizer]:
+def _load_hub(name: str, cache_dir: Path, allow_fallback: bool) -> Optional[TextTokenizer]:
     path = cache_dir / f"hf-{_safe(name)}.json"
     if path.exists():
         logger.info(f"tokenizer {name!r} loaded from cache {path}")
         return TextTokenizer(Tokenizer.from_file(str(path)), name)
     ok, why = hub_status()
+    error = None
     if not ok:
-        logger.warning(f"tokenizer {name!r} cannot be fetched: Hugging Face hub unreachable ({why}); "
-                       "falling back to training a byte-level BPE on the corpus")
-        return None
-    try:
-        tok = Tokenizer.from_pretrained(name)
-    except Exception as e:
-        logger.warning(f"tokenizer {name!r} could not be loaded from the Hugging Face hub ({e.__class__.__name__}: "
-                       f"{e}); falling back to training a byte-level BPE on the corpus")
+        why = f"Hugging Face hub unreachable ({why})"
+    else:
+        try:
+            tok = Tokenizer.from_pretrained(name)
+        except Exception as e:
+            why, error = f"could not be loaded from the Hugging Face hub ({e.__class__.__name__}: {e})", e
+    if not ok or error is not None:
+        if not allow_fallback:
+            raise DataError(f"tokenizer {name!r} {why}; every neuron of a run must use the same tokenizer, so none is "
+                            f"substituted: restore access to the hub, or copy {path.name} from a machine that has it "
+                            f"into {cache_dir}, or pass --allow-data-fallback to train a byte-level BPE instead")
+        logger.warning(f"tokenizer {name!r} {why}; falling back to training a byte-level BPE on the corpus (asked for)")
         return None
     atomic_write_text(path, tok.to_str())
     logger.info(f"tokenizer {name!r} downloaded from the Hugging Face hub, cached at {path}")
@@ -117,11 +122,12 @@ def _load_hub(name: str, cache_dir: Path) -> Optional[TextTokenizer]:
 
 
 def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Iterable[str]]], vocab_size: int,
-                   cache_dir: Path, corpus_key: str) -> TextTokenizer:
+                   cache_dir: Path, corpus_key: str, *, allow_fallback: bool = False) -> TextTokenizer:
     """Load or train the tokenizer.
 
-    ``name``: a hub tokenizer (fetched when the hub is reachable; otherwise, with a warning, a BPE
-    is trained instead). ``None``: a byte-level BPE with ``vocab_size`` ids trained on
+    ``name``: a hub tokenizer (fetched when the hub is reachable, or from the cache); when it cannot
+    be had, :class:`DataError`, or with ``allow_fallback`` (and a warning) a BPE trained instead.
+    ``None``: a byte-level BPE with ``vocab_size`` ids trained on
     ``corpus_docs()`` (at most :data:`MAX_TRAIN_CHARS` characters), cached in ``cache_dir`` under
     (``corpus_key``, ``vocab_size``) and reused on later calls.
     Raises :class:`DataError` when a BPE must be trained but ``corpus_docs`` is ``None`` or yields no
@@ -129,7 +135,7 @@ def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Itera
     """
     cache_dir = Path(cache_dir)
     if name:
-        got = _load_hub(name, cache_dir)
+        got = _load_hub(name, cache_dir, allow_fallback)
         if got is not None:
             if got.vocab_size != vocab_size:
                 logger.warning(f"tokenizer {name!r} has {got.vocab_size} ids, data.vocab_size is {vocab_size}")

@@ -122,7 +122,7 @@ class LocalNet:
         if self.data is None:
             self.data, why = default_source()
             logger.info(f"no --data given: using {self.data} ({why})")
-        tok, ds = build_dataset(self.cfg.data, self.data)
+        tok, ds = build_dataset(self.cfg.data, self.data, allow_fallback=True)   # a local network may fall back
         logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
         if self.chain_db.exists():
             from iota_subnet.chain import resume_devnet
@@ -161,7 +161,7 @@ class LocalNet:
         name = f"miner-s{s}-r{r}"
         out = self.out / "miners" / name
         argv = [sys.executable, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out",
-                str(out), "--no-register", "--data", str(self.data), *self.extra_miner_args]
+                str(out), "--no-register", "--data", str(self.data), "--allow-data-fallback", *self.extra_miner_args]
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
         return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
@@ -178,7 +178,8 @@ class LocalNet:
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
-                    "--data", str(self.data), "--min-lanes", str(self.replicas), *relay, *self.extra_validator_args]
+                    "--data", str(self.data), "--min-lanes", str(self.replicas), "--allow-data-fallback", *relay,
+                    *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
     # ---- processes -----------------------------------------------------------------------------
