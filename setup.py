@@ -1,9 +1,14 @@
 """Packaging for iota-subnet: node software (miner, validator, devnet) for pipeline-parallel LLM pretraining on Bittensor."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "([^"]+)"', (Path(__file__).parent / "iota_subnet" / "version.py").read_text()).group(1)
 
 setup(
     name="iota-subnet",
-    version="0.1.0",
+    version=VERSION,
     description="Miners and validators for pipeline + data parallel LLM pretraining on a Bittensor subnet",
     python_requires=">=3.11",
     packages=find_packages(include=["iota_subnet", "iota_subnet.*", "neurons"]),
@@ -25,6 +30,11 @@ setup(
         "pytest>=8",
         # export / generate / eval: the trained model as a Hugging Face folder (also the parity test)
         "transformers>=4.46",
+        # the devnet's MEV shield: ML-KEM-768 (FIPS 203) and XChaCha20-Poly1305, as the SDK encrypts
+        "kyber-py>=1.2",
+        "pycryptodome>=3.20",
+        # the fake silent chain endpoint in the tests; also what the SDK connects with
+        "websockets>=12",
     ],
     extras_require={
         # selenium drives Debian's chromium (make browser) in the dashboard test; pillow reads its screenshot.

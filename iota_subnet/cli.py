@@ -13,7 +13,8 @@ from loguru import logger
 def _cmd_train_colocated(a: argparse.Namespace) -> int:
     from iota_subnet.train.colocated import train_colocated
     summary = train_colocated(a.config, a.data, a.steps, a.out, seed=a.seed, device=a.device,
-                              cache_dir=Path(a.cache_dir) if a.cache_dir else None)
+                              cache_dir=Path(a.cache_dir) if a.cache_dir else None,
+                              allow_data_fallback=a.allow_data_fallback)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -42,12 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-colocated", help="train the whole staged model in one process (the reference run)")
     t.add_argument("--config", default="configs/tiny.yaml", help="YAML run config or a model name (tiny, small, ...)")
     t.add_argument("--data", default=None, help="text source: .txt/.jsonl/.parquet file or folder, hf://dataset[/subset]; "
-                                                "default: FineWeb-Edu when the hub is reachable, else an offline corpus")
+                                                "default: FineWeb-Edu when the hub is reachable (else refused, unless --allow-data-fallback)")
     t.add_argument("--steps", type=int, default=150, help="optimizer steps (each batch_size x seq_len tokens)")
     t.add_argument("--out", default="runs/colocated", help="output folder (metrics.jsonl, summary.json, checkpoint)")
     t.add_argument("--seed", type=int, default=None)
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     t.add_argument("--cache-dir", default=None, help="tokenizer and token cache (default $IOTA_CACHE or ~/.cache/iota-subnet)")
+    t.add_argument("--allow-data-fallback", action="store_true",
+                   help="without --data and without the Hugging Face hub, train on the Python standard library's source")
     t.set_defaults(func=_cmd_train_colocated)
 
     pl = sub.add_parser("plan", help="memory and compute plan per stage on a GPU (computed on the meta device); "

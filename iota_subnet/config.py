@@ -12,6 +12,7 @@ Every error raised here is a :class:`ConfigError` whose message says how to fix 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -131,10 +132,22 @@ class DataConfig:
     max_tokens: Optional[int] = None
 
 
+#: Learning-rate schedules after the linear warmup (see :func:`iota_subnet.train.optim.lr_at`).
+LR_SCHEDULES = ("cosine", "constant", "wsd")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``.
+    """AdamW with linear warmup, then the ``schedule``:
 
+    * ``cosine`` (default): cosine decay to ``lr * min_lr_ratio`` at ``total_steps`` (a bounded run);
+    * ``constant``: ``lr`` for ever (an open-ended run);
+    * ``wsd`` (warmup-stable-decay, Hu et al. 2024, MiniCPM, arXiv 2404.06395 section 4): ``lr`` until
+      ``decay_start``, then linear decay to ``lr * min_lr_ratio`` over ``decay_steps`` inner steps;
+      with ``decay_start`` unset the run stays at ``lr`` until its config sets one.
+
+    ``total_steps``: inner steps of a bounded run; ``null`` makes the run open-ended (neurons train
+    until stopped; needs ``constant`` or ``wsd``).
     ``batch_size`` rows of ``data.seq_len`` tokens per optimizer step (one inner step);
     ``micro_batch_size`` rows per micro-batch (``batch_size`` must be a multiple of it).
     ``activation_checkpointing``: keep only each block's input between a micro-batch's forward and
@@ -161,7 +174,10 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     eval_batches: int = 8
-    total_steps: int = 150
+    total_steps: Optional[int] = 150
+    schedule: str = "cosine"
+    decay_start: Optional[int] = None
+    decay_steps: int = 0
     activation_checkpointing: bool = False
     precision: str = "fp32"
     compile: Optional[str] = None
@@ -313,8 +329,17 @@ def _checked_fields(cls, mapping: Any, section: str) -> dict:
 
 def _check_ranges(cfg: "RunConfig") -> None:
     t, d, p = cfg.train, cfg.data, cfg.pipeline
+    if t.schedule not in LR_SCHEDULES:
+        raise ConfigError(f"train.schedule {t.schedule!r} unknown; choose one of {list(LR_SCHEDULES)}")
+    if t.total_steps is None and t.schedule == "cosine":
+        raise ConfigError("train.total_steps is null (an open-ended run) but train.schedule is cosine, which needs "
+                          "an end; set train.schedule: constant or wsd, or give train.total_steps")
+    if t.schedule == "wsd" and t.decay_start is not None and t.decay_steps < 1:
+        raise ConfigError("train.decay_start is set but train.decay_steps is 0; give the decay's length in inner steps")
     for name, v, lo in (("train.batch_size", t.batch_size, 1), ("train.micro_batch_size", t.micro_batch, 1),
-                        ("train.total_steps", t.total_steps, 1), ("train.eval_batches", t.eval_batches, 1),
+                        ("train.total_steps", 1 if t.total_steps is None else t.total_steps, 1),
+                        ("train.decay_start", t.decay_start or 0, 0), ("train.decay_steps", t.decay_steps, 0),
+                        ("train.eval_batches", t.eval_batches, 1),
                         ("train.warmup_steps", t.warmup_steps, 0), ("train.checkpoint_every", t.checkpoint_every, 0),
                         ("data.seq_len", d.seq_len, 1), ("data.vocab_size", d.vocab_size, 2),
                         ("pipeline.stages", p.stages, 1), ("pipeline.compression_ratio", p.compression_ratio, 1)):
@@ -340,6 +365,28 @@ def _check_ranges(cfg: "RunConfig") -> None:
         raise ConfigError(f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads numbers the way people write them (YAML 1.2 floats).
+
+    PyYAML follows YAML 1.1, where a float needs a dot: ``3e-4`` and ``1e-05`` (what ``json.dump``
+    writes for ``1e-5``) would be strings. Here any decimal with an exponent is a float.
+    """
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+                   |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$""", re.X),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML (or JSON) text with :class:`_Loader`: ``3e-4``, ``1e-05`` and ``.5`` are floats.
+    Raises ``yaml.YAMLError`` for invalid text."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> RunConfig:
     """Read a run config from a YAML file, or build one from a bare model name (``tiny``).
 
@@ -355,7 +402,7 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         if p.is_dir():
             raise ConfigError(f"{p} is a folder; pass a config file such as {p / 'tiny.yaml'}")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = load_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):

@@ -3,12 +3,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 from loguru import logger
+
+from iota_subnet.utils.aio import StopRequested, until_stopped  # noqa: F401 (re-exported for the entry points)
+
+#: Seconds a chain call may go unanswered before the neuron gives up on it (``--chain-timeout``).
+DEFAULT_CHAIN_TIMEOUT_S = 30.0
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -20,9 +27,18 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="finney | test | local | ws://host:port | devnet (default: devnet with --chain-db, else finney)")
     g.add_argument("--chain-db", default=None, help="devnet SQLite file (with --network devnet)")
     g.add_argument("--netuid", type=int, default=9)
+    g.add_argument("--chain-timeout", type=_positive, default=DEFAULT_CHAIN_TIMEOUT_S,
+                   help="seconds a chain call may go unanswered before it is given up (then retried after a "
+                        "reconnect)")
     r = p.add_argument_group("run")
     r.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (must match the subnet's run)")
     r.add_argument("--run-id", default=None, help="run identifier shared by the run's neurons (default: config name)")
+    r.add_argument("--run-epoch", type=int, default=0,
+                   help="the run's epoch: a new epoch is a new run under the same id (state of the old one is set "
+                        "aside in --out/previous/)")
+    r.add_argument("--allow-data-fallback", action="store_true",
+                   help="when the Hugging Face hub is unreachable, train a BPE / use the Python standard library's "
+                        "source instead of refusing (every neuron of the run must do the same)")
     r.add_argument("--steps", type=int, default=None, help="inner steps of the run (default: train.total_steps)")
     r.add_argument("--out", default=None, help="state folder (checkpoints, nonce store, status.json)")
     r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -31,7 +47,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     n = p.add_argument_group("network")
     n.add_argument("--host", default="0.0.0.0", help="bind address")
     n.add_argument("--port", type=_port, default=0, help="listen port (0: any free port)")
-    n.add_argument("--external-ip", default="127.0.0.1", help="address published on chain")
+    n.add_argument("--external-ip", default=None,
+                   help="public IP address published on chain for other neurons to reach this one (required off the "
+                        "devnet; default on the devnet: 127.0.0.1)")
+    n.add_argument("--allow-private-ip", action="store_true",
+                   help="accept a loopback or private --external-ip off the devnet (a private test network)")
     n.add_argument("--link", type=link_arg, default="loopback", metavar="RATE:DELAY",
                    help="emulate this uplink for everything the neuron sends (token bucket + one-way delay per "
                         "message), e.g. 100mbit:50ms, 1gbit:10ms; loopback (default) = no shaping")
@@ -73,6 +93,38 @@ def _port(text: str) -> int:
     return v
 
 
+def _positive(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def check_external_ip(network: Optional[str], ip: Optional[str], allow_private: bool = False) -> str:
+    """The address to publish on chain (``ServeAxon``). On the devnet anything goes (default
+    127.0.0.1); elsewhere it must be a public IP address, since other neurons connect to it.
+    Raises :class:`~iota_subnet.config.ConfigError` saying what to pass."""
+    from iota_subnet.config import ConfigError
+    fix = ("pass this machine's public IP address with --external-ip (e.g. the output of `curl -4 ifconfig.me`), "
+           "and open --port to the internet")
+    if network == "devnet":
+        return ip or "127.0.0.1"
+    if not ip:
+        raise ConfigError(f"--external-ip is required on {network}: other neurons connect to the address published on "
+                          f"chain; {fix}")
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        raise ConfigError(f"--external-ip {ip!r} is not an IP address; {fix}") from None
+    kind = ("unspecified" if addr.is_unspecified else "loopback" if addr.is_loopback else
+            "link-local" if addr.is_link_local else "multicast" if addr.is_multicast else
+            "private" if addr.is_private else "reserved" if addr.is_reserved else None)
+    if kind is not None and not allow_private:
+        raise ConfigError(f"--external-ip {ip} is a {kind} address: no neuron on {network} can reach it; {fix} "
+                          "(--allow-private-ip accepts it on a private test network)")
+    return ip
+
+
 def setup_process(args: argparse.Namespace, name: str) -> None:
     if args.network is None:
         args.network = "devnet" if args.chain_db else "finney"
@@ -110,10 +162,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def install_stop(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-    stop = asyncio.Event()
+def install_stop(loop: asyncio.AbstractEventLoop, stop: Optional[asyncio.Event] = None) -> asyncio.Event:
+    """Map SIGINT / SIGTERM to ``stop`` (a new event by default). Install it first thing, before any
+    chain call: a stop request must be honoured during start-up too (see :func:`until_stopped`)."""
+    stop = stop or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):   # not the main thread (tests)
+            pass
     return stop
 
 

@@ -140,8 +140,8 @@ def test_chain_interface_and_commitments(db, wallets):
             await chain.serve(wallets[1], NETUID, "127.0.0.1", 9100)
             await chain.add_stake(wallets[0], NETUID, 10)
             await chain.client.wait_for_block(await chain.block() + 1, timeout=60)  # rate limit counts from registration
-            with pytest.raises(ChainError, match="validator permit"):
-                await chain.set_weights(wallets[0], NETUID, [1], [1.0], version_key=3)
+            with pytest.raises(ChainError, match="validator permit"):   # uid 1 has no stake: never a permit
+                await chain.set_weights(wallets[1], NETUID, [0], [1.0], version_key=3)
             m = await chain.metagraph(NETUID)
             assert m.neurons[1].commitment.value == text
             assert await chain.tempo(NETUID) == TEMPO

@@ -135,6 +135,18 @@ def test_large_configs_name_a_hub_tokenizer_and_fail_clearly_offline(wikitext_pa
             build_dataset(cfg.data, str(wikitext_path), tmp_path)
 
 
+def test_named_tokenizer_offline_falls_back_to_training_only_when_asked(wikitext_path, tmp_path, logs):
+    assert not hub_reachable()  # conftest sets HF_HUB_OFFLINE=1
+    spec = str(wikitext_path)
+    with pytest.raises(DataError, match="gpt2.*unreachable.*--allow-data-fallback"):
+        load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec))
+    tok = load_tokenizer("gpt2", lambda: iter_documents(spec), 512, tmp_path, source_key(spec), allow_fallback=True)
+    assert tok.vocab_size == 512 and tok.name.startswith("bpe-")
+    assert any("WARNING" in r and "gpt2" in r and "training" in r for r in logs)
+    with pytest.raises(DataError, match="no corpus"):
+        load_tokenizer("gpt2", None, 512, tmp_path / "empty", "k", allow_fallback=True)
+
+
 # -------------------------------------------------------------------------------------- sources
 def test_wikitext_split_into_articles(wikitext_path):
     docs = list(iter_documents(str(wikitext_path)))

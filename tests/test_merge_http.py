@@ -54,8 +54,9 @@ class Net:
     async def add(self, adversary=None):
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
+        await self.chain.register(w, 9)
         svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary)
+                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary, allow_data_fallback=True)
         await svc.start()
         self.svcs.append(svc)
         for s in self.svcs:

@@ -52,6 +52,7 @@ class Net:
         await self.start_miner()
 
     async def start_miner(self):
+        await self.chain.register(self.miner_w, 9)
         self.svc = MinerService(self.cfg, self.miner_w, self.chain, netuid=9, run_id=RUN, stage=1,
                                 out_dir=self.tmp / "miner", host="127.0.0.1", external_ip="127.0.0.1")
         self.port = await self.svc.start()

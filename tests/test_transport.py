@@ -284,7 +284,7 @@ def test_auth_refusals(wallets, tmp_path):
             h = _signed(cw, n, "/forward", body, nonce_ns=time.time_ns() - 60 * 10**9)
             await _expect(n, "/forward", body, h, 401, Outcome.STALE_REQUEST, c)
             h = _signed(cw, n, "/forward", body, nonce_ns=time.time_ns() + 60 * 10**9)
-            await _expect(n, "/forward", body, h, 401, Outcome.STALE_REQUEST, c)
+            await _expect(n, "/forward", body, h, 401, Outcome.CLOCK_SKEW, c)       # a clock ahead, not staleness
             # wrong receiver, and no receiver
             h = _signed(cw, n, "/forward", body, receiver=wallets["stranger"].hotkey.ss58_address)
             await _expect(n, "/forward", body, h, 421, Outcome.WRONG_RECEIVER, c)
@@ -385,14 +385,16 @@ def test_body_refusals(wallets, tmp_path):
             ts = buf.getvalue()
             await _expect(n, "/forward", ts, _signed(cw, n, "/forward", ts), 400, Outcome.MALFORMED, c)
             await _expect(n, "/forward", b"", _signed(cw, n, "/forward", b""), 400, Outcome.MALFORMED, c)
-            # over the limit: refused before authentication, with Content-Length and chunked
+            # over the limit: a Content-Length over it is refused before authentication; a chunked body
+            # is read (up to the limit) only once its headers authenticate and authorize the caller
             big = b"\0" * (MAX_BODY + 1)
             await _expect(n, "/forward", big, None, 413, Outcome.BODY_TOO_LARGE, c)
 
             async def chunks():
                 for _ in range(8):
                     yield b"\0" * (MAX_BODY // 4)
-            await _expect(n, "/forward", chunks(), None, 413, Outcome.BODY_TOO_LARGE, c)
+            await _expect(n, "/forward", chunks(), None, 401, Outcome.MISSING_SIGNATURE, c)
+            await _expect(n, "/forward", chunks(), _signed(cw, n, "/forward", b"x"), 413, Outcome.BODY_TOO_LARGE, c)
             assert n.server.outcomes["BODY_TOO_LARGE"] == 3
     run(main())
 
@@ -470,6 +472,14 @@ def test_sqlite_nonce_store(tmp_path):
     now = time.time_ns()
     assert s.check_and_store("hk", now) and not s.check_and_store("hk", now)
     assert s.check_and_store("other", now)
+    assert not s.check_and_store("hk", now - 100 * 10**9)    # signed before this store existed
+    s.close()
+    import sqlite3
+    db = sqlite3.connect(path)                                 # pretend the store is 200 s old
+    db.execute("UPDATE meta SET value=? WHERE key='created_ns'", (str(now - 200 * 10**9),))
+    db.commit()
+    db.close()
+    s = SqliteNonceStore(path, max_age=10, allowed_skew=2)
     assert s.check_and_store("hk", now - 100 * 10**9)
     s.close()
     s = SqliteNonceStore(path, max_age=10, allowed_skew=2)   # reopening prunes the old entry, keeps the fresh

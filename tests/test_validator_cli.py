@@ -55,8 +55,10 @@ def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, ca
         miners = []
         try:
             for s, w in enumerate(mws):
+                await chain.register(w, NETUID)
                 m = MinerService(cfg, w, chain, netuid=NETUID, run_id="cli", stage=s, out_dir=tmp_path / f"m{s}",
-                                 host="127.0.0.1", external_ip="127.0.0.1", metagraph_refresh_s=0.5)
+                                 host="127.0.0.1", external_ip="127.0.0.1", metagraph_refresh_s=0.5,
+                                 data=str(wikitext_path), cache_dir=str(cache_dir))   # the validator's data
                 await m.start()
                 miners.append(m)
             proc = await asyncio.create_subprocess_exec(

@@ -133,9 +133,12 @@ def test_swarm_choice_is_proportional_to_throughput_ema():
 
 
 def test_step_split_between_validators_and_addressing():
-    assert steps_of(0, 1, 0, 4) == [0, 1, 2, 3]
-    assert steps_of(0, 2, 0, 5) == [0, 2, 4] and steps_of(1, 2, 0, 5) == [1, 3]
-    assert steps_of(1, 3, 2, 9) == [4, 7]
+    assert list(steps_of(0, 1, 0, 4)) == [0, 1, 2, 3]
+    assert list(steps_of(0, 2, 0, 5)) == [0, 2, 4] and list(steps_of(1, 2, 0, 5)) == [1, 3]
+    assert list(steps_of(1, 3, 2, 9)) == [4, 7]
+    from iota_subnet.validator.driver import OPEN_ENDED_STEPS
+    open_ended = steps_of(1, 3, 2, OPEN_ENDED_STEPS)            # an open-ended run: lazily, no list
+    assert open_ended[:3] == range(4, 13, 3) and len(open_ended) > 10**15
     starts = {sample_start(l, k, m, 3, 8, 2) for l in range(3) for k in range(4) for m in range(4)}
     assert starts == set(range(0, 3 * 4 * 8, 2))   # every row once, no overlap between lanes
 

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Union
 
 from .devnet import DevnetSubstrate, add_stake, create_devnet, fund, halt_devnet, resume_devnet
-from .interface import Chain, ChainError, NotRegisteredError, Registration
+from .interface import (Chain, ChainError, ChainTimeout, CommitmentRecord, NotRegisteredError, RateLimitedError,
+                        Registration, RegistrationCostError, WeightsReceipt)
 from .sdk import SdkChain, open_chain
 
 __all__ = [
-    "Chain", "ChainError", "NotRegisteredError", "Registration", "SdkChain", "open_chain",
+    "Chain", "ChainError", "ChainTimeout", "CommitmentRecord", "NotRegisteredError", "RateLimitedError",
+    "Registration", "RegistrationCostError", "WeightsReceipt", "SdkChain", "open_chain",
     "DevnetSubstrate", "create_devnet", "fund", "add_stake", "halt_devnet", "resume_devnet", "metagraph_json", "metagraph_rows",
 ]
 

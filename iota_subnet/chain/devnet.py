@@ -27,8 +27,27 @@ Design
     * Signed calls are signed and verified with the caller's keypair (sr25519), so only the
       holder of a key can act for it.
 
+    * Rate limits as on the live chain: ``serving_rate_limit`` blocks between two ``serve_axon``
+      of a hotkey (``ServingRateLimitExceeded``), ``weights_rate_limit`` blocks between weight
+      sets or commits (``SettingWeightsTooFast`` / ``CommittingWeightsTooFast``), and the
+      commitments pallet's space quota: every ``set_commitment`` uses at least 100 bytes of
+      ``commitment_max_space`` (``MaxSpace``, 3100) per hotkey and epoch (``SpaceLimitExceeded``).
+    * MEV shield: ``NextKey`` holds an ML-KEM-768 public key (``mev_next_key``); a
+      ``MevShield.submit_encrypted`` carrier is decrypted (ML-KEM-768 + XChaCha20-Poly1305, the
+      SDK's ``encrypt_mlkem768`` format) and its inner extrinsic applied in the same block, so the
+      SDK's shielded path (``execute(BurnedRegister)``, ``submit_call(..., shielded=True)``)
+      runs unmodified; ``find_extrinsic`` returns the inner receipt. With the hyperparameter
+      ``registration_requires_shield`` the devnet refuses registrations submitted in the clear.
+      ``register_limit`` refuses (``RegistrationPriceLimitExceeded``) when the burn is above the
+      signer's ``limit_price``.
+    * Commit-reveal (hyperparameter ``commit_reveal_weights_enabled``): the SDK's ``SetWeights``
+      then submits a drand-timelocked commit (``commit_timelocked_mechanism_weights``); it is
+      stored, and once the drand round it names has passed (wall clock, quicknet) it is revealed
+      through the state's ``decryptor`` (:func:`drand_decryptor` by default, which needs the drand
+      HTTP API; tests pass their own) and applied as weights, as subtensor does each block.
+
 Admin helpers outside the SDK: :func:`create_devnet`, :func:`fund`, :func:`add_stake`,
-:func:`set_hyperparameter`.
+:func:`set_hyperparameter`, :func:`seed_neurons`.
 """
 from __future__ import annotations
 
@@ -43,7 +62,8 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
 
 import numpy as np
 from loguru import logger
@@ -71,8 +91,11 @@ DEFAULT_HYPERPARAMS: dict[str, Any] = {
     "max_validators": 64,  # MaxAllowedValidators (top-k by stake get a permit)
     "activity_cutoff": 5000,
     "registration_allowed": True,
-    "serving_rate_limit": 0,
+    "serving_rate_limit": 50,  # ServingRateLimit (blocks between two serve_axon of a hotkey)
     "commit_reveal_weights_enabled": False,
+    "commit_reveal_period": 1,  # RevealPeriodEpochs
+    "commitment_max_space": 3100,  # Commitments::MaxSpace: bytes per hotkey and epoch (>= 100 per commitment)
+    "registration_requires_shield": False,  # devnet: refuse registrations not sent through the MEV shield
     "emission_per_block": RAO_PER_TAO,  # devnet: alpha rao emitted per block
     "miner_share": 0.5,  # devnet: fraction of the emission paid as incentive
     "max_regs_per_block": 64,
@@ -112,6 +135,14 @@ CREATE TABLE IF NOT EXISTS epochs (id INTEGER PRIMARY KEY AUTOINCREMENT, netuid 
 CREATE TABLE IF NOT EXISTS extrinsics (
     id INTEGER PRIMARY KEY AUTOINCREMENT, block INTEGER NOT NULL, signer TEXT NOT NULL,
     module TEXT NOT NULL, function TEXT NOT NULL, success INTEGER NOT NULL, error TEXT, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS shielded_extrinsics (
+    hash TEXT PRIMARY KEY, block INTEGER NOT NULL, signer TEXT NOT NULL, module TEXT NOT NULL,
+    function TEXT NOT NULL, success INTEGER NOT NULL, error TEXT, message TEXT, events TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commitment_usage (
+    netuid INTEGER, hotkey TEXT, epoch INTEGER NOT NULL, used INTEGER NOT NULL, PRIMARY KEY (netuid, hotkey));
+CREATE TABLE IF NOT EXISTS weight_commits (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, netuid INTEGER NOT NULL, hotkey TEXT NOT NULL, block INTEGER NOT NULL,
+    reveal_round INTEGER NOT NULL, commit_hex TEXT NOT NULL, status TEXT NOT NULL DEFAULT 'pending', error TEXT);
 """
 
 
@@ -184,8 +215,74 @@ def _json_default(o: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RevealedWeights:
+    """A commit-reveal payload once decrypted (subtensor's ``WeightsTlockPayload``)."""
+
+    uids: list[int]
+    values: list[int]
+    version_key: int
+    hotkey: Optional[bytes] = None  # the committer's public key (v4 payloads)
+
+
+#: ``decryptor(commit_bytes, reveal_round)``: the revealed weights, or None while not decryptable.
+Decryptor = Callable[[bytes, int], Optional[RevealedWeights]]
+
+
+def _scale_compact(data: bytes, i: int) -> tuple[int, int]:
+    mode = data[i] & 3
+    if mode == 0:
+        return data[i] >> 2, i + 1
+    if mode == 1:
+        return int.from_bytes(data[i:i + 2], "little") >> 2, i + 2
+    if mode == 2:
+        return int.from_bytes(data[i:i + 4], "little") >> 2, i + 4
+    n = (data[i] >> 2) + 4
+    return int.from_bytes(data[i + 1:i + 1 + n], "little"), i + 1 + n
+
+
+def decode_tlock_payload(data: bytes) -> RevealedWeights:
+    """SCALE-decode subtensor's ``WeightsTlockPayload`` (``hotkey: Vec<u8>, uids: Vec<u16>,
+    values: Vec<u16>, version_key: u64``; the legacy form has no hotkey). Raises ``ValueError``."""
+    def vec_u16(i: int) -> tuple[list[int], int]:
+        n, i = _scale_compact(data, i)
+        if i + 2 * n > len(data):
+            raise ValueError("truncated Vec<u16>")
+        return [int.from_bytes(data[i + 2 * k:i + 2 * k + 2], "little") for k in range(n)], i + 2 * n
+
+    for with_hotkey in (True, False):
+        try:
+            i, hotkey = 0, None
+            if with_hotkey:
+                n, i = _scale_compact(data, 0)
+                if n != 32:
+                    continue
+                hotkey, i = data[i:i + 32], i + 32
+            uids, i = vec_u16(i)
+            values, i = vec_u16(i)
+            if len(uids) != len(values) or i + 8 != len(data):
+                continue
+            return RevealedWeights(uids, values, int.from_bytes(data[i:i + 8], "little"), hotkey)
+        except (IndexError, ValueError):
+            continue
+    raise ValueError("not a WeightsTlockPayload")
+
+
+def drand_decryptor(commit: bytes, reveal_round: int) -> Optional[RevealedWeights]:
+    """Decrypt a timelocked weights commit with the drand quicknet signature of its round (fetched
+    over HTTP by ``bittensor_core.decrypt``); None while that signature cannot be had."""
+    import bittensor_core
+
+    try:
+        plain = bittensor_core.decrypt(bytes(commit), no_errors=True)
+    except Exception:  # noqa: BLE001 - unreachable beacon or not yet published
+        return None
+    return None if plain is None else decode_tlock_payload(bytes(plain))
+
+
 class DevnetState:
-    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 30.0, create: bool = False):
+    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 30.0, create: bool = False,
+                 decryptor: Optional[Decryptor] = None):
         self.path = Path(path)
         if not create and not self.path.exists():
             raise DevnetError(
@@ -208,6 +305,8 @@ class DevnetState:
         self._genesis: Optional[float] = None
         self._block_time: Optional[float] = None
         self._last_tick_block = -1
+        self.decryptor: Decryptor = decryptor or drand_decryptor
+        self.shielding = 0  # > 0 while a MEV-shielded inner extrinsic is applied
         self._load_meta()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -405,6 +504,40 @@ class DevnetState:
             due = self.last_epoch_at_or_before(block, netuid, tempo)
             if due > last:
                 self._run_epoch(netuid, due)
+        self.reveal_due_commits()
+
+    def reveal_due_commits(self, now: Optional[float] = None) -> int:
+        """Reveal every pending weights commit whose drand round has been published (as subtensor
+        does each block): decrypt with :attr:`decryptor`, check, write the weights. Returns how
+        many were applied; a commit the decryptor cannot open yet stays pending."""
+        from bittensor.timelock import current_round
+
+        rnd = current_round(now)
+        due = self._q("SELECT * FROM weight_commits WHERE status='pending' AND reveal_round<=? ORDER BY id", (rnd,))
+        applied = 0
+        for row in due:
+            try:
+                revealed = self.decryptor(bytes.fromhex(row["commit_hex"]), int(row["reveal_round"]))
+            except Exception as e:  # noqa: BLE001 - a payload that never decrypts is a failed reveal
+                revealed, error = None, f"{type(e).__name__}: {e}"
+            else:
+                error = None
+            if revealed is None and error is None:
+                continue
+            block = self.block()
+            with self.tx() as c:
+                if c.execute("SELECT status FROM weight_commits WHERE id=?", (row["id"],)).fetchone()["status"] != "pending":
+                    continue   # another process revealed it
+                try:
+                    if error is not None:
+                        raise _Refused("InvalidRevealCommitHashNotMatch", error)
+                    _reveal_weights(c, block, int(row["netuid"]), str(row["hotkey"]), revealed)
+                    c.execute("UPDATE weight_commits SET status='revealed' WHERE id=?", (row["id"],))
+                    applied += 1
+                except _Refused as refused:
+                    c.execute("UPDATE weight_commits SET status='failed', error=? WHERE id=?",
+                              (f"{refused.name}: {refused.message}", row["id"]))
+        return applied
 
     def _run_epoch(self, netuid: int, epoch_block: int) -> bool:
         with self.tx() as c:
@@ -495,6 +628,41 @@ class DevnetState:
             for nr, p in zip(neurons, permit):
                 c.execute("UPDATE neurons SET validator_permit=? WHERE netuid=? AND uid=?", (int(p), netuid, nr["uid"]))
 
+    # -- MEV shield ----------------------------------------------------------------------------
+
+    def mev_public_key(self) -> bytes:
+        """The shield's ML-KEM-768 encapsulation key (``MevShield.NextKey``); created on first use."""
+        return bytes.fromhex(self._mev_keys()[0])
+
+    def _mev_keys(self) -> tuple[str, str]:
+        ek, dk = self.meta("mev_ek"), self.meta("mev_dk")
+        if ek is None or dk is None:
+            from kyber_py.ml_kem import ML_KEM_768
+
+            new_ek, new_dk = ML_KEM_768.keygen()
+            with self.tx() as c:
+                c.execute("INSERT OR IGNORE INTO meta VALUES ('mev_ek', ?)", (new_ek.hex(),))
+                c.execute("INSERT OR IGNORE INTO meta VALUES ('mev_dk', ?)", (new_dk.hex(),))
+            ek, dk = self.meta("mev_ek"), self.meta("mev_dk")
+        return ek, dk
+
+    def mev_open(self, blob: bytes) -> dict:
+        """Decrypt a shielded carrier (``[key_hash 16][u16 kem_len][kem_ct][nonce 24][aead_ct]``,
+        ML-KEM-768 + XChaCha20-Poly1305 with the shared secret as key) and check its inner
+        extrinsic's signature. Returns ``{"call": [module, function, params], "signer", "hash"}``;
+        raises :class:`_Refused` for anything that does not open."""
+        from Crypto.Cipher import ChaCha20_Poly1305
+        from kyber_py.ml_kem import ML_KEM_768
+
+        try:
+            n = int.from_bytes(blob[16:18], "little")
+            kem, nonce, sealed = blob[18:18 + n], blob[18 + n:42 + n], blob[42 + n:]
+            secret = ML_KEM_768.decaps(bytes.fromhex(self._mev_keys()[1]), kem)
+            inner = ChaCha20_Poly1305.new(key=secret, nonce=nonce).decrypt_and_verify(sealed[:-16], sealed[-16:])
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise _Refused("BadEncryptedPayload", f"the shielded payload does not decrypt: {e}") from None
+        return _open_inner_extrinsic(inner)
+
     # -- extrinsics ----------------------------------------------------------------------------
 
     def apply(self, signer: str, module: str, function: str, params: dict) -> tuple[int, int, list[dict]]:
@@ -530,6 +698,34 @@ class DevnetState:
             c.execute("INSERT INTO balances (coldkey, free, nonce) VALUES (?,?,0)", (account, auto))
 
 
+# -- signed inner extrinsics (the MEV shield's payload) -----------------------------------------
+
+_SIG_BYTES = 64
+
+
+def _seal_inner_extrinsic(call: "DevnetCall", keypair: Any, nonce: int, period: int) -> tuple[bytes, str]:
+    payload = json.dumps({"call": [call.module, call.function, call.params], "signer": keypair.ss58_address,
+                          "crypto": int(getattr(keypair, "crypto_type", 1)), "nonce": int(nonce),
+                          "period": int(period)}, default=_json_default, sort_keys=True).encode()
+    sealed = payload + bytes(keypair.sign(payload))
+    return sealed, "0x" + hashlib.blake2b(sealed, digest_size=32).hexdigest()
+
+
+def _open_inner_extrinsic(sealed: bytes) -> dict:
+    from bittensor.sp_core import verify
+
+    payload, signature = sealed[:-_SIG_BYTES], sealed[-_SIG_BYTES:]
+    try:
+        d = json.loads(payload)
+        ok = verify(payload, signature, d["signer"], int(d.get("crypto", 1)))
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Refused("BadEncryptedPayload", f"the shielded extrinsic is malformed: {e}") from None
+    if not ok:
+        raise _Refused("BadSignature", "the shielded extrinsic's signature does not verify")
+    return {"call": d["call"], "signer": d["signer"],
+            "hash": "0x" + hashlib.blake2b(sealed, digest_size=32).hexdigest()}
+
+
 # -- call handlers (run inside the write transaction) ------------------------------------------
 
 
@@ -554,10 +750,24 @@ def _debit(c: sqlite3.Connection, coldkey: str, rao: int, error: str, what: str)
     c.execute("UPDATE balances SET free = free - ? WHERE coldkey=?", (rao, coldkey))
 
 
+def _h_register_limit(st: DevnetState, c, block, signer, p) -> list[dict]:
+    """``register_limit``: ``burned_register`` only while the burn is at most ``limit_price`` (rao)."""
+    sub = _subnet_in_tx(c, int(p["netuid"]))
+    burn, limit = int(sub["params"]["burn"]), int(p["limit_price"])
+    if burn > limit:
+        raise _Refused("RegistrationPriceLimitExceeded",
+                       f"the registration burn is {burn / RAO_PER_TAO:.9f} TAO, above the limit of "
+                       f"{limit / RAO_PER_TAO:.9f} TAO")
+    return _h_burned_register(st, c, block, signer, p)
+
+
 def _h_burned_register(st: DevnetState, c, block, signer, p) -> list[dict]:
     netuid, hotkey = int(p["netuid"]), str(p["hotkey"])
     sub = _subnet_in_tx(c, netuid)
     hp = sub["params"]
+    if hp["registration_requires_shield"] and not st.shielding:
+        raise _Refused("ShieldRequired", "registration must be submitted through the MEV shield "
+                                         "(MevShield.submit_encrypted)")
     if not hp["registration_allowed"]:
         raise _Refused("SubNetRegistrationDisabled", f"registration is disabled on netuid {netuid}")
     if c.execute("SELECT 1 FROM neurons WHERE netuid=? AND hotkey=?", (netuid, hotkey)).fetchone():
@@ -565,8 +775,7 @@ def _h_burned_register(st: DevnetState, c, block, signer, p) -> list[dict]:
     owner = c.execute("SELECT coldkey FROM owners WHERE hotkey=?", (hotkey,)).fetchone()
     if owner is not None and owner["coldkey"] != signer:
         raise _Refused("NonAssociatedColdKey", f"hotkey {hotkey} is owned by another coldkey ({owner['coldkey']})")
-    regs = c.execute("SELECT COUNT(*) AS k FROM extrinsics WHERE block=? AND function='burned_register' AND success=1",
-                     (block,)).fetchone()["k"]
+    regs = c.execute("SELECT COUNT(*) AS k FROM neurons WHERE netuid=? AND registered_at=?", (netuid, block)).fetchone()["k"]
     if regs >= int(hp["max_regs_per_block"]):
         raise _Refused("TooManyRegistrationsThisBlock", f"too many registrations in block {block}")
     _debit(c, signer, int(hp["burn"]), "NotEnoughBalanceToStake", "registration")
@@ -619,18 +828,29 @@ def _h_set_weights(st: DevnetState, c, block, signer, p) -> list[dict]:
         raise _Refused("MechanismDoesNotExist", "the devnet has only mechanism 0")
     sub = _subnet_in_tx(c, netuid, "MechanismDoesNotExist")
     hp = sub["params"]
-    dests = [int(u) for u in p["dests"]]
-    values = [int(v) for v in p["weights"]]
-    if len(dests) != len(values):
-        raise _Refused("WeightVecNotEqualSize", "uids and weights differ in length")
+    if hp["commit_reveal_weights_enabled"]:
+        raise _Refused("CommitRevealEnabled", f"commit-reveal is enabled on netuid {netuid}: commit the weights")
     me = _registered_uid(c, netuid, signer)
-    if int(p.get("version_key", 0)) < int(hp["weights_version"]):
-        raise _Refused("IncorrectWeightVersionKey",
-                       f"version_key {p.get('version_key', 0)} is older than the subnet's weights_version {hp['weights_version']}")
+    _check_rate(hp, me, block, "SettingWeightsTooFast", "weights set")
+    _write_weights(c, netuid, hp, me, [int(u) for u in p["dests"]], [int(v) for v in p["weights"]],
+                   int(p.get("version_key", 0)), block)
+    return [{"module_id": "SubtensorModule", "event_id": "WeightsSet", "attributes": {"netuid": netuid, "uid": me["uid"]}}]
+
+
+def _check_rate(hp: dict, me: dict, block: int, error: str, what: str) -> None:
     rate = int(hp["weights_rate_limit"])
     if rate and me["last_update"] > 0 and block - int(me["last_update"]) < rate:
-        raise _Refused("SettingWeightsTooFast",
-                       f"weights set {block - me['last_update']} blocks ago; rate limit is {rate} blocks")
+        raise _Refused(error, f"{what} {block - me['last_update']} blocks after the last; rate limit is {rate} blocks")
+
+
+def _write_weights(c, netuid: int, hp: dict, me: dict, dests: list[int], values: list[int], version_key: int,
+                   block: int, *, touch_last_update: bool = True) -> None:
+    """Check a weight vector as subtensor's ``do_set_weights`` does and store it as ``me``'s row."""
+    if len(dests) != len(values):
+        raise _Refused("WeightVecNotEqualSize", "uids and weights differ in length")
+    if version_key < int(hp["weights_version"]):
+        raise _Refused("IncorrectWeightVersionKey",
+                       f"version_key {version_key} is older than the subnet's weights_version {hp['weights_version']}")
     self_only = dests == [me["uid"]]
     if not self_only and not me["validator_permit"]:
         raise _Refused("NeuronNoValidatorPermit", f"uid {me['uid']} has no validator permit on netuid {netuid}")
@@ -649,16 +869,49 @@ def _h_set_weights(st: DevnetState, c, block, signer, p) -> list[dict]:
     top = max(values) if values else 0
     row = [[u, int(round(v * U16_MAX / top))] for u, v in zip(dests, values) if v > 0] if top else []
     c.execute("INSERT OR REPLACE INTO weights VALUES (?,?,?)", (netuid, me["uid"], json.dumps(sorted(row))))
-    c.execute("UPDATE neurons SET last_update=? WHERE netuid=? AND uid=?", (block, netuid, me["uid"]))
-    return [{"module_id": "SubtensorModule", "event_id": "WeightsSet", "attributes": {"netuid": netuid, "uid": me["uid"]}}]
+    if touch_last_update:
+        c.execute("UPDATE neurons SET last_update=? WHERE netuid=? AND uid=?", (block, netuid, me["uid"]))
 
 
 def _h_set_weights_legacy(st, c, block, signer, p) -> list[dict]:
     return _h_set_weights(st, c, block, signer, {**p, "mecid": 0})
 
 
-def _h_commit_disabled(st, c, block, signer, p) -> list[dict]:
-    raise _Refused("CommitRevealDisabled", "commit-reveal weights are disabled on the devnet")
+def _h_commit_timelocked(st: DevnetState, c, block, signer, p) -> list[dict]:
+    """``commit_timelocked_(mechanism_)weights``: store the drand-timelocked commit; it is revealed
+    by :meth:`DevnetState.reveal_due_commits` once its round is published."""
+    netuid = int(p["netuid"])
+    if int(p.get("mecid", 0) or 0) != 0:
+        raise _Refused("MechanismDoesNotExist", "the devnet has only mechanism 0")
+    sub = _subnet_in_tx(c, netuid, "MechanismDoesNotExist")
+    hp = sub["params"]
+    if not hp["commit_reveal_weights_enabled"]:
+        raise _Refused("CommitRevealDisabled", f"commit-reveal weights are disabled on netuid {netuid}")
+    me = _registered_uid(c, netuid, signer)
+    _check_rate(hp, me, block, "CommittingWeightsTooFast", "weights committed")
+    commit = _as_bytes(p["commit"])
+    if not commit or len(commit) > 5000:
+        raise _Refused("CommitTooLarge", "a timelocked commit holds 1 to 5000 bytes")
+    pending = c.execute("SELECT COUNT(*) AS k FROM weight_commits WHERE netuid=? AND hotkey=? AND status='pending'",
+                        (netuid, signer)).fetchone()["k"]
+    if pending >= 10:
+        raise _Refused("TooManyUnrevealedCommits", "10 commits are waiting for their reveal")
+    c.execute("INSERT INTO weight_commits (netuid, hotkey, block, reveal_round, commit_hex) VALUES (?,?,?,?,?)",
+              (netuid, signer, block, int(p["reveal_round"]), commit.hex()))
+    c.execute("UPDATE neurons SET last_update=? WHERE netuid=? AND uid=?", (block, netuid, me["uid"]))
+    return [{"module_id": "SubtensorModule", "event_id": "TimelockedWeightsCommitted",
+             "attributes": {"netuid": netuid, "who": signer, "reveal_round": int(p["reveal_round"])}}]
+
+
+def _reveal_weights(c, block: int, netuid: int, hotkey: str, w: RevealedWeights) -> None:
+    sub = _subnet_in_tx(c, netuid)
+    me = _registered_uid(c, netuid, hotkey)
+    if w.hotkey is not None:
+        from bittensor.sp_core import ss58_decode
+        if bytes(w.hotkey) != bytes(ss58_decode(hotkey)):
+            raise _Refused("InvalidRevealCommitHashNotMatch", "the payload names another hotkey than the committer")
+    _write_weights(c, netuid, sub["params"], me, list(w.uids), list(w.values), int(w.version_key), block,
+                   touch_last_update=False)
 
 
 def _h_serve_axon(st: DevnetState, c, block, signer, p) -> list[dict]:
@@ -676,7 +929,8 @@ def _h_serve_axon(st: DevnetState, c, block, signer, p) -> list[dict]:
     prev = c.execute("SELECT block FROM axons WHERE netuid=? AND hotkey=?", (netuid, signer)).fetchone()
     limit = int(sub["params"]["serving_rate_limit"])
     if prev is not None and limit and block - int(prev["block"]) < limit:
-        raise _Refused("ServingRateLimitExceeded", f"axon served {block - prev['block']} blocks ago; limit {limit}")
+        raise _Refused("ServingRateLimitExceeded", f"axon served {block - prev['block']} blocks ago; the serving rate "
+                                                   f"limit is {limit} blocks")
     c.execute("INSERT OR REPLACE INTO axons VALUES (?,?,?,?,?,?,?,?)",
               (netuid, signer, str(ip), int(p["port"]), ip_type, int(p.get("protocol", 4)), int(p.get("version", 0)), block))
     return [{"module_id": "SubtensorModule", "event_id": "AxonServed", "attributes": {"netuid": netuid, "hotkey": signer}}]
@@ -708,9 +962,17 @@ def _normalize_fields(info: Any) -> list[dict]:
 
 def _h_set_commitment(st: DevnetState, c, block, signer, p) -> list[dict]:
     netuid = int(p["netuid"])
-    _subnet_in_tx(c, netuid)
+    sub = _subnet_in_tx(c, netuid)
     _registered_uid(c, netuid, signer, "AccountNotAllowedCommit")
     fields = _normalize_fields(p["info"])
+    size = sum(len(_as_bytes(next(iter(f.values())))) if isinstance(f, dict) else len(str(f)) for f in fields)
+    cost, cap, epoch = max(100, size), int(sub["params"]["commitment_max_space"]), int(sub["epoch_index"])
+    row = c.execute("SELECT epoch, used FROM commitment_usage WHERE netuid=? AND hotkey=?", (netuid, signer)).fetchone()
+    used = int(row["used"]) if row is not None and int(row["epoch"]) == epoch else 0
+    if used + cost > cap:
+        raise _Refused("SpaceLimitExceeded", f"this commitment uses {cost} bytes; {used} of the {cap} bytes a hotkey "
+                                             "may commit per epoch are used: wait for the next epoch")
+    c.execute("INSERT OR REPLACE INTO commitment_usage VALUES (?,?,?,?)", (netuid, signer, epoch, used + cost))
     c.execute("INSERT OR REPLACE INTO commitments VALUES (?,?,?,?,?)", (netuid, signer, block, 0, json.dumps(fields)))
     return [{"module_id": "Commitments", "event_id": "Commitment", "attributes": {"netuid": netuid, "who": signer}}]
 
@@ -751,14 +1013,49 @@ def _h_transfer(st: DevnetState, c, block, signer, p) -> list[dict]:
     return [{"module_id": "Balances", "event_id": "Transfer", "attributes": {"from": signer, "to": str(dest), "amount": amount}}]
 
 
+def _h_commit_hash_unsupported(st, c, block, signer, p) -> list[dict]:
+    raise _Refused("CallNotSupported", "the devnet implements the timelocked commit-reveal (commit_timelocked_*), "
+                                       "not the legacy salted-hash commits")
+
+
+def _h_submit_encrypted(st: DevnetState, c, block, signer, p) -> list[dict]:
+    """``MevShield.submit_encrypted``: decrypt the carrier and apply its inner extrinsic now (the
+    block author's job on chain). The carrier succeeds even when the inner call fails; the inner
+    receipt is kept for ``find_extrinsic``."""
+    inner = st.mev_open(_as_bytes(p["ciphertext"]))
+    module, function, params = inner["call"]
+    handler = _HANDLERS.get((module, function))
+    c.execute("SAVEPOINT inner")
+    st.shielding += 1
+    try:
+        if handler is None or module == "MevShield":
+            raise _Refused("CallNotSupported", f"the devnet does not implement {module}.{function} (shielded)")
+        st._ensure_faucet(c, inner["signer"])
+        events = handler(st, c, block, inner["signer"], params)
+        c.execute("RELEASE inner")
+        ok, error, message = True, None, "Success"
+    except _Refused as refused:
+        c.execute("ROLLBACK TO inner")
+        c.execute("RELEASE inner")
+        events, ok, error, message = [], False, refused.name, refused.message
+    finally:
+        st.shielding -= 1
+    c.execute("INSERT OR REPLACE INTO shielded_extrinsics VALUES (?,?,?,?,?,?,?,?,?)",
+              (inner["hash"], block, inner["signer"], module, function, int(ok), error, message,
+               json.dumps(events, default=_json_default)))
+    return [{"module_id": "MevShield", "event_id": "EncryptedSubmitted", "attributes": {"who": signer}}]
+
+
 _HANDLERS = {
     ("SubtensorModule", "burned_register"): _h_burned_register,
+    ("SubtensorModule", "register_limit"): _h_register_limit,
     ("SubtensorModule", "set_mechanism_weights"): _h_set_weights,
     ("SubtensorModule", "set_weights"): _h_set_weights_legacy,
-    ("SubtensorModule", "commit_timelocked_mechanism_weights"): _h_commit_disabled,
-    ("SubtensorModule", "commit_timelocked_weights"): _h_commit_disabled,
-    ("SubtensorModule", "commit_mechanism_weights"): _h_commit_disabled,
-    ("SubtensorModule", "commit_weights"): _h_commit_disabled,
+    ("SubtensorModule", "commit_timelocked_mechanism_weights"): _h_commit_timelocked,
+    ("SubtensorModule", "commit_timelocked_weights"): _h_commit_timelocked,
+    ("SubtensorModule", "commit_mechanism_weights"): _h_commit_hash_unsupported,
+    ("SubtensorModule", "commit_weights"): _h_commit_hash_unsupported,
+    ("MevShield", "submit_encrypted"): _h_submit_encrypted,
     ("SubtensorModule", "serve_axon"): _h_serve_axon,
     ("SubtensorModule", "add_stake"): _h_add_stake,
     ("SubtensorModule", "remove_stake"): _h_remove_stake,
@@ -990,7 +1287,7 @@ _STORAGE: dict[tuple[str, str], Any] = {
     ("Timestamp", "Now"): lambda st, p, b: st.block_timestamp_ms(b),
     ("Commitments", "CommitmentOf"): _commitment_value,
     ("Commitments", "RevealedCommitments"): lambda st, p, b: None,
-    ("MevShield", "NextKey"): lambda st, p, b: None,
+    ("MevShield", "NextKey"): lambda st, p, b: "0x" + st.mev_public_key().hex(),
 }
 
 
@@ -1065,9 +1362,10 @@ class DevnetSubstrate:
     file lock.
     """
 
-    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 30.0):
+    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 30.0, decryptor: Optional[Decryptor] = None):
         self.path = Path(path)
         self._busy_timeout_s = busy_timeout_s
+        self._decryptor = decryptor
         self._state: Optional[DevnetState] = None
         self.token_symbols: dict[int, str] = {}
         self._unknown_logged: set = set()
@@ -1077,7 +1375,7 @@ class DevnetSubstrate:
     @property
     def state(self) -> DevnetState:
         if self._state is None:
-            self._state = DevnetState(self.path, busy_timeout_s=self._busy_timeout_s)
+            self._state = DevnetState(self.path, busy_timeout_s=self._busy_timeout_s, decryptor=self._decryptor)
         return self._state
 
     async def connect(self) -> None:
@@ -1116,6 +1414,8 @@ class DevnetSubstrate:
         return await self.block_number()
 
     async def block_hash(self, block: Optional[int] = None) -> str:
+        if block is not None and self._state is not None and self._state._genesis is not None:
+            return self._state.block_hash(int(block))   # pure arithmetic: no file access, no thread hop
         return await self._run(lambda st: st.block_hash(st.block() if block is None else int(block)))
 
     async def block_time(self) -> float:
@@ -1225,15 +1525,32 @@ class DevnetSubstrate:
         return await self._run(lambda st: _account_info(st, address)["nonce"])
 
     async def mev_next_key(self) -> Optional[bytes]:
-        return None  # MEV shield is not active on the devnet: use submit_call for registration
+        return await self._run(lambda st: st.mev_public_key())
 
     async def sign_extrinsic(self, call, keypair, *, nonce: int, period: int) -> tuple[bytes, str]:
         call = await self.compose(call)
-        signature = keypair.sign(call.data)
-        return call.data + bytes(signature), "0x" + hashlib.blake2b(call.data, digest_size=32).hexdigest()
+        return _seal_inner_extrinsic(call, keypair, nonce, period)
 
     async def find_extrinsic(self, extrinsic_hash: str, block_hash: str):
-        return None
+        """The receipt of a shielded inner extrinsic applied in the block of ``block_hash``, or None."""
+        from bittensor.balance import Balance
+        from bittensor.result import ChainError, ExtrinsicResult
+
+        block = DevnetState.block_of_hash(block_hash)
+        row = await self._run(lambda st: st._q1("SELECT * FROM shielded_extrinsics WHERE hash=?", (extrinsic_hash,)))
+        if row is None or block is None or int(row["block"]) != block:
+            return None
+        events = [{"extrinsic_idx": 0, "event": ev} for ev in json.loads(row["events"])]
+        data = {}
+        for ev in json.loads(row["events"]):
+            if ev.get("event_id") == "NeuronRegistered":
+                data = {"uid": ev["attributes"]["uid"], "burn_rao": ev["attributes"]["burn"]}
+        if not row["success"]:
+            error = ChainError(row["message"] or row["error"], row["error"])
+            return ExtrinsicResult(success=False, message=row["message"] or "", error=error,
+                                   block_hash=block_hash, extrinsic_id=f"{block}-shielded", fee=Balance.from_rao(0))
+        return ExtrinsicResult(success=True, message="Success", block_hash=block_hash,
+                               extrinsic_id=f"{block}-shielded", fee=Balance.from_rao(0), events=events, data=data)
 
     async def submit(self, call, keypair, *, nonce: Optional[int] = None, period: Optional[int] = None,
                      wait_for_inclusion: bool = True, wait_for_finalization: bool = True):
@@ -1313,6 +1630,7 @@ def create_devnet(
     weights_rate_limit: int = 10,
     immunity_period: int = 100,
     exist_ok: bool = False,
+    start_block: int = 0,
     **hyperparams: Any,
 ) -> Path:
     """Create (or extend) a devnet file with one subnet.
@@ -1323,7 +1641,9 @@ def create_devnet(
     by a signed call starts with that balance (0 disables it; then use :func:`fund`).
     With ``exist_ok`` an existing subnet is left as it is. ``weights_rate_limit`` and
     ``immunity_period`` default to localnet-friendly values (10 and 100 blocks); the other
-    hyperparameters default to chain-like values (:data:`DEFAULT_HYPERPARAMS`).
+    hyperparameters default to chain-like values (:data:`DEFAULT_HYPERPARAMS`). ``start_block``: the
+    height a new devnet starts at (genesis that many blocks in the past), so that state seeded with
+    :func:`seed_neurons` can look old.
     """
     hyperparams["weights_rate_limit"] = int(weights_rate_limit)
     hyperparams["immunity_period"] = int(immunity_period)
@@ -1331,7 +1651,7 @@ def create_devnet(
         hyperparams["burn"] = _to_rao(hyperparams.pop("burn_tao"))
     st = DevnetState(db, create=True)
     try:
-        st.init_meta(block_time)
+        st.init_meta(block_time, time.time() - int(start_block) * float(block_time) if start_block else None)
         st.set_meta("auto_fund_rao", str(_to_rao(auto_fund_tao)))
         if st.subnet(netuid) is not None:
             if not exist_ok:
@@ -1414,6 +1734,47 @@ def set_hyperparameter(db: str | os.PathLike, netuid: int, **params: Any) -> Non
     st = DevnetState(db)
     try:
         st.set_params(netuid, **params)
+    finally:
+        st.close()
+
+
+def seed_neurons(db: str | os.PathLike, netuid: int, neurons: list[dict]) -> list[int]:
+    """Write neurons straight into the devnet's state (admin; a test's "other subnet users").
+
+    Each entry: ``hotkey``, ``coldkey``, and optionally ``stake`` (TAO), ``validator_permit``
+    (bool), ``registered_at`` / ``last_update`` (blocks; default: now), ``commitment`` (text) and
+    ``commitment_block``, ``axon`` (``"ip:port"``). Returns the uids given, in order."""
+    st = DevnetState(db)
+    try:
+        sub = st.subnet(netuid)
+        if sub is None:
+            raise DevnetError(f"subnet {netuid} does not exist in {db}")
+        block = st.block()
+        uids = []
+        with st.tx() as c:
+            for n in neurons:
+                hk, ck = str(n["hotkey"]), str(n["coldkey"])
+                uid = int(c.execute("SELECT COUNT(*) AS k FROM neurons WHERE netuid=?", (netuid,)).fetchone()["k"])
+                if uid >= int(sub["params"]["max_uids"]):
+                    raise DevnetError(f"subnet {netuid} is full ({uid} uids)")
+                c.execute("INSERT INTO neurons (netuid, uid, hotkey, coldkey, registered_at, last_update,"
+                          " validator_permit) VALUES (?,?,?,?,?,?,?)",
+                          (netuid, uid, hk, ck, int(n.get("registered_at", block)), int(n.get("last_update", block)),
+                           int(bool(n.get("validator_permit", False)))))
+                c.execute("INSERT OR IGNORE INTO owners VALUES (?,?)", (hk, ck))
+                if n.get("stake"):
+                    c.execute("INSERT OR REPLACE INTO stakes VALUES (?,?,?,?)", (hk, ck, netuid, _to_rao(n["stake"])))
+                if n.get("commitment") is not None:
+                    raw = str(n["commitment"]).encode()
+                    fields = [{f"Raw{len(raw[i:i + 128])}": "0x" + raw[i:i + 128].hex()} for i in range(0, len(raw), 128)]
+                    c.execute("INSERT OR REPLACE INTO commitments VALUES (?,?,?,?,?)",
+                              (netuid, hk, int(n.get("commitment_block", block)), 0, json.dumps(fields)))
+                if n.get("axon"):
+                    ip, port = str(n["axon"]).rsplit(":", 1)
+                    c.execute("INSERT OR REPLACE INTO axons VALUES (?,?,?,?,?,?,?,?)",
+                              (netuid, hk, str(int(ipaddress.ip_address(ip))), int(port), 4, 4, 0, block))
+                uids.append(uid)
+        return uids
     finally:
         st.close()
 

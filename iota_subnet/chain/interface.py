@@ -25,6 +25,26 @@ class NotRegisteredError(ChainError):
     """The hotkey has no uid on the subnet."""
 
 
+class RateLimitedError(ChainError):
+    """The chain refused a write because of a rate limit (serving, weights, commitment space).
+
+    ``retry_after_blocks``: blocks to wait before the same write can succeed, when known."""
+
+    def __init__(self, message: str, name: Optional[str] = None, retry_after_blocks: Optional[int] = None):
+        super().__init__(message, name)
+        self.retry_after_blocks = retry_after_blocks
+
+
+class ChainTimeout(ChainError):
+    """A chain call got no answer within its deadline (the endpoint accepted and went silent, or the
+    network is down). The :class:`Chain` reconnects before its next call."""
+
+
+class RegistrationCostError(ChainError):
+    """Registration was not submitted (or the chain refused it) because its cost is above what the
+    user accepted; nothing was paid."""
+
+
 @dataclass(frozen=True)
 class Registration:
     uid: int
@@ -32,8 +52,30 @@ class Registration:
     already: bool  # the hotkey was registered before this call
 
 
+@dataclass(frozen=True)
+class WeightsReceipt:
+    """A weights extrinsic the chain reported as successful: ``block`` it was included in;
+    ``commit_reveal`` when the weights were committed (timelocked, revealed by the chain at drand
+    round ``reveal_round``) rather than set in the clear."""
+
+    block: int
+    commit_reveal: bool = False
+    reveal_round: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class CommitmentRecord:
+    """A hotkey's published commitment: its text and the block it was published at."""
+
+    text: str
+    block: int
+
+
 class Chain(abc.ABC):
-    """What a neuron needs from the chain. All methods are coroutines except ``network``."""
+    """What a neuron needs from the chain. All methods are coroutines except ``network``.
+
+    Every call has a deadline: a call that gets no answer in time raises :class:`ChainTimeout`
+    instead of waiting for ever."""
 
     network: str
 
@@ -89,27 +131,61 @@ class Chain(abc.ABC):
         """hotkey -> published text, for hotkeys registered on the subnet."""
 
     @abc.abstractmethod
+    async def commitment_records(self, netuid: int) -> dict[str, CommitmentRecord]:
+        """hotkey -> (text, block published), for hotkeys registered on the subnet."""
+
+    @abc.abstractmethod
+    async def axon(self, hotkey: str, netuid: int) -> Optional[str]:
+        """The endpoint ``"ip:port"`` the hotkey has served on the subnet, or None."""
+
+    @abc.abstractmethod
+    async def last_update(self, hotkey: str, netuid: int) -> Optional[int]:
+        """Block of the hotkey's last weights set or commit on the subnet (None: not registered)."""
+
+    @abc.abstractmethod
+    async def block_time(self) -> float:
+        """Seconds per block."""
+
+    @abc.abstractmethod
     async def weights(self, netuid: int) -> list[tuple[int, list[tuple[int, float]]]]:
         """Every validator's weight row as ``(uid, [(uid, fraction), ...])`` (rows sum to 1)."""
 
     # writes (``wallet`` is a ``bittensor.Wallet``)
     @abc.abstractmethod
-    async def register(self, wallet: Any, netuid: int) -> Registration:
-        """Burned registration of the wallet's hotkey, paid by its coldkey. Idempotent."""
+    async def register(self, wallet: Any, netuid: int, max_cost_tao: Optional[float] = None) -> Registration:
+        """Burned registration of the wallet's hotkey, paid by its coldkey. Idempotent.
+
+        The chain refuses it when the burn at inclusion is above ``max_cost_tao`` (default: the
+        cost read just before submitting), so no more than that is ever paid; raises
+        :class:`RegistrationCostError` then (nothing paid)."""
 
     @abc.abstractmethod
     async def serve(self, wallet: Any, netuid: int, ip: str, port: int) -> None:
-        """Publish the hotkey's endpoint (``ServeAxon``)."""
+        """Publish the hotkey's endpoint (``ServeAxon``); :class:`RateLimitedError` inside the
+        serving rate limit."""
 
     @abc.abstractmethod
     async def publish(self, wallet: Any, netuid: int, data: str) -> None:
-        """Publish a short text commitment for the hotkey (at most 2048 utf-8 bytes)."""
+        """Publish a short text commitment for the hotkey (at most 2048 utf-8 bytes);
+        :class:`RateLimitedError` when the hotkey's commitment space for this epoch is used up."""
 
     @abc.abstractmethod
     async def set_weights(
         self, wallet: Any, netuid: int, uids: Sequence[int], weights: Sequence[float], version_key: int = 0
-    ) -> None:
-        """Set the hotkey's weights (``SetWeights``); raises :class:`ChainError` when refused."""
+    ) -> WeightsReceipt:
+        """Set the hotkey's weights (``SetWeights``: in the clear, or committed when the subnet
+        runs commit-reveal); raises :class:`ChainError` when refused (:class:`RateLimitedError`
+        inside the weights rate limit). Success means the chain said so; use
+        :meth:`weights_landed` to confirm."""
+
+    async def weights_landed(self, hotkey: str, netuid: int, receipt: WeightsReceipt) -> bool:
+        """Whether the chain's state shows the weights of ``receipt`` (the hotkey's ``last_update``
+        reached the receipt's block: set, or committed for a later reveal)."""
+        last = await self.last_update(hotkey, netuid)
+        return last is not None and last >= receipt.block
+
+    async def reconnect(self) -> None:
+        """Drop the connection and open a new one (after a :class:`ChainTimeout`)."""
 
     @abc.abstractmethod
     async def add_stake(self, wallet: Any, netuid: int, tao: float) -> None:

@@ -1,28 +1,49 @@
 """:class:`Chain` on the bittensor v11 SDK (``bt.Client``): finney, test, local, a ws:// URL,
 or the SQLite devnet (``bt.Client("local", substrate=DevnetSubstrate(db))``).
 
-Writes go through the SDK's intents where they work unshielded (``SetWeights``, ``ServeAxon``)
-and through ``submit_call`` of the raw call otherwise: ``execute(BurnedRegister)`` requires the
-MEV-shield path (``mev_shield_required``), so registration submits
-``calls.SubtensorModule.burned_register`` directly; commitments and staking have no intent that
-fits (``Commitments.set_commitment``, ``SubtensorModule.add_stake``).
+Writes go through the SDK: ``SetWeights`` and ``ServeAxon`` intents (``SetWeights`` picks the
+plain or the drand-timelocked commit-reveal path from the chain's ``CommitRevealWeightsEnabled``),
+and ``submit_call`` of raw calls where no intent fits: registration submits
+``register_limit`` (the chain refuses it when the burn is above the price the user accepted),
+MEV-shielded like the SDK's ``BurnedRegister`` intent whenever the chain runs the shield;
+commitments (``Commitments.set_commitment``) and staking (``SubtensorModule.add_stake``).
+
+Deadlines: every call is bounded (``timeout_s`` for reads, ``write_timeout_s`` for writes, which
+wait for inclusion); a call without an answer raises :class:`ChainTimeout` and the next call first
+reconnects. Rate-limit refusals raise :class:`RateLimitedError`.
 """
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import bittensor as bt
 from bittensor import calls
 from bittensor.result import ChainError as SdkChainError
+from bittensor.result import ConnectionNotReady, ErrorCode
 from bittensor.signing import public_view
 from loguru import logger
 
 from .devnet import DevnetSubstrate
-from .interface import Chain, ChainError, NotRegisteredError, Registration
+from .interface import (Chain, ChainError, ChainTimeout, CommitmentRecord, NotRegisteredError, RateLimitedError,
+                        Registration, RegistrationCostError, WeightsReceipt)
 
 NETWORKS = ("finney", "test", "local", "devnet")
 MAX_COMMITMENT_BYTES = 16 * 128  # 16 Raw fields of at most 128 bytes
+RAO_PER_TAO = 1_000_000_000
+#: Seconds a read may take before :class:`ChainTimeout`.
+DEFAULT_TIMEOUT_S = 30.0
+#: Seconds a write may take (it waits for inclusion and finalization: several 12 s blocks on finney).
+DEFAULT_WRITE_TIMEOUT_S = 180.0
+#: Chain error names that mean "rate limited: the same write succeeds later".
+RATE_LIMIT_ERRORS = ("ServingRateLimitExceeded", "SettingWeightsTooFast", "CommittingWeightsTooFast",
+                     "SpaceLimitExceeded", "TxRateLimitExceeded", "NetworkTxRateLimitExceeded")
+_RETRY_BLOCKS = re.compile(r"retry in ~?(\d+) blocks", re.I)
+
+T = TypeVar("T")
 
 
 def _hotkey(wallet: Any) -> str:
@@ -42,43 +63,113 @@ def _commitment_info(data: str) -> dict:
     return {"fields": [[{f"Raw{len(c)}": "0x" + c.hex()} for c in chunks]]}
 
 
+def _result_block(result: Any) -> Optional[int]:
+    height, _, _ = str(getattr(result, "extrinsic_id", "") or "").partition("-")
+    return int(height) if height.isdigit() else None
+
+
 class SdkChain(Chain):
-    def __init__(self, client: bt.Client, network: str):
-        self.client = client
+    """``make_client()`` builds a fresh, unconnected ``bt.Client`` (used again to reconnect)."""
+
+    def __init__(self, make_client: Callable[[], bt.Client], network: str, *, client: Optional[bt.Client] = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S):
+        self._make_client = make_client
+        self.client = client if client is not None else make_client()
         self.network = network
+        self.timeout_s = float(timeout_s)
+        self.write_timeout_s = max(float(write_timeout_s), self.timeout_s)
+        self._broken = False
+        self._reconnecting = asyncio.Lock()
+
+    # -- deadlines and reconnection ------------------------------------------------------------
+
+    async def _io(self, what: str, call: Callable[[bt.Client], Awaitable[T]], *, write: bool = False) -> T:
+        """``call(client)`` within the deadline; reconnects first after a time-out or a lost connection."""
+        if self._broken:
+            async with self._reconnecting:
+                if self._broken:
+                    await self.reconnect()
+        limit = self.write_timeout_s if write else self.timeout_s
+        try:
+            return await asyncio.wait_for(call(self.client), limit)
+        except asyncio.TimeoutError:
+            self._broken = True
+            raise ChainTimeout(f"{what}: no answer from {self.network} within {limit:g} s (the endpoint is silent or "
+                               "unreachable); the next chain call reconnects first", "Timeout") from None
+        except (ConnectionNotReady, ConnectionError) as error:
+            self._broken = True
+            raise ChainError(f"{what}: the connection to {self.network} is down ({error}); the next chain call "
+                             "reconnects first", "ConnectionLost") from error
+
+    async def connect(self) -> None:
+        try:
+            await asyncio.wait_for(self.client.connect(), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._broken = True
+            raise ChainTimeout(f"cannot connect to {self.network}: no answer within {self.timeout_s:g} s (check the "
+                               "endpoint, or pass another --network)", "Timeout") from None
+        except ChainError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the SDK raises many kinds on a failed connect
+            raise ChainError(f"cannot connect to {self.network}: {error}") from error
+        self._broken = False
+
+    async def reconnect(self) -> None:
+        old, self.client = self.client, self._make_client()
+        try:
+            await asyncio.wait_for(old.close(), 5.0)
+        except Exception:  # noqa: BLE001 - the old connection is being dropped anyway
+            pass
+        logger.info("reconnecting to {}", self.network)
+        await self.connect()
 
     # -- errors --------------------------------------------------------------------------------
 
     def _fail(self, what: str, error: Any, hotkey: Optional[str] = None, netuid: Optional[int] = None) -> ChainError:
         name = getattr(error, "name", None)
         message = getattr(error, "message", None) or str(error)
-        code = str(getattr(error, "code", "") or "")
-        if name in ("HotKeyNotRegisteredInSubNet", "HotKeyNotRegisteredInNetwork", "AccountNotAllowedCommit") or code.endswith("NOT_REGISTERED"):
+        code = getattr(error, "code", None)
+        if name in ("HotKeyNotRegisteredInSubNet", "HotKeyNotRegisteredInNetwork", "AccountNotAllowedCommit") or \
+                str(code or "").endswith("NOT_REGISTERED"):
             return NotRegisteredError(
                 f"{what} failed: hotkey {hotkey} is not registered on netuid {netuid} ({self.network}); "
                 f"run `iota-subnet register --netuid {netuid} ...` first", name or "HotKeyNotRegisteredInSubNet")
+        if name in RATE_LIMIT_ERRORS or code == ErrorCode.RATE_LIMITED:
+            m = _RETRY_BLOCKS.search(message)
+            return RateLimitedError(f"{what} rate limited on {self.network}: {message}", name or "RateLimited",
+                                    int(m.group(1)) if m else None)
+        if name == "RegistrationPriceLimitExceeded":
+            return RegistrationCostError(f"{what} refused by the chain: the burn rose above the price you accepted "
+                                         f"({message}); nothing was paid", name)
         hint = {
             "IncorrectWeightVersionKey": " (the subnet requires a newer weights version key: update the validator)",
-            "SettingWeightsTooFast": " (weights rate limit: wait and retry)",
             "NeuronNoValidatorPermit": " (this hotkey has no validator permit: stake more, wait for the next epoch)",
             "NotEnoughBalanceToStake": " (fund the coldkey)",
         }.get(name or "", "")
         return ChainError(f"{what} failed on {self.network}: {message}{hint}", name)
 
-    async def _submit(self, what: str, call: Any, wallet: Any, *, signer: str = "coldkey", netuid=None):
-        try:
-            result = await self.client.submit_call(call, wallet, signer=signer)
-        except SdkChainError as error:
-            raise self._fail(what, error, _hotkey(wallet), netuid) from error
+    async def _submit(self, what: str, call: Any, wallet: Any, *, signer: str = "coldkey", netuid=None,
+                      shielded: bool = False):
+        async def go(client):
+            try:
+                # a shielded call is followed to its inner receipt; inclusion is enough there (the caller
+                # reads the resulting state back), and the SDK's finality polling is tight on fast blocks
+                return await client.submit_call(call, wallet, signer=signer, shielded=shielded,
+                                                wait_for_finalization=not shielded)
+            except SdkChainError as error:
+                raise self._fail(what, error, _hotkey(wallet), netuid) from error
+        result = await self._io(what, go, write=True)
         if not result.success:
             raise self._fail(what, result.error or result.message, _hotkey(wallet), netuid)
         return result
 
     async def _execute(self, what: str, intent: Any, wallet: Any, netuid: int):
-        try:
-            result = await self.client.execute(intent, wallet)
-        except SdkChainError as error:
-            raise self._fail(what, error, _hotkey(wallet), netuid) from error
+        async def go(client):
+            try:
+                return await client.execute(intent, wallet)
+            except SdkChainError as error:
+                raise self._fail(what, error, _hotkey(wallet), netuid) from error
+        result = await self._io(what, go, write=True)
         if not result.success:
             raise self._fail(what, result.error or result.message, _hotkey(wallet), netuid)
         return result
@@ -86,7 +177,10 @@ class SdkChain(Chain):
     # -- reads ---------------------------------------------------------------------------------
 
     async def block(self) -> int:
-        return await self.client.block()
+        return await self._io("block", lambda c: c.block())
+
+    async def block_time(self) -> float:
+        return float(await self._io("block time", lambda c: c.block_time()))
 
     async def timestamp(self) -> float:
         return (await self.client.timestamp()).timestamp()
@@ -95,55 +189,92 @@ class SdkChain(Chain):
         return float(await self.client.block_time())
 
     async def tempo(self, netuid: int) -> int:
-        value = await self.client.query(("SubtensorModule", "Tempo"), [netuid])
+        value = await self._io("tempo", lambda c: c.query(("SubtensorModule", "Tempo"), [netuid]))
         if value is None:
             raise ChainError(f"subnet {netuid} does not exist on {self.network}", "SubnetNotExists")
         return int(value)
 
     async def hyperparameters(self, netuid: int) -> dict[str, Any]:
-        params = await self.client.read("subnet_hyperparameters", netuid=netuid)
+        params = await self._io("hyperparameters", lambda c: c.read("subnet_hyperparameters", netuid=netuid))
         if params is None:
             raise ChainError(f"subnet {netuid} does not exist on {self.network}", "SubnetNotExists")
         return dict(params)
 
     async def metagraph(self, netuid: int):
-        graph = await self.client.subnets.metagraph(netuid)
+        graph = await self._io("metagraph", lambda c: c.subnets.metagraph(netuid))
         if graph is None:
             raise ChainError(f"subnet {netuid} does not exist on {self.network}", "SubnetNotExists")
         return graph
 
     async def uid(self, hotkey: str, netuid: int) -> Optional[int]:
-        return await self.client.neurons.uid(hotkey, netuid)
+        return await self._io("uid", lambda c: c.neurons.uid(hotkey, netuid))
 
     async def registration_cost(self, netuid: int) -> float:
-        return float((await self.client.subnets.burn(netuid)).tao)
+        return float((await self._io("registration cost", lambda c: c.subnets.burn(netuid))).tao)
 
     async def commitments(self, netuid: int) -> dict[str, str]:
-        found = await self.client.subnets.commitments(netuid)
-        return {hk: c.value for hk, c in found.items() if c.uid is not None and c.value is not None}
+        return {hk: r.text for hk, r in (await self.commitment_records(netuid)).items()}
+
+    async def commitment_records(self, netuid: int) -> dict[str, CommitmentRecord]:
+        found = await self._io("commitments", lambda c: c.subnets.commitments(netuid))
+        return {hk: CommitmentRecord(c.value, int(c.block)) for hk, c in found.items()
+                if c.uid is not None and c.value is not None}
+
+    async def axon(self, hotkey: str, netuid: int) -> Optional[str]:
+        rec = await self._io("axon", lambda c: c.query(("SubtensorModule", "Axons"), [netuid, hotkey]))
+        if not rec or not int(rec.get("ip", 0) or 0):
+            return None
+        ip = ipaddress.ip_address(int(rec["ip"])) if int(rec.get("ip_type", 4)) == 4 else \
+            ipaddress.IPv6Address(int(rec["ip"]))
+        return f"{ip}:{int(rec['port'])}"
+
+    async def last_update(self, hotkey: str, netuid: int) -> Optional[int]:
+        uid = await self.uid(hotkey, netuid)
+        if uid is None:
+            return None
+        row = await self._io("last update", lambda c: c.query(("SubtensorModule", "LastUpdate"), [netuid]))
+        return int(row[uid]) if isinstance(row, (list, tuple)) and uid < len(row) else None
 
     async def weights(self, netuid: int) -> list[tuple[int, list[tuple[int, float]]]]:
-        rows = await self.client.weights.weights(netuid)
+        rows = await self._io("weights", lambda c: c.weights.weights(netuid))
         return [(int(uid), sorted((int(j), float(w)) for j, w in row.items())) for uid, row in sorted(rows.items())]
+
+    async def _shield_key(self) -> Optional[Any]:
+        """The MEV shield's current key when the chain runs the shield, else None."""
+        try:
+            return await self._io("MEV shield key", lambda c: c.query(("MevShield", "NextKey"), []))
+        except ChainTimeout:
+            raise
+        except Exception:  # noqa: BLE001 - a chain without the MevShield pallet
+            return None
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def register(self, wallet: Any, netuid: int) -> Registration:
+    async def register(self, wallet: Any, netuid: int, max_cost_tao: Optional[float] = None) -> Registration:
         hotkey = _hotkey(wallet)
         uid = await self.uid(hotkey, netuid)
         if uid is not None:
             logger.info("hotkey {} already registered on netuid {} as uid {}", hotkey, netuid, uid)
             return Registration(uid=uid, cost_tao=0.0, already=True)
         cost = await self.registration_cost(netuid)
-        logger.info("registering hotkey {} on netuid {} ({}): burns {:.9f} TAO from coldkey {}",
-                    hotkey, netuid, self.network, cost, _coldkey(wallet))
-        await self._submit("registration", calls.SubtensorModule.burned_register(netuid=netuid, hotkey=hotkey),
-                           wallet, netuid=netuid)
+        limit = cost if max_cost_tao is None else float(max_cost_tao)
+        if cost > limit:
+            raise RegistrationCostError(f"registration on netuid {netuid} costs {cost:.9f} TAO now, above the "
+                                        f"{limit:.9f} TAO accepted; nothing was paid (raise --max-burn to pay more)",
+                                        "RegistrationPriceLimitExceeded")
+        shielded = await self._shield_key() is not None
+        logger.info("registering hotkey {} on netuid {} ({}): burns {:.9f} TAO (at most {:.9f}) from coldkey {}{}",
+                    hotkey, netuid, self.network, cost, limit, _coldkey(wallet), ", MEV-shielded" if shielded else "")
+        call = calls.SubtensorModule.register_limit(netuid=netuid, hotkey=hotkey,
+                                                    limit_price=int(round(limit * RAO_PER_TAO)))
+        result = await self._submit("registration", call, wallet, netuid=netuid, shielded=shielded)
         uid = await self.uid(hotkey, netuid)
         if uid is None:
             raise ChainError(f"registration of {hotkey} on netuid {netuid} was accepted but no uid is visible yet")
-        logger.info("hotkey {} registered on netuid {} as uid {}", hotkey, netuid, uid)
-        return Registration(uid=uid, cost_tao=cost, already=False)
+        paid = result.data.get("burn_rao")
+        paid_tao = int(paid) / RAO_PER_TAO if paid is not None else cost
+        logger.info("hotkey {} registered on netuid {} as uid {} ({:.9f} TAO burned)", hotkey, netuid, uid, paid_tao)
+        return Registration(uid=uid, cost_tao=paid_tao, already=False)
 
     async def serve(self, wallet: Any, netuid: int, ip: str, port: int) -> None:
         await self._execute("serve axon", bt.ServeAxon(netuid=netuid, ip=ip, port=int(port)), wallet, netuid)
@@ -153,10 +284,15 @@ class SdkChain(Chain):
                            wallet, signer="hotkey", netuid=netuid)
 
     async def set_weights(self, wallet: Any, netuid: int, uids: Sequence[int], weights: Sequence[float],
-                          version_key: int = 0) -> None:
+                          version_key: int = 0) -> WeightsReceipt:
         intent = bt.SetWeights(netuid=netuid, uids=[int(u) for u in uids], weights=[float(w) for w in weights],
                                version_key=int(version_key))
-        await self._execute("set weights", intent, wallet, netuid)
+        result = await self._execute("set weights", intent, wallet, netuid)
+        block = _result_block(result)
+        if block is None:
+            block = await self.block()
+        rnd = result.data.get("reveal_round")
+        return WeightsReceipt(block=block, commit_reveal=rnd is not None, reveal_round=None if rnd is None else int(rnd))
 
     async def add_stake(self, wallet: Any, netuid: int, tao: float) -> None:
         rao = int(round(float(tao) * 1e9))
@@ -164,14 +300,20 @@ class SdkChain(Chain):
                                                                         amount_staked=rao), wallet, netuid=netuid)
 
     async def close(self) -> None:
-        await self.client.close()
+        try:
+            await asyncio.wait_for(self.client.close(), 5.0)
+        except Exception:  # noqa: BLE001 - closing a dead connection must not raise
+            pass
 
 
-async def open_chain(network: str, chain_db: Optional[Path | str] = None) -> Chain:
+async def open_chain(network: str, chain_db: Optional[Path | str] = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, decryptor: Any = None) -> Chain:
     """Open and connect a :class:`Chain`.
 
     ``network``: ``finney``, ``test``, ``local`` (``$BT_CHAIN_ENDPOINT`` or ws://127.0.0.1:9944),
-    a ``ws://`` / ``wss://`` URL, or ``devnet`` (the SQLite devnet at ``chain_db``).
+    a ``ws://`` / ``wss://`` URL, or ``devnet`` (the SQLite devnet at ``chain_db``; ``decryptor``
+    replaces its drand commit-reveal decryptor). ``timeout_s`` bounds the connection and every read,
+    ``write_timeout_s`` every write; raises :class:`ChainTimeout` when the endpoint does not answer.
     """
     if network == "devnet":
         if chain_db is None:
@@ -180,13 +322,18 @@ async def open_chain(network: str, chain_db: Optional[Path | str] = None) -> Cha
         if not path.exists():
             raise ChainError(f"devnet chain database {path} does not exist; create it first "
                              "(iota_subnet.chain.devnet.create_devnet / the localnet script)")
-        client = bt.Client("local", substrate=DevnetSubstrate(path))
+
+        def make() -> bt.Client:
+            return bt.Client("local", substrate=DevnetSubstrate(path, decryptor=decryptor))
     elif network in ("finney", "test", "local") or network.startswith(("ws://", "wss://")):
-        client = bt.Client(network)
+        def make() -> bt.Client:
+            return bt.Client(network)
     else:
         raise ChainError(f"unknown network {network!r}; use one of {', '.join(NETWORKS)} or a ws:// URL")
+    chain = SdkChain(make, network, timeout_s=timeout_s, write_timeout_s=write_timeout_s)
     try:
-        await client.connect()
-    except Exception as error:  # noqa: BLE001
-        raise ChainError(f"cannot connect to {network}: {error}") from error
-    return SdkChain(client, network)
+        await chain.connect()
+    except BaseException:
+        await chain.close()
+        raise
+    return chain

@@ -113,7 +113,7 @@ def hub_tokenizer_path(name: str, cache_dir: Path) -> Path:
     return Path(cache_dir) / f"hf-{_safe(name)}.json"
 
 
-def _load_hub(name: str, cache_dir: Path) -> TextTokenizer:
+def _load_hub(name: str, cache_dir: Path, allow_fallback: bool) -> Optional[TextTokenizer]:
     path = hub_tokenizer_path(name, cache_dir)
     if path.exists():
         logger.info(f"tokenizer {name!r} loaded from cache {path}")
@@ -122,25 +122,34 @@ def _load_hub(name: str, cache_dir: Path) -> TextTokenizer:
            f"open('{path.name}', 'w').write(Tokenizer.from_pretrained('{name}').to_str())\", and copy the file "
            f"to {path} (or point $IOTA_CACHE at a cache that has it)")
     ok, why = hub_status()
+    error = None
     if not ok:
-        raise DataError(f"tokenizer {name!r} is not cached at {path} and the Hugging Face hub is unreachable "
-                        f"({why}): {fix}")
-    try:
-        tok = Tokenizer.from_pretrained(name)
-    except Exception as e:
-        raise DataError(f"tokenizer {name!r} could not be loaded from the Hugging Face hub "
-                        f"({e.__class__.__name__}: {e}); check the name, or {fix}") from None
+        why = f"is not cached at {path} and the Hugging Face hub is unreachable ({why})"
+    else:
+        try:
+            tok = Tokenizer.from_pretrained(name)
+        except Exception as e:
+            why, error = f"could not be loaded from the Hugging Face hub ({e.__class__.__name__}: {e})", e
+    if not ok or error is not None:
+        if not allow_fallback:
+            raise DataError(f"tokenizer {name!r} {why}; every neuron of a run must use the same tokenizer, so none is "
+                            f"substituted: {fix}; or pass --allow-data-fallback to train a byte-level BPE instead")
+        logger.warning(f"tokenizer {name!r} {why}; falling back to training a byte-level BPE on the corpus (asked for)")
+        return None
     atomic_write_text(path, tok.to_str())
     logger.info(f"tokenizer {name!r} downloaded from the Hugging Face hub, cached at {path}")
     return TextTokenizer(tok, name)
 
 
 def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Iterable[str]]], vocab_size: int,
-                   cache_dir: Path, corpus_key: str, total_chars: Optional[int] = None) -> TextTokenizer:
+                   cache_dir: Path, corpus_key: str, total_chars: Optional[int] = None, *,
+                   allow_fallback: bool = False) -> TextTokenizer:
     """Load or train the tokenizer.
 
     ``name``: a hub tokenizer, read from its cache file or fetched from the hub (then cached). Every
-    neuron of a run must tokenize alike, so a named tokenizer is never replaced by another one.
+    neuron of a run must tokenize alike, so a named tokenizer is never replaced by another one unless
+    ``allow_fallback`` (localnet, or asked for): then, with a warning, a BPE trained instead.
+    ``total_chars``: the corpus size, for progress while training.
     ``None``: a byte-level BPE with ``vocab_size`` ids trained on
     ``corpus_docs()`` (at most :data:`MAX_TRAIN_CHARS` characters), cached in ``cache_dir`` under
     (``corpus_key``, ``vocab_size``) and reused on later calls.
@@ -150,10 +159,11 @@ def load_tokenizer(name: Optional[str], corpus_docs: Optional[Callable[[], Itera
     """
     cache_dir = Path(cache_dir)
     if name:
-        got = _load_hub(name, cache_dir)
-        if got.vocab_size != vocab_size:
-            logger.warning(f"tokenizer {name!r} has {got.vocab_size} ids, data.vocab_size is {vocab_size}")
-        return got
+        got = _load_hub(name, cache_dir, allow_fallback)
+        if got is not None:
+            if got.vocab_size != vocab_size:
+                logger.warning(f"tokenizer {name!r} has {got.vocab_size} ids, data.vocab_size is {vocab_size}")
+            return got
     bpe_name = f"bpe-{_safe(corpus_key)}-v{vocab_size}"
     path = cache_dir / f"{bpe_name}.json"
     if path.exists():

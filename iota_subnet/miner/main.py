@@ -8,7 +8,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from iota_subnet.neuron_common import add_common_args, install_stop, run_id_for, setup_process
+from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop, run_id_for,
+                                       setup_process, until_stopped)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -21,10 +22,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
                         "noisy-update, precision, accuse; see iota_subnet/miner/adversary.py) so validators' "
                         "verification can be exercised")
-    m.add_argument("--no-register", action="store_true", help="fail instead of registering (burns TAO) when unregistered")
+    m.add_argument("--register", action="store_true",
+                   help="register the hotkey if it is not (burns TAO from the coldkey; needs --max-burn)")
+    m.add_argument("--max-burn", type=float, default=None, metavar="TAO",
+                   help="with --register: the most TAO the registration may burn; the chain refuses it above that")
+    m.add_argument("--no-register", action="store_true", help=argparse.SUPPRESS)   # the default now; kept for old scripts
     m.add_argument("--data", default=None,
                    help="text source the first and last stage read token rows from (the run's data; see the README); "
-                        "default: FineWeb-Edu when the hub is reachable, else an offline corpus")
+                        "default: FineWeb-Edu when the hub is reachable (else refused, unless --allow-data-fallback)")
     m.add_argument("--cache-dir", default=None, help="tokenizer and token cache (default $IOTA_CACHE or ~/.cache/iota-subnet)")
     m.add_argument("--max-in-flight", type=_positive, default=None,
                    help="micro-batches the first stage keeps waiting for their backward (default: one lane step's "
@@ -72,6 +77,8 @@ async def run_miner(args: argparse.Namespace) -> int:
     from iota_subnet.train.colocated import pick_device
     from iota_subnet.wallets import load_wallet
 
+    stop = install_stop(asyncio.get_running_loop())      # before anything that can wait on the chain
+    external_ip = check_external_ip(args.network, args.external_ip, args.allow_private_ip)
     if args.adversary:
         from iota_subnet.miner.adversary import ADVERSARY_KINDS
         if args.adversary not in ADVERSARY_KINDS:
@@ -82,17 +89,26 @@ async def run_miner(args: argparse.Namespace) -> int:
         raise SystemExit("error: --adversary and --emulate-gpu cannot be combined (an emulated stage computes nothing)")
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
-    chain = await open_chain(args.network, args.chain_db)
-    svc = MinerService(cfg, wallet, chain, netuid=args.netuid, run_id=run_id_for(args), stage=args.stage, out_dir=out,
-                       host=args.host, port=args.port, external_ip=args.external_ip,
-                       device=str(pick_device(args.device)), total_steps=args.steps,
-                       checkpoint_every=args.checkpoint_every, register=not args.no_register,
-                       adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
-                       max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout, emulation=emulation,
-                       audit_window=max(0, args.audit_window), dashboard_port=args.dashboard_port)
-    stop = install_stop(asyncio.get_running_loop())
     try:
-        await svc.start()
+        chain = await until_stopped(open_chain(args.network, args.chain_db, timeout_s=args.chain_timeout), stop)
+    except StopRequested:
+        logger.info("miner stopped while connecting to the chain")
+        return 0
+    svc = MinerService(cfg, wallet, chain, netuid=args.netuid, run_id=run_id_for(args), stage=args.stage, out_dir=out,
+                       host=args.host, port=args.port, external_ip=external_ip,
+                       device=str(pick_device(args.device)), total_steps=args.steps,
+                       checkpoint_every=args.checkpoint_every, register=args.register, max_burn_tao=args.max_burn,
+                       run_epoch=args.run_epoch, adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
+                       allow_data_fallback=args.allow_data_fallback, max_in_flight=args.max_in_flight,
+                       hop_timeout_s=args.hop_timeout, emulation=emulation, audit_window=max(0, args.audit_window),
+                       dashboard_port=args.dashboard_port)
+    try:
+        try:
+            await until_stopped(svc.start(), stop)
+        except StopRequested:
+            logger.info("miner stopped during start-up")
+            await svc.stop()
+            return 0
         await svc.run(stop)
     finally:
         await chain.close()

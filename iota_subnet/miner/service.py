@@ -34,6 +34,8 @@ from loguru import logger
 from prometheus_client import Counter
 
 from iota_subnet.chain import Chain
+from iota_subnet.chain.publisher import ChainPublisher
+from iota_subnet.chain.registration import ensure_registered
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
@@ -41,6 +43,7 @@ from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.plan import require_fit
+from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeEvidence, MergeJoin,
                                   MergePayload,
                                   MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
@@ -50,8 +53,12 @@ from iota_subnet.dashboard import DashboardServer, MinerSource
 from iota_subnet.doctor.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.checkpoint import CheckpointError
+from iota_subnet.protocol.commitment import (MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError,
+                                             merge_weights_from_commitments)
+from iota_subnet.train.checkpoint import CheckpointError, sweep_stray_temporaries
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
 from iota_subnet.utils.atomic import atomic_write_json
+from iota_subnet.utils.run_folder import hand_over
 
 #: Largest micro-batch (rows) a miner accepts; bounds the memory one request can claim.
 MAX_MICRO_BATCH_ROWS = 64
@@ -103,19 +110,30 @@ class MinerService:
     """One miner: registration, stage choice, serving, checkpoints, status.
 
     ``stage``: the stage to hold, or None to take the stage with the fewest replicas of this run.
-    ``total_steps``: inner steps of the learning-rate schedule. ``out_dir``: checkpoint, nonce store, status.
+    ``total_steps``: inner steps of the learning-rate schedule (None: the config's; an open-ended
+    run's is None too). ``out_dir``: checkpoint, nonce store, status.
+    ``register``: register an unregistered hotkey (burns TAO), at most at ``max_burn_tao``.
+    ``run_epoch``: with ``run_id``, identifies the run. ``fingerprints``: the tokenizer and data
+    fingerprints when this miner loads the run's data; then it refuses to join a run whose
+    validators advertise others.
     """
 
     def __init__(self, cfg: RunConfig, wallet: Any, chain: Chain, *, netuid: int, run_id: str,
                  stage: Optional[int], out_dir: str | Path, host: str = "0.0.0.0", port: int = 0,
                  external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
-                 checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = True,
-                 adversary: Optional[str] = None, data: Optional[str] = None, cache_dir: Optional[str] = None,
+                 checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = False,
+                 max_burn_tao: Optional[float] = None, run_epoch: int = 0,
+                 fingerprints: Optional[Fingerprints] = None, adversary: Optional[str] = None,
+                 data: Optional[str] = None, cache_dir: Optional[str] = None, allow_data_fallback: bool = False,
                  max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
                  emulation: Optional[Emulation] = None, audit_window: int = 0, accomplices: tuple = (),
                  dashboard_port: Optional[int] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
+        self.run_epoch = int(run_epoch)
+        self.fingerprints = fingerprints
+        self.max_burn_tao = max_burn_tao
+        self.publisher = ChainPublisher(chain, wallet, netuid)
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.host, self.port, self.external_ip, self.device = host, port, external_ip, device
@@ -127,6 +145,8 @@ class MinerService:
         self.adversary = adversary
         #: the data source the head and tail read token rows from (see :mod:`iota_subnet.miner.dataplane`)
         self.data, self.cache_dir = data, cache_dir
+        #: substitute data / tokenizer when the hub is unreachable (localnet, or asked for)
+        self.allow_data_fallback = allow_data_fallback
         self.max_in_flight, self.hop_timeout_s = max_in_flight, hop_timeout_s
         #: the head's and tail's TokenDataset (built from ``data`` at start unless given)
         self.dataset: Any = dataset
@@ -150,6 +170,7 @@ class MinerService:
         self.ckpt_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._ckpt_write: Optional[asyncio.Future] = None
         self._neurons: dict[str, Any] = {}
+        self._commitments: dict[str, str] = {}
         self._stages: dict[str, int] = {}
         self._last_refresh = 0.0
         self._refresh_lock = asyncio.Lock()
@@ -178,11 +199,58 @@ class MinerService:
             self._commitments = dict(commits)
             stages = {}
             for hk, raw in commits.items():
-                c = StageCommitment.decode(raw)
-                if c is not None and c.run == self.run_id and hk in self._neurons:
+                c = RunCommitment.decode(raw)
+                if c is not None and c.role == MINER and c.same_run(self.run_id, self.run_epoch) and hk in self._neurons:
                     stages[hk] = c.stage
             self._stages = stages
+            self._track_uid()
             self._last_refresh = time.monotonic()
+
+    def _track_uid(self) -> None:
+        """Follow this hotkey's uid in the metagraph: after a deregistration it has none, after a new
+        registration another one (never report a uid that now belongs to another hotkey)."""
+        me = self._neurons.get(self.hotkey)
+        uid = None if me is None else int(me.uid)
+        if uid != self.uid:
+            if uid is None:
+                logger.warning(f"hotkey {self.hotkey[:10]} is no longer registered on netuid {self.netuid} (was uid "
+                               f"{self.uid}); it earns nothing until registered again")
+            else:
+                logger.warning(f"hotkey {self.hotkey[:10]} is now uid {uid} on netuid {self.netuid} (was {self.uid})")
+            self.uid = uid
+
+    def run_fingerprints(self) -> Optional[tuple[Fingerprints, list[int]]]:
+        """The fingerprints the run's validators advertise (most common), and their uids."""
+        seen: dict[Fingerprints, list[int]] = {}
+        for hk, raw in self._commitments.items():
+            n = self._neurons.get(hk)
+            c = RunCommitment.decode(raw)
+            if n is None or not n.validator_permit or c is None or c.role != VALIDATOR or c.fingerprints is None:
+                continue
+            if c.same_run(self.run_id, self.run_epoch):
+                seen.setdefault(c.fingerprints, []).append(int(n.uid))
+        if not seen:
+            return None
+        fps, uids = max(seen.items(), key=lambda kv: len(kv[1]))
+        return fps, sorted(uids)
+
+    def check_fingerprints(self) -> None:
+        """Refuse to join when this miner's data differs from what the run's validators advertise."""
+        run = self.run_fingerprints()
+        if self.fingerprints is None or run is None:
+            return
+        fps, uids = run
+        bad = self.fingerprints.differs(fps)
+        if bad:
+            raise RunMismatchError(
+                f"this miner's {' and '.join(bad)} differ from run {self.run_id!r} epoch {self.run_epoch}: ours "
+                f"tokenizer {self.fingerprints.tokenizer} / data {self.fingerprints.data}, the run's (validators "
+                f"{uids}) tokenizer {fps.tokenizer} / data {fps.data}; use the run's --data and config (and "
+                "tokenizer cache) or another --run-id")
+
+    def commitment(self) -> str:
+        return RunCommitment(self.run_id, MINER, self.run_epoch, stage=self.stage,
+                             fingerprints=self.fingerprints).encode()
 
     async def authorize(self, hotkey: str, route: str) -> None:
         if hotkey not in self._neurons:
@@ -221,13 +289,14 @@ class MinerService:
         return self.out / f"stage{self.stage}.safetensors"
 
     async def start(self) -> int:
-        """Register (if needed), pick the stage, load weights, serve and publish. Returns the port."""
-        if self.do_register:
-            reg = await self.chain.register(self.wallet, self.netuid)
-            self.uid = reg.uid
-        else:
-            self.uid = await self.chain.require_uid(self.hotkey, self.netuid)
+        """Register (only when asked), pick the stage, load weights, serve and publish (only what
+        changed; rate-limited publications are retried from :meth:`run`). Returns the port."""
+        sweep_stray_temporaries(self.out)
+        hand_over(self.out, self.run_id, self.run_epoch, ["stage*.safetensors", "status.json"])
+        self.uid = await ensure_registered(self.chain, self.wallet, self.netuid, register=self.do_register,
+                                           max_burn_tao=self.max_burn_tao)
         await self.refresh(force=True)
+        self.check_fingerprints()
         self.stage = self.choose_stage()
         self.worker, bound = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
                                          emulation=self.emulation, audit_window=self.audit_window)
@@ -244,7 +313,7 @@ class MinerService:
         fwd_contract = forward_contract(first=spec.is_head, last=spec.is_tail, seq_len=T, width=b, max_batch=mb,
                                         vocab_size=self.cfg.model.vocab_size)
         bwd_contract = backward_contract(seq_len=T, width=b, max_batch=mb)
-        self.server = NeuronServer(self.wallet, self.host, self.port, authorizer=self.authorize,
+        self.server = NeuronServer(self.wallet, self.host, await self._listen_port(), authorizer=self.authorize,
                                    nonce_store_path=self.out / "nonces.sqlite",
                                    max_body_bytes=mb * T * max(b, 2) * 4 * 2 + (1 << 20))
         self.server.add_route("/forward", self._forward, Forward, lambda: fwd_contract)
@@ -281,9 +350,18 @@ class MinerService:
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.server.add_public_get(path, handler)
         self.metrics.instrument(self.server.app)
-        self.port = await self.server.start()
-        await self.chain.serve(self.wallet, self.netuid, self.external_ip, self.port)
-        await self.chain.publish(self.wallet, self.netuid, StageCommitment(self.run_id, self.stage).encode())
+        try:
+            self.port = await self.server.start()
+        except OSError:
+            if not self.port and self.server.port:   # the port we served before is taken: any port
+                self.server.port = 0
+                self.port = await self.server.start()
+            else:
+                raise
+        self.publisher.set_axon(self.external_ip, self.port)
+        self.publisher.set_commitment(self.commitment())
+        if not await self.publisher.sync():
+            logger.warning(f"not yet published on chain: {self.publisher.status()}; retrying in the background")
         logger.info(f"miner uid {self.uid} ({self.hotkey[:10]}) serves stage {self.stage} "
                     f"(layers {spec.layers.start}-{spec.layers.stop - 1}, {self.worker.module.param_count():,} params) "
                     f"on {self.external_ip}:{self.port}, inner step {self.worker.inner_step}")
@@ -298,14 +376,21 @@ class MinerService:
         return self.port
 
     async def _row_source(self):
-        """The head and the tail read token rows themselves, by the tickets' sample addresses."""
-        from iota_subnet.data import DataError, build_dataset
+        """The head and the tail read token rows themselves, by the tickets' sample addresses. The
+        data they build is fingerprinted and checked against what the run's validators advertise."""
+        from iota_subnet.data import DataError, build_dataset, fingerprints
         if self.dataset is None:
+            def build():
+                tok, ds = build_dataset(self.cfg.data, self.data, Path(self.cache_dir) if self.cache_dir else None,
+                                        allow_fallback=self.allow_data_fallback)
+                return ds, fingerprints(tok, ds)
             try:
-                _, self.dataset = await asyncio.to_thread(build_dataset, self.cfg.data, self.data,
-                                                          Path(self.cache_dir) if self.cache_dir else None)
+                self.dataset, built = await asyncio.to_thread(build)
             except DataError as e:
                 raise ConfigError(f"data: {e}") from e
+            if self.fingerprints is None:
+                self.fingerprints = built
+        self.check_fingerprints()
         ds = self.dataset
 
         def rows(split: str, seed: int, start: int, n: int) -> torch.Tensor:
@@ -320,6 +405,10 @@ class MinerService:
         if isinstance(self.worker, StageWorker) and self.worker.updates is not None:   # not emulated
             self.server.add_route("/audit/update", UpdateAuditRoute(self.worker.updates, self.run_id, self.stage),
                                   UpdateAuditRequest, None)
+    async def _listen_port(self) -> int:
+        """``--port``, or with port 0 the port this hotkey already serves on chain (when the address
+        is ours): a restart then needs no new ``serve_axon``, which the serving rate limit could refuse."""
+        return self.port or await self.publisher.served_port(self.external_ip)
 
     # ---- merging (iota_subnet.merge) -------------------------------------------------------------
     merge = None
@@ -384,9 +473,8 @@ class MinerService:
         return sorted(hk for hk, s in self._stages.items() if s == self.stage and hk != self.hotkey)
 
     def _merge_weights(self, participants: list[str]) -> dict[str, float]:
-        from iota_subnet.validator.merge_weights import weights_from_commitments
-        return weights_from_commitments(getattr(self, "_commitments", {}), self._neurons, self.run_id, self.stage,
-                                        participants)
+        return merge_weights_from_commitments(self._commitments, self._neurons, self.run_id, participants,
+                                              self.run_epoch)
 
     async def _merge_route(self, msg, ctx):
         self._check_header(msg)
@@ -415,13 +503,12 @@ class MinerService:
             logger.warning(f"ignoring merge state {p}: {e}")
 
     def _save_merge_state(self) -> None:
-        import safetensors.torch
+        from iota_subnet.train.checkpoint import tensors_bytes
         from iota_subnet.utils.atomic import atomic_write_bytes
-        import json as _json
-        data = safetensors.torch.save({"anchor": self.merge.anchor.contiguous(), "momentum": self.merge.momentum.contiguous()},
-                                      metadata={"meta": _json.dumps({"merged_epoch": self.merge.merged_epoch,
-                                                                     "step": self.worker.inner_step,
-                                                                     "work_base": self.merge.work_base})})
+        data = tensors_bytes({"anchor": self.merge.anchor.contiguous().cpu(),
+                              "momentum": self.merge.momentum.contiguous().cpu()},
+                             {"merged_epoch": self.merge.merged_epoch, "step": self.worker.inner_step,
+                              "work_base": self.merge.work_base})
         atomic_write_bytes(self.merge_state_path, data)
 
     async def _on_merged(self, rep) -> None:
@@ -567,9 +654,12 @@ class MinerService:
                 except asyncio.TimeoutError:
                     pass
                 try:
-                    await self.refresh()
-                except Exception as e:  # noqa: BLE001 - a chain hiccup must not stop serving
-                    logger.warning(f"metagraph refresh failed: {e}")
+                    await until_stopped(self.refresh(), stop)
+                    await until_stopped(self.publisher.sync(), stop)
+                except StopRequested:
+                    break
+                except Exception as e:  # noqa: BLE001 - a chain hiccup must not stop serving (next round retries)
+                    logger.warning(f"chain round skipped: {type(e).__name__}: {e}")
                 if self.merge is not None and self.cfg.merge.every_blocks:
                     try:
                         epoch = await self.chain.block() // self.cfg.merge.every_blocks - 1
@@ -631,6 +721,7 @@ class MinerService:
     def status(self) -> dict:
         w = self.worker
         d = {"hotkey": self.hotkey, "uid": self.uid, "stage": self.stage, "port": self.port,
+             "run_id": self.run_id, "run_epoch": self.run_epoch, "chain": self.publisher.status(),
              "uptime_s": round(time.time() - self.started_at, 1)}
         if self.adversary:
             d["adversary"] = self.adversary

@@ -78,7 +78,7 @@ class StageWorker:
         #: data plane (:mod:`iota_subnet.miner.dataplane`) sets it False and calls :meth:`step` itself
         #: once every micro-batch of the lane step has been accumulated
         self.auto_step = True
-        self.total_steps = int(total_steps or cfg.train.total_steps)
+        self.total_steps = total_steps if total_steps is not None else cfg.train.total_steps  # None: open-ended
         self.inner_step = 0
         self.version = 0                    # bumped by every optimizer step (see _recompute_backward)
         self.recomputes = 0

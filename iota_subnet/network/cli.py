@@ -11,7 +11,7 @@ def parse_sets(items: list[str]) -> dict:
     Raises ConfigError for an item that is not ``SECTION.KEY=VALUE``."""
     import yaml
 
-    from iota_subnet.config import ConfigError
+    from iota_subnet.config import ConfigError, load_yaml
     out: dict = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -19,12 +19,7 @@ def parse_sets(items: list[str]) -> dict:
         if not sep or not dot or not section or not name:
             raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. merge.every_steps=10")
         try:
-            v = yaml.safe_load(value)
-            if isinstance(v, str):          # YAML 1.1 reads 1e-3 as a string
-                try:
-                    v = float(v)
-                except ValueError:
-                    pass
+            v = load_yaml(value)
             out.setdefault(section, {})[name] = v
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {item!r}: value is not valid YAML: {e}") from None

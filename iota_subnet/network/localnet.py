@@ -133,7 +133,7 @@ class LocalNet:
         if self.data is None:
             self.data, why = default_source()
             logger.info(f"no --data given: using {self.data} ({why})")
-        tok, ds = build_dataset(self.cfg.data, self.data)
+        tok, ds = build_dataset(self.cfg.data, self.data, allow_fallback=True)   # a local network may fall back
         atomic_write_text(self.out / "tokenizer.json", tok.to_str())   # `iota-subnet export` ships it
         logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
         if self.chain_db.exists():
@@ -174,7 +174,7 @@ class LocalNet:
         out = self.out / "miners" / name
         argv = [sys.executable, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out",
                 str(out), "--no-register", "--data", str(self.data), "--link-control", str(out / "link-control.json"),
-                *self.extra_miner_args]
+                "--allow-data-fallback", *self.extra_miner_args]
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
         return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
@@ -192,7 +192,7 @@ class LocalNet:
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
                     "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
-                    str(out / "link-control.json"), *relay, "--dashboard-port", "0",
+                    str(out / "link-control.json"), "--allow-data-fallback", *relay, "--dashboard-port", "0",
                     *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 

@@ -1,7 +1,7 @@
 """Typed outcomes of a request: every refusal names why, and maps to one HTTP status.
 
 4xx: the caller's fault (do not retry the same request); 503: try again later
-(``BUSY``, ``NOT_READY``); 500: our fault (``INTERNAL``).
+(``BUSY``, ``NOT_READY``; 429 ``TOO_MANY_REQUESTS``: the caller's own in-flight cap); 500: our fault (``INTERNAL``).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class Outcome(str, enum.Enum):
     BAD_SIGNATURE = "BAD_SIGNATURE"
     REPLAYED_NONCE = "REPLAYED_NONCE"
     STALE_REQUEST = "STALE_REQUEST"
+    CLOCK_SKEW = "CLOCK_SKEW"
     WRONG_RECEIVER = "WRONG_RECEIVER"
     # authorization (metagraph)
     UNREGISTERED_HOTKEY = "UNREGISTERED_HOTKEY"
@@ -37,6 +38,7 @@ class Outcome(str, enum.Enum):
     UNKNOWN_ROUTE = "UNKNOWN_ROUTE"
     LATE = "LATE"
     BUSY = "BUSY"
+    TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
     NOT_READY = "NOT_READY"
     INTERNAL = "INTERNAL"
 
@@ -47,7 +49,7 @@ class Outcome(str, enum.Enum):
     @property
     def retryable(self) -> bool:
         """True for outcomes where the same request may succeed later (503s)."""
-        return self in (Outcome.BUSY, Outcome.NOT_READY)
+        return self in (Outcome.BUSY, Outcome.NOT_READY, Outcome.TOO_MANY_REQUESTS)
 
 
 HTTP_STATUS: dict[Outcome, int] = {
@@ -55,7 +57,8 @@ HTTP_STATUS: dict[Outcome, int] = {
     Outcome.MISSING_SIGNATURE: 401,
     Outcome.BAD_SIGNATURE: 401,
     Outcome.REPLAYED_NONCE: 401,
-    Outcome.STALE_REQUEST: 401,
+    Outcome.STALE_REQUEST: 401,        # signed longer ago than the freshness window (when the request started)
+    Outcome.CLOCK_SKEW: 401,           # signed in the future: the caller's clock is ahead of ours
     Outcome.WRONG_RECEIVER: 421,       # Misdirected Request: signed for another hotkey
     Outcome.UNREGISTERED_HOTKEY: 403,
     Outcome.FORBIDDEN: 403,
@@ -73,6 +76,7 @@ HTTP_STATUS: dict[Outcome, int] = {
     Outcome.UNKNOWN_ROUTE: 404,
     Outcome.LATE: 410,                 # Gone: the micro-batch / epoch window has closed
     Outcome.BUSY: 503,
+    Outcome.TOO_MANY_REQUESTS: 429,    # this caller already has its cap of requests in flight
     Outcome.NOT_READY: 503,
     Outcome.INTERNAL: 500,
 }

@@ -5,21 +5,42 @@ Layout of the tensor names: ``model/<param name>`` and ``optim/<param name>/<sta
 object with at least ``step``, ``config_fingerprint`` and ``config``.
 
 Writes are atomic (temporary file, fsync, rename): a process killed while saving leaves the
-previous checkpoint intact, and a truncated file is refused on load with :class:`CheckpointError`.
+previous checkpoint intact (and a temporary file that :func:`sweep_stray_temporaries` removes at the
+next start), and a truncated file is refused on load with :class:`CheckpointError`.
+
+Integrity: the header metadata also holds ``sha256``, a JSON object tensor name -> sha256 of the
+tensor's stored bytes; :func:`read_checkpoint` recomputes every one from the file and refuses a
+checkpoint whose bytes changed (a flipped bit in the tensor data would otherwise load silently).
+Checkpoints written before the hashes existed load without that check.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from iota_subnet.utils.atomic import atomic_write_bytes
+from iota_subnet.utils.atomic import atomic_write_bytes, sweep_temporaries
+
+#: Header metadata key of the per-tensor hashes.
+HASHES_KEY = "sha256"
+
+
+def sweep_stray_temporaries(folder: str | Path) -> list[Path]:
+    """Remove the temporary files of checkpoint (and other atomic) writes that a killed process left
+    in ``folder``; call at start, before anything is saved there. Returns the removed paths."""
+    return sweep_temporaries(folder)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes as safetensors stores them (C order, little endian)."""
+    flat = t.detach().contiguous().cpu().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
 class CheckpointError(RuntimeError):
@@ -57,7 +78,14 @@ def checkpoint_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Op
             for k, v in state.items():
                 t = v if torch.is_tensor(v) else torch.tensor(float(v))
                 tensors[f"optim/{n}/{k}"] = t.detach().contiguous().cpu()
-    return st_save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True, default=str)})
+    return tensors_bytes(tensors, meta)
+
+
+def tensors_bytes(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
+    """safetensors bytes of ``tensors`` (contiguous CPU tensors) with ``meta`` and per-tensor sha256."""
+    hashes = {k: tensor_sha256(v) for k, v in tensors.items()}
+    return st_save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True, default=str),
+                                      HASHES_KEY: json.dumps(hashes, sort_keys=True)})
 
 
 def save_checkpoint(path: str | Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -74,17 +102,36 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     data = path.read_bytes()
     try:
         tensors = st_load(data)
-        from safetensors import safe_open  # header metadata
         n = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + n])
-        meta = json.loads(header.get("__metadata__", {}).get("meta", "{}"))
-    except (SafetensorError, ValueError, json.JSONDecodeError, OverflowError) as e:
+        extra = header.get("__metadata__", {}) or {}
+        meta = json.loads(extra.get("meta", "{}"))
+        hashes = json.loads(extra[HASHES_KEY]) if HASHES_KEY in extra else None
+    except (SafetensorError, ValueError, json.JSONDecodeError, OverflowError, AttributeError) as e:
         raise CheckpointError(
             f"checkpoint {path} is truncated or corrupt ({e}); delete it to start over, "
             "or restore the previous good copy") from e
     if "step" not in meta:
         raise CheckpointError(f"checkpoint {path} has no metadata (step); it was not written by iota-subnet")
+    if hashes is not None:
+        _verify_hashes(path, data, 8 + n, header, hashes)
     return tensors, meta
+
+
+def _verify_hashes(path: Path, data: bytes, base: int, header: dict, hashes: Any) -> None:
+    """Recompute the sha256 of every tensor's stored bytes; CheckpointError names the first that differs."""
+    names = [k for k in header if k != "__metadata__"]
+    if not isinstance(hashes, dict) or set(hashes) != set(names):
+        raise CheckpointError(f"checkpoint {path}: its tensor hashes do not list exactly its tensors; the file was "
+                              "altered. Delete it to start over, or restore the previous good copy")
+    view = memoryview(data)
+    for name in sorted(names):
+        start, end = header[name]["data_offsets"]
+        if hashlib.sha256(view[base + start:base + end]).hexdigest() != hashes[name]:
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {name!r} does not match its stored sha256 (the file's bytes changed "
+                "after it was written: disk or copy corruption). Delete it to start over (a miner then syncs "
+                "from a replica), or restore the previous good copy")
 
 
 def restore(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], tensors: dict, meta: dict,

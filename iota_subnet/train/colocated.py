@@ -24,7 +24,7 @@ from loguru import logger
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.model import StagedModel, bottleneck_dims, build_stages
 from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, read_checkpoint, restore,
-                                          save_checkpoint)
+                                          save_checkpoint, sweep_stray_temporaries)
 from iota_subnet.train.metrics import MetricsLog, write_summary
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
@@ -77,7 +77,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
                     seed: Optional[int] = None, device: Optional[str] = None, progress: Optional[bool] = None,
                     cache_dir: Optional[Path] = None, overrides: Optional[dict] = None,
                     checkpoint_every: Optional[int] = None, eval_at_end: bool = True,
-                    stop_after: Optional[int] = None) -> dict:
+                    stop_after: Optional[int] = None, allow_data_fallback: bool = False) -> dict:
     """Train the staged model in one process for ``steps`` optimizer steps; returns the summary dict.
 
     ``stop_after``: behave as if interrupted once that step is reached (checkpoint, then raise
@@ -91,9 +91,10 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    sweep_stray_temporaries(out)          # leftovers of a save killed half-way
     seed = cfg.train.seed if seed is None else seed
     dev = pick_device(device)
-    tok, dataset = build_dataset(cfg.data, data, cache_dir)
+    tok, dataset = build_dataset(cfg.data, data, cache_dir, allow_fallback=allow_data_fallback)
     stages = build_stages(cfg, seed=seed)
     model = StagedModel(stages).to(dev)
     opt = make_optimizer(model, cfg.train)

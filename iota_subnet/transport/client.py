@@ -2,7 +2,8 @@
 
 One ``aiohttp.ClientSession`` per client (keep-alive pool, TCP_NODELAY on every socket). Each
 attempt is signed afresh (btauth/1 needs a fresh nonce per request). Retries, with exponential
-backoff, happen only for connection errors, timeouts and 503 (``BUSY`` / ``NOT_READY``); a 4xx
+backoff, happen only for connection errors, timeouts, 503 (``BUSY`` / ``NOT_READY``) and 429
+(``TOO_MANY_REQUESTS``); any other 4xx
 is raised at once as :class:`ProtocolError` carrying the server's outcome. Network failure after
 the last retry raises :class:`TransportError`.
 
@@ -184,7 +185,7 @@ class NeuronClient:
                         return reply
                     err = _refusal_from(resp.status, data)
                     self._observe(path, len(body), len(data), t0, err.outcome.value)
-                    if resp.status == 503 and attempt + 1 < attempts:
+                    if resp.status in (503, 429) and attempt + 1 < attempts:   # busy / caller cap
                         logger.debug("{}{}: {} (attempt {}/{}), retrying", endpoint, path, err.outcome.value,
                                      attempt + 1, attempts)
                         last = err

@@ -1,17 +1,27 @@
 """HTTP server for a neuron: btauth/1-authenticated, typed, validated POST routes.
 
-Every request goes through one middleware, in this order:
+Every request goes through one middleware, in this order; steps 1-5 use only the headers, so a
+caller that may not send the body is refused before any of it is read:
 
 1. route lookup (``UNKNOWN_ROUTE`` 404 for unknown paths or non-POST methods);
-2. concurrency bound (``BUSY`` 503 when ``max_inflight`` requests are already running);
-3. body size: ``Content-Length`` above ``max_body_bytes`` is refused with 413 ``BODY_TOO_LARGE``
-   before any of the body is read; a chunked body is read only up to the limit;
-4. ``bittensor.http_auth.verify`` with our hotkey as receiver and a persistent nonce store; each
-   ``AuthError`` maps to an :class:`Outcome` (see :data:`AUTH_OUTCOMES`);
-5. ``authorizer(caller_hotkey, route)`` (sync or async), supplied by the neuron; it raises
+2. concurrency bound (``BUSY`` 503 when ``max_inflight`` requests are already running); a
+   ``Content-Length`` above the route's body limit is refused at once (413 ``BODY_TOO_LARGE``);
+3. the btauth/1 headers: present (``MISSING_SIGNATURE``), well formed, bound to our hotkey
+   (``WRONG_RECEIVER``), and fresh *when the request started* (its headers arrived): a nonce
+   ahead of our clock by more than ``allowed_skew`` is ``CLOCK_SKEW``, one older than ``max_age``
+   is ``STALE_REQUEST``; a nonce already accepted, in flight, or older than the nonce store is
+   ``REPLAYED_NONCE``. A slow upload of a large body is therefore not refused as stale;
+4. ``authorizer(claimed_hotkey, route)`` (sync or async), supplied by the neuron; it raises
    ``ProtocolError(UNREGISTERED_HOTKEY | FORBIDDEN)`` to refuse;
-6. :func:`iota_subnet.protocol.decode` against the route's message type and contract;
-7. the handler ``handler(msg, ctx) -> Message`` (sync or async).
+5. per-caller bound (``TOO_MANY_REQUESTS`` 429 when that hotkey already has
+   ``max_inflight_per_caller`` requests in flight);
+6. the body, read only up to the route's limit (``max_body_bytes``; a chunked body over it is 413
+   ``BODY_TOO_LARGE``);
+7. ``bittensor.http_auth.verify`` of the signature over the body (freshness judged at the time
+   the request started) with a persistent nonce store; each ``AuthError`` maps to an
+   :class:`Outcome` (see :data:`AUTH_OUTCOMES`);
+8. :func:`iota_subnet.protocol.decode` against the route's message type and contract;
+9. the handler ``handler(msg, ctx) -> Message`` (sync or async).
 
 Success: 200, ``application/octet-stream``, the encoded response; the response is signed with
 our hotkey (btauth/1 headers, method ``RESPONSE``, path ``<request path>#<request nonce>``,
@@ -35,7 +45,7 @@ from bittensor import http_auth
 from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
-from .nonce_store import SqliteNonceStore
+from .nonce_store import MemoryNonceStore, SqliteNonceStore
 from .shaping import LinkDown, UplinkShaper, process_shaper, response_head_bytes
 
 #: bittensor.http_auth exception -> outcome.
@@ -127,8 +137,8 @@ class NeuronServer:
     def __init__(self, wallet: Any, host: str = "0.0.0.0", port: int = 0, authorizer: Optional[Authorizer] = None,
                  nonce_store_path: Optional[str | os.PathLike] = None, max_body_bytes: int = 64 << 20, *,
                  max_age: float = http_auth.DEFAULT_MAX_AGE, allowed_skew: float = http_auth.DEFAULT_ALLOWED_SKEW,
-                 max_inflight: Optional[int] = None, sign_responses: bool = True,
-                 shaper: Optional[UplinkShaper] = None):
+                 max_inflight: Optional[int] = None, max_inflight_per_caller: Optional[int] = 16,
+                 sign_responses: bool = True, shaper: Optional[UplinkShaper] = None):
         self.wallet = wallet
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
@@ -140,11 +150,12 @@ class NeuronServer:
         self.max_age = max_age
         self.allowed_skew = allowed_skew
         self.max_inflight = max_inflight
+        self.max_inflight_per_caller = max_inflight_per_caller
         self.sign_responses = sign_responses
         self.shaper = shaper if shaper is not None else process_shaper()
         if nonce_store_path is None:
             logger.warning("NeuronServer without nonce_store_path: replay protection is lost on restart")
-            self.nonce_store: Any = http_auth.InMemoryNonceStore(retention=max_age + allowed_skew + 5.0)
+            self.nonce_store: Any = MemoryNonceStore(retention=max_age + allowed_skew + 5.0)
         else:
             self.nonce_store = SqliteNonceStore(nonce_store_path, max_age=max_age, allowed_skew=allowed_skew)
         if authorizer is None:
@@ -154,6 +165,8 @@ class NeuronServer:
         self.app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         self._runner: Optional[web.AppRunner] = None
         self._inflight = 0
+        self._inflight_by: Counter[str] = Counter()          # claimed hotkey -> requests in flight
+        self._pending_nonces: set[tuple[str, int]] = set()    # (hotkey, nonce) of requests in flight
         #: counters: requests per outcome, bytes in/out (bodies).
         self.outcomes: Counter[str] = Counter()
         self.bytes_received = 0
@@ -252,18 +265,56 @@ class NeuronServer:
                 raise ProtocolError(Outcome.BODY_TOO_LARGE, f"body over the limit of {limit} bytes")
         return b"".join(chunks)
 
-    def _verify(self, request: web.Request, body: bytes) -> http_auth.Caller:
+    def _claim(self, request: web.Request, started_ns: int) -> tuple[str, int]:
+        """The claimed (hotkey, nonce) of a request, from its headers alone (no body needed yet).
+
+        Checks presence, form, receiver binding, freshness against ``started_ns`` (when the
+        headers arrived) and replay; raises :class:`ProtocolError` (see the module docstring)."""
         headers = request.headers
         for name in _REQUIRED_AUTH_HEADERS:
             if not headers.get(name):
                 raise ProtocolError(Outcome.MISSING_SIGNATURE, f"missing {name}")
+        if headers[http_auth.HEADER_VERSION] != http_auth.VERSION:
+            raise ProtocolError(Outcome.BAD_SIGNATURE, f"unsupported {http_auth.HEADER_VERSION} "
+                                                       f"(expected {http_auth.VERSION!r})")
+        receiver = headers.get(http_auth.HEADER_RECEIVER)
+        if receiver != self.hotkey:
+            raise ProtocolError(Outcome.WRONG_RECEIVER, "request was signed for a different (or no) receiving hotkey")
+        hotkey = headers[http_auth.HEADER_HOTKEY]
         try:
-            return http_auth.verify(headers, body, method=request.method, path=request.raw_path,
+            nonce = int(headers[http_auth.HEADER_NONCE])
+        except ValueError:
+            raise ProtocolError(Outcome.BAD_SIGNATURE, f"{http_auth.HEADER_NONCE} is not a decimal integer") from None
+        ahead_s, age_s = (nonce - started_ns) / 1e9, (started_ns - nonce) / 1e9
+        if ahead_s > self.allowed_skew:
+            raise ProtocolError(Outcome.CLOCK_SKEW, (
+                f"signed {ahead_s:.1f} s in the future by our clock (at most {self.allowed_skew:g} s allowed): the "
+                "caller's clock runs ahead; synchronise it (NTP)"))
+        if age_s > self.max_age:
+            raise ProtocolError(Outcome.STALE_REQUEST, (
+                f"signed {age_s:.1f} s before the request reached us (freshness window {self.max_age:g} s): sign "
+                "again and resend; if every request is this late, the caller's clock runs behind (sync NTP)"))
+        key = (hotkey, nonce)
+        if key in self._pending_nonces or self.nonce_store.seen(hotkey, nonce):
+            raise ProtocolError(Outcome.REPLAYED_NONCE, "this nonce was already used by this hotkey, or predates "
+                                                        "our replay store; sign the request again")
+        return key
+
+    def _verify(self, request: web.Request, body: bytes, started_ns: int) -> http_auth.Caller:
+        """The signature over ``body``, freshness judged at ``started_ns``; stores the nonce."""
+        try:
+            return http_auth.verify(request.headers, body, method=request.method, path=request.raw_path,
                                     self_hotkey_ss58=self.hotkey, max_age=self.max_age,
-                                    allowed_skew=self.allowed_skew, nonce_store=self.nonce_store)
+                                    allowed_skew=self.allowed_skew, nonce_store=self.nonce_store, now_ns=started_ns)
         except http_auth.AuthError as e:
             outcome = next((o for cls, o in AUTH_OUTCOMES.items() if isinstance(e, cls)), Outcome.BAD_SIGNATURE)
             raise ProtocolError(outcome, str(e)) from None
+
+    async def _authorize(self, hotkey: str, route: Route) -> None:
+        if self.authorizer is not None:
+            res = self.authorizer(hotkey, route.path)
+            if inspect.isawaitable(res):
+                await res
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -280,6 +331,7 @@ class NeuronServer:
 
     async def _serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
+        started_ns = time.time_ns()
         _set_nodelay(request)
         if request.method == "GET" and request.path in self.public_gets:
             return await self.public_gets[request.path](request)
@@ -294,17 +346,26 @@ class NeuronServer:
         hdr = len(request.raw_path) + 16 + sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
         self.header_bytes_received += hdr
         self.route_bytes[route.path] += hdr
+        claim: Optional[tuple[str, int]] = None
+        limit = route.max_body_bytes or self.max_body_bytes
         try:
-            limit = route.max_body_bytes or self.max_body_bytes
+            if request.content_length is not None and request.content_length > limit:
+                raise ProtocolError(Outcome.BODY_TOO_LARGE, f"Content-Length {request.content_length} > limit {limit}")
+            hotkey, nonce = self._claim(request, started_ns)
+            await self._authorize(hotkey, route)
+            cap = self.max_inflight_per_caller
+            if cap is not None and self._inflight_by[hotkey] >= cap:
+                raise ProtocolError(Outcome.TOO_MANY_REQUESTS, f"{self._inflight_by[hotkey]} requests of this hotkey "
+                                                               f"are already in flight (at most {cap})")
+            claim = (hotkey, nonce)
+            self._pending_nonces.add(claim)
+            self._inflight_by[hotkey] += 1
             body = await self._read_body(request, limit)
             self.bytes_received += len(body)
             self.route_bytes[route.path] += len(body)
             big = len(body) > OFFLOAD_BYTES
-            caller = await asyncio.to_thread(self._verify, request, body) if big else self._verify(request, body)
-            if self.authorizer is not None:
-                res = self.authorizer(caller.hotkey_ss58, route.path)
-                if inspect.isawaitable(res):
-                    await res
+            caller = (await asyncio.to_thread(self._verify, request, body, started_ns) if big
+                      else self._verify(request, body, started_ns))
             contract = route.contract()
             if big:
                 msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit)
@@ -324,6 +385,11 @@ class NeuronServer:
             return self._refuse(ProtocolError(Outcome.INTERNAL, f"{type(e).__name__} in handler"), request)
         finally:
             self._inflight -= 1
+            if claim is not None:
+                self._pending_nonces.discard(claim)
+                self._inflight_by[claim[0]] -= 1
+                if self._inflight_by[claim[0]] <= 0:
+                    del self._inflight_by[claim[0]]
 
     async def _run_handler(self, route: Route, request: web.Request) -> web.StreamResponse:
         msg: Message = request[_MSG_KEY]

@@ -1,7 +1,8 @@
 """Atomic file writes: temporary file in the same folder, fsync, rename, fsync of the folder.
 
 A reader (or a process restarted after ``kill -9``) sees either the old file or the new one,
-never a truncated mix.
+never a truncated mix. A write killed half-way leaves its temporary file (``.<name>.<random>.tmp``)
+behind; :func:`sweep_temporaries` removes them when a process starts.
 """
 from __future__ import annotations
 
@@ -23,6 +24,30 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+#: Name pattern of the temporary files :func:`atomic_write_with` creates (``.<name>.<random>.tmp``).
+TEMP_GLOB = ".*.tmp"
+
+
+def sweep_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files killed atomic writes left in ``folder`` (not below it).
+
+    Call it at start, before this process writes there: a temporary file of a write in progress
+    would be removed too. Returns the removed paths; a missing folder is not an error.
+    """
+    folder = Path(folder)
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for p in sorted(folder.glob(TEMP_GLOB)):
+        if p.is_file() and not p.is_symlink():
+            try:
+                p.unlink()
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], None]) -> Path:

@@ -125,10 +125,17 @@ def sample_start(lane: int, step: int, m: int, n_lanes: int, batch_size: int, mi
     return (step * n_lanes + lane) * batch_size + m * micro_batch_size
 
 
-def steps_of(validator_index: int, n_validators: int, start: int, total: int) -> list[int]:
-    """The lane steps in ``[start, total)`` this validator drives (``k % V == v``)."""
+#: ``total`` lane steps of an open-ended run (``train.total_steps: null``): never reached.
+OPEN_ENDED_STEPS = 1 << 62
+
+
+def steps_of(validator_index: int, n_validators: int, start: int, total: int) -> range:
+    """The lane steps in ``[start, total)`` this validator drives (``k % V == v``), as a range
+    (``total`` may be :data:`OPEN_ENDED_STEPS`)."""
     v, V = int(validator_index), max(1, int(n_validators))
-    return [k for k in range(max(0, start), total) if k % V == v % V]
+    start = max(0, int(start))
+    first = start + (v % V - start % V) % V
+    return range(first, max(first, int(total)), V)
 
 
 class PipelineDriver:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from loguru import logger
 
-from iota_subnet.neuron_common import add_common_args, run_id_for, setup_process
-from iota_subnet.validator.service import WEIGHTS_VERSION_KEY, ValidatorError, ValidatorOptions, run_validator
+from iota_subnet.neuron_common import add_common_args, check_external_ip, run_id_for, setup_process
+from iota_subnet.validator.service import ValidatorError, ValidatorOptions, run_validator
+from iota_subnet.validator.state import StateError
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -22,7 +23,6 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     v.add_argument("--lanes", type=int, default=None, help="drive at most this many lanes")
     v.add_argument("--hop-timeout", type=float, default=30.0, help="seconds per forward/backward hop")
     v.add_argument("--sync-interval", type=float, default=5.0, help="seconds between metagraph syncs")
-    v.add_argument("--version-key", type=int, default=WEIGHTS_VERSION_KEY)
     v.add_argument("--min-lanes", type=int, default=1,
                    help="wait (up to 10 minutes) for this many complete lanes before driving")
     v.add_argument("--check-rate", type=float, default=0.1,
@@ -76,12 +76,15 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             network=a.network, chain_db=a.chain_db, netuid=a.netuid, config=a.config, data=a.data,
                             cache_dir=a.cache_dir, steps=steps, out=out, run_id=run_id_for(a), port=a.port,
                             dashboard_port=a.dashboard_port,
+                            run_epoch=a.run_epoch, allow_data_fallback=a.allow_data_fallback,
+                            chain_timeout_s=a.chain_timeout,
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
-                            version_key=a.version_key, exit_when_done=a.exit_when_done,
+                            exit_when_done=a.exit_when_done,
                             check_rate=a.check_rate, min_lanes=a.min_lanes, snapshot_every=a.snapshot_every,
                             clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_window=a.score_window,
                             stale_grace=a.stale_grace, burn_uid=None if a.burn_uid < 0 else a.burn_uid,
-                            host=a.host, external_ip=a.external_ip, data_plane=a.data_plane, wire_dtype=a.wire_dtype,
+                            host=a.host, external_ip=check_external_ip(a.network, a.external_ip, a.allow_private_ip),
+                            data_plane=a.data_plane, wire_dtype=a.wire_dtype,
                             ticket_lookahead=a.ticket_lookahead, stall_s=a.stall)
 
 
@@ -90,7 +93,7 @@ def run_validator_cli(a: argparse.Namespace) -> int:
     from iota_subnet.errors import known_errors
     try:
         return asyncio.run(run_validator(options_from(a)))
-    except (ValidatorError, *known_errors()) as e:
+    except (ValidatorError, StateError, *known_errors()) as e:
         logger.error(str(e))
         return 2
 

@@ -1,8 +1,7 @@
 """Merge weights: how much each replica counts in its stage's mean pseudo-gradient.
 
-Validators decide them from their scores and publish them as their chain commitment::
-
-    {"v": 1, "kind": "merge_weights", "run": "<run id>", "w": {"<uid>": 0.83, ...}}
+Validators decide them from their scores and publish them in their run commitment (the ``mw``
+entry of :class:`iota_subnet.protocol.commitment.RunCommitment`, which also advertises the run).
 
 Rule (:func:`compute_merge_weights`): a replica this validator caught cheating (a failed spot
 check or audit, including a merge accusation the validator verified itself, see
@@ -14,16 +13,17 @@ replicas' reads makes them build different plans (the attempt fails and is retri
 merges in a 3 x 3 localnet. Only non-default weights are published, so the commitment changes only
 when a replica is caught.
 
-Miners read every validator's commitment (:func:`weights_from_commitments`): the weight of a
+Miners read every validator's commitment
+(:func:`iota_subnet.protocol.commitment.merge_weights_from_commitments`): the weight of a
 participant is the median of the validators' weights for its uid; with no decision published it
 is 1.0 (equal weights). All replicas read the same chain state, so they build the same plan; when
 they do not (a commitment landed in between), the plan ids differ and the attempt is retried.
 """
 from __future__ import annotations
 
-import json
-import statistics
 from typing import Any, Iterable, Mapping, Optional
+
+from iota_subnet.protocol.commitment import VALIDATOR, RunCommitment, merge_weights_from_commitments
 
 
 def compute_merge_weights(uids: Iterable[int], *, cheaters: Iterable[int] = ()) -> dict[int, float]:
@@ -32,49 +32,24 @@ def compute_merge_weights(uids: Iterable[int], *, cheaters: Iterable[int] = ()) 
     return {int(u): 0.0 if int(u) in bad else 1.0 for u in uids}
 
 
-def encode_commitment(run_id: str, weights: Mapping[int, float]) -> str:
-    return json.dumps({"v": 1, "kind": "merge_weights", "run": run_id,
-                       "w": {str(int(u)): round(float(w), 3) for u, w in sorted(weights.items())}},
-                      separators=(",", ":"))
+def encode_commitment(run_id: str, weights: Mapping[int, float], run_epoch: int = 0) -> str:
+    """A validator commitment carrying only merge weights (see :class:`RunCommitment`)."""
+    return RunCommitment(run_id, VALIDATOR, run_epoch, merge_weights=dict(weights)).encode()
 
 
-def decode_commitment(raw: Optional[str], run_id: str) -> Optional[dict[int, float]]:
-    """uid -> weight, or None when ``raw`` is not a merge-weights commitment of ``run_id`` (never raises)."""
-    if not raw:
+def decode_commitment(raw: Optional[str], run_id: str, run_epoch: int = 0) -> Optional[dict[int, float]]:
+    """uid -> weight, or None when ``raw`` is not a validator commitment of the run (never raises)."""
+    c = RunCommitment.decode(raw)
+    if c is None or c.role != VALIDATOR or not c.same_run(run_id, run_epoch):
         return None
-    try:
-        d = json.loads(raw)
-        if d.get("v") != 1 or d.get("kind") != "merge_weights" or d.get("run") != run_id:
-            return None
-        out = {}
-        for k, v in d.get("w", {}).items():
-            f = float(v)
-            if not (f >= 0 and f < 1e6):
-                return None
-            out[int(k)] = f
-        return out
-    except (ValueError, TypeError, AttributeError):
-        return None
+    return dict(c.merge_weights)
 
 
 def weights_from_commitments(commitments: Mapping[str, str], neurons: Mapping[str, Any], run_id: str, stage: int,
-                             participants: Iterable[str]) -> dict[str, float]:
-    """Participant hotkey -> weight: median over validators (``validator_permit``) that published one; 1.0 else."""
-    decisions = []
-    for hk, raw in commitments.items():
-        n = neurons.get(hk)
-        if n is None or not getattr(n, "validator_permit", False):
-            continue
-        d = decode_commitment(raw, run_id)
-        if d is not None:
-            decisions.append(d)
-    out = {}
-    for p in participants:
-        n = neurons.get(p)
-        uid = getattr(n, "uid", None)
-        vals = [d[int(uid)] for d in decisions if uid is not None and int(uid) in d]
-        out[p] = float(statistics.median(vals)) if vals else 1.0
-    return out
+                             participants: Iterable[str], run_epoch: int = 0) -> dict[str, float]:
+    """Participant hotkey -> weight: median over validators (``validator_permit``) that published one; 1.0 else.
+    (:func:`iota_subnet.protocol.commitment.merge_weights_from_commitments`; ``stage`` is not used.)"""
+    return merge_weights_from_commitments(commitments, neurons, run_id, participants, run_epoch)
 
 
 def penalised_from_evidence(evidence: Iterable[Mapping[str, Any]], *, min_reporters: int = 1) -> set[str]:
@@ -175,12 +150,15 @@ class MergeOversight:
             out.append(v)
         return out
 
-    def commitment(self, uids: Iterable[int], cheaters: Iterable[int]) -> Optional[str]:
+    def decided(self, uids: Iterable[int], cheaters: Iterable[int]) -> dict[int, float]:
+        """The merge weights to publish: only those that differ from the default 1.0, so that they fit
+        a commitment (2,048 bytes: about 150 entries besides the run advert)."""
         w = compute_merge_weights(uids, cheaters=cheaters)
-        # only the weights that differ from the default 1.0, so that it fits a commitment (2,048
-        # bytes: about 200 entries)
-        decided = sorted((u, v) for u, v in w.items() if v != 1.0)[:200]
-        raw = encode_commitment(self.run_id, dict(decided))
+        return dict(sorted((u, v) for u, v in w.items() if v != 1.0)[:150])
+
+    def commitment(self, uids: Iterable[int], cheaters: Iterable[int]) -> Optional[str]:
+        """A merge-weights-only commitment text, or None when unchanged since the last call."""
+        raw = encode_commitment(self.run_id, self.decided(uids, cheaters))
         if raw == self.published:
             return None
         self.published = raw

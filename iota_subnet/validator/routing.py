@@ -24,7 +24,7 @@ Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
 """
 from __future__ import annotations
 
-from iota_subnet.protocol.commitment import StageCommitment
+from iota_subnet.protocol.commitment import MINER, RunCommitment
 
 import random
 import time
@@ -52,10 +52,11 @@ class Replica:
         return f"uid{self.uid}/{self.hotkey[:6]}@s{self.stage}"
 
 
-def parse_commitment(raw: Optional[str], run_id: str, n_stages: int) -> Optional[int]:
-    """The stage a commitment announces for ``run_id``, or None (absent, malformed, other run, bad stage)."""
-    c = StageCommitment.decode(raw)
-    if c is None or c.run != str(run_id) or not 0 <= c.stage < n_stages:
+def parse_commitment(raw: Optional[str], run_id: str, n_stages: int, run_epoch: int = 0) -> Optional[int]:
+    """The stage a miner's commitment announces for run (``run_id``, ``run_epoch``), or None
+    (absent, malformed, a validator's, other run or epoch, bad stage)."""
+    c = RunCommitment.decode(raw)
+    if c is None or c.role != MINER or not c.same_run(str(run_id), run_epoch) or not 0 <= c.stage < n_stages:
         return None
     return c.stage
 
@@ -74,14 +75,14 @@ def served_endpoint(axon: Any) -> Optional[str]:
 
 
 def discover(neurons: Iterable[Any], commitments: Mapping[str, str], run_id: str,
-             n_stages: int) -> dict[int, list[Replica]]:
-    """Stage -> replicas (sorted by uid) of run ``run_id``.
+             n_stages: int, run_epoch: int = 0) -> dict[int, list[Replica]]:
+    """Stage -> replicas (sorted by uid) of run (``run_id``, ``run_epoch``).
 
     ``neurons``: metagraph neurons (``uid``, ``hotkey``, ``axon``); ``commitments``: hotkey -> text.
     """
     out: dict[int, list[Replica]] = {s: [] for s in range(n_stages)}
     for n in neurons:
-        stage = parse_commitment(commitments.get(n.hotkey), run_id, n_stages)
+        stage = parse_commitment(commitments.get(n.hotkey), run_id, n_stages, run_epoch)
         if stage is None:
             continue
         ep = served_endpoint(getattr(n, "axon", None))

@@ -48,27 +48,37 @@ from typing import Any, Optional
 from loguru import logger
 
 from iota_subnet.chain import Chain, ChainError, open_chain
+from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
 from iota_subnet.doctor.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
+from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment
+from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient
+from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
+from iota_subnet.utils.run_folder import hand_over
+from iota_subnet.version import __version__, weights_version_key
 
 from . import explain
 from .audit_policy import AuditPolicy, merge_quality
 from .merge_audit import record_verdicts
 from .clasp import attribute, quality_factors
 from .control import ControlPlane
-from .driver import LaneStepResult, PipelineDriver
+from .driver import OPEN_ENDED_STEPS, LaneStepResult, PipelineDriver
+from .peers import PeerView, alive_blocks_for, coordinating_validators, heartbeat_due, run_fingerprints
 from .routing import Router, discover
 from .scoring import Scoreboard, stage_compute_shares, with_burn
-from .state import ValidatorState
+from .state import StateError, ValidatorState
 from .verification import SpotChecker
 
-#: Version key sent with the weights; the chain refuses keys older than the subnet's ``weights_version``.
-WEIGHTS_VERSION_KEY = 1
+#: Version key sent with the weights (from the package version); the chain refuses keys older than
+#: the subnet's ``weights_version``, and the validator stops at start when it is older.
+WEIGHTS_VERSION_KEY = weights_version_key()
+#: Files of a run's state in the validator's folder (set aside when a new run starts there).
+RUN_STATE_FILES = ["validator.sqlite", "validator.sqlite-wal", "validator.sqlite-shm", "metrics.jsonl", "status.json"]
 
 
 class ValidatorError(RuntimeError):
@@ -86,9 +96,13 @@ class ValidatorOptions:
     config: str = "configs/tiny.yaml"
     data: Optional[str] = None
     cache_dir: Optional[str] = None
-    steps: int = 10
+    allow_data_fallback: bool = False  # substitute data / tokenizer when the hub is unreachable
+    steps: Optional[int] = 10  # lane steps per lane; None: an open-ended run (until stopped)
     out: str = "runs/validator"
     run_id: str = "iota"
+    run_epoch: int = 0
+    chain_timeout_s: float = 30.0  # deadline of every chain call
+    peer_alive_blocks: Optional[int] = None  # liveness window of the other validators (default: 2 tempos + 10)
     port: int = 0  # the validator's server: /receipts (signed) and GET /scores; 0 = any free port
     dashboard_port: Optional[int] = None  # the web dashboard and GET /metrics (None: off; 0: any free port)
     host: str = "0.0.0.0"
@@ -153,14 +167,22 @@ class MetricsWriter:
 
 
 class ValidatorService:
-    """One validator. ``wallet``/``chain``/``cfg``/``dataset`` may be injected (tests)."""
+    """One validator. ``wallet``/``chain``/``cfg``/``dataset`` (and its ``fingerprints``) may be
+    injected (tests)."""
 
     def __init__(self, opts: ValidatorOptions, *, wallet: Any = None, chain: Optional[Chain] = None,
-                 cfg: Optional[RunConfig] = None, dataset: Any = None):
+                 cfg: Optional[RunConfig] = None, dataset: Any = None, fingerprints: Optional[Fingerprints] = None):
         self.opts = opts
         self.out = Path(opts.out).expanduser()
         self.wallet, self.chain, self.cfg, self.dataset = wallet, chain, cfg, dataset
+        self.fingerprints = fingerprints
         self._own_chain = chain is None
+        self.publisher: Optional[ChainPublisher] = None
+        self.peers = PeerView([])
+        self.alive_blocks = 0
+        self.heartbeat = 0
+        self.merge_weights: dict[int, float] = {}
+        self.other_runs: dict[str, int] = {}
         self.hotkey: str = ""
         self.uid: Optional[int] = None
         self.router: Optional[Router] = None
@@ -215,7 +237,7 @@ class ValidatorService:
         self.hotkey = self.wallet.hotkey.ss58_address
         if self.chain is None:
             try:
-                self.chain = await open_chain(o.network, o.chain_db)
+                self.chain = await open_chain(o.network, o.chain_db, timeout_s=o.chain_timeout_s)
             except ChainError as e:
                 raise ValidatorError(str(e)) from e
         try:
@@ -228,20 +250,16 @@ class ValidatorService:
             raise ValidatorError(
                 f"hotkey {self.hotkey} (uid {self.uid}) has no validator permit on netuid {o.netuid} ({o.network}); "
                 "stake to it (it must be among the top max_validators by stake) and wait for the next epoch")
-        try:
-            if self.cfg is None:
-                self.cfg = load_config(o.config)
-            if self.dataset is None:
-                from iota_subnet.data import DataError, build_dataset
-
-                try:
-                    _, self.dataset = await asyncio.to_thread(build_dataset, self.cfg.data, o.data,
-                                                              Path(o.cache_dir) if o.cache_dir else None)
-                except DataError as e:
-                    raise ValidatorError(f"data: {e}") from e
-        except ConfigError as e:
-            raise ValidatorError(f"config: {e}") from e
+        hp = await self.chain.hyperparameters(o.netuid)
+        self._check_version_key(hp)
+        self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
+        self._rate_limit = int(hp.get("weights_rate_limit", 0) or 0)
+        self.alive_blocks = o.peer_alive_blocks or alive_blocks_for(self._tempo, self._rate_limit)
+        await self._load_run_data()
+        self._check_fingerprints(graph)
         self.out.mkdir(parents=True, exist_ok=True)
+        sweep_stray_temporaries(self.out)
+        hand_over(self.out, o.run_id, o.run_epoch, RUN_STATE_FILES)
         self.state = ValidatorState(self.out / "validator.sqlite")
         shares = stage_compute_shares(self.cfg)
         self.ledger = self.state.load_ledger(shares)
@@ -255,32 +273,98 @@ class ValidatorService:
             self.merge_oversight = MergeOversight(o.run_id)
             self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel)
         self._load_verification()
-        hp = await self.chain.hyperparameters(o.netuid)
-        self._tempo = int(hp.get("tempo", 0) or await self.chain.tempo(o.netuid))
-        self._rate_limit = int(hp.get("weights_rate_limit", 0) or 0)
+        self.publisher = ChainPublisher(self.chain, self.wallet, o.netuid)
+        self.publisher.set_commitment(self.advert())
         await self.sync()
-        logger.info("validator uid {} ({}) on netuid {}: run {!r}, {} stages, replicas per stage {}", self.uid,
-                    self.hotkey[:10], o.netuid, o.run_id, self.cfg.pipeline.stages, self.router.stage_counts())
+        logger.info("validator uid {} ({}) on netuid {}: run {!r} epoch {}, {} stages, replicas per stage {}; "
+                    "validators coordinating: {} ({})", self.uid, self.hotkey[:10], o.netuid, o.run_id, o.run_epoch,
+                    self.cfg.pipeline.stages, self.router.stage_counts(), len(self.validators), self.peers.summary())
+
+    def _check_version_key(self, hp: dict) -> None:
+        """Stop when the subnet requires a newer weights version key than this release sends."""
+        required = int(hp.get("weights_version", 0) or 0)
+        if self.opts.version_key < required:
+            raise ValidatorError(
+                f"this validator (iota-subnet {__version__}) sends weights version key {self.opts.version_key}, but "
+                f"netuid {self.opts.netuid} requires weights_version {required}: the subnet moved to a newer release. "
+                "Update (git pull && make setup) and restart; the chain refuses weights with an older key")
+        if self.opts.version_key > required:
+            logger.info("weights version key {} (iota-subnet {}); the subnet requires at least {}",
+                        self.opts.version_key, __version__, required)
+
+    async def _load_run_data(self) -> None:
+        """Run config and dataset (and its fingerprints), unless injected."""
+        o = self.opts
+        try:
+            if self.cfg is None:
+                self.cfg = load_config(o.config)
+            if self.dataset is None:
+                from iota_subnet.data import DataError, build_dataset, fingerprints
+
+                def build():
+                    tok, ds = build_dataset(self.cfg.data, o.data, Path(o.cache_dir) if o.cache_dir else None,
+                                            allow_fallback=o.allow_data_fallback)
+                    return ds, fingerprints(tok, ds)
+                try:
+                    self.dataset, self.fingerprints = await asyncio.to_thread(build)
+                except DataError as e:
+                    raise ValidatorError(f"data: {e}") from e
+        except ConfigError as e:
+            raise ValidatorError(f"config: {e}") from e
+
+    def _check_fingerprints(self, graph: Any) -> None:
+        """Refuse to join a run whose other validators train on other tokens (naming both)."""
+        if self.fingerprints is None:
+            return
+        o = self.opts
+        run = run_fingerprints(graph.neurons, run=o.run_id, epoch=o.run_epoch, block=int(graph.block),
+                               alive_blocks=self.alive_blocks, exclude=self.hotkey)
+        if run is None:
+            return
+        fps, uids = run
+        bad = self.fingerprints.differs(fps)
+        if bad:
+            raise ValidatorError(
+                f"this validator's {' and '.join(bad)} differ from run {o.run_id!r} epoch {o.run_epoch} as its "
+                f"validators (uids {uids}) advertise it: ours tokenizer {self.fingerprints.tokenizer} / data "
+                f"{self.fingerprints.data}, the run's tokenizer {fps.tokenizer} / data {fps.data}. Use the run's "
+                "--data, config and tokenizer (no --allow-data-fallback), or another --run-id")
+
+    def advert(self) -> str:
+        """This validator's commitment: the run it drives, its fingerprints, heartbeat, merge weights."""
+        o = self.opts
+        return RunCommitment(o.run_id, VALIDATOR, o.run_epoch, fingerprints=self.fingerprints,
+                             heartbeat=self.heartbeat, merge_weights=self.merge_weights).encode()
 
     async def sync(self) -> None:
-        """Re-read metagraph and commitments: routing, uid -> hotkey, the validator split."""
+        """Re-read metagraph and commitments: routing, uid -> hotkey, the validators that coordinate
+        (:mod:`.peers`), and keep this validator's commitment (run advert, heartbeat) on chain."""
         o = self.opts
         graph = await self.chain.metagraph(o.netuid)
-        commits = await self.chain.commitments(o.netuid)
-        self.router.update(discover(graph.neurons, commits, o.run_id, self.cfg.pipeline.stages))
-        from iota_subnet.protocol.commitment import StageCommitment
+        commits = {n.hotkey: n.commitment.value for n in graph.neurons
+                   if n.commitment is not None and n.commitment.value is not None}
+        self.router.update(discover(graph.neurons, commits, o.run_id, self.cfg.pipeline.stages, o.run_epoch))
         others: dict[str, int] = {}
         for raw in commits.values():
-            c = StageCommitment.decode(raw)
-            if c is not None and c.run != o.run_id:
-                others[c.run] = others.get(c.run, 0) + 1
+            c = RunCommitment.decode(raw)
+            if c is not None and c.role == MINER and not c.same_run(o.run_id, o.run_epoch):
+                label = c.run if c.epoch == 0 else f"{c.run}#{c.epoch}"
+                others[label] = others.get(label, 0) + 1
         self.other_runs = others
         self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
-        miners = {r.hotkey for r in self.router.live_replicas()}
-        self.validators = sorted(str(n.hotkey) for n in graph.neurons
-                                 if bool(n.validator_permit) and n.hotkey not in miners)
-        if self.hotkey not in self.validators:
-            self.validators = sorted(self.validators + [self.hotkey])
+        self._update_peers(graph)
+        await self.publisher.sync()
+
+    def _update_peers(self, graph: Any) -> None:
+        o = self.opts
+        block = int(graph.block)
+        self.peers = coordinating_validators(graph.neurons, run=o.run_id, epoch=o.run_epoch, block=block,
+                                             alive_blocks=self.alive_blocks, self_hotkey=self.hotkey,
+                                             fingerprints=self.fingerprints)
+        self.validators = self.peers.coordinating
+        if not self.publisher.pending and heartbeat_due(graph.neurons, self.hotkey, block, self.alive_blocks):
+            self.heartbeat += 1
+            self.publisher.set_commitment(self.advert())
 
     async def wait_for_lanes(self) -> int:
         deadline = time.monotonic() + self.opts.wait_miners_s
@@ -294,7 +378,7 @@ class ValidatorService:
                                      f"{self.router.stage_counts()} for run {self.opts.run_id!r}; start miners for every stage")
             if self.stop_event.is_set():
                 return 0
-            others = getattr(self, "other_runs", {})
+            others = self.other_runs
             logger.info("waiting for miners of run {!r}: replicas per stage {}{}", self.opts.run_id,
                         self.router.stage_counts(),
                         f"; miners of other runs seen: {others} (pass --run-id to join one)" if others else "")
@@ -318,6 +402,7 @@ class ValidatorService:
         self.metrics.write({"step": res.step, "lane": res.lane, "tokens": sum(self.lane_tokens.values()),
                             "lane_tokens": self.lane_tokens[res.lane], "loss": res.loss,
                             "lr": lr_at(res.step, self.cfg.train.total_steps, self.cfg.train),
+                            "validators": self.n_validators,
                             "elapsed_s": round(self.elapsed_s(), 3), "reroutes": res.reroutes,
                             "failures": res.failures, "microbatches_ok": res.ok_count})
 
@@ -330,7 +415,10 @@ class ValidatorService:
         losses = [l for l in self.lane_loss.values() if l is not None and math.isfinite(l)]
         d = self.driver
         return {
-            "hotkey": self.hotkey, "uid": self.uid, "run_id": self.opts.run_id, "netuid": self.opts.netuid,
+            "hotkey": self.hotkey, "uid": self.uid, "run_id": self.opts.run_id, "run_epoch": self.opts.run_epoch,
+            "netuid": self.opts.netuid, "peers": self.peers.summary(), "validators": list(self.validators),
+            "chain": self.publisher.status() if self.publisher else {},
+            "fingerprints": vars(self.fingerprints) if self.fingerprints else None,
             "lanes": self.n_lanes,
             "lane_members": [[r.uid if r is not None else None for r in lane] for lane in self.router.lanes()]
             if self.router else [],
@@ -371,13 +459,19 @@ class ValidatorService:
 
     # ---------------------------------------------------------------- weights
     async def maybe_set_weights(self) -> bool:
-        """Set weights if a tempo (and the rate limit) has passed since the last set. True if set."""
+        """Set weights if a tempo (and the rate limit) has passed since the last set. True if set.
+
+        The uid owners are re-read just before (a uid that changed hands since it was scored gets
+        nothing), and the weights count as set only once the chain's state shows them (the
+        hotkey's ``last_update`` reached the extrinsic's block); otherwise the next check retries."""
         block = await self.chain.block()
         last = self.weights_blocks[-1] if self.weights_blocks else None
         every = max(self._tempo, self._rate_limit, 1)
         if last is not None and block - last < every:
             return False
         await self._merge_round()
+        graph = await self.chain.metagraph(self.opts.netuid)       # owners now, not at the last sync
+        self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
         weights = self.update_scores(block)
         await self._publish_merge_weights()
         if not weights:
@@ -385,10 +479,16 @@ class ValidatorService:
         uids = sorted(weights)
         vals = [weights[u] for u in uids]
         try:
-            await self.chain.set_weights(self.wallet, self.opts.netuid, uids, vals, version_key=self.opts.version_key)
+            receipt = await self.chain.set_weights(self.wallet, self.opts.netuid, uids, vals,
+                                                   version_key=self.opts.version_key)
         except ChainError as e:
             logger.warning("set_weights refused at block {}: {}", block, e)
             return False
+        if not await self.chain.weights_landed(self.hotkey, self.opts.netuid, receipt):
+            logger.warning("set_weights at block {}: the chain reported success but its state does not show the "
+                           "weights (last_update is older than block {}); not recorded, retrying", block, receipt.block)
+            return False
+        block = receipt.block
         self.weights_blocks.append(block)
         self.last_weights = dict(zip(uids, vals))
         self.state.log_weights(block, uids, vals)
@@ -445,15 +545,16 @@ class ValidatorService:
         uids = [uid for (uid, hk) in self.ledger.records if self.current.get(uid) == hk]
         cheaters = {uid for uid, hk in (self.checker.flagged() if self.checker is not None else set())
                     | self.audits.flagged() if self.current.get(uid) == hk}
-        raw = mo.commitment(uids, cheaters)
-        if raw is None:
+        decided = mo.decided(uids, cheaters)
+        if decided == self.merge_weights:
             return
+        self.merge_weights = decided
+        self.publisher.set_commitment(self.advert())
         try:
-            await self.chain.publish(self.wallet, self.opts.netuid, raw)
-            logger.info("merge weights published: {}", raw)
+            await self.publisher.sync()
+            logger.info("merge weights published: {}", decided)
         except ChainError as e:
-            mo.published = None
-            logger.warning("merge weights not published: {}", e)
+            logger.warning("merge weights not published yet: {}", e)
 
     # ---------------------------------------------------------------- loops
     async def _every(self, period: float, fn, what: str) -> None:
@@ -499,6 +600,7 @@ class ValidatorService:
         self.tokens_at_start = sum(self.lane_tokens.values())
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", self.next_steps)
         self.elapsed_offset = float(self.state.get_meta("elapsed_s", "0") or 0)
+        total = o.steps if o.steps is not None else OPEN_ENDED_STEPS
         self.validator_index = self.validators.index(self.hotkey)
         self.n_validators = len(self.validators)
         self.checker.single_validator = self.n_validators == 1
@@ -514,17 +616,18 @@ class ValidatorService:
                                        n_validators=self.n_validators, tag=self.hotkey[:6],
                                        lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype)
         self.driver.probe_client = self.verify_client
-        logger.info("driving {} lanes, lane steps {} of {} (validator {} of {}: steps k with k % {} == {})",
-                    self.n_lanes, self.next_steps, o.steps, self.validator_index, self.n_validators,
-                    self.n_validators, self.validator_index)
+        logger.info("driving {} lanes, lane steps {} of {} (validator {} of {} coordinating: steps k with "
+                    "k % {} == {}; {})", self.n_lanes, self.next_steps, o.steps if o.steps is not None else "open-ended",
+                    self.validator_index, self.n_validators, self.n_validators, self.validator_index,
+                    self.peers.summary())
         t_train = time.monotonic()
         train_before = float(self.state.get_meta("train_s", "0") or 0)   # earlier runs of this state
         try:
-            await self.driver.run(self.next_steps, o.steps, on_step=self._on_step, stop=self.stop_event)
+            await self.driver.run(self.next_steps, total, on_step=self._on_step, stop=self.stop_event)
         finally:
             self.train_s = train_before + (time.monotonic() - t_train)
             self.state.set_meta("train_s", self.train_s)
-        if self.stop_event.is_set():
+        if self.stop_event.is_set() or o.steps is None:
             return
         self.val_loss = await self.driver.evaluate(self.cfg.train.eval_batches, lane=0)
         self.state.set_meta("val_loss", self.val_loss)
@@ -535,8 +638,17 @@ class ValidatorService:
                     f"{self.val_loss:.4f}" if self.val_loss is not None else "-")
 
     async def run(self) -> int:
-        """Run until stopped (signal, :meth:`request_stop`, or ``exit_when_done``). Returns an exit code."""
-        await self.start()
+        """Run until stopped (signal, :meth:`request_stop`, or ``exit_when_done``). Returns an exit code.
+        A stop requested during start-up (a chain that does not answer, a slow dataset) ends it too."""
+        try:
+            await until_stopped(self.start(), self.stop_event)
+        except StopRequested:
+            logger.info("stopped during start-up")
+            await self.close()
+            return 0
+        except StateError as e:
+            await self.close()
+            raise ValidatorError(str(e)) from None
         self.write_status()
         loops = [asyncio.create_task(self._every(self.opts.status_interval_s, self.write_status, "status")),
                  asyncio.create_task(self._every(self.opts.sync_interval_s, self._sync_and_probe, "metagraph sync")),
@@ -674,7 +786,9 @@ class ValidatorService:
                 raise ProtocolError(Outcome.NOT_READY, "not driving lanes yet")
             return self.driver.on_receipts(msg, ctx.caller_hotkey)
 
-        self.server = NeuronServer(self.wallet, self.opts.host, int(self.opts.port), authorizer=authorize,
+        # --port, else the port already served on chain (a restart then re-publishes nothing)
+        want = int(self.opts.port) or await self.publisher.served_port(self.opts.external_ip)
+        self.server = NeuronServer(self.wallet, self.opts.host, want, authorizer=authorize,
                                    nonce_store_path=self.out / "nonces.sqlite", max_body_bytes=8 << 20)
         self.server.add_route("/receipts", receipts, ReceiptBatch, None)
         self.server.add_public_get("/scores", scores)
@@ -682,8 +796,16 @@ class ValidatorService:
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.server.add_public_get(path, handler)
         self.prom.instrument(self.server.app)
-        port = await self.server.start()
-        await self.chain.serve(self.wallet, self.opts.netuid, self.opts.external_ip, port)
+        try:
+            port = await self.server.start()
+        except OSError:
+            if self.opts.port:
+                raise
+            self.server.port = 0                  # the old port is taken: any free one (published when allowed)
+            port = await self.server.start()
+        self.publisher.set_axon(self.opts.external_ip, port)
+        if not await self.publisher.sync():
+            logger.warning("not yet published on chain: {}; retrying in the background", self.publisher.status())
         logger.info("validator serves receipts and GET /scores on {}:{} (published as {}:{})", self.opts.host, port,
                     self.opts.external_ip, port)
 

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from iota_subnet.utils.sqlite_file import open_sqlite
+
 from .scoring import Ledger, MinerRecord
 
 SCHEMA = """
@@ -47,16 +49,19 @@ class StateError(RuntimeError):
 
 
 class ValidatorState:
-    """SQLite persistence of accounting and driver progress. Thread-safe (one connection, a lock)."""
+    """SQLite persistence of accounting and driver progress. Thread-safe (one connection, a lock).
+
+    Raises :class:`~iota_subnet.utils.sqlite_file.CorruptStateError` when the file is corrupt."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self.conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
+        self.conn = open_sqlite(
+            self.path, what="the validator's state", recovery=(
+                f"move it aside (mv {self.path} {self.path}.corrupt) and start again: this validator then starts its "
+                "accounting afresh (lane progress, scores, weights history) while the run goes on; or put back a "
+                "backup of the file"))
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
 
     def close(self) -> None:

@@ -1,0 +1,243 @@
+"""Issue 12 at the validator (and miner) boundary with the chain: weights recorded only when the
+chain shows them (item 8), owners re-read before every set_weights (item 12), the weights version
+key checked at start (item 4), fingerprints (item 9), a corrupt state file (item 14), runs by id
+and epoch with a clean hand-over (item 2). A real ValidatorService.start() on the devnet; no
+miners are needed for these."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import bittensor as bt
+import pytest
+from bittensor.balance import Balance
+from bittensor.result import ExtrinsicResult
+
+from iota_subnet.chain import add_stake, create_devnet
+from iota_subnet.chain.devnet import DevnetState, DevnetSubstrate, seed_neurons
+from iota_subnet.chain.sdk import SdkChain
+from iota_subnet.config import load_config
+from iota_subnet.miner.service import MinerService
+from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError
+from iota_subnet.utils.sqlite_file import CorruptStateError
+from iota_subnet.validator.service import ValidatorError, ValidatorOptions, ValidatorService
+from iota_subnet.wallets import create_wallet
+from test_validator_driver import OVR, PatternData
+
+pytestmark = pytest.mark.timeout(180)
+NETUID = 9
+FP_A = Fingerprints("aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb")
+FP_B = Fingerprints("cccccccccccccccc", "dddddddddddddddd")
+
+
+class SwallowingSubstrate(DevnetSubstrate):
+    """A chain node that answers "success" for the next ``swallow`` weight sets without including them."""
+
+    swallow = 0
+
+    async def submit(self, call, keypair, **kw):
+        call = await self.compose(call)
+        if call.function == "set_mechanism_weights" and self.swallow > 0:
+            self.swallow -= 1
+            st = self.state
+            block = st.block()
+            return ExtrinsicResult(success=True, message="Success", block_hash=st.block_hash(block),
+                                   extrinsic_id=f"{block}-0001", fee=Balance.from_rao(0), events=[])
+        return await super().submit(call, keypair, **kw)
+
+
+class Net:
+    def __init__(self, tmp_path, home, **devnet):
+        self.tmp = tmp_path
+        self.db = create_devnet(tmp_path / "chain.db", NETUID, tempo=10_000, block_time=0.1, weights_rate_limit=1,
+                                immunity_period=0, **devnet)
+        self.w = {n: create_wallet(n, "default", home / "wallets") for n in ("vali", "m1", "m2", "h2")}
+        self.cfg = load_config("configs/tiny.yaml", OVR)
+        self.sub = SwallowingSubstrate(self.db)
+        self.chain = SdkChain(lambda: bt.Client("local", substrate=self.sub), "devnet")
+
+    async def setup(self):
+        await self.chain.connect()
+        for n in ("vali", "m1", "m2"):
+            await self.chain.register(self.w[n], NETUID)
+        v = self.w["vali"]
+        add_stake(self.db, v.hotkey.ss58_address, v.coldkey.ss58_address, 100.0, netuid=NETUID)
+        return self
+
+    def validator(self, out="vali", **kw) -> ValidatorService:
+        fps = kw.pop("fingerprints", None)
+        kw.setdefault("sync_interval_s", 0.5)
+        opts = ValidatorOptions(network="devnet", chain_db=str(self.db), netuid=NETUID, steps=3,
+                                out=str(self.tmp / out), run_id="run1", **kw)
+        return ValidatorService(opts, wallet=self.w["vali"], chain=self.chain, cfg=self.cfg,
+                                dataset=PatternData(256, 16), fingerprints=fps)
+
+    def hk(self, name):
+        return self.w[name].hotkey.ss58_address
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _credit(svc, uid, hotkey, stage, tokens=1000):
+    rec = svc.ledger.record(uid, hotkey, stage)
+    rec.completed += 10
+    svc.ledger.credit(uid, hotkey, stage, tokens)
+
+
+def test_weights_are_recorded_only_once_the_chain_shows_them(tmp_path, tmp_home):
+    net = Net(tmp_path, tmp_home)
+
+    async def main():
+        await net.setup()
+        svc = net.validator()
+        try:
+            await svc.start()
+            _credit(svc, 1, net.hk("m1"), 1)
+            _credit(svc, 2, net.hk("m2"), 2)
+            net.sub.swallow = 1                     # "success", but not included
+            assert await svc.maybe_set_weights() is False
+            assert svc.weights_blocks == [] and svc.state.weights_blocks() == []
+            assert dict(await net.chain.weights(NETUID)).get(0) is None
+            assert await svc.maybe_set_weights() is True          # retried: now it lands
+            row = dict(dict(await net.chain.weights(NETUID))[0])
+            assert set(row) == {1, 2}
+            last = await net.chain.last_update(net.hk("vali"), NETUID)
+            assert svc.weights_blocks == [last] and svc.state.weights_blocks() == [last]
+        finally:
+            await svc.close()
+            await net.chain.close()
+    run(main())
+
+
+def test_owners_are_reread_before_setting_weights(tmp_path, tmp_home):
+    """uid 1 was scored while m1 held it; h2 takes uid 1 before the next metagraph sync: the weights
+    set right after give uid 1 nothing (the old code paid h2 m1's share)."""
+    net = Net(tmp_path, tmp_home)
+
+    async def main():
+        await net.setup()
+        svc = net.validator(sync_interval_s=3600)
+        try:
+            await svc.start()
+            assert svc.current[1] == net.hk("m1")
+            _credit(svc, 1, net.hk("m1"), 1)
+            _credit(svc, 2, net.hk("m2"), 2)
+            st = DevnetState(net.db)                      # m1 deregistered, h2 registered on uid 1
+            try:
+                with st.tx() as c:
+                    c.execute("UPDATE neurons SET hotkey=?, registered_at=? WHERE netuid=? AND uid=1",
+                              (net.hk("h2"), st.block(), NETUID))
+            finally:
+                st.close()
+            assert svc.current[1] == net.hk("m1")         # the validator's view is stale
+            assert await svc.maybe_set_weights() is True
+            row = dict(dict(await net.chain.weights(NETUID))[0])
+            assert 1 not in row and row[2] == pytest.approx(1.0)
+            assert svc.last_weights == {2: pytest.approx(1.0)}
+        finally:
+            await svc.close()
+            await net.chain.close()
+    run(main())
+
+
+def test_validator_stops_when_the_subnet_requires_a_newer_weights_version(tmp_path, tmp_home):
+    net = Net(tmp_path, tmp_home, weights_version=101)
+
+    async def main():
+        await net.setup()
+        try:
+            with pytest.raises(ValidatorError, match=r"sends weights version key 100.*requires weights_version 101.*"
+                                                     r"Update"):
+                await net.validator().start()
+            svc = net.validator(version_key=101)          # a release that matches starts
+            await svc.start()
+            await svc.close()
+        finally:
+            await net.chain.close()
+    run(main())
+
+
+def test_fingerprints_are_advertised_and_a_mismatch_refuses_to_join(tmp_path, tmp_home):
+    net = Net(tmp_path, tmp_home, max_uids=64)
+
+    async def main():
+        await net.setup()
+        block = await net.chain.block()
+        peer = RunCommitment("run1", VALIDATOR, fingerprints=FP_A).encode()
+        seed_neurons(net.db, NETUID, [{"hotkey": net.hk("h2"), "coldkey": net.w["h2"].coldkey.ss58_address,
+                                       "stake": 500.0, "validator_permit": True, "commitment": peer,
+                                       "commitment_block": block, "last_update": block}])
+        try:
+            with pytest.raises(ValidatorError) as e:
+                await net.validator(fingerprints=FP_B).start()
+            msg = str(e.value)
+            assert FP_A.tokenizer in msg and FP_B.tokenizer in msg and FP_A.data in msg and FP_B.data in msg
+            assert "uids [3]" in msg
+            svc = net.validator(fingerprints=FP_A)
+            await svc.start()
+            assert svc.validators == sorted([net.hk("vali"), net.hk("h2")])
+            mine = RunCommitment.decode((await net.chain.commitments(NETUID))[net.hk("vali")])
+            assert mine.role == VALIDATOR and mine.fingerprints == FP_A and mine.same_run("run1", 0)
+            await svc.close()
+            # a miner that loads other data refuses to join too
+            miner = MinerService(net.cfg, net.w["m1"], net.chain, netuid=NETUID, run_id="run1", stage=0,
+                                 out_dir=tmp_path / "m1", host="127.0.0.1", external_ip="127.0.0.1",
+                                 fingerprints=FP_B, dataset=PatternData(256, 16))
+            with pytest.raises(RunMismatchError, match=f"ours tokenizer {FP_B.tokenizer}.*tokenizer {FP_A.tokenizer}"):
+                await miner.start()
+            miner = MinerService(net.cfg, net.w["m1"], net.chain, netuid=NETUID, run_id="run1", stage=0,
+                                 out_dir=tmp_path / "m1", host="127.0.0.1", external_ip="127.0.0.1",
+                                 fingerprints=FP_A, dataset=PatternData(256, 16))
+            await miner.start()
+            got = RunCommitment.decode((await net.chain.commitments(NETUID))[net.hk("m1")])
+            assert got.role == MINER and got.stage == 0 and got.fingerprints == FP_A
+            await miner.stop()
+        finally:
+            await net.chain.close()
+    run(main())
+
+
+def test_corrupt_validator_state_is_refused_with_a_recovery_path(tmp_path, tmp_home):
+    net = Net(tmp_path, tmp_home)
+    out = tmp_path / "vali"
+    out.mkdir()
+    (out / "validator.sqlite").write_bytes(b"\x00garbage" * 500)
+
+    async def main():
+        await net.setup()
+        try:
+            with pytest.raises(CorruptStateError, match="move it aside"):
+                await net.validator().start()
+        finally:
+            await net.chain.close()
+    run(main())
+    assert (out / "validator.sqlite").read_bytes() == b"\x00garbage" * 500     # nothing lost
+    from iota_subnet.errors import known_errors
+    assert CorruptStateError in known_errors()      # the CLI prints it as one line, exit code 2
+
+
+def test_a_new_run_epoch_hands_the_state_folder_over(tmp_path, tmp_home):
+    net = Net(tmp_path, tmp_home)
+
+    async def main():
+        await net.setup()
+        try:
+            svc = net.validator()
+            await svc.start()
+            svc.state.set_meta("marker", "epoch0")
+            svc.state.bind_run("run1", 2)
+            await svc.close()
+            svc = net.validator(run_epoch=1)              # the run moves on: epoch 1, same folder
+            await svc.start()
+            assert svc.state.get_meta("marker") is None
+            mine = RunCommitment.decode((await net.chain.commitments(NETUID))[net.hk("vali")])
+            assert mine.same_run("run1", 1)
+            await svc.close()
+        finally:
+            await net.chain.close()
+    run(main())
+    old = list((tmp_path / "vali" / "previous").glob("run1-e0-*"))
+    assert len(old) == 1 and (old[0] / "validator.sqlite").exists()
+    assert json.loads((tmp_path / "vali" / "run.json").read_text()) == {"run_id": "run1", "run_epoch": 1}
