@@ -1,6 +1,7 @@
 """Validator pure logic: discovery, lanes, SWARM rerouting, cooldowns; scoring; state persistence."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -98,9 +99,21 @@ def test_reroute_cooldown_backoff_and_probe():
     clock.t += 2.0
     assert r.probe_due() == [a]
     assert r.probe_failed(a) == 4.0          # backoff doubles
-    assert r.record_failure(a) == 8.0 and r.record_failure(a) == 10.0   # capped
+    clock.t += 1.0
+    assert r.record_failure(a) == pytest.approx(3.0)   # a failure inside the cooldown is the same outage
+    assert r.health[a.key].consecutive_failures == 2 and r.health[a.key].failures == 3
+    clock.t += 3.0
+    assert r.record_failure(a) == 8.0
+    clock.t += 8.0
+    assert r.record_failure(a) == 10.0       # capped
     clock.t += 10.0
     assert r.probe_due() == [a]
+    r.probe_failed(a)
+    assert r.probe_due() == []
+    moved = {s: [dataclasses.replace(x, endpoint="127.0.0.1:9") if x.key == a.key else x for x in rs]
+             for s, rs in r.replicas.items()}
+    r.update(moved)                          # it served a new endpoint (restarted): probed at once
+    assert r.probe_due() == [r.get(a.key)] and r.get(a.key).endpoint == "127.0.0.1:9"
     r.mark_healthy(a)
     assert r.is_available(a) and r.route(0, 1).key == a.key
     r.record_success(a, 100, 1.0)

@@ -130,9 +130,15 @@ class Router:
     # ---------------------------------------------------------------- topology
     def update(self, replicas: Mapping[int, Sequence[Replica]]) -> None:
         """Replace the topology (after a metagraph sync). Measurements of miners still present are kept."""
+        before = {r.key: r.endpoint for rs in self.replicas.values() for r in rs}
         self.replicas = {s: sorted(replicas.get(s, []), key=lambda r: r.uid) for s in range(self.n_stages)}
         present = {r.key for rs in self.replicas.values() for r in rs}
         self.health = {k: h for k, h in self.health.items() if k in present}
+        for rs in self.replicas.values():
+            for r in rs:
+                h = self.health.get(r.key)
+                if h is not None and h.needs_probe and before.get(r.key) not in (None, r.endpoint):
+                    h.cooldown_until = 0.0          # a failed replica served a new endpoint (it restarted): probe now
         for s in range(self.n_stages):
             keys = [r.key for r in self.replicas[s]]
             slots = [k if k in keys else None for k in self._slots.get(s, [])]
@@ -201,11 +207,16 @@ class Router:
         """A hop to ``r`` failed: start (or extend) its cooldown. Returns the cooldown in seconds."""
         h = self._h(r.key)
         h.failures += 1
+        h.last_error = error
+        now = self.clock()
+        if h.needs_probe and now < h.cooldown_until:
+            # already cooling down: the in-flight hops that fail with it are one outage, not many
+            # (a burst of them must not push the first probe to the cap)
+            return h.cooldown_until - now
         h.consecutive_failures += 1
         h.needs_probe = True
-        h.last_error = error
         cd = self.cooldown_s(h.consecutive_failures)
-        h.cooldown_until = self.clock() + cd
+        h.cooldown_until = now + cd
         return cd
 
     def record_success(self, r: Replica, tokens: int, seconds: float) -> None:
