@@ -194,6 +194,7 @@ def test_emulated_miner_over_signed_http(tmp_home):
         chain = await open_chain("devnet", db)
         await chain.register(val, 9)
         add_stake(db, val.hotkey.ss58_address, val.coldkey.ss58_address, 100.0)
+        await chain.register(mw, 9)
         svc = MinerService(cfg, mw, chain, netuid=9, run_id="r", stage=1, out_dir=tmp_home / "m", host="127.0.0.1",
                            emulation=Emulation(parse_accelerator("1e12", 4.0), 0.5, 1.0))
         port = await svc.start()

@@ -41,6 +41,7 @@ class AuditNet(Net):
         from iota_subnet.wallets import create_wallet
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
+        await self.chain.register(w, 9)
         svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
                            host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary, audit_window=2)
         await svc.start()
