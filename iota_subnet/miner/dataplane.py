@@ -252,6 +252,7 @@ class DataPlane:
             self._remember((t.microbatch_id, "ticket"))
             if t.train:
                 self._supersede_pending(t)
+            self._fit_cache_ttl(t)
             self.tickets[t.key if t.train else (t.lane, -2, next(self._seq))] = t
             accepted += 1
         self.counts["tickets"] += accepted
@@ -271,6 +272,14 @@ class DataPlane:
                 self.steps.release(o)
                 self.counts["superseded"] += 1
 
+    def _fit_cache_ttl(self, t: Ticket) -> None:
+        """The data plane drops a stored forward when its ticket's deadline passes (:meth:`_expire`);
+        the activation cache's own TTL (a backstop for forwards nobody tracks) must not evict it
+        earlier: a full lane step in flight over slow links can wait minutes for its backward."""
+        life = t.deadline - self.clock()
+        if life > self.worker.cache.ttl_s:
+            self.worker.cache.ttl_s = float(life)
+
     def accept_hop(self, hop: Hop, ticket: Ticket, in_sha: str) -> HopAck:
         """Queue a hop from a neighbour (``in_sha``: :func:`commit_wire` of its data). A hop already
         seen is acknowledged ``duplicate`` and ignored."""
@@ -282,6 +291,8 @@ class DataPlane:
                           status="duplicate")
         self._remember(key)
         now = self.clock()
+        if hop.direction == "forward":
+            self._fit_cache_ttl(ticket)
         if hop.direction == "abort":
             self._on_abort(ticket, hop.reason)
         else:
