@@ -154,7 +154,10 @@ class ControlPlane:
         return route, trains, alts
 
     def _ticket(self, lane: int, step: int, index: int, *, start: int, split: str, train: bool, attempt: int = 0,
-                route: Optional[tuple[list[str], list[bool], list[list[str]]]] = None) -> Ticket:
+                route: Optional[tuple[list[str], list[bool], list[list[str]]]] = None, ahead: int = 0) -> Ticket:
+        """A signed ticket; ``ahead``: lane steps before this one that are still to train (a ticket
+        issued ``ahead`` steps early lives ``ticket_ttl_s`` longer per step, so the lookahead never
+        issues tickets that expire in the head's queue on slow pipelines)."""
         route = route or self._route(lane)
         now = self.clock()
         mb_id = f"{self.tag}-l{lane}-k{step}-m{index}-a{attempt}-{uuid.uuid4().hex[:6]}"
@@ -162,7 +165,7 @@ class ControlPlane:
                    split=split, seed=self.seed, start=start, rows=self.mb, seq_len=self.cfg.data.seq_len,
                    width=self.width, wire_dtype=self.wire_dtype, train=train, micro_per_step=self.micro_per_step,
                    route=tuple(route[0]), trains=tuple(route[1]), alternates=tuple(tuple(a) for a in route[2]),
-                   attempt=attempt, issued_at=now, deadline=now + self.ticket_ttl_s)
+                   attempt=attempt, issued_at=now, deadline=now + self.ticket_ttl_s * (1 + max(0, ahead)))
         return t.signed(self.keypair)
 
     async def _deliver(self, tickets: list[Ticket]) -> int:
@@ -326,8 +329,9 @@ class ControlPlane:
     def sample_start(self, lane: int, step: int, m: int) -> int:
         return sample_start(lane, step, m, self.n_lanes, self.cfg.train.batch_size, self.mb)
 
-    async def _issue_step(self, lane: int, step: int) -> bool:
-        """Tickets for every micro-batch of lane step ``step`` (once). False when no route exists now."""
+    async def _issue_step(self, lane: int, step: int, ahead: int = 0) -> bool:
+        """Tickets for every micro-batch of lane step ``step`` (once), ``ahead`` steps before it is the
+        lane's current one. False when no route exists now."""
         issued = self._issued_steps.setdefault(lane, set())
         if step in issued:
             return True
@@ -335,7 +339,7 @@ class ControlPlane:
         if route is None:
             return False
         tickets = [self._ticket(lane, step, m, start=self.sample_start(lane, step, m), split="train", train=True,
-                                route=route, attempt=len(self.attempts.get((lane, step, m), [])))
+                                route=route, attempt=len(self.attempts.get((lane, step, m), [])), ahead=ahead)
                    for m in range(self.micro_per_step)]
         issued.add(step)
         await self._deliver(tickets)
@@ -525,8 +529,8 @@ class ControlPlane:
             if stop is not None and stop.is_set():
                 break
             await self.probe()
-            for k in todo[i:i + self.lookahead]:
-                await self._issue_step(lane, k)
+            for ahead, k in enumerate(todo[i:i + self.lookahead]):
+                await self._issue_step(lane, k, ahead)
             k = todo[i]
             res = await self.run_lane_step(lane, k, stop)
             if res.ok_count == 0:
