@@ -141,7 +141,11 @@ class MergeOversight:
         (hotkey, MergeAuditRequest) -> MergeAuditResponse. Returns the new verdicts (unresolved
         ones included: their silent parties are reported too)."""
         out = []
-        for key, ev, hk in self.accusations()[:max(0, int(limit))]:
+        # newest first: replicas keep the evidence of their last few merge epochs only
+        # (merge.claims.MergeClaims.keep_epochs), so a backlog is worked from the end that can still be checked
+        pending = sorted(self.accusations(), key=lambda a: (int(a[1].get("epoch", -1)), float(a[1].get("time", 0.0))),
+                         reverse=True)
+        for key, ev, hk in pending[:max(0, int(limit))]:
             v = await auditor.verify(ev, hk, fetch)
             k = (key, hk)
             self.tries[k] = self.tries.get(k, 0) + 1
