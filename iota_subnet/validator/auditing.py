@@ -1,0 +1,492 @@
+"""The validator's audit scheduler for the data plane (issue 10, items 1-4): which hops and inner
+steps to audit, when, and what the outcome means.
+
+Inputs (nothing here waits for training, nor training for it)
+    * every receipt this validator accepted (:meth:`AuditScheduler.on_receipt`): a training hop the
+      miner claims, with the roots it is bound to (the wire tensors ``fin``/``fout``/``bin``/``bout``,
+      the weights version ``wroot``, the tail's loss) and the miner's boot time (a new one announces
+      a restart: :meth:`~.audit_policy.AuditPolicy.announce_restart`);
+    * the update commitments of its receipt batches (:meth:`AuditScheduler.on_updates`);
+    * training hop outcomes (:meth:`AuditScheduler.on_hop`: the "down" excuse of the policy).
+
+Choice (blind)
+    Audits are chosen only after the replies are in, with an OS-seeded RNG, at the moment the audit
+    starts: for every miner not yet audited in the current tempo (``hops_per_tempo``), one of its
+    receipts of the last ``fresh_s`` seconds that used one of the two latest weights versions it
+    named, uniformly (those hops are still in its audit window of ``K >= 3`` versions);
+    the direction follows the stage: the head's forward, every other stage's backward (which
+    re-checks its forward too; a middle stage's backward whose weights changed after its forward
+    leaves the forward output out). Update audits: ``updates_per_tempo`` per miner, of one of its two
+    latest commitments (the miner keeps a few steps), whose weights roots must also be the ones its
+    receipts named for the versions before and after the step.
+
+Outcomes (:class:`~.audit_policy.AuditPolicy`)
+    ``passed``, ``failed`` (the answer does not verify), ``refused`` (a typed refusal: ``LATE`` for
+    a hop outside the window, ...), ``timeout`` (no answer in ``timeout_s``). Refusals and timeouts
+    are failures unless the policy excuses them (down, restarted); to give a miner that restarted
+    the chance to announce it (its first receipts after the restart carry its new boot time), an
+    unanswered audit is settled only once a receipt from the miner arrived after it, or after
+    ``settle_s`` seconds (then the "down" excuse may apply). A miner whose receipts show it
+    took inner step k (its weights changed from version ``(k, m)`` to ``(k + 1, m)``) but whose
+    commitment of step k never came within ``commit_grace_s`` gets an update audit counted
+    ``refused``; one whose weights root stayed the same over :data:`STALE_STEPS` inner steps it
+    claims, a ``failed`` one (the ``stale`` cheat: it claims steps it never took).
+
+Costs (``scripts/bench_verification.py``, ``docs/hop-audit.md``): one hop audit is six signed
+messages: ``tiny`` 0.25 MB (head forward) to 0.74 MB (middle backward); an update audit ~30 kB.
+Validator CPU: 0.03-0.2 s a hop audit (checks on a worker thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.audit import codec
+from iota_subnet.audit.auditor import AuditFailure, HopAuditor
+from iota_subnet.audit.challenge import SamplingParams
+from iota_subnet.audit.check import Tolerances
+from iota_subnet.audit.layout import BACKWARD, FORWARD, LayoutError, TraceLayout
+from iota_subnet.config import RunConfig
+from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommit, AuditTraceRequest, ProtocolError,
+                                  Ticket, UpdateCommit, encode)
+from iota_subnet.protocol.receipt import Receipt
+from iota_subnet.transport import TransportError
+
+from .audit_policy import AuditPolicy
+from .routing import Replica
+from .update_audit import HTTP_HEADER_BYTES, UpdateAuditor
+
+#: Hop candidates kept per miner (the most recent receipts).
+MAX_CANDIDATES = 64
+#: Consecutive inner steps with an unchanged weights root that count as "no update applied".
+STALE_STEPS = 3
+#: Weights versions a miner must keep for audits, counted back from the newest one it has named: a
+#: ``LATE`` refusal for an older hop (or inner step) is within its rights, not a failure (the
+#: validator's view lags the miner's: it is judged when the audit is settled).
+REQUIRED_VERSIONS = 3
+
+
+@dataclass
+class HopCandidate:
+    """A training hop a miner reported: its ticket, its receipt, when the receipt arrived."""
+
+    ticket: Ticket
+    receipt: Receipt
+    hotkey: str
+    received: float
+
+
+@dataclass
+class AuditRecord:
+    """One audit: ``kind`` (``hop`` | ``update``), ``raw`` outcome, ``final`` (after the policy),
+    ``bytes``: the encoded messages plus 1 kB of headers each (the verification client's counters
+    give the exact total), ``cpu_s`` validator CPU for the checks.
+    ``final`` is ``""`` while an unanswered audit waits to be settled."""
+
+    kind: str
+    uid: int
+    hotkey: str
+    stage: int
+    raw: str
+    final: str = ""
+    detail: str = ""
+    direction: str = ""
+    bytes: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    tempo: int = 0
+    version: Optional[tuple[int, int]] = None      # the weights version the audited work used / produced
+    code: str = ""                                  # a refusal's outcome (e.g. LATE)
+
+
+@dataclass
+class _MinerView:
+    key: Optional[tuple[int, str]] = None      # (uid, hotkey) when last looked up
+    boot: float = 0.0
+    latest: tuple[int, int] = (-1, -1)          # newest weights version its current process named
+    candidates: deque = field(default_factory=lambda: deque(maxlen=MAX_CANDIDATES))
+    commits: deque = field(default_factory=lambda: deque(maxlen=8))
+    #: (step, merges) -> skipped, of every commitment received (the newest 1024)
+    committed: dict = field(default_factory=dict)
+    audited_commits: set = field(default_factory=set)
+    #: weights version -> (root hex, first seen)
+    roots: dict = field(default_factory=dict)
+    checked_steps: set = field(default_factory=set)
+
+
+def _thread_timed(fn: Callable, *args) -> tuple[Any, float]:
+    t0 = time.thread_time()
+    out = fn(*args)
+    return out, time.thread_time() - t0
+
+
+class AuditScheduler:
+    """Chooses and runs the audits of one validator (see the module docstring).
+
+    ``client``: the validator's verification client (:class:`~iota_subnet.transport.NeuronClient`;
+    its byte counters are the verification traffic); ``policy``: where outcomes go; ``rows(ticket)``:
+    the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
+    ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
+    ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once.
+    """
+
+    def __init__(self, cfg: RunConfig, *, run_id: str, client: Any, policy: AuditPolicy,
+                 rows: Callable[[Ticket], torch.Tensor], lookup: Callable[[str], Optional[Replica]],
+                 update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
+                 timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
+                 commit_grace_s: float = 10.0, settle_s: float = 30.0, concurrency: int = 4,
+                 rng: Optional[random.Random] = None,
+                 clock: Callable[[], float] = time.time):
+        self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
+        self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
+        self.sampling = sampling.validate()
+        self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
+        self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
+        self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
+        self.concurrency = max(1, int(concurrency))
+        #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
+        self.unsettled: list[tuple[AuditRecord, Optional[float], float]] = []
+        self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
+        self.clock = clock
+        self.tol = Tolerances.for_precision(cfg.train.precision)
+        self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
+        self.n_stages = cfg.pipeline.stages
+        self.miners: dict[str, _MinerView] = defaultdict(_MinerView)
+        #: (tempo, kind, hotkey) -> audits run
+        self.done: dict[tuple[int, str, str], int] = defaultdict(int)
+        self.records: deque[AuditRecord] = deque(maxlen=512)
+        self.audits = 0
+        self.failed = 0
+        self.bytes = 0
+        self.cpu_s = 0.0
+        self._layouts: dict[tuple, TraceLayout] = {}
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def on_receipt(self, ticket: Ticket, receipt: Receipt, hotkey: str) -> None:
+        """An accepted receipt of ``hotkey`` about ``ticket``."""
+        view = self.miners[hotkey]
+        now = self.clock()
+        rep = self.lookup(hotkey)
+        if rep is not None:
+            view.key = rep.key
+        if receipt.boot > view.boot:
+            # a restarted miner may not be routable yet (new endpoint): its uid is the one it had
+            if view.boot > 0 and view.key is not None and self.policy.announce_restart(view.key, receipt.boot):
+                logger.info("uid {} restarted (boot {:.0f}): audits of its earlier work are excused", view.key[0],
+                            receipt.boot)
+            view.boot = receipt.boot
+            view.latest = (-1, -1)
+        if receipt.boot >= view.boot:
+            view.latest = max(view.latest, (receipt.ws, receipt.wm), (receipt.bws, receipt.bwm))
+        if any(r.hotkey == hotkey for r, _, _ in self.unsettled):
+            self.settle(hotkey=hotkey, after=receipt.t)
+        for ks, km, root in ((receipt.ws, receipt.wm, receipt.wroot), (receipt.bws, receipt.bwm, receipt.bwroot)):
+            if root and ks >= 0 and (ks, km) not in view.roots:
+                view.roots[(ks, km)] = (root, now)
+                if len(view.roots) > 256:
+                    del view.roots[min(view.roots)]
+        if receipt.status == "ok" and ticket.train:
+            view.candidates.append(HopCandidate(ticket, receipt, hotkey, now))
+
+    def on_updates(self, hotkey: str, commits: list[dict]) -> int:
+        """Update commitments from ``hotkey``'s receipt batch. Returns how many were well formed."""
+        view = self.miners[hotkey]
+        n = 0
+        for raw in commits:
+            try:
+                c = UpdateCommit.from_dict(raw)
+            except ProtocolError:
+                continue
+            view.commits.append((c, self.clock()))
+            view.committed[(c.step, c.merges)] = c.skipped
+            if len(view.committed) > 1024:
+                del view.committed[min(view.committed)]
+            n += 1
+        return n
+
+    def on_hop(self, key: tuple[int, str], ok: bool) -> None:
+        """A training hop of miner ``key`` succeeded or failed (the policy's "down" excuse)."""
+        self.policy.note_hop(key, ok)
+
+    # ---- rounds ----------------------------------------------------------------------------------
+    async def round(self, tempo: int) -> list[AuditRecord]:
+        """Run the audits due in ``tempo``: each miner's in sequence, up to ``concurrency`` miners at
+        once (each audit mostly waits for the audited miner). Returns them."""
+        out: list[AuditRecord] = self.settle()
+        hotkeys = list(self.miners)
+        self.rng.shuffle(hotkeys)
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(hk: str) -> list[AuditRecord]:
+            rep = self.lookup(hk)
+            if rep is None:
+                return []
+            got = self._missing_commitments(rep, tempo)
+            async with sem:
+                if self.update_auditor is not None and self.done.get((tempo, "update", hk), 0) < self.updates_per_tempo:
+                    got.append(await self.audit_update(rep, tempo))
+                if self.done.get((tempo, "hop", hk), 0) < self.hops_per_tempo:
+                    got.append(await self.audit_hop(rep, tempo))
+            return [r for r in got if r is not None]
+        for got in await asyncio.gather(*(one(hk) for hk in hotkeys)):
+            out += got
+        return out
+
+    def pick_hop(self, hotkey: str) -> Optional[HopCandidate]:
+        """One of the miner's recent hops, drawn now (blind): received in the last ``fresh_s`` seconds
+        and computed with one of the two latest weights versions its receipts named (a miner keeps
+        at least three: ``--audit-window``, default 4), by its current process (work from before a
+        restart is gone with its audit window: auditing it would only spend the excuses)."""
+        now = self.clock()
+        view = self.miners[hotkey]
+        cands = [c for c in view.candidates if now - c.received <= self.fresh_s and c.receipt.boot >= view.boot]
+        latest = sorted({(c.receipt.ws, c.receipt.wm) for c in cands})[-2:]
+        fresh = [c for c in cands if (c.receipt.ws, c.receipt.wm) in latest]
+        return self.rng.choice(fresh) if fresh else None
+
+    def direction(self, stage: int, r: Receipt) -> str:
+        if stage == 0:
+            return FORWARD
+        if stage == self.n_stages - 1:
+            return BACKWARD
+        return BACKWARD if (r.bin and r.bout) else FORWARD
+
+    def _layout(self, stage: int, t: Ticket, direction: str) -> TraceLayout:
+        key = (stage, t.rows, t.seq_len, direction, t.wire_dtype)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = TraceLayout.build(self.cfg.model, self.cfg.pipeline, stage, batch=t.rows,
+                                                         seq=t.seq_len, direction=direction,
+                                                         micro_per_step=self.micro_per_step, wire_format=t.wire_dtype)
+        return lay
+
+    def _finish(self, rec: AuditRecord, work_at: Optional[float], at: Optional[float] = None) -> AuditRecord:
+        at = self.clock() if at is None else at
+        self.done[(rec.tempo, rec.kind, rec.hotkey)] += 1
+        if rec.raw in ("refused", "timeout") and at is not None and self.settle_s > 0:
+            self.unsettled.append((rec, work_at, at))
+            return rec
+        return self._record(rec, work_at, at)
+
+    def settle(self, *, hotkey: Optional[str] = None, after: Optional[float] = None) -> list[AuditRecord]:
+        """Record the unanswered audits of ``hotkey`` made before ``after`` (a receipt's time), and
+        everyone's older than ``settle_s``."""
+        now = self.clock()
+        out, keep = [], []
+        for rec, work_at, at in self.unsettled:
+            if (hotkey == rec.hotkey and after is not None and after > at) or now - at > self.settle_s:
+                out.append(self._record(rec, work_at, at))
+            else:
+                keep.append((rec, work_at, at))
+        self.unsettled = keep
+        return out
+
+    def _record(self, rec: AuditRecord, work_at: Optional[float], at: float) -> AuditRecord:
+        latest = self.miners[rec.hotkey].latest
+        if rec.raw == "refused" and rec.code == "LATE" and rec.version is not None \
+                and (rec.version[1] < latest[1] or rec.version[0] <= latest[0] - REQUIRED_VERSIONS):
+            rec.final = "outside window"      # it may drop that version by now: not counted, audit again
+            self.done[(rec.tempo, rec.kind, rec.hotkey)] -= 1
+            self.records.append(rec)
+            logger.info("{} audit of uid {}: version {} is outside the window it must keep (newest named {}); "
+                        "not counted", rec.kind, rec.uid, list(rec.version), list(latest))
+            return rec
+        rec.final = self.policy.record(rec.uid, rec.hotkey, rec.stage, rec.kind, rec.raw, work_at=work_at, at=at,
+                                       detail=rec.detail)
+        self.records.append(rec)
+        self.audits += 1
+        if rec.final not in ("passed", "excused"):
+            self.failed += 1
+        self.bytes += rec.bytes
+        self.cpu_s += rec.cpu_s
+        level = "INFO" if rec.final in ("passed", "excused") else "WARNING"
+        logger.log(level, "{} audit of uid {} (stage {}{}): {} -> {} {}", rec.kind, rec.uid, rec.stage,
+                   f", {rec.direction}" if rec.direction else "", rec.raw, rec.final, rec.detail[:160])
+        return rec
+
+    # ---- hop audits ------------------------------------------------------------------------------
+    def hop_auditor(self, c: HopCandidate, direction: str) -> tuple[HopAuditor, AuditTraceRequest]:
+        """The validator's session for candidate ``c``; raises ValueError / LayoutError when its
+        receipt does not name what the audit needs."""
+        t, r = c.ticket, c.receipt
+        stage = r.stage
+        lay = self._layout(stage, t, direction)
+        other = direction == BACKWARD and bool(r.bwroot)
+        wroot = r.bwroot if other else r.wroot
+        version = (r.bws, r.bwm) if other else (r.ws, r.wm)
+        if not wroot:
+            raise ValueError("its receipt names no weights version root (no audit window)")
+        names = {"wire.x": r.fin, "wire.z": r.fout, "wire.dz": r.bin, "wire.dx": r.bout}
+        if direction == FORWARD:
+            names = {k: v for k, v in names.items() if k in ("wire.x", "wire.z")}
+        if other:
+            names.pop("wire.z", None)        # the forward used other weights than the backward audited
+        roots = {k: bytes.fromhex(v) for k, v in names.items() if k in lay.wire and v}
+        tokens = targets = None
+        if stage == 0 or stage == self.n_stages - 1:
+            rows = self.rows(t)
+            tokens, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        aud = HopAuditor(lay, weights_root=bytes.fromhex(wroot), wire_roots=roots, tol=self.tol,
+                         sampling=self.sampling, rng=self.rng, tokens=tokens if stage == 0 else None,
+                         targets=targets if stage == self.n_stages - 1 else None,
+                         loss=r.loss if stage == self.n_stages - 1 else None)
+        req = AuditTraceRequest(run_id=self.run_id, stage=stage, microbatch_id=t.microbatch_id,
+                                inner_step=version[0], audit_id=uuid.uuid4().hex, direction=lay.direction,
+                                weights_step=version[0], weights_merges=version[1], weights_root=wroot)
+        return aud, req
+
+    async def audit_hop(self, rep: Replica, tempo: int, candidate: Optional[HopCandidate] = None
+                        ) -> Optional[AuditRecord]:
+        """Audit one of ``rep``'s recent hops (or ``candidate``). None when it has none to audit."""
+        c = candidate or self.pick_hop(rep.hotkey)
+        if c is None:
+            return None
+        direction = self.direction(rep.stage, c.receipt)
+        r = c.receipt
+        version = (r.bws, r.bwm) if direction == BACKWARD and r.bwroot else (r.ws, r.wm)
+        rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", direction=direction, tempo=tempo,
+                          version=version)
+        try:
+            aud, req = self.hop_auditor(c, direction)
+        except (ValueError, LayoutError) as e:
+            rec.raw, rec.detail = "refused", f"unauditable hop {c.ticket.microbatch_id[:40]}: {e}"
+            return self._finish(rec, c.receipt.t)
+        t0 = time.monotonic()
+        sizes: list[int] = []
+        try:
+            rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes)
+        except ProtocolError as e:
+            rec.raw, rec.detail, rec.code = "refused", f"{e.outcome.value}: {e.message}"[:200], e.outcome.value
+        except (TransportError, asyncio.TimeoutError) as e:
+            rec.raw, rec.detail = "timeout", f"{type(e).__name__}: {e}"[:200]
+        except AuditFailure as e:
+            rec.raw, rec.detail = "failed", str(e)[:200]
+        rec.bytes = sum(sizes) + HTTP_HEADER_BYTES * len(sizes)
+        rec.wall_s = time.monotonic() - t0
+        rec.detail = f"{c.ticket.microbatch_id[:32]}: {rec.detail}"
+        return self._finish(rec, c.receipt.t)
+
+    async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest, sizes: list[int]
+                          ) -> tuple[str, str, float]:
+        """The three rounds; ``sizes`` gets the encoded body size of every message sent and received."""
+        lay = aud.layout
+        kw = dict(timeout_s=self.timeout_s, retries=0)
+
+        async def call(ep, hk, path, msg, typ, **kw2):
+            sizes.append(len(encode(msg)))
+            resp = await self.client.call(ep, hk, path, msg, typ, **kw2)
+            sizes.append(len(await asyncio.to_thread(encode, resp)))
+            return resp
+        commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
+                            response_contract=codec.commit_contract(lay), **kw)
+        seed, cpu = _thread_timed(aud.on_commit, *codec.read_commit(commit))
+        proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed), AuditProjection,
+                          response_contract=codec.projection_contract(lay), **kw)
+        rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, *codec.read_projection(proj, lay))
+        oreq = codec.open_request(req, rows, aud.whole)
+        opening = await call(rep.endpoint, rep.hotkey, "/audit/open", oreq, AuditOpening,
+                             response_contract=codec.opening_contract(lay, rows, weights_dtype=aud.weights_dtype,
+                                                                      whole=aud.whole), **kw)
+        verdict, c3 = await asyncio.to_thread(_thread_timed, aud.check, codec.read_opening(opening, lay, rows, aud.whole))
+        cpu += c2 + c3
+        if verdict.ok:
+            return "passed", f"{verdict.checks} checks", cpu
+        return "failed", verdict.reason, cpu
+
+    # ---- update audits ---------------------------------------------------------------------------
+    def pick_commit(self, hotkey: str) -> Optional[UpdateCommit]:
+        view = self.miners[hotkey]
+        recent = [c for c, _ in list(view.commits)[-2:]
+                  if (c.step, c.merges) not in view.audited_commits and c.at >= view.boot]
+        return self.rng.choice(recent) if recent else None
+
+    def _bound(self, hotkey: str, commit: UpdateCommit) -> str:
+        """Why ``commit``'s weights roots are not the ones the miner's receipts named ("" when they are)."""
+        roots = self.miners[hotkey].roots
+        for kind, v in (("w0", (commit.step, commit.merges)), ("w1", (commit.step + 1, commit.merges))):
+            named = roots.get(v)
+            if named is not None and named[0] != commit.roots[kind]:
+                return (f"update commitment of step {commit.step}: {kind} root {commit.roots[kind][:12]} is not the "
+                        f"weights version {list(v)} its receipts named ({named[0][:12]})")
+        return ""
+
+    async def audit_update(self, rep: Replica, tempo: int) -> Optional[AuditRecord]:
+        commit = self.pick_commit(rep.hotkey)
+        if commit is None:
+            return None
+        self.miners[rep.hotkey].audited_commits.add((commit.step, commit.merges))
+        rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "passed", tempo=tempo,
+                          version=(commit.step + 1, commit.merges))
+        wrong = self._bound(rep.hotkey, commit)
+        if wrong:
+            rec.raw, rec.detail = "failed", wrong
+            return self._finish(rec, commit.at or None)
+        res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
+                                              timeout_s=self.timeout_s)
+        rec.cpu_s = res.cpu_s
+        rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
+        rec.code = res.detail.split(":", 1)[0] if res.outcome == "refused" else ""
+        rec.bytes = res.bytes
+        return self._finish(rec, commit.at or None)
+
+    def _missing_commitments(self, rep: Replica, tempo: int) -> list[AuditRecord]:
+        """What the miner's receipts show of its inner steps, without asking it (at most one record
+        per tempo):
+
+        * its weights changed from version ``(k, m)`` to ``(k + 1, m)`` (an inner step), the later one
+          first seen over ``commit_grace_s`` ago, and no commitment of step k came: a ``refused``
+          update audit;
+        * its weights root stayed the same over ``STALE_STEPS`` consecutive inner steps it claims (no
+          optimizer update applied: the ``stale`` cheat; an honest miner's weights change at every
+          inner step but one skipped for a non-finite gradient, which its commitment says, or a
+          lone catch-up to its lane's step): a ``failed`` update audit.
+        """
+        if self.update_auditor is None or self.done.get((tempo, "update-missing", rep.hotkey)):
+            return []
+        view = self.miners[rep.hotkey]
+        now = self.clock()
+        have = view.committed
+        for (k, m), (root, seen) in sorted(view.roots.items()):
+            if (k, m) in view.checked_steps or (k - 1, m) not in view.roots:
+                continue
+            run = [view.roots.get((k - i, m), ("", 0))[0] for i in range(STALE_STEPS + 1)]
+            if now - seen < (min(2.0, self.commit_grace_s) if len(set(run)) == 1 else self.commit_grace_s):
+                continue
+            view.checked_steps.add((k, m))
+            rec = None
+            skipped = [have[(k - i - 1, m)] for i in range(STALE_STEPS) if (k - i - 1, m) in have]
+            if len(set(run)) == 1 and not all(skipped or [False]):
+                rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "failed",
+                                  detail=f"its weights root stayed {root[:12]} over inner steps {k - STALE_STEPS}.."
+                                         f"{k} it claims (no optimizer update applied)", tempo=tempo)
+            elif root != view.roots[(k - 1, m)][0] and (k - 1, m) not in have \
+                    and (k - 1, m) not in view.audited_commits:
+                rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "refused",
+                                  detail=f"no update commitment of inner step {k - 1} (its weights changed from "
+                                         f"version {[k - 1, m]} to {[k, m]})", tempo=tempo)
+            if rec is not None:
+                self.done[(tempo, "update-missing", rep.hotkey)] += 1
+                return [self._finish(rec, seen)]
+        return []
+
+    # ---- figures ---------------------------------------------------------------------------------
+    def per_tempo(self, kind: str = "hop") -> dict[int, dict[str, int]]:
+        """tempo -> hotkey -> audits of ``kind`` run in it."""
+        out: dict[int, dict[str, int]] = defaultdict(dict)
+        for (tempo, k, hk), n in self.done.items():
+            if k == kind:
+                out[tempo][hk] = n
+        return dict(out)
+
+    def status(self) -> dict:
+        return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3),
+                "recent": [vars(r) for r in list(self.records)[-8:]]}

@@ -1,0 +1,168 @@
+"""Hop and update audits wired into the data plane: real MinerServices (audit window on by default)
+and a real ValidatorService (p2p) on a devnet, signed HTTP on 127.0.0.1, real text. The validator
+audits from the receipts it received (blind), over its verification client; outcomes go to its
+audit policy and its scores."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from dataplane_net import P2PNet, run
+
+pytestmark = pytest.mark.timeout(400)
+
+
+async def typed_refusals(net, vali):
+    """Bad audit requests get typed 4xx refusals over signed HTTP, and the miner keeps serving."""
+    from iota_subnet.protocol import (AuditProjection, AuditProjectRequest, AuditTraceCommit, Outcome, ProtocolError)
+    from iota_subnet.transport import NeuronClient
+    m = net.miners[(1, 0)]
+    c = vali.auditing.miners[m.hotkey].candidates[-1]
+    aud, req = vali.auditing.hop_auditor(c, "backward")
+    ep = f"127.0.0.1:{m.port}"
+
+    async def refused(client, msg, path="/audit/trace", typ=AuditTraceCommit):
+        with pytest.raises(ProtocolError) as e:
+            await client.call(ep, m.hotkey, path, msg, typ, retries=0)
+        return e.value.outcome
+
+    async with NeuronClient(net.vals[0]) as client:
+        assert await refused(client, dataclasses.replace(req, weights_root="0" * 64)) == Outcome.HASH_MISMATCH
+        assert await refused(client, dataclasses.replace(req, microbatch_id="never-seen")) == Outcome.LATE
+        assert await refused(client, dataclasses.replace(req, audit_id="")) == Outcome.MALFORMED
+        assert await refused(client, AuditProjectRequest(run_id=req.run_id, stage=1, audit_id="nope", seed="00" * 32),
+                             "/audit/project", AuditProjection) == Outcome.UNKNOWN_MICROBATCH
+        ok = await client.call(ep, m.hotkey, "/audit/trace", req, AuditTraceCommit, retries=0)   # still serving
+        assert ok.audit_id == req.audit_id
+    async with NeuronClient(net.miner_wallets[(0, 0)]) as client:       # a miner is no validator
+        assert await refused(client, dataclasses.replace(req, audit_id="x1")) == Outcome.FORBIDDEN
+
+
+def _records(vali):
+    return list(vali.auditing.records)
+
+
+def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_path, wikitext_path, cache_dir):
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start()
+        try:
+            vali = net.validator(steps=8, audit_interval_s=0.5)
+            assert await vali.run() == 0
+            recs = _records(vali)
+            hop = [r for r in recs if r.kind == "hop"]
+            upd = [r for r in recs if r.kind == "update"]
+            audited = {r.hotkey for r in hop}
+            miners = {m.hotkey for m in net.miners.values()}
+            assert audited == miners, (len(audited), [(r.uid, r.raw, r.detail) for r in hop])
+            assert all(r.raw == "passed" for r in recs), [(r.kind, r.uid, r.raw, r.detail) for r in recs if r.raw != "passed"]
+            assert {r.direction for r in hop if r.stage == 0} == {"forward"}
+            assert {r.direction for r in hop if r.stage > 0} == {"backward"}
+            assert {r.hotkey for r in upd} == miners, [(r.uid, r.raw) for r in upd]
+            assert not vali.audits.flagged()
+            st = net.status()
+            assert st["audits"]["audits"] == len(recs) and st["verification_bytes"] >= sum(r.bytes for r in recs) > 0
+            for m in net.miners.values():            # every miner served its audits and kept a bounded window
+                assert m.hop_routes.served >= 1      # (a session the validator left at shutdown expires)
+                assert len(m.hop_routes.sessions) <= m.hop_routes.max_per_caller
+                assert len(m.hops.versions()) <= m.audit_window
+            await typed_refusals(net, vali)
+        finally:
+            await net.close()
+
+    run(main(), timeout=380)
+
+
+# ---- the cheater suite in the data plane ---------------------------------------------------------
+ADV = (1, 1)      # the middle stage's second replica cheats
+#: kind -> the audit kind expected to catch it (poison and accuse need merges: tests/test_merge_audit.py)
+CAUGHT_BY = {"dodge": "unanswered", "random": "hop", "zero": "hop", "lazy": "hop", "replay": "hop", "copy": "hop",
+             "claim": "hop", "precision": "hop", "noisy-update": "update", "stale": "update"}
+#: run in `make test`; the others are slow (each is a whole network run)
+FAST = ("dodge", "noisy-update")
+
+
+async def cheater_run(tmp_path, wikitext_path, cache_dir, kind: str, steps: int = 14):
+    net = P2PNet(tmp_path, wikitext_path, cache_dir)
+    await net.start(adversaries={ADV: kind})
+    try:
+        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4)
+        assert await vali.run() == 0
+        adv = net.miners[ADV]
+        honest = {m.uid for k, m in net.miners.items() if k != ADV}
+        return vali, adv, honest, net.status()
+    finally:
+        await net.close()
+
+
+def assert_caught(vali, adv, honest, kind):
+    flagged = {k[0] for k in vali.audits.flagged()}
+    assert flagged == {adv.uid}, (flagged, [(r.uid, r.kind, r.raw, r.detail) for r in vali.auditing.records])
+    st = vali.audits.stats[(adv.uid, adv.hotkey)]
+    reasons = " ".join(st.reasons)
+    if kind == "dodge":           # its audits go unanswered (its garbage also leaves its weights unchanged)
+        assert st.refused + st.timed_out >= 2 and st.passed == 0, st.to_dict()
+    else:
+        want = {"hop": "hop audit failed", "update": "update audit"}[CAUGHT_BY[kind]]
+        assert want in reasons, reasons
+    w = vali.last_weights
+    assert w.get(adv.uid, 0.0) == 0.0, w
+    assert sum(v for u, v in w.items() if u in honest) >= 0.95 * sum(w.values()) > 0, w
+    row = next(m for m in vali.explained["miners"] if m["uid"] == adv.uid)      # what `iota-subnet scores` shows
+    assert row["weight"] == 0.0 and any("audit" in why for why in row["why"]), row
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in CAUGHT_BY])
+def test_cheater_caught_in_the_data_plane(tmp_home, tmp_path, wikitext_path, cache_dir, kind):
+    steps = 24 if kind == "dodge" else 14      # dodge: time for its timed-out audits to be settled
+    vali, adv, honest, _ = run(cheater_run(tmp_path, wikitext_path, cache_dir, kind, steps), timeout=380)
+    assert_caught(vali, adv, honest, kind)
+
+
+def test_restart_excuses_audits_of_work_from_before_it(tmp_home, tmp_path, wikitext_path, cache_dir):
+    """A miner restarts (a new process: its audit window is gone); an audit of a hop from before the
+    restart is refused (LATE) and excused; the miner is not flagged and its later hops pass."""
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start()
+        try:
+            vali = net.validator(steps=40, audit_interval_s=1.0, exit_when_done=False)
+            task = asyncio.create_task(vali.run())
+            m = net.miners[(1, 0)]
+            for _ in range(600):
+                await asyncio.sleep(0.1)
+                if vali.auditing is not None and vali.auditing.pick_hop(m.hotkey) is not None:
+                    break
+            old = vali.auditing.pick_hop(m.hotkey)
+            assert old is not None
+            boot = vali.auditing.miners[m.hotkey].boot
+            await m.stop()
+            m2 = await net.start_miner(1, 0)
+            for _ in range(600):
+                await asyncio.sleep(0.1)
+                if vali.auditing.miners[m.hotkey].boot > boot:
+                    break
+            assert vali.auditing.miners[m.hotkey].boot == pytest.approx(m2.started_at, abs=1e-2)
+            rep = vali.auditing.lookup(m.hotkey)
+            rec = await vali.auditing.audit_hop(rep, 10 ** 6, candidate=old)
+            assert rec.raw == "refused" and "LATE" in rec.detail and rec.final == "", vars(rec)
+            for _ in range(600):        # settled at the miner's next receipt
+                await asyncio.sleep(0.1)
+                if rec.final:
+                    break
+            assert rec.final == "excused", (vars(rec), vali.audits.stats[rep.key].recent, vali.audits._restarts,
+                                            old.receipt.t, m2.started_at)
+            for _ in range(600):        # its new hops are audited and pass
+                await asyncio.sleep(0.1)
+                if m2.hop_routes.served >= 1:
+                    break
+            assert m2.hop_routes.served >= 1
+            vali.request_stop()
+            await task
+            assert not vali.audits.flagged(), vali.audits.to_dict()
+        finally:
+            await net.close()
+
+    run(main(), timeout=380)
