@@ -141,3 +141,77 @@ def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
     ws = [flat(r.mod) for r in reps[:3]]
     assert all(torch.equal(ws[0], w) for w in ws[1:])
     assert reps[0].engine.status()["suspect_peers"] == {victim.hk: "missing from a merge attempt"}
+
+
+class DonorNet:
+    """Donors of one stage behind an in-process call table; ``refuse(chunk)`` makes every donor answer
+    BUSY for that chunk of the current snapshot (a chunk it cannot serve now); requests are counted."""
+
+    def __init__(self, n, P, chunk_numel=64):
+        self.donors = {HK[i]: SnapshotDonor("churn", 0, chunk_numel=chunk_numel, max_concurrent=4) for i in range(n)}
+        self.P, self.cn = P, chunk_numel
+        self.refused: set[tuple[str, int]] = set()       # (snapshot id, chunk)
+        self.requests: dict[int, int] = {}
+        self.on_request = None
+
+    def publish(self, epoch):
+        g = torch.Generator().manual_seed(epoch)
+        a, m = torch.randn(self.P, generator=g), torch.randn(self.P, generator=g)
+        for d in self.donors.values():
+            d.publish(a, m, epoch, step=2 * (epoch + 1))
+        return a, m
+
+    async def call(self, peer, route, msg, rtype):
+        d = self.donors[peer]
+        if msg.snapshot_id:
+            i = msg.offset // self.cn
+            self.requests[i] = self.requests.get(i, 0) + 1
+            if self.on_request is not None:
+                self.on_request(msg)
+            man = await d.manifest()
+            if (man["snapshot_id"], i) in self.refused and msg.snapshot_id == man["snapshot_id"]:
+                raise ProtocolError(Outcome.BUSY, f"chunk {i} not available")
+        return await d.handle(msg, "joiner"), 0, 0
+
+
+def test_state_sync_backs_off_names_missing_chunks_and_takes_a_later_snapshot(tmp_path):
+    """Issue 13: with one chunk missing on every donor a joiner sent 1,206 requests for it to one
+    donor in 191 s and never applied the state."""
+    P = 1000                                   # 2P = 2000 values: 32 chunks of 64
+    net = DonorNet(2, P)
+    net.publish(1)
+    sid = asyncio.run(next(iter(net.donors.values())).manifest())["snapshot_id"]
+    net.refused.add((sid, 5))
+    t0 = time.monotonic()
+    with pytest.raises(SyncError) as ei:
+        asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P, work_dir=tmp_path,
+                               busy_retry_s=0.05, seed=1))
+    assert ei.value.missing == [5] and "chunks [5]" in str(ei.value)
+    assert net.requests[5] <= 2 * 3, net.requests[5]         # each donor asked 3 times, with backoff
+    assert time.monotonic() - t0 < 10
+    assert len(list(tmp_path.rglob("chunk*.bin"))) == 31     # the verified chunks stay for a resume
+    # the stage merges again: the later snapshot is complete and is taken
+    a, m = net.publish(2)
+    anchor, momentum, man = asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P,
+                                                   work_dir=tmp_path, busy_retry_s=0.05, seed=1))
+    assert man["merged_epoch"] == 2 and torch.equal(anchor, a) and torch.equal(momentum, m)
+
+
+def test_state_sync_follows_donors_to_their_newer_snapshot(tmp_path):
+    """A merge applied on the donors while a joiner fetches: they answer LATE for the old snapshot;
+    the joiner describes again and fetches the new one (it used to drop every donor and fail)."""
+    P = 1000
+    net = DonorNet(2, P)
+    net.publish(1)
+    seen = []
+
+    def merge_midway(msg):
+        seen.append(msg.snapshot_id)
+        if len(seen) == 6:
+            net.publish(2)
+    net.on_request = merge_midway
+    anchor, momentum, man = asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P,
+                                                   work_dir=tmp_path, busy_retry_s=0.05, seed=1))
+    a, m = net.publish(2)
+    assert man["merged_epoch"] == 2 and torch.equal(anchor, a) and torch.equal(momentum, m)
+    assert len(set(seen)) == 2
