@@ -28,7 +28,7 @@ import math
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from loguru import logger
@@ -60,6 +60,7 @@ class SnapshotDonor:
         self._manifest: Optional[dict[str, Any]] = None
         self._hashing: Optional[asyncio.Future] = None
         self.active = 0
+        self.peak_active = 0                 # most transfers in progress at once
         self.served_chunks = 0
         self.refused_busy = 0
 
@@ -116,11 +117,16 @@ class SnapshotDonor:
             return man
         return self._manifest
 
-    async def handle(self, msg: StateChunkRequest, caller: str = "") -> StateChunk:
+    async def handle(self, msg: StateChunkRequest, caller: str = "",
+                     on_sent: Optional[list[Callable[[], Any]]] = None) -> StateChunk:
+        """Describe the snapshot (no ``snapshot_id``) or serve one chunk of it. ``on_sent``: the
+        server's hooks run once the response is sent (:class:`~iota_subnet.transport.server.RequestContext`);
+        with it the transfer slot is held until the chunk has left, so ``max_concurrent`` caps the
+        sends, not only the copies (six slow joiners of a donor capped at 2 get 2 transfers and 4 BUSY)."""
         parts = self.parts
         man = await self.manifest()
         if self.parts is not parts:          # replaced while hashing: describe the new one
-            return await self.handle(msg, caller)
+            return await self.handle(msg, caller, on_sent)
         if not msg.snapshot_id:
             return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], manifest=man)
         if msg.snapshot_id != man["snapshot_id"]:
@@ -133,14 +139,28 @@ class SnapshotDonor:
             self.refused_busy += 1
             raise ProtocolError(Outcome.BUSY, f"{self.active} state transfers in progress (cap {self.max_concurrent})")
         self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        released = False
+        handed = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.active -= 1
         try:
             await asyncio.sleep(0)          # let concurrent requests see the cap
             data = self._slice(parts, msg.offset, msg.numel)
             self.served_chunks += 1
-            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], offset=msg.offset,
-                              data=data)
+            reply = StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], offset=msg.offset,
+                               data=data)
+            if on_sent is not None:
+                on_sent.append(release)
+                handed = True
+            return reply
         finally:
-            self.active -= 1
+            if not handed:
+                release()
 
 
 class _Replaced(Exception):

@@ -487,7 +487,7 @@ class MinerService:
 
     async def _chunk_route(self, msg, ctx):
         self._check_header(msg)
-        return await self.donor.handle(msg, ctx.caller_hotkey)
+        return await self.donor.handle(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
 
     def _load_merge_state(self) -> None:
         from iota_subnet.train.checkpoint import read_checkpoint
