@@ -19,8 +19,9 @@ def test_spec_parses_rates_and_refuses_what_it_cannot_read():
     s = ChaosSpec.parse("kill=2/min, pause=0.5/min,join=1/min,seed=7")
     assert s.rates == {"kill": 2.0, "pause": 0.5, "join": 1.0} and s.seed == 7
     assert ChaosSpec.parse("slow=1/s").rates == {"slow": 60.0}
+    assert ChaosSpec.parse("kill=1/min,min_live=2").min_live == 2 and ChaosSpec.parse("kill=1/min").min_live == 1
     for bad, msg in (("kill=2", "KIND=RATE/min"), ("explode=1/min", "unknown kind"), ("seed=x,kill=1/min", "seed"),
-                     ("seed=3", "no fault kinds")):
+                     ("seed=3", "no fault kinds"), ("kill=1/min,min_live=0", "min_live")):
         with pytest.raises(ConfigError, match=msg):
             ChaosSpec.parse(bad)
 

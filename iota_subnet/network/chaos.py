@@ -1,7 +1,8 @@
 """Fault injection for a local network: ``iota-subnet localnet --chaos SPEC``.
 
-SPEC is a comma-separated list of ``KIND=RATE/min`` and ``seed=N``, e.g.
-``kill=2/min,pause=1/min,join=0.5/min,seed=7``. Each kind is a Poisson process with that rate
+SPEC is a comma-separated list of ``KIND=RATE/min``, ``seed=N`` and optionally ``min_live=N`` (the
+fewest live replicas an event may leave a stage with; default 1), e.g.
+``kill=2/min,pause=1/min,join=0.5/min,seed=7,min_live=2``. Each kind is a Poisson process with that rate
 (events per minute of wall time); the schedule is drawn once from the seed, so a run is repeatable.
 
 ======================= =======================================================================
@@ -53,10 +54,19 @@ class ChaosSpec:
 
     @staticmethod
     def parse(text: str, *, min_live: int = 1) -> "ChaosSpec":
-        """Parse ``kind=R/min,...,seed=N``; raises :class:`ConfigError` naming the bad part."""
+        """Parse ``kind=R/min,...,seed=N[,min_live=N]`` (``min_live`` in the text overrides the
+        argument); raises :class:`ConfigError` naming the bad part."""
         rates: dict[str, float] = {}
         seed = 0
         for part in (p for p in text.split(",") if p.strip()):
+            if part.strip().startswith("min_live="):
+                try:
+                    min_live = int(part.strip()[9:])
+                except ValueError:
+                    min_live = -1
+                if min_live < 1:
+                    raise ConfigError(f"--chaos: min_live must be an integer >= 1, got {part.strip()!r}")
+                continue
             if part.strip().startswith("seed="):
                 try:
                     seed = int(part.strip()[5:])
