@@ -170,3 +170,22 @@ def test_pause_and_partition_are_undone_then_recover(tmp_path):
     finally:
         log.close()
         net.close()
+
+
+def test_joins_refill_the_emptiest_stage_and_spread_over_ties(tmp_path):
+    """Joins used to go to stage 0 whenever stages tied (and to any stage with a faulted member), so a
+    long run piled its joiners onto one stage."""
+    net = SleepNet(tmp_path, stages=3, replicas=2)
+    t = [0.0]
+    log = ChaosLog(tmp_path / "chaos.jsonl", clock=lambda: t[0])
+    inj = ChaosInjector(net, ChaosSpec(rates={"join": 1.0}, seed=3), log, duration_s=10.0, clock=lambda: t[0])
+    try:
+        net.retire(next(c for c in net.children if c.name == "m21"))
+        inj.pending = [(0.0, "join")] * 4
+        inj.tick()
+        stages = [f.detail["stage"] for f in log.faults]
+        assert stages[0] == 2                                  # the stage a leave emptied
+        assert sorted(stages[1:]) == [0, 1, 2]                 # then one each: ties spread, not all on stage 0
+    finally:
+        log.close()
+        net.close()

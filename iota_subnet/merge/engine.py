@@ -6,9 +6,14 @@ cross between the module's device and the host):
 
 1. **join**: ``me`` reached the boundary and waits (``merge.join_timeout_s``) for the stage's other
    replicas to report ``ready_epoch == e`` (``/merge/join``); each reports the work it did in the
-   window (tokens trained since its last merge). Participants = the ready ones. A peer that already
-   merged ``e`` means ``me`` is late: it returns ``status="late"`` and the miner pulls the merged
-   weights (:mod:`.sync`).
+   window (tokens trained since its last merge). Participants = the ready ones. A peer holding a
+   later merged state (``merged_epoch`` above ``me``'s) means ``me`` is late: it returns
+   ``status="late"`` and the miner pulls the merged weights (:mod:`.sync`); a peer with an older
+   merged state is never a participant (it pulls first). Epochs are labels the replicas agree on:
+   a peer with the same merged state that waits at a later epoch, or already closed ``e`` without
+   merging, moves ``me`` to that later epoch, so replicas whose inner steps drifted apart (one
+   restarted, its lane behind) find a common epoch again. Peers found gone at an earlier boundary
+   are probed briefly, not waited for (:mod:`.liveness`): a stopped replica costs one epoch.
 2. **plan**: :class:`~iota_subnet.merge.plan.MergePlan` from the epoch seed, the attempt number and
    the sorted participants; a participant's weight in the mean is its validators' merge weight times
    its work in the window (a replica that did no work weighs 0: it takes part and ends with the

@@ -557,7 +557,7 @@ class MinerService:
                     with self.worker.lock:
                         self.merge.set_state(anchor, mom, man["merged_epoch"])
                         H = self.cfg.merge.every_steps
-                        if H:
+                        if H and self.worker.auto_step:     # no lane drives it yet; in a lane, the lane's step stays
                             self.worker.inner_step = max(self.worker.inner_step, (man["merged_epoch"] + 1) * H)
                         self.worker.opt.zero_grad(set_to_none=True)
                         self.worker.pending = 0

@@ -10,7 +10,7 @@ fewest live replicas an event may leave a stage with; default 1), e.g.
                         from its checkpoint or syncs from its peers)
 ``pause``               SIGSTOP a miner for ``pause_s``, then SIGCONT (a stalled GPU)
 ``leave``               a miner quits for good (SIGTERM, never restarted)
-``join``                a new miner registers mid-run on the stage with the fewest live replicas
+``join``                a new miner registers mid-run on the stage with the fewest running replicas
 ``partition``           a miner's links drop for ``partition_s`` (every send fails; see
                         :mod:`iota_subnet.transport.shaping`)
 ``slow``                a miner's uplink slows by ``slow_factor`` for ``slow_s``
@@ -224,8 +224,13 @@ class ChaosInjector:
     def _inject(self, kind: str) -> None:
         now = self.clock()
         if kind == "join":
-            counts = {s: self._stage_live(s) for s in range(self.net.stages)}
-            stage = min(counts, key=lambda s: (counts[s], s))
+            # the stage with the fewest running replicas (a faulted one still counts: it comes back), ties
+            # drawn from the seed: joins refill what leaves emptied instead of piling onto stage 0
+            counts = {s: sum(1 for c in self.net.children if c.kind == "miner" and c.stage == s and c.alive()
+                             and not getattr(c, "left", False)) for s in range(self.net.stages)}
+            fewest = min(counts.values())
+            ties = [s for s in sorted(counts) if counts[s] == fewest]
+            stage = ties[self.rng.randrange(len(ties))]
             child = self.net.add_miner(stage)
             self._open(Fault(kind, child.name, now, detail={"stage": stage}), {"served": 0})
             return

@@ -567,7 +567,8 @@ class LocalNet:
 
     def _sample_accounting(self) -> dict:
         """From the validators' state: micro-batches lost, and samples (rows of ``(lane, step, index)``)
-        trained more than once or never, over the steps driven."""
+        trained more than once or never, over the steps driven (each lane's ``steps_done``; the whole
+        ``--steps`` when the run finished)."""
         from iota_subnet.validator.state import ValidatorState
         seen: dict[tuple, int] = {}
         lost = 0
@@ -586,7 +587,13 @@ class LocalNet:
                 st.close()
         lanes = {k[0] for k in seen} or set(range(self.replicas))
         micro = self.cfg.train.batch_size // self.cfg.train.micro_batch
-        expected = {(l, k, m) for l in lanes for k in range(self.steps) for m in range(micro)}
+        # the steps each lane was driven through (all of them, unless the run was stopped early)
+        driven: dict[int, int] = {}
+        for st in self.validator_status():
+            for lane, n in (st.get("steps_done") or {}).items():
+                driven[int(lane)] = driven.get(int(lane), 0) + int(n)
+        expected = {(l, k, m) for l in lanes for k in range(min(self.steps, driven.get(l, self.steps)))
+                    for m in range(micro)}
         return {"microbatches_lost": lost,
                 "samples_repeated": sum(n - 1 for n in seen.values() if n > 1) * self.cfg.train.micro_batch,
                 "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch}
