@@ -62,7 +62,8 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
     summary = LocalNet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config,
                        data=a.data, steps=a.steps, out=out, block_time=a.block_time, tempo=a.tempo, progress=False,
                        overrides=ovr, chaos=chaos, chaos_duration_s=a.chaos_duration,
-                       timeout_s=a.timeout).run()
+                       timeout_s=a.timeout, extra_miner_args=["--hop-timeout", str(a.hop_timeout)],
+                       extra_validator_args=["--hop-timeout", str(a.hop_timeout), "--stall", str(a.stall)]).run()
     chaos_summary = summary.get("chaos") or {}
     return {"name": name, "chaos": chaos, "val_loss": summary.get("val_loss"), "final_loss": summary.get("final_loss"),
             "wall_s": round(time.monotonic() - t0, 1), "events": chaos_summary.get("events", 0),
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="1,2,3", help="one disturbed run per chaos seed")
     ap.add_argument("--chaos", default=DEFAULT_CHAOS, help="rates per kind (seed and min_live=2 are added)")
     ap.add_argument("--chaos-duration", type=float, default=3600.0)
+    ap.add_argument("--hop-timeout", type=float, default=10.0,
+                    help="miners' and validators' --hop-timeout (default 10 s: a stopped miner is given up sooner)")
+    ap.add_argument("--stall", type=float, default=10.0, help="validators' --stall (seconds without progress)")
     ap.add_argument("--block-time", type=float, default=0.5)
     ap.add_argument("--tempo", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     vu, vd = mean([r["val_loss"] for r in und]), mean([r["val_loss"] for r in dis])
     res = {
         "config": a.config, "stages": a.stages, "replicas": a.replicas, "steps": a.steps, "merge_every": a.merge_every,
-        "chaos": a.chaos, "seeds": seeds,
+        "chaos": a.chaos, "seeds": seeds, "hop_timeout_s": a.hop_timeout, "stall_s": a.stall,
         "events": min((r["events"] for r in dis), default=0),
         "events_by_kind": {r["name"]: r["events_by_kind"] for r in dis},
         "val_loss_undisturbed": vu, "val_loss_disturbed": vd,

@@ -202,6 +202,10 @@ class ChaosInjector:
     def _faulted(self, child) -> bool:
         return any(f.target == child.name and f.recovered_at is None for f in self.open)
 
+    def _down(self, child) -> bool:
+        """A fault on ``child`` the harness has not undone yet (a kill not yet restarted)."""
+        return any(f.target == child.name and f.undone_at is None for f in self.open)
+
     def _stage_live(self, stage: int) -> int:
         return sum(1 for c in self._live_miners(stage))
 
@@ -235,7 +239,8 @@ class ChaosInjector:
             self._open(Fault(kind, child.name, now, detail={"stage": stage}), {"served": 0})
             return
         if kind == "validator-kill":
-            vals = [c for c in self.net.children if c.kind == "validator" and c.alive() and not self._faulted(c)]
+            # a validator back up may be killed again before it has driven a step (its start-up is slow)
+            vals = [c for c in self.net.children if c.kind == "validator" and c.alive() and not self._down(c)]
             if not vals:
                 self.log.skip(kind, "no live validator")
                 return
