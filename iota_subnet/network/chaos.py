@@ -196,8 +196,10 @@ class ChaosInjector:
 
     # ---------------------------------------------------------------- targets
     def _live_miners(self, stage: Optional[int] = None) -> list:
+        """Miners running now and not held down by a fault (a fault the harness has undone counts as
+        over here even while its recovery, the miner serving again, is still being measured)."""
         return [c for c in self.net.children if c.kind == "miner" and c.alive() and not getattr(c, "left", False)
-                and not self._faulted(c) and (stage is None or c.stage == stage)]
+                and not self._down(c) and (stage is None or c.stage == stage)]
 
     def _faulted(self, child) -> bool:
         return any(f.target == child.name and f.recovered_at is None for f in self.open)
@@ -236,7 +238,7 @@ class ChaosInjector:
             ties = [s for s in sorted(counts) if counts[s] == fewest]
             stage = ties[self.rng.randrange(len(ties))]
             child = self.net.add_miner(stage)
-            self._open(Fault(kind, child.name, now, detail={"stage": stage}), {"served": 0})
+            self._open(Fault(kind, child.name, now, ends_at=now, detail={"stage": stage}), {"served": 0})
             return
         if kind == "validator-kill":
             # a validator back up may be killed again before it has driven a step (its start-up is slow)
