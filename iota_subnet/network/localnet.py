@@ -328,15 +328,11 @@ class LocalNet:
             startup = Progress(len(self.children), "localnet start-up", "neuron", tty=self.progress, log_every_s=5)
             last_log = 0.0
             done_at = None
-            if self.chaos_spec is not None:
-                from .chaos import ChaosInjector, ChaosLog
-                self.chaos = ChaosInjector(self, self.chaos_spec, ChaosLog(self.out / "chaos.jsonl"),
-                                           self.chaos_duration_s)
-                logger.info(f"chaos: {len(self.chaos.pending)} faults scheduled over "
-                            f"{self.chaos_duration_s:.0f} s (seed {self.chaos_spec.seed}); log in {self.out / 'chaos.jsonl'}")
             while True:
                 time.sleep(1.0)
                 self._supervise()
+                if self.chaos_spec is not None and self.chaos is None and startup.closed:
+                    self._start_chaos()          # the schedule's clock starts once every neuron serves
                 if self.chaos is not None and not all(s.get("done") for s in self.validator_status()):
                     self.chaos.tick()
                 st = self.validator_status()
@@ -385,6 +381,12 @@ class LocalNet:
             if self.chaos is not None:
                 self.chaos.log.close()
         return summary
+
+    def _start_chaos(self) -> None:
+        from .chaos import ChaosInjector, ChaosLog
+        self.chaos = ChaosInjector(self, self.chaos_spec, ChaosLog(self.out / "chaos.jsonl"), self.chaos_duration_s)
+        logger.info(f"chaos: {len(self.chaos.pending)} faults scheduled over the next {self.chaos_duration_s:.0f} s "
+                    f"(seed {self.chaos_spec.seed}); log in {self.out / 'chaos.jsonl'}")
 
     def _halt_chain(self) -> None:
         """The network is gone: stop the devnet's clock so later reads show it as the run left it."""
