@@ -59,13 +59,19 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
     ovr = parse_sets(a.set)
     ovr.setdefault("merge", {})["every_steps"] = a.merge_every
     t0 = time.monotonic()
-    summary = LocalNet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config,
-                       data=a.data, steps=a.steps, out=out, block_time=a.block_time, tempo=a.tempo, progress=False,
-                       overrides=ovr, chaos=chaos, chaos_duration_s=a.chaos_duration,
-                       timeout_s=a.timeout, extra_miner_args=["--hop-timeout", str(a.hop_timeout)],
-                       extra_validator_args=["--hop-timeout", str(a.hop_timeout), "--stall", str(a.stall)]).run()
+    net = LocalNet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config,
+                   data=a.data, steps=a.steps, out=out, block_time=a.block_time, tempo=a.tempo, progress=False,
+                   overrides=ovr, chaos=chaos, chaos_duration_s=a.chaos_duration,
+                   timeout_s=a.timeout, extra_miner_args=["--hop-timeout", str(a.hop_timeout)],
+                   extra_validator_args=["--hop-timeout", str(a.hop_timeout), "--stall", str(a.stall)])
+    try:
+        summary = net.run()
+    except TimeoutError as e:          # a run that did not finish is a result too (no loss to compare)
+        print(f"{name}: {e}", file=sys.stderr)
+        summary = {"timed_out": True}
     chaos_summary = summary.get("chaos") or {}
-    return {"name": name, "chaos": chaos, "val_loss": summary.get("val_loss"), "final_loss": summary.get("final_loss"),
+    return {"name": name, "chaos": chaos, "timed_out": bool(summary.get("timed_out")),
+            "val_loss": summary.get("val_loss"), "final_loss": summary.get("final_loss"),
             "wall_s": round(time.monotonic() - t0, 1), "events": chaos_summary.get("events", 0),
             "events_by_kind": chaos_summary.get("events_by_kind", {}),
             "skipped_by_kind": chaos_summary.get("skipped_by_kind", {}),
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "merges_applied": {r["name"]: r["merges_applied"] for r in runs},
         "mismatch_reports": {r["name"]: r["mismatch_reports"] for r in runs},
         "wall_s": {r["name"]: r["wall_s"] for r in runs},
+        "timed_out": [r["name"] for r in runs if r["timed_out"]],
         "plot": str(png),
     }
     if a.json:
