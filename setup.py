@@ -39,6 +39,8 @@ setup(
     extras_require={
         # selenium drives Debian's chromium (make browser) in the dashboard test; pillow reads its screenshot.
         "test": ["pytest-timeout>=2.3", "selenium>=4.20", "pillow>=10"],
+        # scripts/bench_churn.py plots every run's loss curve into one PNG
+        "bench": ["matplotlib>=3.7"],
     },
     # the dashboard's page and vendored assets; the Hugging Face modeling code copied into exports
     package_data={"iota_subnet.dashboard": ["static/*.html", "static/*.js", "static/*.css", "static/vendor/*"],

@@ -19,8 +19,9 @@ def test_spec_parses_rates_and_refuses_what_it_cannot_read():
     s = ChaosSpec.parse("kill=2/min, pause=0.5/min,join=1/min,seed=7")
     assert s.rates == {"kill": 2.0, "pause": 0.5, "join": 1.0} and s.seed == 7
     assert ChaosSpec.parse("slow=1/s").rates == {"slow": 60.0}
+    assert ChaosSpec.parse("kill=1/min,min_live=2").min_live == 2 and ChaosSpec.parse("kill=1/min").min_live == 1
     for bad, msg in (("kill=2", "KIND=RATE/min"), ("explode=1/min", "unknown kind"), ("seed=x,kill=1/min", "seed"),
-                     ("seed=3", "no fault kinds")):
+                     ("seed=3", "no fault kinds"), ("kill=1/min,min_live=0", "min_live")):
         with pytest.raises(ConfigError, match=msg):
             ChaosSpec.parse(bad)
 
@@ -166,6 +167,25 @@ def test_pause_and_partition_are_undone_then_recover(tmp_path):
         t[0] = 7.0
         inj.tick()
         assert all(f.recovered_at is not None for f in log.faults)
+    finally:
+        log.close()
+        net.close()
+
+
+def test_joins_refill_the_emptiest_stage_and_spread_over_ties(tmp_path):
+    """Joins used to go to stage 0 whenever stages tied (and to any stage with a faulted member), so a
+    long run piled its joiners onto one stage."""
+    net = SleepNet(tmp_path, stages=3, replicas=2)
+    t = [0.0]
+    log = ChaosLog(tmp_path / "chaos.jsonl", clock=lambda: t[0])
+    inj = ChaosInjector(net, ChaosSpec(rates={"join": 1.0}, seed=3), log, duration_s=10.0, clock=lambda: t[0])
+    try:
+        net.retire(next(c for c in net.children if c.name == "m21"))
+        inj.pending = [(0.0, "join")] * 4
+        inj.tick()
+        stages = [f.detail["stage"] for f in log.faults]
+        assert stages[0] == 2                                  # the stage a leave emptied
+        assert sorted(stages[1:]) == [0, 1, 2]                 # then one each: ties spread, not all on stage 0
     finally:
         log.close()
         net.close()

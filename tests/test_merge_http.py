@@ -184,8 +184,8 @@ def test_joiner_syncs_from_peers_despite_dying_donor(tmp_path, tmp_home):
             orig = d1.donor.handle
             served = []
 
-            async def dying(msg, caller=""):
-                r = await orig(msg, caller)
+            async def dying(msg, caller="", **kw):
+                r = await orig(msg, caller, **kw)
                 if msg.snapshot_id:
                     served.append(1)
                     if len(served) == 1:

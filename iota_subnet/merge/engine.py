@@ -6,9 +6,14 @@ cross between the module's device and the host):
 
 1. **join**: ``me`` reached the boundary and waits (``merge.join_timeout_s``) for the stage's other
    replicas to report ``ready_epoch == e`` (``/merge/join``); each reports the work it did in the
-   window (tokens trained since its last merge). Participants = the ready ones. A peer that already
-   merged ``e`` means ``me`` is late: it returns ``status="late"`` and the miner pulls the merged
-   weights (:mod:`.sync`).
+   window (tokens trained since its last merge). Participants = the ready ones. A peer holding a
+   later merged state (``merged_epoch`` above ``me``'s) means ``me`` is late: it returns
+   ``status="late"`` and the miner pulls the merged weights (:mod:`.sync`); a peer with an older
+   merged state is never a participant (it pulls first). Epochs are labels the replicas agree on:
+   a peer with the same merged state that waits at a later epoch, or already closed ``e`` without
+   merging, moves ``me`` to that later epoch, so replicas whose inner steps drifted apart (one
+   restarted, its lane behind) find a common epoch again. Peers found gone at an earlier boundary
+   are probed briefly, not waited for (:mod:`.liveness`): a stopped replica costs one epoch.
 2. **plan**: :class:`~iota_subnet.merge.plan.MergePlan` from the epoch seed, the attempt number and
    the sorted participants; a participant's weight in the mean is its validators' merge weight times
    its work in the window (a replica that did no work weighs 0: it takes part and ends with the
@@ -63,10 +68,13 @@ from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.progress import Progress
 
 from .outer import dequantize, outer_step, quantize, weighted_mean
+from .liveness import PeerLiveness
 from .plan import MergePlan, epoch_seed
 
 #: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
 MAX_SESSIONS = 6
+#: Times one merge may move to a later epoch label the stage's other replicas are at.
+MAX_RELABELS = 8
 #: Chunks a contributor may run ahead of a shard's reduced chunks before the reducer delays its acks.
 STREAM_WINDOW = 2
 
@@ -194,6 +202,22 @@ class _ShardReduce:
         return self.reduced >= len(self.chunks)
 
 
+@dataclass
+class _JoinResult:
+    """What a join found: the participants (incl. this replica) and their work, or a reason to do
+    something else: ``ahead`` (peers with newer merged state: pull), ``relabel`` (the epoch the
+    stage's replicas are at instead), ``jump`` (the attempt they moved to); ``gone``: peers that
+    could not be reached, ``not_ready``: reachable peers that never became ready."""
+
+    participants: list[str] = field(default_factory=list)
+    works: dict[str, float] = field(default_factory=dict)
+    ahead: list[str] = field(default_factory=list)
+    relabel: int = -1
+    jump: int = -1
+    gone: set[str] = field(default_factory=set)
+    not_ready: set[str] = field(default_factory=set)
+
+
 class _Session:
     """State of one (epoch, attempt, plan) on this replica."""
 
@@ -257,6 +281,7 @@ class MergeEngine:
         self.history: list[MergeReport] = []
         self._bytes = [0, 0]
         self._lock = asyncio.Lock()                  # one merge at a time
+        self.liveness = PeerLiveness(cfg.join_timeout_s)   # peers found gone: probed, not waited for
 
     # ------------------------------------------------------------------ state
     def _work_total(self) -> float:
@@ -281,11 +306,17 @@ class MergeEngine:
         self.anchor, self.momentum = anchor, momentum
         self.merged_epoch = int(merged_epoch)
 
+    def next_epoch(self, epoch: int) -> int:
+        """The epoch label a merge proposed at ``epoch`` runs at: never one this replica merged or
+        closed already (its inner steps may lag the labels after a restart or a relabel)."""
+        return max(int(epoch), self.merged_epoch + 1, max(self.closed_epochs, default=-1) + 1)
+
     def status(self) -> dict:
         return {"merged_epoch": self.merged_epoch, "ready_epoch": self.ready_epoch, "in_sync": self.in_sync,
                 "merges": sum(1 for r in self.history if r.applied), "abandoned": sum(1 for r in self.history
                                                                                       if r.status == "abandoned"),
                 "mismatch_reports": len(self.reports), "window_work": self.window_work(),
+                "suspect_peers": self.liveness.status(),
                 "last": None if not self.history else {k: getattr(self.history[-1], k) for k in
                                                       ("epoch", "status", "attempts", "participants", "missing",
                                                        "bytes_sent", "bytes_received", "wall_s", "reason",
@@ -497,22 +528,28 @@ class MergeEngine:
         self._count(sent, received)
         return reply
 
-    async def _join(self, epoch: int, attempt: int, peers: list[str], exclude: set[str]
-                    ) -> tuple[list[str], list[str], int, dict[str, float], set[str]]:
-        """Returns (participants incl. me, peers that merged ``epoch`` already, the highest attempt a
-        peer is at when above ``attempt``, else -1, the work each participant reports for its window,
-        the peers that could not be reached). A peer counts as ready for this attempt only when it
-        is at the same attempt of the same epoch: one still finishing the previous attempt is waited
-        for (its phase deadline is at most ``phase_timeout_s`` away); one that cannot be reached
-        (dead, restarting) is not: it pulls the merged weights when it is back."""
-        deadline = time.monotonic() + (self.cfg.join_timeout_s if attempt == 0
-                                       else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
+    async def _join(self, epoch: int, attempt: int, peers: list[str], exclude: set[str],
+                    deadline: Optional[float] = None) -> "_JoinResult":
+        """Wait for the other replicas to be ready at ``(epoch, attempt)``. A peer counts as ready for
+        this attempt only when it is at the same attempt of the same epoch with the same merged state
+        (``merged_epoch``): one still finishing the previous attempt is waited for (its phase deadline
+        is at most ``phase_timeout_s`` away); one that cannot be reached (dead, restarting, stopped)
+        is not: it pulls the merged weights when it is back. Peers found gone at an earlier boundary
+        (:class:`~iota_subnet.merge.liveness.PeerLiveness`) are probed briefly, not waited for.
+
+        Epochs are labels the replicas agree on, not clocks: a peer with the same merged state that
+        waits at a later epoch, or that already closed this one without merging (it went on alone
+        while this replica was away or its lane was behind), moves this replica to that later epoch
+        (``relabel``), so two live replicas whose inner steps drifted apart find a common epoch again."""
+        started = time.monotonic()
+        if deadline is None:
+            deadline = started + (self.cfg.join_timeout_s if attempt == 0
+                                  else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
         w = self._weights([p for p in peers if p != self.me])
         want = [p for p in peers if p != self.me and p not in exclude and w.get(p, 1.0) > 0]
+        out = _JoinResult(works={self.me: self.ready_work})
         ready: set[str] = set()
-        gone: set[str] = set()
-        works: dict[str, float] = {self.me: self.ready_work}
-        ahead: list[str] = []
+        closed_at: dict[str, int] = {}
         first = True
         while True:
             # excluded peers are still asked once: one of them may have completed this epoch (then we are late)
@@ -521,36 +558,60 @@ class MergeEngine:
             first = False
 
             async def ask(p: str):
+                t = self.liveness.ask_timeout(p, deadline - time.monotonic())
                 try:
-                    return p, await self._call(p, "/merge/join", MergeJoin(run_id=self.run_id, stage=self.stage,
-                                                                            epoch=epoch, attempt=attempt), MergeJoin)
-                except Exception as e:  # noqa: BLE001 - an unreachable peer is simply not ready
+                    return p, await asyncio.wait_for(self._call(p, "/merge/join", MergeJoin(
+                        run_id=self.run_id, stage=self.stage, epoch=epoch, attempt=attempt), MergeJoin), timeout=t)
+                except Exception as e:  # noqa: BLE001 - an unreachable (or silent) peer is simply not ready
                     return p, e
-            jump = -1
+            jump, later = -1, -1
             for p, r in await asyncio.gather(*(ask(p) for p in todo)):
                 if isinstance(r, MergeJoin):
-                    if r.merged_epoch >= epoch:
-                        ahead.append(p)
-                    elif r.closed_epoch >= epoch and r.ready_epoch != epoch and p in want:
-                        want.remove(p)            # it gave up on this epoch: do not wait for it
-                    elif r.ready_epoch == epoch and r.in_sync and p not in exclude:
+                    same_state = r.in_sync and r.merged_epoch == self.merged_epoch
+                    if r.merged_epoch > self.merged_epoch:
+                        out.ahead.append(p)       # it holds newer merged weights: this replica is late
+                    elif r.merged_epoch < self.merged_epoch or not r.in_sync:
+                        if p in want:             # behind (it pulls first): never mix its state into this merge
+                            want.remove(p)
+                    elif r.ready_epoch > epoch and same_state and p not in exclude:
+                        later = max(later, r.ready_epoch)
+                    elif r.closed_epoch >= epoch and r.ready_epoch != epoch:
+                        closed_at[p] = r.closed_epoch
+                        if p in want:
+                            want.remove(p)        # it gave up on (or went past) this epoch: do not wait for it
+                    elif r.ready_epoch == epoch and same_state and p not in exclude:
                         if r.attempt == attempt:
                             ready.add(p)
-                            works[p] = float(r.work) if r.work >= 0 else 0.0
+                            out.works[p] = float(r.work) if r.work >= 0 else 0.0
                         elif r.attempt > attempt:
                             jump = max(jump, r.attempt)
                 elif not isinstance(r, ProtocolError) and p in want:
-                    want.remove(p)                # unreachable (dead, restarting): do not hold the lane for it
-                    gone.add(p)
-            if ahead:
-                return [], ahead, -1, {}, gone
+                    want.remove(p)                # unreachable (dead, restarting, stopped): do not hold the lane for it
+                    out.gone.add(p)
+            if out.ahead:
+                return out
+            if later > epoch:
+                out.relabel = later
+                return out
+            if closed_at and not ready and attempt == 0:
+                out.relabel = max(closed_at.values()) + 1
+                return out
             if jump > attempt and jump < self.cfg.max_attempts:
-                return [], [], jump, {}, gone
-            if len(ready) == len(want) or time.monotonic() >= deadline:
+                out.jump = jump
+                return out
+            now = time.monotonic()
+            late_peers = [p for p in want if p not in ready and now >= self.liveness.wait_deadline(p, started)]
+            for p in late_peers:                  # a suspect that answers but is not ready: short grace only
+                want.remove(p)
+                out.not_ready.add(p)
+            if len(ready) == len(want) or now >= deadline:
                 break
             await asyncio.sleep(0.1)
-        parts = sorted(ready | {self.me})
-        return parts, [], -1, {p: works[p] for p in parts}, gone - ready
+        out.not_ready |= {p for p in want if p not in ready}
+        out.participants = sorted(ready | {self.me})
+        out.works = {p: out.works[p] for p in out.participants}
+        out.gone -= ready
+        return out
 
     def _weights(self, participants: list[str]) -> dict[str, float]:
         if self.weights_fn is None:
@@ -567,16 +628,17 @@ class MergeEngine:
         async with self._lock:
             t0 = time.monotonic()
             b0 = list(self._bytes)
+            epoch = self.next_epoch(epoch)
             rep = MergeReport(epoch=epoch)
             work_at_ready = self._work_total()
             self.ready_work = rep.work = self.window_work()   # fixed while ready: every peer reads the same value
             self.ready_epoch = epoch
             exclude: set[str] = set()
             unreachable: set[str] = set()          # peers that could not be reached at a join
+            not_ready: set[str] = set()            # peers waited for that never became ready
+            join_deadline = t0 + self.cfg.join_timeout_s
+            relabels = 0
             try:
-                if epoch <= self.merged_epoch:
-                    rep.status, rep.reason = "late", f"epoch {epoch} <= merged epoch {self.merged_epoch}"
-                    return rep
                 seed = epoch_seed(self.run_id, self.stage, epoch)
                 attempt = -1
                 while attempt + 1 < self.cfg.max_attempts:
@@ -591,14 +653,30 @@ class MergeEngine:
                         rep.status, rep.reason = "abandoned", "this replica has merge weight 0"
                         return rep
                     peer_list = list(peers()) if callable(peers) else list(peers)
-                    participants, ahead, jump, works, gone = await self._join(epoch, attempt, peer_list, exclude)
-                    unreachable |= gone
-                    if jump > attempt:                  # the peers gave up on this attempt: follow them
-                        self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
-                        attempt = jump - 1
+                    joined = await self._join(epoch, attempt, peer_list, exclude,
+                                              deadline=max(join_deadline, time.monotonic() + 0.5) if attempt == 0
+                                              else None)
+                    participants, works = joined.participants, joined.works
+                    unreachable |= joined.gone
+                    not_ready |= joined.not_ready
+                    self.liveness.suspect(joined.gone, "unreachable at a merge join")
+                    if joined.relabel > epoch and relabels < MAX_RELABELS:   # the stage merges at a later epoch
+                        relabels += 1
+                        logger.info(f"merge: epoch {epoch} -> {joined.relabel} (the stage's other replicas are "
+                                    f"there with the same merged state)")
+                        self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), self.cfg.max_attempts)
+                        epoch = rep.epoch = self.ready_epoch = joined.relabel
+                        seed = epoch_seed(self.run_id, self.stage, epoch)
+                        exclude.clear()
+                        attempt = -1
                         continue
-                    if ahead:
-                        rep.status, rep.reason = "late", f"{len(ahead)} peer(s) merged epoch {epoch} already"
+                    if joined.jump > attempt:           # the peers gave up on this attempt: follow them
+                        self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
+                        attempt = joined.jump - 1
+                        continue
+                    if joined.ahead:
+                        rep.status, rep.reason = "late", (f"{len(joined.ahead)} peer(s) merged a later epoch than "
+                                                          f"{self.merged_epoch} already")
                         return rep
                     weights = self._weights(participants)
                     zero = {p for p, w in weights.items() if w <= 0}
@@ -624,6 +702,7 @@ class MergeEngine:
                     if ok:
                         rep.status, rep.missing = "merged", sorted(exclude | (unreachable - set(participants)))
                         self.work_base = work_at_ready
+                        self.liveness.trust(participants)
                         return rep
                     # peers that contributed to this attempt under another plan built it from another
                     # view (merge weights changed between reads): not missing, retry with them
@@ -634,11 +713,15 @@ class MergeEngine:
                     missing = [m for m in missing if m not in other_plan]
                     rep.reason = why
                     exclude |= set(missing)
+                    self.liveness.suspect(missing, "missing from a merge attempt")
                     rep.missing = sorted(exclude)
                     logger.info(f"merge epoch {epoch} attempt {attempt} failed ({why}); excluding {sorted(missing)}")
                 rep.status = "abandoned"
                 return rep
             finally:
+                self.liveness.suspect(unreachable, "unreachable at a merge join")
+                self.liveness.suspect(exclude, "missing from a merge attempt")
+                self.liveness.suspect(not_ready, "not ready by the join deadline")
                 self.current = None
                 self.ready_epoch = -1
                 self.ready_work = 0.0

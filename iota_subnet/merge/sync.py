@@ -13,18 +13,22 @@ serves at most ``max_concurrent`` chunk requests at once; more get ``BUSY`` (503
 Joiner side (:func:`sync_state`): describe the snapshot at every peer, pick the newest one
 (highest ``merged_epoch``) and its donors, fetch chunks from all of them at once (one request per
 donor at a time), verify each chunk's hash, store it atomically under ``work_dir`` (so an
-interrupted sync resumes), replace a donor that fails or lies by the others, and only when every
-chunk is there and the whole hash matches hand ``(anchor, momentum, manifest)`` to the caller,
-which applies them in one step. Raises :class:`SyncError` (nothing applied) when it cannot finish.
+interrupted sync resumes), replace a donor that fails or lies by the others, back off (exponential,
+with jitter) from a donor that refuses for now and ask the others for the chunks it keeps refusing,
+follow a donor to its newer snapshot, and only when every chunk is there and the whole hash matches
+hand ``(anchor, momentum, manifest)`` to the caller, which applies them in one step. Raises
+:class:`SyncError` (nothing applied; ``missing`` names the chunks no donor delivered) when it
+cannot finish.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import math
+import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from loguru import logger
@@ -37,7 +41,12 @@ from iota_subnet.utils.atomic import atomic_write_bytes
 
 
 class SyncError(RuntimeError):
-    """State sync could not finish; nothing was applied (verified chunks stay on disk for a resume)."""
+    """State sync could not finish; nothing was applied (verified chunks stay on disk for a resume).
+    ``missing``: indices of the chunks no donor delivered (empty when the sync failed otherwise)."""
+
+    def __init__(self, message: str, missing: Optional[list[int]] = None):
+        super().__init__(message)
+        self.missing = list(missing or [])
 
 
 class SnapshotDonor:
@@ -51,6 +60,7 @@ class SnapshotDonor:
         self._manifest: Optional[dict[str, Any]] = None
         self._hashing: Optional[asyncio.Future] = None
         self.active = 0
+        self.peak_active = 0                 # most transfers in progress at once
         self.served_chunks = 0
         self.refused_busy = 0
 
@@ -107,11 +117,16 @@ class SnapshotDonor:
             return man
         return self._manifest
 
-    async def handle(self, msg: StateChunkRequest, caller: str = "") -> StateChunk:
+    async def handle(self, msg: StateChunkRequest, caller: str = "",
+                     on_sent: Optional[list[Callable[[], Any]]] = None) -> StateChunk:
+        """Describe the snapshot (no ``snapshot_id``) or serve one chunk of it. ``on_sent``: the
+        server's hooks run once the response is sent (:class:`~iota_subnet.transport.server.RequestContext`);
+        with it the transfer slot is held until the chunk has left, so ``max_concurrent`` caps the
+        sends, not only the copies (six slow joiners of a donor capped at 2 get 2 transfers and 4 BUSY)."""
         parts = self.parts
         man = await self.manifest()
         if self.parts is not parts:          # replaced while hashing: describe the new one
-            return await self.handle(msg, caller)
+            return await self.handle(msg, caller, on_sent)
         if not msg.snapshot_id:
             return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], manifest=man)
         if msg.snapshot_id != man["snapshot_id"]:
@@ -124,21 +139,64 @@ class SnapshotDonor:
             self.refused_busy += 1
             raise ProtocolError(Outcome.BUSY, f"{self.active} state transfers in progress (cap {self.max_concurrent})")
         self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        released = False
+        handed = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.active -= 1
         try:
             await asyncio.sleep(0)          # let concurrent requests see the cap
             data = self._slice(parts, msg.offset, msg.numel)
             self.served_chunks += 1
-            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], offset=msg.offset,
-                              data=data)
+            reply = StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], offset=msg.offset,
+                               data=data)
+            if on_sent is not None:
+                on_sent.append(release)
+                handed = True
+            return reply
         finally:
-            self.active -= 1
+            if not handed:
+                release()
+
+
+class _Replaced(Exception):
+    """A donor replaced the snapshot being fetched by a later one: describe again and fetch that."""
 
 
 async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: int, param_numel: int,
-                     work_dir: str | Path, min_epoch: int = -1, busy_retry_s: float = 0.2,
-                     max_rounds: int = 200) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                     work_dir: str | Path, min_epoch: int = -1, busy_retry_s: float = 0.2, max_backoff_s: float = 5.0,
+                     chunk_tries: int = 3, max_snapshots: int = 3, max_rounds: int = 200,
+                     seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Fetch the newest snapshot from ``peers`` (hotkeys) through ``transport`` (``call(peer, route,
-    msg, type)``). Returns ``(anchor [P], momentum [P], manifest)``; raises :class:`SyncError`."""
+    msg, type)``). Returns ``(anchor [P], momentum [P], manifest)``; raises :class:`SyncError` (its
+    ``missing`` lists the chunk indices no donor delivered).
+
+    A donor that refuses a chunk for now (BUSY, NOT_READY, TOO_MANY_REQUESTS) is asked again after an
+    exponential backoff with jitter (``busy_retry_s`` doubling up to ``max_backoff_s``); a chunk it has
+    refused ``chunk_tries`` times is asked from the other donors only; a donor that fails or lies is
+    dropped; at most ``max_rounds`` refusals per donor. A donor that has replaced the snapshot (LATE)
+    sends the joiner back to describe the newest one (at most ``max_snapshots`` snapshots)."""
+    rng = random.Random(seed)
+    tried: list[str] = []
+    for _ in range(max(1, max_snapshots)):
+        try:
+            return await _sync_snapshot(peers, transport, run_id=run_id, stage=stage, param_numel=param_numel,
+                                        work_dir=work_dir, min_epoch=min_epoch, busy_retry_s=busy_retry_s,
+                                        max_backoff_s=max_backoff_s, chunk_tries=chunk_tries, max_rounds=max_rounds,
+                                        rng=rng, tried=tried)
+        except _Replaced as e:
+            logger.info(f"state sync: {e}; fetching the newer snapshot")
+    raise SyncError(f"the snapshot was replaced {len(tried)} times while syncing ({tried}); try again later")
+
+
+async def _sync_snapshot(peers: list[str], transport: Any, *, run_id: str, stage: int, param_numel: int,
+                         work_dir: str | Path, min_epoch: int, busy_retry_s: float, max_backoff_s: float,
+                         chunk_tries: int, max_rounds: int, rng: random.Random, tried: list[str]
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     async def describe(p: str):
         try:
             r, _, _ = await transport.call(p, "/state/chunk", StateChunkRequest(run_id=run_id, stage=stage), StateChunk)
@@ -158,6 +216,7 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
     if best["merged_epoch"] < min_epoch:
         raise SyncError(f"newest snapshot is epoch {best['merged_epoch']} < {min_epoch}")
     sid, cn, hashes = best["snapshot_id"], int(best["chunk_numel"]), list(best["chunk_sha256"])
+    tried.append(sid)
     donors = [p for p, m in valid.items() if m["snapshot_id"] == sid]
     total = int(best["total_numel"])
     wd = Path(work_dir) / sid.replace("/", "_")
@@ -170,21 +229,35 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
             if tensor_sha256(t) == h:
                 have[i] = t
     resumed = len(have)
-    todo: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(hashes)):
-        if i not in have:
-            todo.put_nowait(i)
+    pending = {i for i in range(len(hashes)) if i not in have}
+    refusals: dict[tuple[int, str], int] = {}            # (chunk, donor) -> times refused
+    rounds: dict[str, int] = {}
     alive = list(donors)
-    stats = {"donors": list(donors), "dropped": [], "chunks": len(hashes), "resumed": resumed, "busy": 0}
+    stats = {"donors": list(donors), "dropped": [], "chunks": len(hashes), "resumed": resumed, "busy": 0,
+             "requests": 0}
     prog = Progress(4 * total, f"state sync stage {stage}", "B", initial=4 * sum(t.numel() for t in have.values()),
                     unit_scale=True, min_total=64 << 20)
 
+    def drop(p: str, why: str) -> None:
+        if p in alive:
+            alive.remove(p)
+            stats["dropped"].append(p)
+            logger.warning(f"state sync: donor {p[:10]} {why}; replaced by the others")
+
+    def workable(p: str) -> list[int]:
+        return sorted(i for i in pending if refusals.get((i, p), 0) < chunk_tries)
+
     async def worker(p: str) -> None:
-        rounds = 0
-        while not todo.empty() and p in alive:
-            i = await todo.get()
+        delay = busy_retry_s
+        while p in alive:
+            cands = workable(p)
+            if not cands:
+                return
+            i = cands[0]
+            pending.discard(i)
             off = i * cn
             n = min(cn, total - off)
+            stats["requests"] += 1
             try:
                 r, _, _ = await transport.call(p, "/state/chunk", StateChunkRequest(
                     run_id=run_id, stage=stage, snapshot_id=sid, offset=off, numel=n), StateChunk)
@@ -195,29 +268,34 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
                 await asyncio.to_thread(atomic_write_bytes, wd / f"chunk{i:06d}.bin", b"".join(host_bytes(d)))
                 have[i] = d
                 prog.update(4 * n)
+                delay = busy_retry_s
             except ProtocolError as e:
-                todo.put_nowait(i)
-                if e.outcome.retryable and rounds < max_rounds:
+                pending.add(i)
+                if e.outcome == Outcome.LATE:
+                    raise _Replaced(f"donor {p[:10]} replaced snapshot {sid}: {e}") from None
+                if e.outcome.retryable and rounds.get(p, 0) < max_rounds:
                     stats["busy"] += 1
-                    rounds += 1
-                    await asyncio.sleep(busy_retry_s)
+                    rounds[p] = rounds.get(p, 0) + 1
+                    refusals[(i, p)] = refusals.get((i, p), 0) + 1
+                    await asyncio.sleep(delay * (0.5 + rng.random()))      # jitter: joiners do not retry in step
+                    delay = min(max_backoff_s, 2 * delay)
                     continue
-                alive.remove(p)
-                stats["dropped"].append(p)
-                logger.warning(f"state sync: donor {p[:10]} refused ({e}); replaced by the others")
+                drop(p, f"refused ({e})")
             except Exception as e:  # noqa: BLE001 - a dead or lying donor is replaced, never fatal
-                todo.put_nowait(i)
-                if p in alive:
-                    alive.remove(p)
-                    stats["dropped"].append(p)
-                logger.warning(f"state sync: donor {p[:10]} failed ({type(e).__name__}: {e}); replaced by the others")
+                pending.add(i)
+                drop(p, f"failed ({type(e).__name__}: {e})")
 
     with prog:
-        while not todo.empty() and alive:
+        while pending and any(workable(p) for p in alive):
             await asyncio.gather(*(worker(p) for p in list(alive)))
     if len(have) != len(hashes):
-        raise SyncError(f"{len(hashes) - len(have)} of {len(hashes)} chunks missing: every donor failed "
-                        f"({[p[:10] for p in stats['dropped']]}); verified chunks kept in {wd} for a resume")
+        missing = sorted(set(range(len(hashes))) - set(have))
+        why = {p: sum(1 for i in missing if refusals.get((i, p), 0) >= chunk_tries) for p in donors}
+        raise SyncError(f"snapshot {sid}: chunks {missing[:20]}{' ...' if len(missing) > 20 else ''} "
+                        f"({len(missing)} of {len(hashes)}) missing: refused {chunk_tries} times by each donor "
+                        f"that still serves ({[p[:10] for p in alive]}), dropped donors "
+                        f"{[p[:10] for p in stats['dropped']]}; verified chunks kept in {wd} for a resume",
+                        missing=missing)
     flat = torch.cat([have.pop(i) for i in range(len(hashes))])        # host float32 [2P]
     if tensor_sha256(flat) != best["sha256"]:
         raise SyncError("assembled snapshot does not match the manifest hash")

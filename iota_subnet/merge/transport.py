@@ -3,7 +3,9 @@
 * :class:`InProcessTransport`: engines in one process (tests, ``scripts/bench_merge.py``). Every
   message is encoded and decoded with the wire codec (safetensors + JSON, the same validation as
   over HTTP), so the byte counts are the exact body sizes HTTP would carry (headers excluded).
-  ``kill(hotkey)`` makes a peer unreachable; ``delay`` adds latency.
+  ``kill(hotkey)`` makes a peer unreachable; ``stall(hotkey)`` makes it accept calls and never
+  answer (a SIGSTOPped process): callers give up after ``timeout_s``, as an HTTP client would;
+  ``delay`` adds latency.
 * :class:`HttpTransport`: signed HTTP through :class:`~iota_subnet.transport.NeuronClient`; peers
   resolved from hotkey to ``ip:port`` by ``resolve(hotkey)``.
 """
@@ -25,9 +27,11 @@ class InProcessTransport:
     """A registry of handlers ``hotkey -> async handle(route, msg, caller) -> Message``; each engine
     gets a :meth:`view` bound to its own hotkey (the caller identity, as a signature would give)."""
 
-    def __init__(self, delay_s: float = 0.0):
+    def __init__(self, delay_s: float = 0.0, timeout_s: float = 30.0):
         self.handlers: dict[str, Callable[..., Any]] = {}
         self.dead: set[str] = set()
+        self.stalled: set[str] = set()
+        self.timeout_s = float(timeout_s)
         self.delay_s = delay_s
         self.sent: dict[str, int] = {}
         self.received: dict[str, int] = {}
@@ -39,6 +43,10 @@ class InProcessTransport:
 
     def kill(self, hotkey: str) -> None:
         self.dead.add(hotkey)
+
+    def stall(self, hotkey: str, stalled: bool = True) -> None:
+        """``hotkey`` stops answering (True) or answers again (False)."""
+        (self.stalled.add if stalled else self.stalled.discard)(hotkey)
 
     def view(self, me: str) -> "_View":
         return _View(self, me)
@@ -59,6 +67,12 @@ class InProcessTransport:
         body = encode(msg)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if peer in self.stalled:
+            t0 = asyncio.get_running_loop().time()
+            while peer in self.stalled and asyncio.get_running_loop().time() - t0 < self.timeout_s:
+                await asyncio.sleep(0.05)
+            if peer in self.stalled:
+                raise PeerUnreachable(f"{peer[:10]} did not answer in {self.timeout_s:.1f} s")
         req = decode(body, type(msg), merge_payload_contract(max_numel=1 << 31) if route == "/merge/contribute" else None)
         reply = await h(route, req, me)
         if peer in self.dead:

@@ -183,6 +183,8 @@ class MinerService:
         self._last_refresh = 0.0
         self._refresh_lock = asyncio.Lock()
         self._last_ckpt_step = 0
+        #: weights came from this miner's own checkpoint at start (else its merge-state file, a peer, or the seed)
+        self.resumed_from_checkpoint = False
         self.started_at = time.time()
         #: Prometheus metrics (GET /metrics): served requests, merges, and this miner's status()
         self.metrics = NeuronMetrics("miner")
@@ -507,7 +509,7 @@ class MinerService:
 
     async def _chunk_route(self, msg, ctx):
         self._check_header(msg)
-        return await self.donor.handle(msg, ctx.caller_hotkey)
+        return await self.donor.handle(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
 
     def _load_merge_state(self) -> None:
         from iota_subnet.train.checkpoint import read_checkpoint
@@ -516,7 +518,12 @@ class MinerService:
             return
         try:
             tensors, meta = read_checkpoint(p)
-            self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=False)
+            own = not self.resumed_from_checkpoint     # no checkpoint: the merged weights are the newest it has
+            self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=own)
+            if own:
+                self.worker.inner_step = max(self.worker.inner_step, int(meta.get("step", 0)))
+                logger.info(f"stage {self.stage}: no checkpoint; resuming from the merge state of epoch "
+                            f"{self.merge.merged_epoch} at inner step {self.worker.inner_step}")
             self.merge.work_base = min(float(meta.get("work_base", self.merge.work_base)),
                                        float(self.worker.trained_tokens))
         except Exception as e:  # noqa: BLE001 - a bad file means: sync from peers
@@ -538,27 +545,23 @@ class MinerService:
                     f"in {rep.wall_s:.2f}s ({rep.bytes_sent:,} B sent, {rep.bytes_received:,} B received)")
 
     async def _catch_up(self) -> None:
-        """On start: sync from peers when they merged an epoch this replica has not; then in sync."""
-        from iota_subnet.merge.transport import HttpTransport  # noqa: F401 - engine transport already set
+        """On start: sync from peers when they merged an epoch this replica has not; then in sync
+        (:mod:`iota_subnet.miner.catch_up`: waits for an answer rather than trusting a silence)."""
+        from iota_subnet.miner.catch_up import catch_up
+        mc = self.cfg.merge
         try:
-            peers = self._peers()
-            newest = -1
-            for p in peers:
-                try:
-                    j = await self.merge._call(p, "/merge/join", MergeJoin(run_id=self.run_id, stage=self.stage,
-                                                                            epoch=-1), MergeJoin)
-                    newest = max(newest, j.merged_epoch)
-                except Exception as e:  # noqa: BLE001
-                    logger.debug(f"catch-up: {p[:10]}: {e}")
-            if newest > self.merge.merged_epoch:
-                await self.pull_merged_state(min_epoch=newest)
+            res = await catch_up(self.merge, self._peers, lambda e: self.pull_merged_state(min_epoch=e),
+                                 own_state=self.resumed_from_checkpoint or self.merge.merged_epoch >= 0,
+                                 ask_timeout_s=min(5.0, mc.join_timeout_s), max_wait_s=4 * mc.join_timeout_s)
+            logger.info(f"stage {self.stage}: catch-up {res.how} after {res.wall_s:.1f} s ({res.rounds} rounds); "
+                        f"merged epoch {self.merge.merged_epoch}, inner step {self.worker.inner_step}")
         finally:
             self.merge.in_sync = True
 
     async def pull_merged_state(self, min_epoch: int = -1) -> bool:
         """State sync from every peer at once; applies all or nothing. Returns True when applied."""
         from iota_subnet.merge.sync import SyncError, sync_state
-        self.merge.in_sync = False
+        was_in_sync, self.merge.in_sync = self.merge.in_sync, False
         try:
             for attempt in range(3):
                 try:
@@ -567,14 +570,14 @@ class MinerService:
                                                         work_dir=self.out / "sync", min_epoch=min_epoch)
                 except SyncError as e:
                     logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
-                    await asyncio.sleep(1.0)
+                    await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
                     continue
 
                 def apply():
                     with self.worker.lock:
                         self.merge.set_state(anchor, mom, man["merged_epoch"])
                         H = self.cfg.merge.every_steps
-                        if H:
+                        if H and self.worker.auto_step:     # no lane drives it yet; in a lane, the lane's step stays
                             self.worker.inner_step = max(self.worker.inner_step, (man["merged_epoch"] + 1) * H)
                         self.worker.opt.zero_grad(set_to_none=True)
                         self.worker.pending = 0
@@ -588,7 +591,7 @@ class MinerService:
                 return True
             return False
         finally:
-            self.merge.in_sync = True
+            self.merge.in_sync = was_in_sync     # the catch-up declares it in sync when it is done
 
     def _maybe_merge(self) -> None:
         """After a compute: start the merge of the epoch that just closed (by inner steps or blocks)."""
@@ -607,8 +610,8 @@ class MinerService:
         try:
             rep = await self.merge.merge(epoch, self._peers)     # re-read after each attempt's refresh
             self.metrics.observe_merge(rep.status, rep.wall_s, rep.bytes_sent, rep.bytes_received)
-            if rep.status == "late":
-                await self.pull_merged_state(min_epoch=epoch)
+            if rep.status == "late":        # a peer holds a newer merged state (not necessarily this epoch's)
+                await self.pull_merged_state(min_epoch=self.merge.merged_epoch + 1)
             elif rep.status != "merged":
                 logger.info(f"stage {self.stage}: merge epoch {epoch} {rep.status}: {rep.reason}")
         except Exception:  # noqa: BLE001 - a merge failure must never stop serving
@@ -620,9 +623,12 @@ class MinerService:
         """Latest own checkpoint, else a replica of the same stage, else the run's seeded init."""
         try:
             if await asyncio.get_running_loop().run_in_executor(self.pool, self.worker.load, self.checkpoint_path):
+                self.resumed_from_checkpoint = True
                 return
         except CheckpointError as e:
             logger.warning(f"ignoring checkpoint: {e}")
+        if self.cfg.merge.enabled and self.emulation is None:
+            return      # merging: its merge-state file, else the catch-up's state sync once it is published (_catch_up)
         got = await self._peer_state_response(timeout_s=30, retries=1)
         if got is not None:
             uid, resp = got

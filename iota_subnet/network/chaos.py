@@ -1,7 +1,8 @@
 """Fault injection for a local network: ``iota-subnet localnet --chaos SPEC``.
 
-SPEC is a comma-separated list of ``KIND=RATE/min`` and ``seed=N``, e.g.
-``kill=2/min,pause=1/min,join=0.5/min,seed=7``. Each kind is a Poisson process with that rate
+SPEC is a comma-separated list of ``KIND=RATE/min``, ``seed=N`` and optionally ``min_live=N`` (the
+fewest live replicas an event may leave a stage with; default 1), e.g.
+``kill=2/min,pause=1/min,join=0.5/min,seed=7,min_live=2``. Each kind is a Poisson process with that rate
 (events per minute of wall time); the schedule is drawn once from the seed, so a run is repeatable.
 
 ======================= =======================================================================
@@ -9,7 +10,7 @@ SPEC is a comma-separated list of ``KIND=RATE/min`` and ``seed=N``, e.g.
                         from its checkpoint or syncs from its peers)
 ``pause``               SIGSTOP a miner for ``pause_s``, then SIGCONT (a stalled GPU)
 ``leave``               a miner quits for good (SIGTERM, never restarted)
-``join``                a new miner registers mid-run on the stage with the fewest live replicas
+``join``                a new miner registers mid-run on the stage with the fewest running replicas
 ``partition``           a miner's links drop for ``partition_s`` (every send fails; see
                         :mod:`iota_subnet.transport.shaping`)
 ``slow``                a miner's uplink slows by ``slow_factor`` for ``slow_s``
@@ -53,10 +54,19 @@ class ChaosSpec:
 
     @staticmethod
     def parse(text: str, *, min_live: int = 1) -> "ChaosSpec":
-        """Parse ``kind=R/min,...,seed=N``; raises :class:`ConfigError` naming the bad part."""
+        """Parse ``kind=R/min,...,seed=N[,min_live=N]`` (``min_live`` in the text overrides the
+        argument); raises :class:`ConfigError` naming the bad part."""
         rates: dict[str, float] = {}
         seed = 0
         for part in (p for p in text.split(",") if p.strip()):
+            if part.strip().startswith("min_live="):
+                try:
+                    min_live = int(part.strip()[9:])
+                except ValueError:
+                    min_live = -1
+                if min_live < 1:
+                    raise ConfigError(f"--chaos: min_live must be an integer >= 1, got {part.strip()!r}")
+                continue
             if part.strip().startswith("seed="):
                 try:
                     seed = int(part.strip()[5:])
@@ -186,11 +196,17 @@ class ChaosInjector:
 
     # ---------------------------------------------------------------- targets
     def _live_miners(self, stage: Optional[int] = None) -> list:
+        """Miners running now and not held down by a fault (a fault the harness has undone counts as
+        over here even while its recovery, the miner serving again, is still being measured)."""
         return [c for c in self.net.children if c.kind == "miner" and c.alive() and not getattr(c, "left", False)
-                and not self._faulted(c) and (stage is None or c.stage == stage)]
+                and not self._down(c) and (stage is None or c.stage == stage)]
 
     def _faulted(self, child) -> bool:
         return any(f.target == child.name and f.recovered_at is None for f in self.open)
+
+    def _down(self, child) -> bool:
+        """A fault on ``child`` the harness has not undone yet (a kill not yet restarted)."""
+        return any(f.target == child.name and f.undone_at is None for f in self.open)
 
     def _stage_live(self, stage: int) -> int:
         return sum(1 for c in self._live_miners(stage))
@@ -214,13 +230,19 @@ class ChaosInjector:
     def _inject(self, kind: str) -> None:
         now = self.clock()
         if kind == "join":
-            counts = {s: self._stage_live(s) for s in range(self.net.stages)}
-            stage = min(counts, key=lambda s: (counts[s], s))
+            # the stage with the fewest running replicas (a faulted one still counts: it comes back), ties
+            # drawn from the seed: joins refill what leaves emptied instead of piling onto stage 0
+            counts = {s: sum(1 for c in self.net.children if c.kind == "miner" and c.stage == s and c.alive()
+                             and not getattr(c, "left", False)) for s in range(self.net.stages)}
+            fewest = min(counts.values())
+            ties = [s for s in sorted(counts) if counts[s] == fewest]
+            stage = ties[self.rng.randrange(len(ties))]
             child = self.net.add_miner(stage)
-            self._open(Fault(kind, child.name, now, detail={"stage": stage}), {"served": 0})
+            self._open(Fault(kind, child.name, now, ends_at=now, detail={"stage": stage}), {"served": 0})
             return
         if kind == "validator-kill":
-            vals = [c for c in self.net.children if c.kind == "validator" and c.alive() and not self._faulted(c)]
+            # a validator back up may be killed again before it has driven a step (its start-up is slow)
+            vals = [c for c in self.net.children if c.kind == "validator" and c.alive() and not self._down(c)]
             if not vals:
                 self.log.skip(kind, "no live validator")
                 return

@@ -97,7 +97,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "kill, pause, leave, join, partition, slow, validator-kill); every event and recovery goes to "
                         "OUT/chaos.jsonl and the summary")
     p.add_argument("--chaos-duration", type=float, default=None,
-                   help="seconds of run time the chaos schedule covers (default 3600; faults stop when training ends)")
+                   help="seconds of run time the chaos schedule covers, from the end of start-up (default 3600; "
+                        "faults stop when training ends)")
     p.add_argument("--link", default="loopback", metavar="RATE:DELAY",
                    help="emulate this uplink for every neuron (token bucket + one-way delay), e.g. 100mbit:50ms")
     p.add_argument("--emulate-gpu", default=None, metavar="GPU",

@@ -345,15 +345,11 @@ class LocalNet:
             startup = Progress(len(self.children), "localnet start-up", "neuron", tty=self.progress, log_every_s=5)
             last_log = 0.0
             done_at = None
-            if self.chaos_spec is not None:
-                from .chaos import ChaosInjector, ChaosLog
-                self.chaos = ChaosInjector(self, self.chaos_spec, ChaosLog(self.out / "chaos.jsonl"),
-                                           self.chaos_duration_s)
-                logger.info(f"chaos: {len(self.chaos.pending)} faults scheduled over "
-                            f"{self.chaos_duration_s:.0f} s (seed {self.chaos_spec.seed}); log in {self.out / 'chaos.jsonl'}")
             while True:
                 time.sleep(1.0)
                 self._supervise()
+                if self.chaos_spec is not None and self.chaos is None and startup.closed:
+                    self._start_chaos()          # the schedule's clock starts once every neuron serves
                 if self.chaos is not None and not all(s.get("done") for s in self.validator_status()):
                     self.chaos.tick()
                 st = self.validator_status()
@@ -402,6 +398,12 @@ class LocalNet:
             if self.chaos is not None:
                 self.chaos.log.close()
         return summary
+
+    def _start_chaos(self) -> None:
+        from .chaos import ChaosInjector, ChaosLog
+        self.chaos = ChaosInjector(self, self.chaos_spec, ChaosLog(self.out / "chaos.jsonl"), self.chaos_duration_s)
+        logger.info(f"chaos: {len(self.chaos.pending)} faults scheduled over the next {self.chaos_duration_s:.0f} s "
+                    f"(seed {self.chaos_spec.seed}); log in {self.out / 'chaos.jsonl'}")
 
     def _halt_chain(self) -> None:
         """The network is gone: stop the devnet's clock so later reads show it as the run left it."""
@@ -585,7 +587,8 @@ class LocalNet:
 
     def _sample_accounting(self) -> dict:
         """From the validators' state: micro-batches lost, and samples (rows of ``(lane, step, index)``)
-        trained more than once or never, over the steps driven."""
+        trained more than once or never, over the steps driven (each lane's ``steps_done``; the whole
+        ``--steps`` when the run finished)."""
         from iota_subnet.validator.state import ValidatorState
         seen: dict[tuple, int] = {}
         lost = 0
@@ -604,7 +607,13 @@ class LocalNet:
                 st.close()
         lanes = {k[0] for k in seen} or set(range(self.replicas))
         micro = self.cfg.train.batch_size // self.cfg.train.micro_batch
-        expected = {(l, k, m) for l in lanes for k in range(self.steps) for m in range(micro)}
+        # the steps each lane was driven through (all of them, unless the run was stopped early)
+        driven: dict[int, int] = {}
+        for st in self.validator_status():
+            for lane, n in (st.get("steps_done") or {}).items():
+                driven[int(lane)] = driven.get(int(lane), 0) + int(n)
+        expected = {(l, k, m) for l in lanes for k in range(min(self.steps, driven.get(l, self.steps)))
+                    for m in range(micro)}
         return {"microbatches_lost": lost,
                 "samples_repeated": sum(n - 1 for n in seen.values() if n > 1) * self.cfg.train.micro_batch,
                 "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch}

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from aiohttp import web
@@ -84,6 +84,10 @@ class RequestContext:
     remote: Optional[str]
     body_bytes: int
     received_at: float
+    #: called once the response has been sent (its body handed to the network, through the emulated
+    #: uplink when there is one), or the request failed: a handler that holds a resource for the
+    #: whole transfer (a state-sync donor's slot) releases it here
+    on_sent: list[Callable[[], Any]] = field(default_factory=list)
 
 
 _CTX_KEY = web.RequestKey("iota_ctx", RequestContext)
@@ -319,15 +323,28 @@ class NeuronServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                           ) -> web.StreamResponse:
-        resp = await self._serve(request, handler)
-        if self.shaper is not None:   # the emulated uplink: every response, refusals included
-            body = resp.body if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)) else b""
-            try:
-                await self.shaper.transmit(len(body) + response_head_bytes(resp.status, resp.headers))
-            except LinkDown:          # partitioned: the answer never leaves; the caller sees the connection drop
-                if request.transport is not None:
-                    request.transport.abort()
-        return resp
+        try:
+            resp = await self._serve(request, handler)
+            if self.shaper is not None:   # the emulated uplink: every response, refusals included
+                body = resp.body if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)) else b""
+                try:
+                    await self.shaper.transmit(len(body) + response_head_bytes(resp.status, resp.headers))
+                except LinkDown:          # partitioned: the answer never leaves; the caller sees the connection drop
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+            ctx = request.get(_CTX_KEY)
+            if ctx is not None and ctx.on_sent and request.transport is not None and not request.transport.is_closing():
+                await resp.prepare(request)       # send it now: the handler's resource covers the transfer
+                await resp.write_eof()
+            return resp
+        finally:
+            ctx = request.get(_CTX_KEY)
+            for fn in (ctx.on_sent if ctx is not None else ()):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a release hook must not break the response
+                    logger.exception("on_sent hook failed")
 
     async def _serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:

@@ -485,9 +485,10 @@ class ControlPlane:
             res = MicrobatchResult(lane, step, m, fl.ticket.microbatch_id if fl else "", True,
                                    self.mb * self.cfg.data.seq_len)
             if fl is not None:
-                res.ok = fl.done
+                away = not fl.done and self._index_state(lane, step, m) == "waiting"
+                res.ok = fl.done or away        # waiting: the head went past it, trained under an earlier ticket
                 res.loss = fl.loss if fl.done else None
-                res.phase = "done" if fl.done else "failed"
+                res.phase = "done" if fl.done else "trained while away" if away else "failed"
                 res.attempts = fl.ticket.attempt + 1
                 res.pathway = [{"stage": s, "uid": None, "hotkey": self._server_of(fl, s)} for s in range(self.n_stages)]
                 reps = self._by_hotkey()
@@ -533,9 +534,7 @@ class ControlPlane:
                 i += 1
                 next_step = todo[i] if i < len(todo) else total_steps
                 if on_step is not None:
-                    mbs = [MicrobatchResult(lane, k, m, "", True, self.mb * self.cfg.data.seq_len, ok=True,
-                                            phase="trained while away") for m in range(self.micro_per_step)]
-                    out = on_step(LaneStepResult(lane, k, mbs, 0.0), next_step)
+                    out = on_step(self._trained_while_away(lane, k), next_step)
                     if asyncio.iscoroutine(out):
                         await out
         while i < len(todo):
@@ -546,6 +545,8 @@ class ControlPlane:
                 await self._issue_step(lane, k, ahead)
             k = todo[i]
             res = await self.run_lane_step(lane, k, stop)
+            if res.ok_count == 0 and not (stop is not None and stop.is_set()):
+                res = await self._completed_elsewhere(lane, k) or res
             if res.ok_count == 0:
                 if stop is not None and stop.is_set():
                     break
@@ -563,6 +564,25 @@ class ControlPlane:
                         f"{res.loss:.4f}" if res.loss is not None else "-", res.ok_count, len(res.microbatches),
                         res.reroutes, res.elapsed_s)
         return next_step
+
+    def _trained_while_away(self, lane: int, step: int) -> LaneStepResult:
+        """Lane step ``step`` trained by the miners with tickets this validator issued before it
+        restarted: their receipts are lost, so it is counted (every micro-batch trained once), not credited."""
+        mbs = [MicrobatchResult(lane, step, m, "", True, self.mb * self.cfg.data.seq_len, ok=True,
+                                phase="trained while away") for m in range(self.micro_per_step)]
+        return LaneStepResult(lane, step, mbs, 0.0)
+
+    async def _completed_elsewhere(self, lane: int, step: int) -> Optional[LaneStepResult]:
+        """A lane step none of whose micro-batches completed under this validator's tickets while the
+        lane's head is past it: the head completed it with the tickets this validator sent before a
+        restart (the ones for the steps it looked ahead), which it still held. Without this the lane
+        re-issued that step for ever: every new ticket was answered ``stale``."""
+        cur = await self._head_step(lane)
+        if cur is None or cur <= step:
+            return None
+        logger.warning("lane {} step {}: its first-stage miner is at inner step {}: the step was trained with tickets "
+                       "issued before this validator restarted (receipts lost: counted, not credited)", lane, step, cur)
+        return self._trained_while_away(lane, step)
 
     async def run(self, start_steps: dict[int, int], total_steps: int,
                   on_step: Optional[Callable[[LaneStepResult, int], Awaitable[None] | None]] = None,

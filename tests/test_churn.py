@@ -1,0 +1,217 @@
+"""Churn at the merge level, over the in-process transport (every message through the wire codec):
+a restarted replica whose inner steps lag finds a common epoch with its peer again; a stopped
+(SIGSTOP-like) replica costs one epoch, not every later one, and pulls when it is back; state sync
+backs off, names the missing chunks and takes a later snapshot."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from iota_subnet.config import MergeConfig
+from iota_subnet.merge import MergeEngine, ModuleParams
+from iota_subnet.merge.sync import SnapshotDonor, SyncError, sync_state
+from iota_subnet.merge.transport import InProcessTransport
+from iota_subnet.protocol import Outcome, ProtocolError
+
+pytestmark = pytest.mark.timeout(120)
+
+HK = [f"5Churn{i:02d}" for i in range(6)]
+
+
+def module(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+
+def flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def train_step(m, seed):
+    """One 'inner step' on replica-specific data."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+
+
+class Replica:
+    """A replica's merge engine plus its lane: ``step_s`` seconds per inner step, a merge (its lane
+    paused, as without ``merge.overlap``) every ``H`` inner steps, proposed at epoch ``step // H - 1``
+    as the miner does."""
+
+    def __init__(self, net, i, cfg, H=2, step_s=0.05):
+        self.hk, self.H, self.step_s = HK[i], H, step_s
+        self.mod = module()
+        self.work = 0.0
+        self.engine = MergeEngine(self.hk, cfg, ModuleParams(self.mod), net.view(self.hk), run_id="churn", stage=0,
+                                  work_fn=lambda: self.work)
+        net.register(self.hk, self.engine.handle)
+        self.step = 0
+        self.reports = []
+
+    async def run(self, steps, peers, salt=0):
+        for _ in range(steps):
+            await asyncio.sleep(self.step_s)
+            self.step += 1
+            train_step(self.mod, 1000 * salt + 7 * self.step + HK.index(self.hk))
+            self.work += 64
+            if self.step % self.H == 0:
+                self.reports.append(await self.engine.merge(self.step // self.H - 1, peers))
+
+
+def test_restarted_replica_whose_steps_lag_merges_again():
+    """Issue 13: one replica killed mid-epoch and restarted (its lane resumes steps behind) while the
+    other ran on: both used to merge "alone" every epoch from then on and drift apart."""
+    cfg = MergeConfig(every_steps=2, join_timeout_s=1.5, phase_timeout_s=2.0, max_attempts=2)
+    net = InProcessTransport(timeout_s=3.0)
+    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
+    peers = [a.hk, b.hk]
+
+    async def main():
+        await asyncio.gather(a.run(5, peers), b.run(5, peers))     # epochs 0 and 1 merged together
+        assert [r.status for r in a.reports] == ["merged", "merged"], [(r.status, r.reason) for r in a.reports]
+        net.kill(b.hk)                                             # killed at step 5, mid-epoch
+        await a.run(9, peers)                                      # the other runs on, alone (steps 6..14)
+        assert {r.status for r in a.reports[2:]} == {"alone"}
+        # restart: its merge-state file holds epoch 1; its lane resumes at step 5, 9 steps behind
+        saved = b.engine
+        b2 = Replica(net, 1, cfg)
+        b2.engine.set_state(saved.anchor, saved.momentum, saved.merged_epoch)
+        b2.step, b2.work = 5, saved._work_total()
+        await asyncio.gather(a.run(16, peers, salt=1), b2.run(16, peers, salt=1))
+        return b2
+
+    b2 = asyncio.run(main())
+    after = a.reports[7:]
+    together = [r for r in after if r.status == "merged" and len(r.participants) == 2]
+    assert len(together) >= 4, [(r.epoch, r.status, r.reason) for r in after]
+    assert all(len(r.participants) == 2 for r in b2.reports if r.status == "merged")
+    # the last merge both applied: the same epoch, the same merged weights
+    assert a.engine.merged_epoch == b2.engine.merged_epoch
+    assert torch.equal(a.engine.anchor, b2.engine.anchor)
+
+
+def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
+    """Issue 13: a replica SIGSTOPped mid-merge; every later epoch still waited ~31 s at the boundary
+    for it. Now only the epoch it stalled in waits; later epochs probe it briefly and go ahead; when it
+    comes back it finds a later merged epoch and is late (it pulls)."""
+    cfg = MergeConfig(every_steps=1, join_timeout_s=20.0, phase_timeout_s=2.0, max_attempts=2)
+    net = InProcessTransport(timeout_s=6.0)           # the HTTP client gives up after phase_timeout_s + 5 s
+    reps = [Replica(net, i, cfg) for i in range(4)]
+    for i, r in enumerate(reps):
+        train_step(r.mod, 50 + i)
+        r.work = 64.0
+    peers = [r.hk for r in reps]
+    victim = reps[3]
+
+    async def stop_mid_merge(plan, rep):              # joined, then the process is stopped
+        net.stall(victim.hk)
+        await asyncio.sleep(3600)
+    victim.engine._allreduce = stop_mid_merge
+
+    async def main():
+        vt = asyncio.create_task(victim.engine.merge(0, peers))
+        t0 = time.monotonic()
+        first = await asyncio.gather(*(r.engine.merge(0, peers) for r in reps[:3]))
+        walls = [time.monotonic() - t0]
+        for epoch in (1, 2, 3):
+            for i, r in enumerate(reps[:3]):
+                train_step(r.mod, 100 * epoch + i)
+                r.work += 64
+            t0 = time.monotonic()
+            res = await asyncio.gather(*(r.engine.merge(epoch, peers) for r in reps[:3]))
+            walls.append(time.monotonic() - t0)
+            assert all(x.status == "merged" and victim.hk not in x.participants for x in res), \
+                [(x.status, x.reason) for x in res]
+        vt.cancel()
+        # SIGCONT: it answers again and reaches its next boundary with the merged state of epoch -1
+        net.stall(victim.hk, False)
+        victim.engine._allreduce = MergeEngine._allreduce.__get__(victim.engine)
+        late = await victim.engine.merge(1, peers)
+        return first, walls, late
+
+    first, walls, late = asyncio.run(main())
+    assert all(x.status == "merged" for x in first), [(x.status, x.reason) for x in first]
+    assert all(w < 3.0 for w in walls[1:]), walls          # later epochs do not wait for the stopped peer
+    assert late.status == "late"
+    ws = [flat(r.mod) for r in reps[:3]]
+    assert all(torch.equal(ws[0], w) for w in ws[1:])
+    assert reps[0].engine.status()["suspect_peers"] == {victim.hk: "missing from a merge attempt"}
+
+
+class DonorNet:
+    """Donors of one stage behind an in-process call table; ``refuse(chunk)`` makes every donor answer
+    BUSY for that chunk of the current snapshot (a chunk it cannot serve now); requests are counted."""
+
+    def __init__(self, n, P, chunk_numel=64):
+        self.donors = {HK[i]: SnapshotDonor("churn", 0, chunk_numel=chunk_numel, max_concurrent=4) for i in range(n)}
+        self.P, self.cn = P, chunk_numel
+        self.refused: set[tuple[str, int]] = set()       # (snapshot id, chunk)
+        self.requests: dict[int, int] = {}
+        self.on_request = None
+
+    def publish(self, epoch):
+        g = torch.Generator().manual_seed(epoch)
+        a, m = torch.randn(self.P, generator=g), torch.randn(self.P, generator=g)
+        for d in self.donors.values():
+            d.publish(a, m, epoch, step=2 * (epoch + 1))
+        return a, m
+
+    async def call(self, peer, route, msg, rtype):
+        d = self.donors[peer]
+        if msg.snapshot_id:
+            i = msg.offset // self.cn
+            self.requests[i] = self.requests.get(i, 0) + 1
+            if self.on_request is not None:
+                self.on_request(msg)
+            man = await d.manifest()
+            if (man["snapshot_id"], i) in self.refused and msg.snapshot_id == man["snapshot_id"]:
+                raise ProtocolError(Outcome.BUSY, f"chunk {i} not available")
+        return await d.handle(msg, "joiner"), 0, 0
+
+
+def test_state_sync_backs_off_names_missing_chunks_and_takes_a_later_snapshot(tmp_path):
+    """Issue 13: with one chunk missing on every donor a joiner sent 1,206 requests for it to one
+    donor in 191 s and never applied the state."""
+    P = 1000                                   # 2P = 2000 values: 32 chunks of 64
+    net = DonorNet(2, P)
+    net.publish(1)
+    sid = asyncio.run(next(iter(net.donors.values())).manifest())["snapshot_id"]
+    net.refused.add((sid, 5))
+    t0 = time.monotonic()
+    with pytest.raises(SyncError) as ei:
+        asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P, work_dir=tmp_path,
+                               busy_retry_s=0.05, seed=1))
+    assert ei.value.missing == [5] and "chunks [5]" in str(ei.value)
+    assert net.requests[5] <= 2 * 3, net.requests[5]         # each donor asked 3 times, with backoff
+    assert time.monotonic() - t0 < 10
+    assert len(list(tmp_path.rglob("chunk*.bin"))) == 31     # the verified chunks stay for a resume
+    # the stage merges again: the later snapshot is complete and is taken
+    a, m = net.publish(2)
+    anchor, momentum, man = asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P,
+                                                   work_dir=tmp_path, busy_retry_s=0.05, seed=1))
+    assert man["merged_epoch"] == 2 and torch.equal(anchor, a) and torch.equal(momentum, m)
+
+
+def test_state_sync_follows_donors_to_their_newer_snapshot(tmp_path):
+    """A merge applied on the donors while a joiner fetches: they answer LATE for the old snapshot;
+    the joiner describes again and fetches the new one (it used to drop every donor and fail)."""
+    P = 1000
+    net = DonorNet(2, P)
+    net.publish(1)
+    seen = []
+
+    def merge_midway(msg):
+        seen.append(msg.snapshot_id)
+        if len(seen) == 6:
+            net.publish(2)
+    net.on_request = merge_midway
+    anchor, momentum, man = asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P,
+                                                   work_dir=tmp_path, busy_retry_s=0.05, seed=1))
+    a, m = net.publish(2)
+    assert man["merged_epoch"] == 2 and torch.equal(anchor, a) and torch.equal(momentum, m)
+    assert len(set(seen)) == 2

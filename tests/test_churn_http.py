@@ -1,0 +1,163 @@
+"""Churn over real signed HTTP on 127.0.0.1: a state-sync donor's cap covers the send (not only the
+copy), a late joiner waits for its peers to see it and catches up instead of training from the
+seeded initialisation, and a restarted replica uses its own merge-state file while its peer is
+stopped."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from iota_subnet.merge.sync import SnapshotDonor
+from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest
+from iota_subnet.transport import NeuronClient, NeuronServer
+from iota_subnet.transport.shaping import LinkSpec, UplinkShaper
+from test_validator_driver import make_wallet
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_donor_cap_covers_the_send_to_slow_joiners(tmp_home):
+    """Issue 13: a donor capped at 2 concurrent transfers served six slow joiners at once (six 4 MB
+    transfers): the cap covered only the in-memory copy, not the send."""
+    P = 1 << 20
+    donor = SnapshotDonor("r", 1, chunk_numel=1 << 20, max_concurrent=2)     # one chunk = 4 MiB
+    donor.publish(torch.randn(P), torch.randn(P), merged_epoch=2, step=30)
+    root = tmp_home / "wallets"
+    dw = make_wallet(root, "donor")
+    joiners = [make_wallet(root, f"joiner{i}") for i in range(6)]
+    shaper = UplinkShaper(LinkSpec(rate_bps=80e6))      # 4 MiB leave in ~0.4 s
+    sending = [0, 0]                                    # now, peak (responses over 1 MiB in the uplink)
+    transmit = shaper.transmit
+
+    async def counted(nbytes):
+        big = nbytes > (1 << 20)
+        sending[0] += big
+        sending[1] = max(sending[1], sending[0])
+        try:
+            await transmit(nbytes)
+        finally:
+            sending[0] -= big
+    shaper.transmit = counted
+
+    async def main():
+        server = NeuronServer(dw, "127.0.0.1", 0, None, None, shaper=shaper)
+
+        async def chunk(msg, ctx):
+            return await donor.handle(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
+        server.add_route("/state/chunk", chunk, StateChunkRequest)
+        await server.start()
+        clients = [NeuronClient(w) for w in joiners]
+        try:
+            man = (await clients[0].call(server.endpoint, server.hotkey, "/state/chunk",
+                                         StateChunkRequest(run_id="r", stage=1), StateChunk, retries=0)).manifest
+
+            async def fetch(cl, i):
+                try:
+                    r = await cl.call(server.endpoint, server.hotkey, "/state/chunk", StateChunkRequest(
+                        run_id="r", stage=1, snapshot_id=man["snapshot_id"], offset=(i % 2) * P, numel=P),
+                        StateChunk, retries=0, timeout_s=60)
+                    return r.data.numel()
+                except ProtocolError as e:
+                    return e.outcome
+            return await asyncio.gather(*(fetch(cl, i) for i, cl in enumerate(clients)))
+        finally:
+            for cl in clients:
+                await cl.close()
+            await server.stop()
+    res = asyncio.run(main())
+    assert sending[1] <= 2, f"{sending[1]} state transfers in the uplink at once (cap 2); results {res}"
+    assert res.count(P) >= 2 and res.count(Outcome.BUSY) == 6 - res.count(P)
+    assert donor.peak_active <= 2 and donor.active == 0          # every slot released after its send
+
+
+# ---------------------------------------------------------------------------------------- replicas
+from test_merge_http import Net, flat, merge_epoch, train_locally          # noqa: E402
+
+
+async def wait_for(cond, timeout_s):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+def test_late_joiner_refused_by_its_peers_waits_then_catches_up(tmp_path, tmp_home):
+    """Issue 13: a replica joining a running stage was refused by its peers (they did not see its
+    stage commitment yet), fell back to the run's seeded initialisation and reported ready at inner
+    step 0 while the stage was at merged epoch 1. It must wait, then catch up."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        try:
+            for epoch in (0, 1):
+                for k, s in enumerate(net.svcs):
+                    train_locally(s, 10 * epoch + k)
+                assert all(r.applied for r in await merge_epoch(net.svcs, epoch))
+            a, b = net.svcs
+            refresh = {s: s.refresh for s in (a, b)}
+
+            async def stale_view(force=False):          # the peers' chain view predates the joiner
+                return None
+            for s in (a, b):
+                s.refresh = stale_view
+            joiner = await net.add()
+            await asyncio.sleep(3.0)
+            refused_ready = joiner.merge.in_sync
+            refused_epoch = joiner.merge.merged_epoch
+            for s in (a, b):
+                s.refresh = refresh[s]
+                s._last_refresh = 0
+                await s.refresh()
+            synced = await wait_for(lambda: joiner._sync_task.done(), 30)
+            return refused_ready, refused_epoch, synced, joiner, a
+        finally:
+            await net.close()
+    refused_ready, refused_epoch, synced, joiner, a = asyncio.run(main())
+    assert not refused_ready and refused_epoch == -1      # not ready (validators route around it) while refused
+    assert synced and joiner._sync_task.exception() is None
+    assert joiner.merge.in_sync and joiner.merge.merged_epoch == 1
+    assert torch.equal(flat(joiner), flat(a)) and joiner.worker.inner_step == 4
+
+
+def test_restarted_replica_uses_its_merge_state_while_its_peer_is_stopped(tmp_path, tmp_home):
+    """Issue 13: a restarted replica whose peer was stalled waited 2 x 30 s on it, then came up from
+    the seeded initialisation although its own merge-state file held the merged weights."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        resumed = asyncio.Event()
+        try:
+            a, b = net.svcs
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            assert all(r.applied for r in await merge_epoch(net.svcs, 0))
+            merged = flat(a).clone()
+            # b is killed (no shutdown checkpoint: its merge-state file is all it has) ...
+            await b.server.stop()
+            b.server = None
+            assert not b.checkpoint_path.exists() and b.merge_state_path.exists()
+
+            async def stopped(hotkey, route):           # ... and a is SIGSTOPped: it answers only after SIGCONT
+                await resumed.wait()
+                return await a.authorize(hotkey, route)
+            a.server.authorizer = stopped
+            from iota_subnet.miner.service import MinerService
+            t0 = time.monotonic()
+            b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
+                              host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
+            net.svcs[1] = b2
+            await asyncio.wait_for(b2.start(), 30)
+            ok = await wait_for(lambda: b2._sync_task.done(), 30)
+            return merged, b2, ok, time.monotonic() - t0
+        finally:
+            resumed.set()
+            await net.close()
+    merged, b2, ok, wall = asyncio.run(main())
+    assert ok and wall < 20, wall
+    assert b2.merge.in_sync and b2.merge.merged_epoch == 0
+    assert torch.equal(flat(b2), merged) and torch.equal(b2.merge.anchor, merged)
