@@ -84,7 +84,7 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
             "curve": read_curve(out)}
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,7 +97,7 @@ def plot(runs: list[dict], path: Path) -> None:
                 linestyle="-" if r["chaos"] else "--", linewidth=1.2)
     ax.set_xlabel("lane step")
     ax.set_ylabel("training loss (mean over lanes)")
-    ax.set_title("tiny, 3x3 with merging: undisturbed (dashed) vs chaos (solid)")
+    ax.set_title(f"{title}: undisturbed (dashed) vs chaos (solid)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_one(f"undisturbed{i}", a, None) for i in range(a.undisturbed)]
     runs += [run_one(f"chaos-seed{s}", a, f"{a.chaos},seed={s},min_live=2") for s in seeds]
     png = Path(a.plot) if a.plot else Path(a.out) / "loss_curves.png"
-    plot(runs, png)
+    plot(runs, png, f"{Path(a.config).stem}, {a.stages}x{a.replicas}, merge every {a.merge_every}")
     und = [r for r in runs if not r["chaos"]]
     dis = [r for r in runs if r["chaos"]]
     vu, vd = mean([r["val_loss"] for r in und]), mean([r["val_loss"] for r in dis])

@@ -100,7 +100,7 @@ def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
     for it. Now only the epoch it stalled in waits; later epochs probe it briefly and go ahead; when it
     comes back it finds a later merged epoch and is late (it pulls)."""
     cfg = MergeConfig(every_steps=1, join_timeout_s=20.0, phase_timeout_s=2.0, max_attempts=2)
-    net = InProcessTransport(timeout_s=6.0)           # the HTTP client gives up after phase_timeout_s + 5 s
+    net = InProcessTransport(timeout_s=12.0)          # the HTTP client gives up after its timeout
     reps = [Replica(net, i, cfg) for i in range(4)]
     for i, r in enumerate(reps):
         train_step(r.mod, 50 + i)
@@ -136,7 +136,7 @@ def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
 
     first, walls, late = asyncio.run(main())
     assert all(x.status == "merged" for x in first), [(x.status, x.reason) for x in first]
-    assert all(w < 3.0 for w in walls[1:]), walls          # later epochs do not wait for the stopped peer
+    assert all(w < 6.0 for w in walls[1:]), walls          # later epochs do not wait for the stopped peer (>= 12 s)
     assert late.status == "late"
     ws = [flat(r.mod) for r in reps[:3]]
     assert all(torch.equal(ws[0], w) for w in ws[1:])
