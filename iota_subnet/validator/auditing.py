@@ -258,6 +258,10 @@ class AuditScheduler:
             return FORWARD
         if stage == self.n_stages - 1:
             return BACKWARD
+        if r.bws >= 0 and not r.bwroot:
+            # the backward ran on other weights than the forward (an inner step or a merge landed in
+            # between) and that version's root is not named: only the forward can be replayed
+            return FORWARD
         return BACKWARD if (r.bin and r.bout) else FORWARD
 
     def _layout(self, stage: int, t: Ticket, direction: str) -> TraceLayout:
@@ -320,11 +324,11 @@ class AuditScheduler:
         t, r = c.ticket, c.receipt
         stage = r.stage
         lay = self._layout(stage, t, direction)
-        other = direction == BACKWARD and bool(r.bwroot)
+        other = direction == BACKWARD and r.bws >= 0         # the backward used other weights than the forward
         wroot = r.bwroot if other else r.wroot
         version = (r.bws, r.bwm) if other else (r.ws, r.wm)
         if not wroot:
-            raise ValueError("its receipt names no weights version root (no audit window)")
+            raise ValueError("its receipt names no weights version root for the weights it used (no audit window)")
         names = {"wire.x": r.fin, "wire.z": r.fout, "wire.dz": r.bin, "wire.dx": r.bout}
         if direction == FORWARD:
             names = {k: v for k, v in names.items() if k in ("wire.x", "wire.z")}
@@ -352,7 +356,7 @@ class AuditScheduler:
             return None
         direction = self.direction(rep.stage, c.receipt)
         r = c.receipt
-        version = (r.bws, r.bwm) if direction == BACKWARD and r.bwroot else (r.ws, r.wm)
+        version = (r.bws, r.bwm) if direction == BACKWARD and r.bws >= 0 else (r.ws, r.wm)
         rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", direction=direction, tempo=tempo,
                           version=version)
         try:
