@@ -28,12 +28,18 @@ shapes, finite numbers), so only verification can tell it from an honest miner:
 ``accuse``  trains and merges honestly, but files forged merge evidence: after every merge it
             reports the reducer of a shard (the first reducer not among its accomplices) as
             having served a wrong mean, with made-up hashes matching its accomplices' reports.
+``dodge``   returns garbage (as ``random``) and never lets an audit through: hop and update audits
+            are refused (``LATE``, as if outside its window) or left to time out, alternately
+            (:func:`dodge_audits`). Its receipts are well formed and agree with its neighbours'.
 
-How each is caught: see :mod:`iota_subnet.validator.verification` (replay of sampled hops for
-all but ``stale`` and ``poison``; ``stale`` and a head-stage ``claim`` by the weights-changed
-check) and, for ``poison``, the merge redundancy check: the other reducer of each shard and the
-replicas gathering it see different hashes, recompute the mean as third parties and report the
-poisoner with evidence, which validators collect (:class:`iota_subnet.validator.merge_weights.MergeOversight`).
+How each is caught in the data plane (validators' :class:`~iota_subnet.validator.auditing.AuditScheduler`):
+hop audits (:mod:`iota_subnet.audit`) catch ``random``, ``zero``, ``lazy``, ``replay``, ``copy``,
+``claim`` (its backward) and ``precision`` (the trace is fp32 and the tolerance follows the run's
+config); update audits catch ``noisy-update`` and ``stale`` (no commitment for the inner steps it
+claims); ``dodge`` is flagged for its unanswered audits (:mod:`iota_subnet.validator.audit_policy`);
+``poison`` by the merge redundancy check (the other reducer of each shard and the replicas gathering
+it recompute the mean and report the poisoner, :class:`iota_subnet.validator.merge_weights.MergeOversight`)
+and ``accuse`` by the merge audit (:class:`iota_subnet.validator.merge_audit.MergeAuditor`).
 
 """
 from __future__ import annotations
@@ -46,7 +52,7 @@ from torch import nn
 
 #: Adversary kinds this module implements (``poison`` needs merging: ``merge.every_steps`` > 0).
 ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim", "poison", "noisy-update", "precision",
-                   "accuse")
+                   "accuse", "dodge")
 
 
 def poison_mean(shard_index: int, mean: "torch.Tensor") -> "torch.Tensor":
@@ -124,6 +130,27 @@ def install_accuser(engine: Any, accomplices: tuple = ()) -> Accuser:
     return acc
 
 
+def dodge_audits(hop_routes: Any, *, hang_s: float = 3600.0) -> Callable:
+    """The ``dodge`` adversary's audit routes: every answer is, alternately, a typed refusal (``LATE``:
+    "outside my window") or no answer at all (the request hangs ``hang_s`` seconds, so the validator
+    times out). Replaces the handlers of a :class:`~iota_subnet.miner.hop_audit_routes.HopAuditRoutes`
+    (before it is mounted) and returns the handler to mount as ``/audit/update``."""
+    import asyncio
+
+    from iota_subnet.protocol import Outcome, ProtocolError
+    calls = [0]
+
+    async def dodge(msg, ctx=None):
+        calls[0] += 1
+        if calls[0] % 2:
+            raise ProtocolError(Outcome.LATE, "not in this miner's audit window")
+        await asyncio.sleep(hang_s)
+        raise ProtocolError(Outcome.BUSY, "busy")
+
+    hop_routes.trace = hop_routes.project = hop_routes.open = dodge
+    return dodge
+
+
 class AdversaryError(ValueError):
     """Unknown adversary kind."""
 
@@ -154,7 +181,7 @@ class Adversary:
 
     def apply(self) -> None:
         w = self.w
-        if self.kind in ("random", "zero"):
+        if self.kind in ("random", "zero", "dodge"):
             w._forward, w.backward = self._fake_forward, self._fake_backward
         elif self.kind == "lazy":
             self._make_lazy(w.module)

@@ -54,6 +54,8 @@ from loguru import logger
 from iota_subnet.audit.commit import wire_root
 from iota_subnet.protocol import Hop, HopAck, ProtocolError, Ticket, from_wire, to_wire
 
+from .hop_store import HopStore, wire_pair, wire_values
+
 #: Hop ids remembered for de-duplication (a retried hop must not be applied twice).
 SEEN_HOPS = 20_000
 #: Wire tensors above this many bytes are committed (hashed) on a worker thread.
@@ -89,6 +91,7 @@ class Pending:
     started: float = 0.0
     compute_s: float = 0.0
     weights: tuple[int, int] = (0, 0)
+    bweights: tuple[int, int] = (-1, -1)        # the backward's weights version when it differs
 
 
 @dataclass(order=True)
@@ -154,14 +157,18 @@ class DataPlane:
     ``post_receipts(validator, receipts)``: delivers a receipt batch (raises on failure);
     ``rows``: the head's and tail's token source; ``max_in_flight``: forwards the head keeps waiting
     for their backward (bounds stored activations: about ``max_in_flight`` x the stage's activation
-    bytes per micro-batch at the head, fewer further down).
+    bytes per micro-batch at the head, fewer further down). ``hops``: the audit window
+    (:class:`~iota_subnet.miner.hop_store.HopStore`): every training hop is recorded there and
+    receipts name the root of the weights version each used (None: no hop audits, ``wroot`` empty).
+    ``boot``: unix time this process started (in every receipt: a restart announces itself).
     """
 
     def __init__(self, worker: Any, *, me: str, n_stages: int, compute: Callable[[Callable[[], Any]], Awaitable[Any]],
                  send: Callable[[str, Hop], Awaitable[HopAck]],
                  post_receipts: Callable[[str, list[dict]], Awaitable[None]], rows: Optional[RowSource] = None,
                  max_in_flight: int = 8, receipt_interval_s: float = 0.5, wire_dtype: Optional[str] = None,
-                 senders: int = 2, clock: Callable[[], float] = time.time):
+                 senders: int = 2, clock: Callable[[], float] = time.time, hops: Optional[HopStore] = None,
+                 boot: Optional[float] = None):
         self.worker, self.me = worker, me
         self.stage, self.n_stages = int(worker.stage), int(n_stages)
         self.is_head, self.is_tail = self.stage == 0, self.stage == self.n_stages - 1
@@ -169,6 +176,8 @@ class DataPlane:
         self.max_in_flight = max(1, int(max_in_flight))
         self.receipt_interval_s = float(receipt_interval_s)
         self.clock = clock
+        self.hops = hops
+        self.boot = float(boot if boot is not None else time.time())
         self.steps = StepTracker()
         self.tickets: dict[tuple[int, int, int], Ticket] = {}       # head: queued, not yet admitted
         #: head: per lane, the first step its validators have not seen complete (skip limit when behind)
@@ -421,7 +430,10 @@ class DataPlane:
             x = from_wire(task.data, task.scales)
 
         def run():
-            out = w.forward(self._key(t), x, targets, train=t.train, accumulate=accumulate)
+            with w.lock:            # the weights version the audit window names is the one the hop uses
+                if self.hops is not None and t.train:
+                    self.hops.observe(w)
+                out = w.forward(self._key(t), x, targets, train=t.train, accumulate=accumulate)
             wire = None
             if not self.is_tail:
                 wire = to_wire(out["activations"], t.wire_dtype)
@@ -434,6 +446,8 @@ class DataPlane:
         self.counts["forwards"] += 1
         path = task.path + [self.me]
         weights = (int(out.get("weights_step", w.inner_step)), int(out.get("weights_merges", w.merges)))
+        if self.hops is not None and t.train:
+            self._record_forward(t, x, targets, task, wire, weights)
         if self.is_tail:
             loss = float(out["loss"])
             if not t.train:
@@ -471,15 +485,26 @@ class DataPlane:
         t0 = time.perf_counter()
 
         def run():
-            g = w.backward(self._key(t), grad, accumulate=pend.accumulate)
-            return None if g is None else to_wire(g, t.wire_dtype)
-        wire = await self.compute(run)
+            with w.lock:
+                if self.hops is not None:
+                    self.hops.observe(w)
+                g = w.backward(self._key(t), grad, accumulate=pend.accumulate)
+                used = (int(w.last_weights_step), int(w.last_weights_merges))
+            return (None if g is None else to_wire(g, t.wire_dtype)), used
+        wire, used = await self.compute(run)
+        if used != pend.weights:
+            pend.bweights = used
+        if self.hops is not None and not self.is_head:
+            self.hops.record_backward(t.microbatch_id, grad=wire_values(task.data, task.scales),
+                                      version=used, wire={"wire.dz": wire_pair(task.data, task.scales),
+                                                          **({"wire.dx": wire_pair(*wire)} if wire is not None else {})})
         dt = time.perf_counter() - t0
         self.busy_s += dt
         self.counts["backwards"] += 1
         stepped = pend.accumulate and self.steps.complete(t)
         receipt = dict(fin=pend.fwd_in, fout=pend.fwd_out, bin=task.in_sha, loss=task.loss,
-                       compute_s=pend.compute_s + dt, weights=pend.weights, accumulated=pend.accumulate,
+                       compute_s=pend.compute_s + dt, weights=pend.weights, bweights=pend.bweights,
+                       accumulated=pend.accumulate,
                        prev=pend.path[-2:-1], next_=pend.sent_to, unreachable=pend.unreachable)
         if stepped:
             await self._step(t)
@@ -488,6 +513,19 @@ class DataPlane:
         else:
             self._receipt(t, **receipt)
             self._wake.set()            # the head: a window slot is free
+
+    def _record_forward(self, t: Ticket, x: torch.Tensor, targets: Optional[torch.Tensor], task: _Task, wire,
+                        weights: tuple[int, int]) -> None:
+        """Keep a training forward for audits: its inputs as the stage used them and its wire tensors
+        (``wire.x`` received, ``wire.z`` sent; the tail's ``wire.dx``): references, not copies."""
+        tensors = {}
+        if not self.is_head:
+            tensors["wire.x"] = wire_pair(task.data, task.scales)
+            x = wire_values(task.data, task.scales)
+        if wire is not None:
+            tensors["wire.dx" if self.is_tail else "wire.z"] = wire_pair(*wire)
+        self.hops.record_forward(t.microbatch_id, wire_format=t.wire_dtype, x=x, version=weights, targets=targets,
+                                 wire=tensors)
 
     async def _step(self, t: Ticket) -> None:
         """Every index of lane step ``t.step`` is accumulated here: take the inner step."""
@@ -585,11 +623,13 @@ class DataPlane:
     # ------------------------------------------------------------------ receipts
     def _receipt(self, t: Ticket, *, status: str = "ok", fin: str = "", fout: str = "", bin: str = "",
                  bout: str = "", loss: Optional[float] = None, compute_s: float = 0.0,
-                 weights: tuple[int, int] = (-1, -1), accumulated: bool = False, prev: Optional[list] = None,
-                 next_: str = "", error: str = "", unreachable: Optional[list[str]] = None) -> None:
+                 weights: tuple[int, int] = (-1, -1), bweights: tuple[int, int] = (-1, -1), accumulated: bool = False,
+                 prev: Optional[list] = None, next_: str = "", error: str = "",
+                 unreachable: Optional[list[str]] = None) -> None:
         r = {"id": t.microbatch_id, "lane": t.lane, "step": t.step, "index": t.index, "attempt": t.attempt,
              "stage": self.stage, "status": status, "fin": fin, "fout": fout, "bin": bin, "bout": bout,
              "loss": loss, "compute_s": round(compute_s, 6), "ws": weights[0], "wm": weights[1],
+             "bws": bweights[0], "bwm": bweights[1], "boot": round(self.boot, 3),
              "accumulated": bool(accumulated), "prev": prev[0] if prev else "", "next": next_,
              "inner_step": int(self.worker.inner_step), "t": round(self.clock(), 3), "error": error[:300],
              "unreachable": list(unreachable or [])[:8]}
@@ -604,12 +644,32 @@ class DataPlane:
             self._expire()
             await self.flush_receipts()
 
+    async def _name_versions(self, batch: list[dict]) -> None:
+        """Fill in the weights version roots (``wroot``, ``bwroot``) of receipts about to be sent
+        (waiting for their hashing, off the compute thread). A version no longer kept stays ``""``."""
+        if self.hops is None:
+            return
+        roots: dict[tuple[int, int], str] = {}
+        for r in batch:
+            for ks, km, field_ in (("ws", "wm", "wroot"), ("bws", "bwm", "bwroot")):
+                v = (int(r[ks]), int(r[km]))
+                if r.get(field_) or v[0] < 0 or r["status"] != "ok":
+                    continue
+                if v not in roots:
+                    try:
+                        roots[v] = await self.hops.root(v)
+                    except Exception as e:  # noqa: BLE001 - a failed hash leaves the hop unauditable
+                        logger.warning(f"stage {self.stage}: weights version {v} could not be committed: {e}")
+                        roots[v] = ""
+                r[field_] = roots[v]
+
     async def flush_receipts(self, validator: Optional[str] = None) -> None:
         for v in [validator] if validator else list(self._receipts):
             batch = self._receipts.pop(v, [])
             if not batch:
                 continue
             try:
+                await self._name_versions(batch)
                 await self.post_receipts(v, batch)
                 self.counts["receipt_batches"] += 1
             except asyncio.CancelledError:

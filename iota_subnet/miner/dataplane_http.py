@@ -18,10 +18,12 @@ from loguru import logger
 
 from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptAck, ReceiptBatch,
                                   Ticket, TicketAck, TicketBatch, hop_contract)
+from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
 from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
 from iota_subnet.transport import NeuronClient, TransportError
 
 from .dataplane import DataPlane, RowSource, commit_wire
+from .hop_store import HopStore
 from .tickets import TicketChecker
 
 #: Tickets accepted in one /tickets request.
@@ -35,6 +37,9 @@ class DataPlaneNode:
     ``refresh()``: re-read the metagraph now (an unknown hotkey may have just registered);
     ``compute(fn)``: run ``fn`` on the stage's compute thread; ``gate()``: awaited before each compute
     (a running replica merge); ``after_compute()``: called after each (starts merges that are due).
+    ``hops``: the audit window (receipts name weights version roots); ``boot``: the process's start
+    time (in receipts); ``updates``: the stage's :class:`~iota_subnet.miner.update_store.UpdateStore`,
+    whose commitments travel to every validator with the next receipt batch.
     """
 
     def __init__(self, worker: Any, wallet: Any, *, cfg: Any, run_id: str, stage: int, width: int, max_rows: int,
@@ -42,7 +47,8 @@ class DataPlaneNode:
                  refresh: Callable[[], Awaitable[None]], compute: Callable[[Callable[[], Any]], Awaitable[Any]],
                  rows: Optional[RowSource] = None, gate: Optional[Callable[[], Awaitable[None]]] = None,
                  after_compute: Optional[Callable[[], None]] = None, max_in_flight: int = 8,
-                 hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5):
+                 hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5, hops: Optional[HopStore] = None,
+                 boot: Optional[float] = None, updates: Optional[Any] = None):
         self.wallet, self.run_id, self.stage, self.cfg = wallet, run_id, stage, cfg
         self.me: str = wallet.hotkey.ss58_address
         self.width, self.max_rows = width, max_rows
@@ -57,7 +63,13 @@ class DataPlaneNode:
         self.receipt_client = NeuronClient(wallet)
         self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
                                send=self._send, post_receipts=self._post_receipts, rows=rows,
-                               max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s)
+                               max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s, hops=hops,
+                               boot=boot)
+        self.updates = updates
+        #: update commitments taken from the store (newest last) and, per validator, how many it was sent
+        self._commits: list[dict] = []
+        self._commits_base = 0                   # commitments dropped from the front of _commits
+        self._commits_sent: dict[str, int] = {}
 
     def mount(self, server: Any) -> None:
         T, b = self.cfg.data.seq_len, self.width
@@ -159,10 +171,26 @@ class DataPlaneNode:
         return await self.hop_client.call(await self._endpoint(hotkey), hotkey, "/hop", hop, HopAck,
                                           timeout_s=self.hop_timeout_s, retries=2, backoff_s=0.2)
 
+    def _updates_for(self, validator: str) -> tuple[list[dict], int]:
+        """Update commitments ``validator`` has not been sent yet (the last :data:`MAX_UPDATES_PER_BATCH`),
+        and the count to record once they are delivered."""
+        if self.updates is not None:
+            self._commits.extend(c.to_dict() for c in self.updates.take_commitments())
+            drop = max(0, len(self._commits) - MAX_UPDATES_PER_BATCH)
+            if drop:
+                del self._commits[:drop]
+                self._commits_base += drop
+        end = self._commits_base + len(self._commits)
+        start = max(self._commits_sent.get(validator, 0), self._commits_base)
+        return self._commits[start - self._commits_base:], end
+
     async def _post_receipts(self, validator: str, receipts: list[dict]) -> None:
+        updates, upto = self._updates_for(validator)
         await self.receipt_client.call(await self._endpoint(validator), validator, "/receipts",
-                                       ReceiptBatch(run_id=self.run_id, stage=self.stage, receipts=receipts),
+                                       ReceiptBatch(run_id=self.run_id, stage=self.stage, receipts=receipts,
+                                                    updates=updates),
                                        ReceiptAck, timeout_s=15.0, retries=1)
+        self._commits_sent[validator] = upto
 
     def status(self) -> dict:
         d = self.plane.status()

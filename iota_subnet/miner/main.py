@@ -8,6 +8,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS
 from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop, run_id_for,
                                        setup_process, until_stopped)
 
@@ -35,9 +36,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="micro-batches the first stage keeps waiting for their backward (default: one lane step's "
                         "worth, at most what the GPU's memory plan holds)")
     m.add_argument("--hop-timeout", type=float, default=30.0, help="seconds to deliver one hop to the next miner")
-    m.add_argument("--audit-window", type=int, default=0,
-                   help="inner steps kept for update audits (commitments + /audit/update; 44 bytes per parameter "
-                        "at 2); 0: off")
+    m.add_argument("--audit-window", type=int, default=DEFAULT_KEEP_VERSIONS,
+                   help="weights versions (and the hops that used them) kept for hop audits, and inner steps kept "
+                        "for update audits (host memory: about 20 x K + 12 bytes per parameter of the stage); "
+                        "0: off (validators then count every audit of this miner as refused)")
     add_emulation_args(p)
     return p
 

@@ -5,7 +5,9 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 * ``/forward``  Forward -> ForwardResult   (validators with a permit)
 * ``/backward`` Backward -> BackwardResult (validators with a permit; same caller as the forward)
 * ``/state``    StateRequest -> StateResponse (validators, and miners of the same stage)
-* ``/audit/update`` UpdateAuditRequest -> UpdateAuditResponse (validators): rows of a committed inner
+* ``/audit/trace``, ``/audit/project``, ``/audit/open`` (validators): the three rounds of a hop audit
+  over the audit window (:mod:`iota_subnet.miner.hop_store`, :mod:`iota_subnet.miner.hop_audit_routes`);
+  ``/audit/update`` UpdateAuditRequest -> UpdateAuditResponse (validators): rows of a committed inner
   step with Merkle proofs (:mod:`iota_subnet.miner.update_store`); ``/audit/merge``
   MergeAuditRequest -> MergeAuditResponse (validators, with merging): chunks of a merge slice or mean
   this replica signed (:mod:`iota_subnet.merge.claims`). Both answer from stored copies, never
@@ -38,6 +40,8 @@ from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.chain.registration import ensure_registered
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.miner.dataplane_http import DataPlaneNode
+from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
+from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
 from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
 from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
@@ -126,7 +130,8 @@ class MinerService:
                  fingerprints: Optional[Fingerprints] = None, adversary: Optional[str] = None,
                  data: Optional[str] = None, cache_dir: Optional[str] = None, allow_data_fallback: bool = False,
                  max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
-                 emulation: Optional[Emulation] = None, audit_window: int = 0, accomplices: tuple = (),
+                 emulation: Optional[Emulation] = None, audit_window: int = DEFAULT_KEEP_VERSIONS,
+                 accomplices: tuple = (),
                  dashboard_port: Optional[int] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
@@ -155,10 +160,13 @@ class MinerService:
         self.emulation = emulation
         #: (``accuse`` adversary, tests) hotkeys of the accomplices it never accuses
         self.accomplices = tuple(accomplices)
-        #: inner steps kept for update audits (:class:`~iota_subnet.miner.update_store.UpdateStore`); 0: off
-        #: (no validator reads commitments until receipts carry them; on a toy stage the store costs
-        #: about as much CPU per inner step as the compute, proportionally less at real sizes)
+        #: the audit window: weights versions (and their hops) kept for hop audits
+        #: (:class:`~iota_subnet.miner.hop_store.HopStore`) and inner steps kept for update audits
+        #: (:class:`~iota_subnet.miner.update_store.UpdateStore`); 0: off (validators then count every
+        #: audit of this miner as refused)
         self.audit_window = int(audit_window)
+        self.hops: Optional[HopStore] = None
+        self.hop_routes: Optional[HopAuditRoutes] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.hotkey: str = wallet.hotkey.ss58_address
         self.uid: Optional[int] = None
@@ -330,7 +338,8 @@ class MinerService:
                                   gate=self._merge_gate if self.merge is not None else None,
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
-                                  hop_timeout_s=self.hop_timeout_s)
+                                  hop_timeout_s=self.hop_timeout_s, hops=self.hops, boot=self.started_at,
+                                  updates=self.worker.updates if isinstance(self.worker, StageWorker) else None)
         for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
@@ -399,12 +408,23 @@ class MinerService:
 
     # ---- audits (iota_subnet.miner.update_store, iota_subnet.merge.claims) -------------------------
     def _setup_audits(self) -> None:
-        """``/audit/update``: rows of the last ``audit_window`` inner steps with proofs (validators)."""
+        """Hop audits (``/audit/trace|project|open``) over the last ``audit_window`` weights versions
+        and ``/audit/update`` over the last ``audit_window`` inner steps (validators; real stage workers
+        only: an emulated one has no weights)."""
         from iota_subnet.miner.update_store import UpdateAuditRoute
         from iota_subnet.protocol import UpdateAuditRequest
-        if isinstance(self.worker, StageWorker) and self.worker.updates is not None:   # not emulated
-            self.server.add_route("/audit/update", UpdateAuditRoute(self.worker.updates, self.run_id, self.stage),
-                                  UpdateAuditRequest, None)
+        if not isinstance(self.worker, StageWorker) or self.audit_window <= 0:
+            return
+        self.hops = HopStore(self.audit_window)
+        self.hop_routes = HopAuditRoutes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage)
+        update_route = (UpdateAuditRoute(self.worker.updates, self.run_id, self.stage)
+                        if self.worker.updates is not None else None)
+        if self.adversary == "dodge":
+            from iota_subnet.miner.adversary import dodge_audits
+            update_route = dodge_audits(self.hop_routes)
+        self.hop_routes.mount(self.server)
+        if update_route is not None:
+            self.server.add_route("/audit/update", update_route, UpdateAuditRequest, None)
     async def _listen_port(self) -> int:
         """``--port``, or with port 0 the port this hotkey already serves on chain (when the address
         is ours): a restart then needs no new ``serve_axon``, which the serving rate limit could refuse."""
@@ -715,6 +735,8 @@ class MinerService:
             self.write_status()
         if isinstance(self.worker, StageWorker) and self.worker.updates is not None:
             self.worker.updates.close()
+        if self.hops is not None:
+            self.hops.close()
         self.pool.shutdown(wait=False)
         self.ckpt_pool.shutdown(wait=True)
 
@@ -738,6 +760,9 @@ class MinerService:
                 d["uplink"] = self.server.shaper.stats()
         if self.node is not None:
             d["dataplane"] = self.node.status()
+        if self.hops is not None:
+            d["audits"] = {"window": self.hops.status(), "hop_sessions": self.hop_routes.status(),
+                           "window_bytes": self.hops.nbytes}
         if self.merge is not None:
             d["merge"] = self.merge.status()
             d["merge"]["mismatch_evidence"] = self.merge.reports[-10:]

@@ -308,11 +308,18 @@ class HopAck(Message):
 
 @dataclass(kw_only=True)
 class ReceiptBatch(Message):
-    """Miner -> validator: receipts (see :mod:`iota_subnet.protocol.receipt`) and the weights
-    versions they name (``versions``: ``"step:merges" -> root hex``)."""
+    """Miner -> validator: receipts (see :mod:`iota_subnet.protocol.receipt`; each names the weights
+    version root it used, ``wroot``) and ``updates``: the commitments of inner steps whose hashing
+    finished since the last batch (:meth:`iota_subnet.protocol.UpdateCommit.to_dict`, at most
+    :data:`MAX_UPDATES_PER_BATCH`). The whole batch is signed (btauth), so every root in it binds
+    the miner before any audit is chosen."""
     TYPE: ClassVar[str] = "ReceiptBatch"
     receipts: list[dict[str, Any]] = field(default_factory=list)
-    versions: dict[str, str] = field(default_factory=dict)
+    updates: list[dict[str, Any]] = field(default_factory=list)
+
+
+#: Update commitments accepted per receipt batch (a miner takes a few inner steps per flush at most).
+MAX_UPDATES_PER_BATCH = 64
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,12 @@ fin, fout  commitment of the activation received / sent: :func:`iota_subnet.audi
 bin, bout  the same for the activation gradient received / sent
 loss       the micro-batch's mean loss (nats per token): the tail, and echoed back to the head
 ws, wm     the weights version used: inner step and merges applied
+wroot      root of that weights version (:func:`iota_subnet.audit.commit.weights_commitment`), hex;
+           ``""`` when the miner keeps no audit window
+bwroot     root of the weights the backward used when they differ from the forward's (a merge
+           landed in between), else ``""``; ``bws``, ``bwm`` name that version
+boot       unix time the miner process started (a new value announces a restart: audits of work
+           from before it are excused, :mod:`iota_subnet.validator.audit_policy`)
 accumulated  whether this stage trained on it (the lane's own miner, first time)
 prev, next hotkeys of the neighbours it received from / sent to
 compute_s  seconds of compute (forward + backward); ``t`` unix time when it finished
@@ -55,6 +61,11 @@ class Receipt(pydantic.BaseModel):
     compute_s: pydantic.confloat(ge=0, allow_inf_nan=False) = 0.0
     ws: int = -1
     wm: int = -1
+    wroot: _Hex = ""
+    bwroot: _Hex = ""
+    bws: int = -1
+    bwm: int = -1
+    boot: pydantic.confloat(ge=0, allow_inf_nan=False) = 0.0
     accumulated: bool = False
     prev: _Hotkey = ""
     next: _Hotkey = ""

@@ -1,0 +1,149 @@
+"""A miner's hop-audit routes (validators only; the three rounds of :mod:`iota_subnet.audit`):
+
+* ``/audit/trace``   AuditTraceRequest -> AuditTraceCommit: recompute the hop's trace from what the
+  audit window kept (:class:`~iota_subnet.miner.hop_store.HopStore`) with the weights version the
+  receipt named, commit (opens a session ``audit_id``);
+* ``/audit/project`` AuditProjectRequest -> AuditProjection: the projections for the validator's seed;
+* ``/audit/open``    AuditOpenRequest -> AuditOpening: the requested rows with proofs (ends the session).
+
+Refusals are typed 4xx: ``LATE`` (410) for a hop or weights version outside the window,
+``HASH_MISMATCH`` for a weights root other than the one kept for that version, ``MALFORMED`` for a
+bad request, ``UNKNOWN_MICROBATCH`` for a session that does not exist (expired or never opened),
+``BUSY`` (503) when ``max_sessions`` sessions are open. Sessions are dropped after round 3 or
+``session_ttl_s`` seconds. The trace runs on a worker thread, never on the stage's compute thread:
+audits do not wait for training and training does not wait for audits (they share the CPU).
+Memory: the trace of an open session (tiny: 63-177 MB; ``docs/hop-audit.md``).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from iota_subnet.audit import codec
+from iota_subnet.audit.layout import LayoutError, TraceLayout
+from iota_subnet.audit.prover import HopProver, OpenRequestError
+from iota_subnet.protocol import (AuditOpening, AuditOpenRequest, AuditProjection, AuditProjectRequest,
+                                  AuditTraceCommit, AuditTraceRequest, Outcome, ProtocolError)
+
+from .hop_store import HopStore
+
+
+@dataclass
+class _Session:
+    prover: HopProver
+    layout: TraceLayout
+    caller: str
+    opened_at: float
+    lock: asyncio.Lock
+
+
+class HopAuditRoutes:
+    """The three routes over one stage's :class:`HopStore`. ``cfg``: the run config (layouts are
+    built from it, never from the request); ``max_sessions``: audits open at once."""
+
+    def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, max_sessions: int = 4,
+                 session_ttl_s: float = 120.0, commit_wait_s: float = 30.0):
+        self.store, self.cfg, self.run_id, self.stage = store, cfg, run_id, int(stage)
+        self.max_sessions, self.session_ttl_s, self.commit_wait_s = int(max_sessions), float(session_ttl_s), \
+            float(commit_wait_s)
+        self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
+        self.sessions: dict[str, _Session] = {}
+        self.served = 0
+        self.refused = 0
+
+    def mount(self, server: Any) -> None:
+        server.add_route("/audit/trace", self.trace, AuditTraceRequest, None)
+        server.add_route("/audit/project", self.project, AuditProjectRequest, None)
+        server.add_route("/audit/open", self.open, AuditOpenRequest, None)
+
+    def _check(self, msg: Any) -> None:
+        if msg.run_id != self.run_id or msg.stage != self.stage:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this miner trains run {self.run_id!r} stage {self.stage}, not "
+                                                   f"{msg.run_id!r} stage {msg.stage}")
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for k in [k for k, s in self.sessions.items() if now - s.opened_at > self.session_ttl_s]:
+            del self.sessions[k]
+
+    def _session(self, audit_id: str, caller: str) -> _Session:
+        self._sweep()
+        s = self.sessions.get(audit_id)
+        if s is None or s.caller != caller:
+            raise ProtocolError(Outcome.UNKNOWN_MICROBATCH, f"no open audit session {audit_id[:40]!r} (expired, "
+                                                            "finished or never opened)")
+        return s
+
+    # ---- round 1 ---------------------------------------------------------------------------------
+    async def trace(self, msg: AuditTraceRequest, ctx: Any) -> AuditTraceCommit:
+        self._check(msg)
+        self._sweep()
+        if not msg.audit_id or len(msg.audit_id) > 64 or msg.audit_id in self.sessions:
+            raise ProtocolError(Outcome.MALFORMED, "audit_id must be a fresh id of 1-64 characters")
+        if len(self.sessions) >= self.max_sessions:
+            raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} audits open; retry shortly")
+        hop = self.store.hop(msg.microbatch_id)
+        if hop is None:
+            self.refused += 1
+            raise ProtocolError(Outcome.LATE, f"micro-batch {msg.microbatch_id[:60]} is not in this miner's audit "
+                                              f"window (weights versions kept: {self.store.versions()})")
+        if msg.direction == "backward" and hop.grad is None and not self.stage == self.cfg.pipeline.stages - 1:
+            raise ProtocolError(Outcome.LATE, f"no backward of micro-batch {msg.microbatch_id[:60]} was kept")
+        version = hop.version_for(msg.direction)
+        if (msg.weights_step, msg.weights_merges) != tuple(version):
+            raise ProtocolError(Outcome.MALFORMED, f"that hop used weights version {list(version)}, not "
+                                                   f"{[msg.weights_step, msg.weights_merges]}")
+        try:
+            layout = TraceLayout.build(self.cfg.model, self.cfg.pipeline, self.stage, batch=int(hop.x.shape[0]),
+                                       seq=int(hop.x.shape[1]), direction=msg.direction,
+                                       micro_per_step=self.micro_per_step, wire_format=hop.wire_format)
+        except LayoutError as e:
+            raise ProtocolError(Outcome.MALFORMED, str(e)) from None
+        try:
+            weights = await asyncio.to_thread(self.store.commitment, version, self.commit_wait_s)
+        except TimeoutError:
+            raise ProtocolError(Outcome.NOT_READY, f"weights version {list(version)} is still being hashed") from None
+        if weights is None:
+            self.refused += 1
+            raise ProtocolError(Outcome.LATE, f"weights version {list(version)} is no longer kept")
+        if weights.root.hex() != msg.weights_root:
+            raise ProtocolError(Outcome.HASH_MISMATCH, f"weights version {list(version)} has root "
+                                                       f"{weights.root.hex()[:16]}, not {msg.weights_root[:16]}")
+        prover = HopProver(layout, weights, hop.inputs(layout.direction))
+        try:
+            troots, wroots = await asyncio.to_thread(prover.commit)
+        except ValueError as e:
+            raise ProtocolError(Outcome.BAD_SHAPE, f"the kept hop does not fit the audit: {e}") from None
+        self.sessions[msg.audit_id] = _Session(prover, layout, ctx.caller_hotkey, time.monotonic(), asyncio.Lock())
+        return codec.commit_message(msg, troots, wroots)
+
+    # ---- round 2 ---------------------------------------------------------------------------------
+    async def project(self, msg: AuditProjectRequest, ctx: Any) -> AuditProjection:
+        self._check(msg)
+        s = self._session(msg.audit_id, ctx.caller_hotkey)
+        seed = codec.read_seed(msg)
+        async with s.lock:
+            vec, roots = await asyncio.to_thread(s.prover.project, seed)
+        return codec.projection_message(msg, s.layout, vec, roots)
+
+    # ---- round 3 ---------------------------------------------------------------------------------
+    async def open(self, msg: AuditOpenRequest, ctx: Any) -> AuditOpening:
+        self._check(msg)
+        s = self._session(msg.audit_id, ctx.caller_hotkey)
+        request = codec.read_open_request(msg, s.layout)
+        async with s.lock:
+            try:
+                opened = await asyncio.to_thread(s.prover.open, request, list(msg.whole))
+            except OpenRequestError as e:
+                raise ProtocolError(Outcome.MALFORMED, str(e)) from None
+            except RuntimeError as e:          # open() before project()
+                raise ProtocolError(Outcome.MALFORMED, str(e)) from None
+        self.sessions.pop(msg.audit_id, None)
+        self.served += 1
+        return codec.opening_message(msg, s.layout, opened)
+
+    def status(self) -> dict:
+        return {"open": len(self.sessions), "served": self.served, "refused": self.refused}
+
