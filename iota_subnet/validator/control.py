@@ -87,7 +87,9 @@ class ControlPlane:
                  seed: Optional[int] = None, tag: str = "", lookahead: int = 8, ticket_ttl_s: float = 600.0,
                  stall_s: float = 30.0, min_stall_s: float = 3.0, max_attempts: int = 6, wire_dtype: str = "bf16", n_alternates: int = 2,
                  empty_step_wait_s: float = 1.0, turn_timeout_s: float = 120.0, eval_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 on_receipt: Optional[Callable[[Ticket, Receipt, str], None]] = None,
+                 on_hop: Optional[Callable[[tuple[int, str], bool], None]] = None):
         self.cfg, self.run_id, self.router, self.client = cfg, run_id, router, client
         self.keypair = getattr(keypair, "hotkey", keypair)
         self.hotkey: str = self.keypair.ss58_address
@@ -101,6 +103,9 @@ class ControlPlane:
         self.max_attempts, self.wire_dtype, self.n_alternates = int(max_attempts), wire_dtype, int(n_alternates)
         self.empty_step_wait_s, self.turn_timeout_s, self.eval_timeout_s = empty_step_wait_s, turn_timeout_s, eval_timeout_s
         self.clock = clock
+        #: observers (the audit scheduler): every accepted receipt (ticket, receipt, reporter's hotkey),
+        #: and every training hop outcome per miner ((uid, hotkey), ok)
+        self.on_receipt, self.on_hop = on_receipt, on_hop
         self.mb = cfg.train.micro_batch
         self.micro_per_step = cfg.train.batch_size // self.mb
         self.width = bottleneck_dims(cfg.model, cfg.pipeline)[0]
@@ -197,6 +202,8 @@ class ControlPlane:
                 self.router.record_failure(r, f"{type(e).__name__}: {e}")
                 self.ledger.fail(r.uid, r.hotkey, 0)
                 self.failures += 1
+                if self.on_hop is not None:
+                    self.on_hop(r.key, False)
                 logger.warning("tickets to head {} failed: {}", r.short(), e)
                 for t in ts:
                     self._flight_failed(t.microbatch_id, f"tickets refused by {r.short()}: {e}", unreachable=[r.hotkey])
@@ -224,6 +231,8 @@ class ControlPlane:
             accepted += 1
             fl.receipts[r.stage] = r
             fl.servers[r.stage] = caller
+            if self.on_receipt is not None:
+                self.on_receipt(fl.ticket, r, caller)
             touched.add(fl.ticket.lane)
             if r.status == "ok":
                 self._note_unreachable(r)
@@ -248,6 +257,8 @@ class ControlPlane:
                 self.router.record_failure(rep, r.error or f"unreachable from stage {r.stage}")
                 self.ledger.fail(rep.uid, rep.hotkey, rep.stage)
                 self.failures += 1
+                if self.on_hop is not None:
+                    self.on_hop(rep.key, False)
 
     def _on_failure(self, fl: Flight, r: Receipt) -> None:
         self._note_unreachable(r)
@@ -315,6 +326,8 @@ class ControlPlane:
                 continue
             self.ledger.forward_ok(rep.uid, rep.hotkey, s)
             self.ledger.credit(rep.uid, rep.hotkey, s, t.tokens)
+            if self.on_hop is not None:
+                self.on_hop(rep.key, True)
             if hk != t.route[s] or (t.trains and not t.trains[s]):
                 self.ledger.reroute(rep.uid, rep.hotkey, s)
                 self.reroutes += 1

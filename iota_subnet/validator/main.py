@@ -47,6 +47,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     v.add_argument("--stall", type=float, default=30.0,
                    help="at most this many seconds without progress before a lane step's micro-batches are re-issued "
                         "(less when lane steps are fast: 5 x the mean lane-step time, at least 3 s)")
+    v.add_argument("--no-audits", dest="audits", action="store_false",
+                   help="(p2p) do not audit miners' hops and inner steps (nothing but CLASP is then verified)")
+    v.add_argument("--audits-per-tempo", type=int, default=1,
+                   help="(p2p) hop audits and update audits of every miner per tempo")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
     return p
@@ -67,7 +71,8 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                            ("--burn-uid", a.burn_uid >= -1, ">= -1 (-1: none)"),
                            ("--steps", a.steps is None or a.steps >= 1, ">= 1"),
                            ("--ticket-lookahead", a.ticket_lookahead >= 1, ">= 1"),
-                           ("--stall", a.stall > 0, "> 0")):
+                           ("--stall", a.stall > 0, "> 0"),
+                           ("--audits-per-tempo", a.audits_per_tempo >= 1, ">= 1")):
         if not ok:
             raise ValidatorError(f"{name} must be {want}")
     steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
@@ -85,7 +90,8 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             stale_grace=a.stale_grace, burn_uid=None if a.burn_uid < 0 else a.burn_uid,
                             host=a.host, external_ip=check_external_ip(a.network, a.external_ip, a.allow_private_ip),
                             data_plane=a.data_plane, wire_dtype=a.wire_dtype,
-                            ticket_lookahead=a.ticket_lookahead, stall_s=a.stall)
+                            ticket_lookahead=a.ticket_lookahead, stall_s=a.stall, audits=a.audits,
+                            audits_per_tempo=a.audits_per_tempo)
 
 
 def run_validator_cli(a: argparse.Namespace) -> int:

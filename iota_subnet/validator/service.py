@@ -15,8 +15,12 @@ Then, concurrently:
   ``version_key``; a refusal is logged and retried at the next check;
 * ``status.json`` is rewritten (atomically) every ``status_interval_s``; ``metrics.jsonl`` gets a row
   per completed lane step;
-* verification (:mod:`.verification`, :mod:`.clasp`): a ``check_rate`` fraction of hops is replayed
-  against ``/state`` snapshots, and a CLASP probe round runs every ``clasp_interval_s``; at each
+* verification: in the data plane (p2p), audits (:mod:`.auditing`): every miner's hops are audited
+  at least ``audits_per_tempo`` times per tempo, and its inner steps (update audits), chosen after
+  its receipts are in, over the verification client, every ``audit_interval_s``; outcomes go to the
+  :class:`~.audit_policy.AuditPolicy`. Relay mode (legacy): a ``check_rate`` fraction of hops is
+  replayed against ``/state`` snapshots (:mod:`.verification`). A CLASP probe round (:mod:`.clasp`)
+  runs every ``clasp_interval_s``; at each
   weights round the :class:`~.scoring.Scoreboard` is updated (quality 0 for a miner flagged by spot
   checks, ``clasp_penalty`` for one flagged by CLASP) and the weights come from it; the explained
   scores (:mod:`.explain`) go to the state file, ``status.json`` (``scores``) and, with ``port > 0``,
@@ -64,6 +68,7 @@ from iota_subnet.version import __version__, weights_version_key
 
 from . import explain
 from .audit_policy import AuditPolicy, merge_quality
+from .auditing import AuditScheduler
 from .merge_audit import record_verdicts
 from .clasp import attribute, quality_factors
 from .control import ControlPlane
@@ -111,7 +116,10 @@ class ValidatorOptions:
     wire_dtype: str = "bf16"  # activations and gradients on the wire (p2p): bf16, fp32 or int8
     ticket_lookahead: int = 8  # lane steps of tickets a head miner holds ahead
     stall_s: float = 30.0  # at most this long without progress before a lane step's micro-batches are re-issued
-    check_rate: float = 0.1  # fraction of hops replayed (spot checks); 0 = off
+    check_rate: float = 0.1  # relay mode: fraction of hops replayed (spot checks); 0 = off
+    audits: bool = True  # p2p: hop and update audits of every miner (off: nothing is verified but CLASP)
+    audits_per_tempo: int = 1  # hop audits (and update audits) of each miner per tempo
+    audit_interval_s: float = 2.0  # seconds between audit rounds (each audits the miners still due)
     snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
     clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
     clasp_paths: int = 6  # pathways per CLASP round
@@ -215,6 +223,7 @@ class ValidatorService:
         self.audits = AuditPolicy()
         self.merge_oversight = None   # MergeOversight when the run merges replicas (see start())
         self.merge_auditor = None     # MergeAuditor (checks merge accusations) likewise
+        self.auditing: Optional[AuditScheduler] = None   # p2p audits (see _train)
         self._numel: dict[int, int] = {}
         self.board = Scoreboard(window=opts.score_window, grace=opts.stale_grace)
         self.probes: list[dict] = []
@@ -449,8 +458,10 @@ class ValidatorService:
             "validator_bytes": (self.client.total_bytes if self.client else 0)
             + (self.server.route_bytes.get("/receipts", 0) if self.server else 0),
             "data_plane": self.opts.data_plane,
-            "verification_bytes": (self.verify_client.bytes_sent + self.verify_client.bytes_received)
-            if getattr(self, "verify_client", None) else 0,
+            # every byte of verification (audits, spot checks, merge evidence), HTTP headers included
+            "verification_bytes": self.verify_client.total_bytes if getattr(self, "verify_client", None) else 0,
+            "audits": self.auditing.status() | {"per_tempo": {str(k): v for k, v in self.auditing.per_tempo().items()}}
+            if self.auditing is not None else None,
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
         }
 
@@ -610,11 +621,14 @@ class ValidatorService:
                                          validator_index=self.validator_index, n_validators=self.n_validators,
                                          hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6], verifier=self.checker)
         else:
+            self.auditing = self._make_auditing() if o.audits else None
             self.driver = ControlPlane(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
                                        keypair=self.wallet, dataset=self.dataset, ledger=self.ledger,
                                        n_lanes=self.n_lanes, validator_index=self.validator_index,
                                        n_validators=self.n_validators, tag=self.hotkey[:6],
-                                       lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype)
+                                       lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype,
+                                       on_receipt=self.auditing.on_receipt if self.auditing else None,
+                                       on_hop=self.auditing.on_hop if self.auditing else None)
         self.driver.probe_client = self.verify_client
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {} coordinating: steps k with "
                     "k % {} == {}; {})", self.n_lanes, self.next_steps, o.steps if o.steps is not None else "open-ended",
@@ -655,6 +669,8 @@ class ValidatorService:
                  asyncio.create_task(self._every(self.opts.weights_check_s, self._weights_round, "weights"))]
         if self.opts.clasp_interval_s > 0:
             loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
+        if self.opts.audits and self.opts.data_plane == "p2p":
+            loops.append(asyncio.create_task(self._every(self.opts.audit_interval_s, self._audit_round, "audits")))
         await self._serve()
         await self._serve_dashboard()
         train = asyncio.create_task(self._train())
@@ -676,6 +692,30 @@ class ValidatorService:
         self.stop_event.set()
 
     # ---------------------------------------------------------------- verification and scores
+    def _make_auditing(self) -> AuditScheduler:
+        """The p2p audit scheduler: receipts in, audits over the verification client, outcomes into
+        :attr:`audits` (the policy that scoring reads)."""
+        from .update_audit import UpdateAuditor
+        ds = self.dataset
+
+        def rows(t):
+            return ds.batch(t.seed, t.start, t.rows) if t.split == "train" else ds.val_batch(t.start, t.rows)
+
+        def lookup(hotkey: str):
+            return next((r for r in self.router.live_replicas() if r.hotkey == hotkey), None)
+        return AuditScheduler(self.cfg, run_id=self.opts.run_id, client=self.verify_client, policy=self.audits,
+                              rows=rows, lookup=lookup,
+                              update_auditor=UpdateAuditor(self.cfg, run_id=self.opts.run_id,
+                                                           total_steps=self.cfg.train.total_steps),
+                              timeout_s=self.opts.hop_timeout_s, hops_per_tempo=self.opts.audits_per_tempo,
+                              updates_per_tempo=self.opts.audits_per_tempo)
+
+    async def _audit_round(self) -> None:
+        if self.auditing is None:
+            return
+        block = await self.chain.block()
+        await self.auditing.round(block // max(1, self._tempo))
+
     def _load_verification(self) -> None:
         o = self.opts
         self.checker = SpotChecker(self.cfg, run_id=o.run_id, client=self.verify_client, rate=o.check_rate,
@@ -767,6 +807,7 @@ class ValidatorService:
         from aiohttp import web
 
         from iota_subnet.protocol import Outcome, ProtocolError, ReceiptBatch
+        from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
         from iota_subnet.transport import NeuronServer
 
         async def scores(_request):
@@ -784,6 +825,8 @@ class ValidatorService:
                 raise ProtocolError(Outcome.FORBIDDEN, f"this validator drives run {self.opts.run_id!r}")
             if not isinstance(self.driver, ControlPlane):
                 raise ProtocolError(Outcome.NOT_READY, "not driving lanes yet")
+            if self.auditing is not None and msg.updates:
+                self.auditing.on_updates(ctx.caller_hotkey, msg.updates[:MAX_UPDATES_PER_BATCH])
             return self.driver.on_receipts(msg, ctx.caller_hotkey)
 
         # --port, else the port already served on chain (a restart then re-publishes nothing)

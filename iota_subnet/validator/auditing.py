@@ -1,0 +1,391 @@
+"""The validator's audit scheduler for the data plane (issue 10, items 1-4): which hops and inner
+steps to audit, when, and what the outcome means.
+
+Inputs (nothing here waits for training, nor training for it)
+    * every receipt this validator accepted (:meth:`AuditScheduler.on_receipt`): a training hop the
+      miner claims, with the roots it is bound to (the wire tensors ``fin``/``fout``/``bin``/``bout``,
+      the weights version ``wroot``, the tail's loss) and the miner's boot time (a new one announces
+      a restart: :meth:`~.audit_policy.AuditPolicy.announce_restart`);
+    * the update commitments of its receipt batches (:meth:`AuditScheduler.on_updates`);
+    * training hop outcomes (:meth:`AuditScheduler.on_hop`: the "down" excuse of the policy).
+
+Choice (blind)
+    Audits are chosen only after the replies are in, with an OS-seeded RNG, at the moment the audit
+    starts: for every miner not yet audited in the current tempo (``hops_per_tempo``), one of its
+    receipts of the last ``fresh_s`` seconds, uniformly (those hops are still in its audit window);
+    the direction follows the stage: the head's forward, every other stage's backward (which
+    re-checks its forward too; a middle stage's backward whose weights changed after its forward
+    leaves the forward output out). Update audits: ``updates_per_tempo`` per miner, of one of its two
+    latest commitments (the miner keeps a few steps), whose weights roots must also be the ones its
+    receipts named for the versions before and after the step.
+
+Outcomes (:class:`~.audit_policy.AuditPolicy`)
+    ``passed``, ``failed`` (the answer does not verify), ``refused`` (a typed refusal: ``LATE`` for
+    a hop outside the window, ...), ``timeout`` (no answer in ``timeout_s``). Refusals and timeouts
+    are failures unless the policy excuses them (down, restarted). A miner whose receipts show it
+    took inner step k (it used versions ``(k, m)`` and ``(k + 1, m)``) but whose commitment of step k
+    never came within ``commit_grace_s`` gets an update audit counted ``refused`` (the ``stale``
+    cheat: it claims steps it never took).
+
+Costs (``scripts/bench_verification.py``, ``docs/hop-audit.md``): one hop audit is six signed
+messages: ``tiny`` 0.25 MB (head forward) to 0.74 MB (middle backward); an update audit ~30 kB.
+Validator CPU: 0.03-0.2 s a hop audit (checks on a worker thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.audit import codec
+from iota_subnet.audit.auditor import AuditFailure, HopAuditor
+from iota_subnet.audit.challenge import SamplingParams
+from iota_subnet.audit.check import Tolerances
+from iota_subnet.audit.layout import BACKWARD, FORWARD, LayoutError, TraceLayout
+from iota_subnet.config import RunConfig
+from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommit, AuditTraceRequest, ProtocolError,
+                                  Ticket, UpdateCommit)
+from iota_subnet.protocol.receipt import Receipt
+from iota_subnet.transport import TransportError
+
+from .audit_policy import AuditPolicy
+from .routing import Replica
+from .update_audit import UpdateAuditor
+
+#: Hop candidates kept per miner (the most recent receipts).
+MAX_CANDIDATES = 64
+
+
+@dataclass
+class HopCandidate:
+    """A training hop a miner reported: its ticket, its receipt, when the receipt arrived."""
+
+    ticket: Ticket
+    receipt: Receipt
+    hotkey: str
+    received: float
+
+
+@dataclass
+class AuditRecord:
+    """One audit: ``kind`` (``hop`` | ``update``), ``raw`` outcome, ``final`` (after the policy),
+    ``bytes`` moved (bodies and headers, both ways), ``cpu_s`` validator CPU for the checks."""
+
+    kind: str
+    uid: int
+    hotkey: str
+    stage: int
+    raw: str
+    final: str
+    detail: str = ""
+    direction: str = ""
+    bytes: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    tempo: int = 0
+
+
+@dataclass
+class _MinerView:
+    boot: float = 0.0
+    candidates: deque = field(default_factory=lambda: deque(maxlen=MAX_CANDIDATES))
+    commits: deque = field(default_factory=lambda: deque(maxlen=8))
+    audited_commits: set = field(default_factory=set)
+    #: weights version -> (root hex, first seen)
+    roots: dict = field(default_factory=dict)
+    checked_steps: set = field(default_factory=set)
+
+
+def _thread_timed(fn: Callable, *args) -> tuple[Any, float]:
+    t0 = time.thread_time()
+    out = fn(*args)
+    return out, time.thread_time() - t0
+
+
+class AuditScheduler:
+    """Chooses and runs the audits of one validator (see the module docstring).
+
+    ``client``: the validator's verification client (:class:`~iota_subnet.transport.NeuronClient`;
+    its byte counters are the verification traffic); ``policy``: where outcomes go; ``rows(ticket)``:
+    the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
+    ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
+    ``update_auditor``: None turns update audits off.
+    """
+
+    def __init__(self, cfg: RunConfig, *, run_id: str, client: Any, policy: AuditPolicy,
+                 rows: Callable[[Ticket], torch.Tensor], lookup: Callable[[str], Optional[Replica]],
+                 update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
+                 timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
+                 commit_grace_s: float = 60.0, rng: Optional[random.Random] = None,
+                 clock: Callable[[], float] = time.time):
+        self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
+        self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
+        self.sampling = sampling.validate()
+        self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
+        self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
+        self.commit_grace_s = float(commit_grace_s)
+        self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
+        self.clock = clock
+        self.tol = Tolerances.for_precision(cfg.train.precision)
+        self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
+        self.n_stages = cfg.pipeline.stages
+        self.miners: dict[str, _MinerView] = defaultdict(_MinerView)
+        #: (tempo, kind, hotkey) -> audits run
+        self.done: dict[tuple[int, str, str], int] = defaultdict(int)
+        self.records: deque[AuditRecord] = deque(maxlen=512)
+        self.audits = 0
+        self.failed = 0
+        self.bytes = 0
+        self.cpu_s = 0.0
+        self._layouts: dict[tuple, TraceLayout] = {}
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def on_receipt(self, ticket: Ticket, receipt: Receipt, hotkey: str) -> None:
+        """An accepted receipt of ``hotkey`` about ``ticket``."""
+        view = self.miners[hotkey]
+        now = self.clock()
+        if receipt.boot > view.boot:
+            if view.boot > 0:
+                rep = self.lookup(hotkey)
+                if rep is not None and self.policy.announce_restart(rep.key, receipt.boot):
+                    logger.info("{} restarted (boot {:.0f}): audits of its earlier work are excused", rep.short(),
+                                receipt.boot)
+            view.boot = receipt.boot
+        for ks, km, root in ((receipt.ws, receipt.wm, receipt.wroot), (receipt.bws, receipt.bwm, receipt.bwroot)):
+            if root and ks >= 0 and (ks, km) not in view.roots:
+                view.roots[(ks, km)] = (root, now)
+                if len(view.roots) > 256:
+                    del view.roots[min(view.roots)]
+        if receipt.status == "ok" and ticket.train:
+            view.candidates.append(HopCandidate(ticket, receipt, hotkey, now))
+
+    def on_updates(self, hotkey: str, commits: list[dict]) -> int:
+        """Update commitments from ``hotkey``'s receipt batch. Returns how many were well formed."""
+        view = self.miners[hotkey]
+        n = 0
+        for raw in commits:
+            try:
+                view.commits.append((UpdateCommit.from_dict(raw), self.clock()))
+                n += 1
+            except ProtocolError:
+                continue
+        return n
+
+    def on_hop(self, key: tuple[int, str], ok: bool) -> None:
+        """A training hop of miner ``key`` succeeded or failed (the policy's "down" excuse)."""
+        self.policy.note_hop(key, ok)
+
+    # ---- rounds ----------------------------------------------------------------------------------
+    async def round(self, tempo: int) -> list[AuditRecord]:
+        """Run the audits due in ``tempo`` (sequentially). Returns them."""
+        out: list[AuditRecord] = []
+        hotkeys = list(self.miners)
+        self.rng.shuffle(hotkeys)
+        for hk in hotkeys:
+            rep = self.lookup(hk)
+            if rep is None:
+                continue
+            out += self._missing_commitments(rep, tempo)
+            if self.update_auditor is not None and self.done[(tempo, "update", hk)] < self.updates_per_tempo:
+                rec = await self.audit_update(rep, tempo)
+                if rec is not None:
+                    out.append(rec)
+            if self.done[(tempo, "hop", hk)] < self.hops_per_tempo:
+                rec = await self.audit_hop(rep, tempo)
+                if rec is not None:
+                    out.append(rec)
+        return out
+
+    def pick_hop(self, hotkey: str) -> Optional[HopCandidate]:
+        """One of the miner's recent hops, drawn now (blind)."""
+        now = self.clock()
+        fresh = [c for c in self.miners[hotkey].candidates if now - c.received <= self.fresh_s]
+        return self.rng.choice(fresh) if fresh else None
+
+    def direction(self, stage: int, r: Receipt) -> str:
+        if stage == 0:
+            return FORWARD
+        if stage == self.n_stages - 1:
+            return BACKWARD
+        return BACKWARD if (r.bin and r.bout) else FORWARD
+
+    def _layout(self, stage: int, t: Ticket, direction: str) -> TraceLayout:
+        key = (stage, t.rows, t.seq_len, direction, t.wire_dtype)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = TraceLayout.build(self.cfg.model, self.cfg.pipeline, stage, batch=t.rows,
+                                                         seq=t.seq_len, direction=direction,
+                                                         micro_per_step=self.micro_per_step, wire_format=t.wire_dtype)
+        return lay
+
+    def _finish(self, rec: AuditRecord, work_at: Optional[float]) -> AuditRecord:
+        rec.final = self.policy.record(rec.uid, rec.hotkey, rec.stage, rec.kind, rec.raw, work_at=work_at,
+                                       detail=rec.detail)
+        self.done[(rec.tempo, rec.kind, rec.hotkey)] += 1
+        self.records.append(rec)
+        self.audits += 1
+        if rec.final not in ("passed", "excused"):
+            self.failed += 1
+        self.bytes += rec.bytes
+        self.cpu_s += rec.cpu_s
+        level = "INFO" if rec.final in ("passed", "excused") else "WARNING"
+        logger.log(level, "{} audit of uid {} (stage {}{}): {} -> {} {}", rec.kind, rec.uid, rec.stage,
+                   f", {rec.direction}" if rec.direction else "", rec.raw, rec.final, rec.detail[:160])
+        return rec
+
+    # ---- hop audits ------------------------------------------------------------------------------
+    def hop_auditor(self, c: HopCandidate, direction: str) -> tuple[HopAuditor, AuditTraceRequest]:
+        """The validator's session for candidate ``c``; raises ValueError / LayoutError when its
+        receipt does not name what the audit needs."""
+        t, r = c.ticket, c.receipt
+        stage = r.stage
+        lay = self._layout(stage, t, direction)
+        other = direction == BACKWARD and bool(r.bwroot)
+        wroot = r.bwroot if other else r.wroot
+        version = (r.bws, r.bwm) if other else (r.ws, r.wm)
+        if not wroot:
+            raise ValueError("its receipt names no weights version root (no audit window)")
+        names = {"wire.x": r.fin, "wire.z": r.fout, "wire.dz": r.bin, "wire.dx": r.bout}
+        if direction == FORWARD:
+            names = {k: v for k, v in names.items() if k in ("wire.x", "wire.z")}
+        if other:
+            names.pop("wire.z", None)        # the forward used other weights than the backward audited
+        roots = {k: bytes.fromhex(v) for k, v in names.items() if k in lay.wire and v}
+        tokens = targets = None
+        if stage == 0 or stage == self.n_stages - 1:
+            rows = self.rows(t)
+            tokens, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        aud = HopAuditor(lay, weights_root=bytes.fromhex(wroot), wire_roots=roots, tol=self.tol,
+                         sampling=self.sampling, rng=self.rng, tokens=tokens if stage == 0 else None,
+                         targets=targets if stage == self.n_stages - 1 else None,
+                         loss=r.loss if stage == self.n_stages - 1 else None)
+        req = AuditTraceRequest(run_id=self.run_id, stage=stage, microbatch_id=t.microbatch_id,
+                                inner_step=version[0], audit_id=uuid.uuid4().hex, direction=lay.direction,
+                                weights_step=version[0], weights_merges=version[1], weights_root=wroot)
+        return aud, req
+
+    async def audit_hop(self, rep: Replica, tempo: int, candidate: Optional[HopCandidate] = None
+                        ) -> Optional[AuditRecord]:
+        """Audit one of ``rep``'s recent hops (or ``candidate``). None when it has none to audit."""
+        c = candidate or self.pick_hop(rep.hotkey)
+        if c is None:
+            return None
+        direction = self.direction(rep.stage, c.receipt)
+        rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", "", direction=direction, tempo=tempo)
+        try:
+            aud, req = self.hop_auditor(c, direction)
+        except (ValueError, LayoutError) as e:
+            rec.raw, rec.detail = "refused", f"unauditable hop {c.ticket.microbatch_id[:40]}: {e}"
+            return self._finish(rec, c.receipt.t)
+        b0 = self.client.total_bytes
+        t0 = time.monotonic()
+        try:
+            rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req)
+        except ProtocolError as e:
+            rec.raw, rec.detail = "refused", f"{e.outcome.value}: {e.message}"[:200]
+        except (TransportError, asyncio.TimeoutError) as e:
+            rec.raw, rec.detail = "timeout", f"{type(e).__name__}: {e}"[:200]
+        except AuditFailure as e:
+            rec.raw, rec.detail = "failed", str(e)[:200]
+        rec.bytes = self.client.total_bytes - b0
+        rec.wall_s = time.monotonic() - t0
+        rec.detail = f"{c.ticket.microbatch_id[:32]}: {rec.detail}"
+        return self._finish(rec, c.receipt.t)
+
+    async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest) -> tuple[str, str, float]:
+        lay, call = aud.layout, self.client.call
+        kw = dict(timeout_s=self.timeout_s, retries=0)
+        commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
+                            response_contract=codec.commit_contract(lay), **kw)
+        seed, cpu = _thread_timed(aud.on_commit, *codec.read_commit(commit))
+        proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed), AuditProjection,
+                          response_contract=codec.projection_contract(lay), **kw)
+        rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, *codec.read_projection(proj, lay))
+        oreq = codec.open_request(req, rows, aud.whole)
+        opening = await call(rep.endpoint, rep.hotkey, "/audit/open", oreq, AuditOpening,
+                             response_contract=codec.opening_contract(lay, rows, weights_dtype=aud.weights_dtype,
+                                                                      whole=aud.whole), **kw)
+        verdict, c3 = await asyncio.to_thread(_thread_timed, aud.check, codec.read_opening(opening, lay, rows, aud.whole))
+        cpu += c2 + c3
+        if verdict.ok:
+            return "passed", f"{verdict.checks} checks", cpu
+        return "failed", verdict.reason, cpu
+
+    # ---- update audits ---------------------------------------------------------------------------
+    def pick_commit(self, hotkey: str) -> Optional[UpdateCommit]:
+        view = self.miners[hotkey]
+        recent = [c for c, _ in list(view.commits)[-2:] if (c.step, c.merges) not in view.audited_commits]
+        return self.rng.choice(recent) if recent else None
+
+    def _bound(self, hotkey: str, commit: UpdateCommit) -> str:
+        """Why ``commit``'s weights roots are not the ones the miner's receipts named ("" when they are)."""
+        roots = self.miners[hotkey].roots
+        for kind, v in (("w0", (commit.step, commit.merges)), ("w1", (commit.step + 1, commit.merges))):
+            named = roots.get(v)
+            if named is not None and named[0] != commit.roots[kind]:
+                return (f"update commitment of step {commit.step}: {kind} root {commit.roots[kind][:12]} is not the "
+                        f"weights version {list(v)} its receipts named ({named[0][:12]})")
+        return ""
+
+    async def audit_update(self, rep: Replica, tempo: int) -> Optional[AuditRecord]:
+        commit = self.pick_commit(rep.hotkey)
+        if commit is None:
+            return None
+        self.miners[rep.hotkey].audited_commits.add((commit.step, commit.merges))
+        rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "passed", "", tempo=tempo)
+        wrong = self._bound(rep.hotkey, commit)
+        if wrong:
+            rec.raw, rec.detail = "failed", wrong
+            return self._finish(rec, commit.at or None)
+        b0 = self.client.total_bytes
+        t0 = time.thread_time()
+        res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
+                                              timeout_s=self.timeout_s)
+        rec.cpu_s = time.thread_time() - t0
+        rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
+        rec.bytes = self.client.total_bytes - b0
+        return self._finish(rec, commit.at or None)
+
+    def _missing_commitments(self, rep: Replica, tempo: int) -> list[AuditRecord]:
+        """Inner steps the miner's receipts show it took (versions (k, m) and (k + 1, m) both used,
+        the later one first seen over ``commit_grace_s`` ago) without a commitment of step k: counted
+        as refused update audits (at most one per tempo)."""
+        if self.update_auditor is None or self.done[(tempo, "update-missing", rep.hotkey)]:
+            return []
+        view = self.miners[rep.hotkey]
+        now = self.clock()
+        have = {(c.step, c.merges) for c, _ in view.commits} | view.audited_commits
+        for (k, m), (_, seen) in sorted(view.roots.items()):
+            if (k, m) in view.checked_steps or now - seen < self.commit_grace_s or (k - 1, m) not in view.roots:
+                continue
+            step = (k - 1, m)
+            view.checked_steps.add((k, m))
+            if step in have:
+                continue
+            self.done[(tempo, "update-missing", rep.hotkey)] += 1
+            rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "refused",
+                              f"no update commitment of inner step {k - 1} (it used weights versions {[k - 1, m]} "
+                              f"and {[k, m]})", tempo=tempo)
+            return [self._finish(rec, seen)]
+        return []
+
+    # ---- figures ---------------------------------------------------------------------------------
+    def per_tempo(self, kind: str = "hop") -> dict[int, dict[str, int]]:
+        """tempo -> hotkey -> audits of ``kind`` run in it."""
+        out: dict[int, dict[str, int]] = defaultdict(dict)
+        for (tempo, k, hk), n in self.done.items():
+            if k == kind:
+                out[tempo][hk] = n
+        return dict(out)
+
+    def status(self) -> dict:
+        return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3),
+                "recent": [vars(r) for r in list(self.records)[-8:]]}
