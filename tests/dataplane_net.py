@@ -57,7 +57,8 @@ class P2PNet:
         self.validators: list[ValidatorService] = []
         self.chain = None
 
-    async def start(self, **miner_kw) -> None:
+    async def start(self, adversaries: Optional[dict] = None, **miner_kw) -> None:
+        """Register everyone and start the miners; ``adversaries``: (stage, replica) -> adversary kind."""
         self.chain = await open_chain("devnet", self.db)
         for w in self.vals:
             await self.chain.register(w, NETUID)
@@ -65,7 +66,8 @@ class P2PNet:
         for w in self.miner_wallets.values():
             await self.chain.register(w, NETUID)
         for (s, r) in self.miner_wallets:
-            await self.start_miner(s, r, **miner_kw)
+            kind = (adversaries or {}).get((s, r))
+            await self.start_miner(s, r, **miner_kw, **({"adversary": kind} if kind else {}))
 
     async def start_miner(self, s: int, r: int, **kw) -> MinerService:
         m = MinerService(self.cfg, self.miner_wallets[(s, r)], self.chain, netuid=NETUID, run_id=RUN, stage=s,

@@ -12,7 +12,8 @@ Inputs (nothing here waits for training, nor training for it)
 Choice (blind)
     Audits are chosen only after the replies are in, with an OS-seeded RNG, at the moment the audit
     starts: for every miner not yet audited in the current tempo (``hops_per_tempo``), one of its
-    receipts of the last ``fresh_s`` seconds, uniformly (those hops are still in its audit window);
+    receipts of the last ``fresh_s`` seconds that used one of the two latest weights versions it
+    named, uniformly (those hops are still in its audit window of ``K >= 3`` versions);
     the direction follows the stage: the head's forward, every other stage's backward (which
     re-checks its forward too; a middle stage's backward whose weights changed after its forward
     leaves the forward output out). Update audits: ``updates_per_tempo`` per miner, of one of its two
@@ -22,7 +23,10 @@ Choice (blind)
 Outcomes (:class:`~.audit_policy.AuditPolicy`)
     ``passed``, ``failed`` (the answer does not verify), ``refused`` (a typed refusal: ``LATE`` for
     a hop outside the window, ...), ``timeout`` (no answer in ``timeout_s``). Refusals and timeouts
-    are failures unless the policy excuses them (down, restarted). A miner whose receipts show it
+    are failures unless the policy excuses them (down, restarted); to give a miner that restarted
+    the chance to announce it (its first receipts after the restart carry its new boot time), an
+    unanswered audit is settled only once a receipt from the miner arrived after it, or after
+    ``settle_s`` seconds (then the "down" excuse may apply). A miner whose receipts show it
     took inner step k (it used versions ``(k, m)`` and ``(k + 1, m)``) but whose commitment of step k
     never came within ``commit_grace_s`` gets an update audit counted ``refused`` (the ``stale``
     cheat: it claims steps it never took).
@@ -77,7 +81,8 @@ class HopCandidate:
 @dataclass
 class AuditRecord:
     """One audit: ``kind`` (``hop`` | ``update``), ``raw`` outcome, ``final`` (after the policy),
-    ``bytes`` moved (bodies and headers, both ways), ``cpu_s`` validator CPU for the checks."""
+    ``bytes`` moved (bodies and headers, both ways), ``cpu_s`` validator CPU for the checks.
+    ``final`` is ``""`` while an unanswered audit waits to be settled."""
 
     kind: str
     uid: int
@@ -124,14 +129,16 @@ class AuditScheduler:
                  rows: Callable[[Ticket], torch.Tensor], lookup: Callable[[str], Optional[Replica]],
                  update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
                  timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
-                 commit_grace_s: float = 60.0, rng: Optional[random.Random] = None,
+                 commit_grace_s: float = 10.0, settle_s: float = 30.0, rng: Optional[random.Random] = None,
                  clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
         self.sampling = sampling.validate()
         self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
         self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
-        self.commit_grace_s = float(commit_grace_s)
+        self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
+        #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
+        self.unsettled: list[tuple[AuditRecord, Optional[float], float]] = []
         self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
         self.clock = clock
         self.tol = Tolerances.for_precision(cfg.train.precision)
@@ -159,6 +166,8 @@ class AuditScheduler:
                     logger.info("{} restarted (boot {:.0f}): audits of its earlier work are excused", rep.short(),
                                 receipt.boot)
             view.boot = receipt.boot
+        if any(r.hotkey == hotkey for r, _, _ in self.unsettled):
+            self.settle(hotkey=hotkey, after=receipt.t)
         for ks, km, root in ((receipt.ws, receipt.wm, receipt.wroot), (receipt.bws, receipt.bwm, receipt.bwroot)):
             if root and ks >= 0 and (ks, km) not in view.roots:
                 view.roots[(ks, km)] = (root, now)
@@ -186,7 +195,7 @@ class AuditScheduler:
     # ---- rounds ----------------------------------------------------------------------------------
     async def round(self, tempo: int) -> list[AuditRecord]:
         """Run the audits due in ``tempo`` (sequentially). Returns them."""
-        out: list[AuditRecord] = []
+        out: list[AuditRecord] = self.settle()
         hotkeys = list(self.miners)
         self.rng.shuffle(hotkeys)
         for hk in hotkeys:
@@ -205,9 +214,13 @@ class AuditScheduler:
         return out
 
     def pick_hop(self, hotkey: str) -> Optional[HopCandidate]:
-        """One of the miner's recent hops, drawn now (blind)."""
+        """One of the miner's recent hops, drawn now (blind): received in the last ``fresh_s`` seconds
+        and computed with one of the two latest weights versions its receipts named (a miner keeps
+        at least three: ``--audit-window``, default 4)."""
         now = self.clock()
-        fresh = [c for c in self.miners[hotkey].candidates if now - c.received <= self.fresh_s]
+        cands = [c for c in self.miners[hotkey].candidates if now - c.received <= self.fresh_s]
+        latest = sorted({(c.receipt.ws, c.receipt.wm) for c in cands})[-2:]
+        fresh = [c for c in cands if (c.receipt.ws, c.receipt.wm) in latest]
         return self.rng.choice(fresh) if fresh else None
 
     def direction(self, stage: int, r: Receipt) -> str:
@@ -226,10 +239,30 @@ class AuditScheduler:
                                                          micro_per_step=self.micro_per_step, wire_format=t.wire_dtype)
         return lay
 
-    def _finish(self, rec: AuditRecord, work_at: Optional[float]) -> AuditRecord:
-        rec.final = self.policy.record(rec.uid, rec.hotkey, rec.stage, rec.kind, rec.raw, work_at=work_at,
-                                       detail=rec.detail)
+    def _finish(self, rec: AuditRecord, work_at: Optional[float], at: Optional[float] = None) -> AuditRecord:
+        at = self.clock() if at is None else at
         self.done[(rec.tempo, rec.kind, rec.hotkey)] += 1
+        if rec.raw in ("refused", "timeout") and at is not None and self.settle_s > 0:
+            self.unsettled.append((rec, work_at, at))
+            return rec
+        return self._record(rec, work_at, at)
+
+    def settle(self, *, hotkey: Optional[str] = None, after: Optional[float] = None) -> list[AuditRecord]:
+        """Record the unanswered audits of ``hotkey`` made before ``after`` (a receipt's time), and
+        everyone's older than ``settle_s``."""
+        now = self.clock()
+        out, keep = [], []
+        for rec, work_at, at in self.unsettled:
+            if (hotkey == rec.hotkey and after is not None and after > at) or now - at > self.settle_s:
+                out.append(self._record(rec, work_at, at))
+            else:
+                keep.append((rec, work_at, at))
+        self.unsettled = keep
+        return out
+
+    def _record(self, rec: AuditRecord, work_at: Optional[float], at: float) -> AuditRecord:
+        rec.final = self.policy.record(rec.uid, rec.hotkey, rec.stage, rec.kind, rec.raw, work_at=work_at, at=at,
+                                       detail=rec.detail)
         self.records.append(rec)
         self.audits += 1
         if rec.final not in ("passed", "excused"):

@@ -1,0 +1,133 @@
+"""Hop and update audits wired into the data plane: real MinerServices (audit window on by default)
+and a real ValidatorService (p2p) on a devnet, signed HTTP on 127.0.0.1, real text. The validator
+audits from the receipts it received (blind), over its verification client; outcomes go to its
+audit policy and its scores."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dataplane_net import P2PNet, run
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _records(vali):
+    return list(vali.auditing.records)
+
+
+def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_path, wikitext_path, cache_dir):
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start()
+        try:
+            vali = net.validator(steps=8, audit_interval_s=0.5)
+            assert await vali.run() == 0
+            recs = _records(vali)
+            hop = [r for r in recs if r.kind == "hop"]
+            upd = [r for r in recs if r.kind == "update"]
+            audited = {r.hotkey for r in hop}
+            miners = {m.hotkey for m in net.miners.values()}
+            assert audited == miners, (len(audited), [(r.uid, r.raw, r.detail) for r in hop])
+            assert all(r.raw == "passed" for r in recs), [(r.kind, r.uid, r.raw, r.detail) for r in recs if r.raw != "passed"]
+            assert {r.direction for r in hop if r.stage == 0} == {"forward"}
+            assert {r.direction for r in hop if r.stage > 0} == {"backward"}
+            assert {r.hotkey for r in upd} == miners, [(r.uid, r.raw) for r in upd]
+            assert not vali.audits.flagged()
+            st = net.status()
+            assert st["audits"]["audits"] == len(recs) and st["verification_bytes"] >= sum(r.bytes for r in recs) > 0
+            for m in net.miners.values():            # every miner served its audits and kept a bounded window
+                assert m.hop_routes.served >= 1 and not m.hop_routes.sessions
+                assert len(m.hops.versions()) <= m.audit_window
+        finally:
+            await net.close()
+
+    run(main(), timeout=380)
+
+
+# ---- the cheater suite in the data plane ---------------------------------------------------------
+ADV = (1, 1)      # the middle stage's second replica cheats
+#: kind -> the audit kind expected to catch it (poison and accuse need merges: tests/test_merge_audit.py)
+CAUGHT_BY = {"dodge": "unanswered", "random": "hop", "zero": "hop", "lazy": "hop", "replay": "hop", "copy": "hop",
+             "claim": "hop", "precision": "hop", "noisy-update": "update", "stale": "update"}
+#: run in `make test`; the others are slow (each is a whole network run)
+FAST = ("dodge", "claim", "noisy-update", "stale")
+
+
+async def cheater_run(tmp_path, wikitext_path, cache_dir, kind: str, steps: int = 14):
+    net = P2PNet(tmp_path, wikitext_path, cache_dir)
+    await net.start(adversaries={ADV: kind})
+    try:
+        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4)
+        assert await vali.run() == 0
+        adv = net.miners[ADV]
+        honest = {m.uid for k, m in net.miners.items() if k != ADV}
+        return vali, adv, honest, net.status()
+    finally:
+        await net.close()
+
+
+def assert_caught(vali, adv, honest, kind):
+    flagged = {k[0] for k in vali.audits.flagged()}
+    assert flagged == {adv.uid}, (flagged, [(r.uid, r.kind, r.raw, r.detail) for r in vali.auditing.records])
+    reasons = " ".join(vali.audits.stats[(adv.uid, adv.hotkey)].reasons)
+    want = {"hop": "hop audit failed", "update": "update audit", "unanswered": "unanswered"}[CAUGHT_BY[kind]]
+    assert want in reasons, reasons
+    w = vali.last_weights
+    assert w.get(adv.uid, 0.0) == 0.0, w
+    assert sum(v for u, v in w.items() if u in honest) >= 0.95 * sum(w.values()) > 0, w
+    row = next(m for m in vali.explained["miners"] if m["uid"] == adv.uid)      # what `iota-subnet scores` shows
+    assert row["weight"] == 0.0 and any("audit" in why for why in row["why"]), row
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in CAUGHT_BY])
+def test_cheater_caught_in_the_data_plane(tmp_home, tmp_path, wikitext_path, cache_dir, kind):
+    vali, adv, honest, _ = run(cheater_run(tmp_path, wikitext_path, cache_dir, kind), timeout=380)
+    assert_caught(vali, adv, honest, kind)
+
+
+def test_restart_excuses_audits_of_work_from_before_it(tmp_home, tmp_path, wikitext_path, cache_dir):
+    """A miner restarts (a new process: its audit window is gone); an audit of a hop from before the
+    restart is refused (LATE) and excused; the miner is not flagged and its later hops pass."""
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start()
+        try:
+            vali = net.validator(steps=40, audit_interval_s=1.0, exit_when_done=False)
+            task = asyncio.create_task(vali.run())
+            m = net.miners[(1, 0)]
+            for _ in range(600):
+                await asyncio.sleep(0.1)
+                if vali.auditing is not None and vali.auditing.pick_hop(m.hotkey) is not None:
+                    break
+            old = vali.auditing.pick_hop(m.hotkey)
+            assert old is not None
+            boot = vali.auditing.miners[m.hotkey].boot
+            await m.stop()
+            m2 = await net.start_miner(1, 0)
+            for _ in range(600):
+                await asyncio.sleep(0.1)
+                if vali.auditing.miners[m.hotkey].boot > boot:
+                    break
+            assert vali.auditing.miners[m.hotkey].boot == pytest.approx(m2.started_at, abs=1e-2)
+            rep = vali.auditing.lookup(m.hotkey)
+            rec = await vali.auditing.audit_hop(rep, 10 ** 6, candidate=old)
+            assert rec.raw == "refused" and "LATE" in rec.detail and rec.final == "", vars(rec)
+            for _ in range(600):        # settled at the miner's next receipt
+                await asyncio.sleep(0.1)
+                if rec.final:
+                    break
+            assert rec.final == "excused", vars(rec)
+            for _ in range(600):        # its new hops are audited and pass
+                await asyncio.sleep(0.1)
+                if m2.hop_routes.served >= 1:
+                    break
+            assert m2.hop_routes.served >= 1
+            vali.request_stop()
+            await task
+            assert not vali.audits.flagged(), vali.audits.to_dict()
+        finally:
+            await net.close()
+
+    run(main(), timeout=380)
