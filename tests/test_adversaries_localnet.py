@@ -1,5 +1,5 @@
 """The acceptance runs (slow): ``localnet --adversary KIND`` with 3 stages x 3 replicas, real
-processes, devnet chain. For each kind: the adversary's weight from the validator is 0 within 3
+processes, devnet chain, the miner-to-miner data plane (validators audit from receipts). For each kind: the adversary's weight from the validator is 0 within 3
 tempos of its first weights and stays 0, honest miners hold >= 95 % of the weight, no honest miner
 is flagged, the metagraph pays honest miners, and ``iota-subnet scores`` explains the zero."""
 from __future__ import annotations
@@ -49,12 +49,14 @@ def test_localnet_adversary(kind, tmp_path, tmp_home, wikitext_path, monkeypatch
     vecs = [dict(zip(json.loads(r["uids"]), json.loads(r["weights"]))) for r in rows]
     assert vecs and all(v.get(adv[0], 0.0) == 0.0 for v in vecs[2:]), vecs
     status = json.loads((vdir / "status.json").read_text())
-    flagged = {m["uid"] for m in status["scores"] if (m["checks"] or {}).get("flagged") or (m["clasp"] or {}).get("flagged")}
+    assert status["data_plane"] == "p2p"
+    flagged = {m["uid"] for m in status["scores"] if (m["checks"] or {}).get("flagged") or (m["clasp"] or {}).get("flagged")
+               or (m["audits"] or {}).get("flagged")}
     assert flagged <= set(adv), status["scores"]
     capsys.readouterr()
     assert cli_main(["scores", "--validator-state", str(vdir), "--uid", str(adv[0]), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["miners"][0]
-    caught_by = "merge" if kind == "poison" else "spot check"     # poison: the merge redundancy check
+    caught_by = "merge" if kind == "poison" else "audit"     # poison: the merge redundancy check
     assert row["weight"] == 0.0 and any(caught_by in w for w in row["why"]), row
     if kind == "poison":
         assert summary["merge"]["merges_applied"] > 0 and summary["merge"]["mismatch_reports"] > 0

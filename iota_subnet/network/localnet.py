@@ -60,6 +60,27 @@ def resolved_config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
+def audit_summary(statuses: list[dict]) -> dict:
+    """The validators' audits (p2p): how many, how many failed, hop audits per miner per tempo (min and
+    mean over the miners audited and the full tempos seen: the first and last are partial), flagged uids."""
+    audits = failed = 0
+    cpu = 0.0
+    per: list[int] = []
+    flagged: set[int] = set()
+    for s in statuses:
+        a = s.get("audits") or {}
+        audits += int(a.get("audits", 0))
+        failed += int(a.get("failed", 0))
+        cpu += float(a.get("cpu_s", 0.0))
+        tempos = sorted(a.get("per_tempo") or {}, key=int)
+        miners = {hk for t in tempos for hk in a["per_tempo"][t]}
+        for t in tempos[1:-1]:
+            per += [int(a["per_tempo"][t].get(hk, 0)) for hk in miners]
+        flagged |= {int(m["uid"]) for m in s.get("scores") or [] if (m.get("audits") or {}).get("flagged")}
+    return {"audits": audits, "audits_failed": failed, "audits_per_miner_per_tempo_min": min(per) if per else None,
+            "audits_per_miner_per_tempo_mean": sum(per) / len(per) if per else None, "flagged": sorted(flagged), "audit_cpu_s": round(cpu, 3)}
+
+
 class LocalNet:
     def __init__(self, *, stages: int, replicas: int, validators: int, config: str, data: Optional[str], steps: int,
                  out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
@@ -183,16 +204,12 @@ class LocalNet:
         py = sys.executable
         for (s, r), w in self.miner_wallets.items():
             self.children.append(self._miner_child(s, r, w))
-        relay = ["--data-plane", "relay"] if self.adversary and self.adversary != "poison" else []
-        if relay:
-            # hop replays (spot checks) need the validator to see the hops; the p2p audits replace them
-            logger.info(f"--adversary {self.adversary}: validators relay the activations so spot checks can replay hops")
         for v, w in enumerate(self.val_wallets):
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
                     "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
-                    str(out / "link-control.json"), "--allow-data-fallback", *relay, "--dashboard-port", "0",
+                    str(out / "link-control.json"), "--allow-data-fallback", "--dashboard-port", "0",
                     *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
@@ -549,6 +566,7 @@ class LocalNet:
             "stage_utilisation": (sum(b / max(train_s or u, 1e-9) for b, u in zip(busy, uptime)) / len(busy))
             if busy else None,
             "verification_bytes": sum(s.get("verification_bytes", 0) for s in st),
+            "audits": audit_summary(st),
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
             "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),

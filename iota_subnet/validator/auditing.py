@@ -27,9 +27,10 @@ Outcomes (:class:`~.audit_policy.AuditPolicy`)
     the chance to announce it (its first receipts after the restart carry its new boot time), an
     unanswered audit is settled only once a receipt from the miner arrived after it, or after
     ``settle_s`` seconds (then the "down" excuse may apply). A miner whose receipts show it
-    took inner step k (it used versions ``(k, m)`` and ``(k + 1, m)``) but whose commitment of step k
-    never came within ``commit_grace_s`` gets an update audit counted ``refused`` (the ``stale``
-    cheat: it claims steps it never took).
+    took inner step k (its weights changed from version ``(k, m)`` to ``(k + 1, m)``) but whose
+    commitment of step k never came within ``commit_grace_s`` gets an update audit counted
+    ``refused``; one whose weights root stayed the same over :data:`STALE_STEPS` inner steps it
+    claims, a ``failed`` one (the ``stale`` cheat: it claims steps it never took).
 
 Costs (``scripts/bench_verification.py``, ``docs/hop-audit.md``): one hop audit is six signed
 messages: ``tiny`` 0.25 MB (head forward) to 0.74 MB (middle backward); an update audit ~30 kB.
@@ -66,6 +67,8 @@ from .update_audit import UpdateAuditor
 
 #: Hop candidates kept per miner (the most recent receipts).
 MAX_CANDIDATES = 64
+#: Consecutive inner steps with an unchanged weights root that count as "no update applied".
+STALE_STEPS = 3
 
 
 @dataclass
@@ -89,7 +92,7 @@ class AuditRecord:
     hotkey: str
     stage: int
     raw: str
-    final: str
+    final: str = ""
     detail: str = ""
     direction: str = ""
     bytes: int = 0
@@ -103,6 +106,8 @@ class _MinerView:
     boot: float = 0.0
     candidates: deque = field(default_factory=lambda: deque(maxlen=MAX_CANDIDATES))
     commits: deque = field(default_factory=lambda: deque(maxlen=8))
+    #: (step, merges) -> skipped, of every commitment received (the newest 1024)
+    committed: dict = field(default_factory=dict)
     audited_commits: set = field(default_factory=set)
     #: weights version -> (root hex, first seen)
     roots: dict = field(default_factory=dict)
@@ -182,10 +187,14 @@ class AuditScheduler:
         n = 0
         for raw in commits:
             try:
-                view.commits.append((UpdateCommit.from_dict(raw), self.clock()))
-                n += 1
+                c = UpdateCommit.from_dict(raw)
             except ProtocolError:
                 continue
+            view.commits.append((c, self.clock()))
+            view.committed[(c.step, c.merges)] = c.skipped
+            if len(view.committed) > 1024:
+                del view.committed[min(view.committed)]
+            n += 1
         return n
 
     def on_hop(self, key: tuple[int, str], ok: bool) -> None:
@@ -312,7 +321,7 @@ class AuditScheduler:
         if c is None:
             return None
         direction = self.direction(rep.stage, c.receipt)
-        rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", "", direction=direction, tempo=tempo)
+        rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", direction=direction, tempo=tempo)
         try:
             aud, req = self.hop_auditor(c, direction)
         except (ValueError, LayoutError) as e:
@@ -373,7 +382,7 @@ class AuditScheduler:
         if commit is None:
             return None
         self.miners[rep.hotkey].audited_commits.add((commit.step, commit.merges))
-        rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "passed", "", tempo=tempo)
+        rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "passed", tempo=tempo)
         wrong = self._bound(rep.hotkey, commit)
         if wrong:
             rec.raw, rec.detail = "failed", wrong
@@ -388,26 +397,43 @@ class AuditScheduler:
         return self._finish(rec, commit.at or None)
 
     def _missing_commitments(self, rep: Replica, tempo: int) -> list[AuditRecord]:
-        """Inner steps the miner's receipts show it took (versions (k, m) and (k + 1, m) both used,
-        the later one first seen over ``commit_grace_s`` ago) without a commitment of step k: counted
-        as refused update audits (at most one per tempo)."""
+        """What the miner's receipts show of its inner steps, without asking it (at most one record
+        per tempo):
+
+        * its weights changed from version ``(k, m)`` to ``(k + 1, m)`` (an inner step), the later one
+          first seen over ``commit_grace_s`` ago, and no commitment of step k came: a ``refused``
+          update audit;
+        * its weights root stayed the same over ``STALE_STEPS`` consecutive inner steps it claims (no
+          optimizer update applied: the ``stale`` cheat; an honest miner's weights change at every
+          inner step but one skipped for a non-finite gradient, which its commitment says, or a
+          lone catch-up to its lane's step): a ``failed`` update audit.
+        """
         if self.update_auditor is None or self.done[(tempo, "update-missing", rep.hotkey)]:
             return []
         view = self.miners[rep.hotkey]
         now = self.clock()
-        have = {(c.step, c.merges) for c, _ in view.commits} | view.audited_commits
-        for (k, m), (_, seen) in sorted(view.roots.items()):
-            if (k, m) in view.checked_steps or now - seen < self.commit_grace_s or (k - 1, m) not in view.roots:
+        have = view.committed
+        for (k, m), (root, seen) in sorted(view.roots.items()):
+            if (k, m) in view.checked_steps or (k - 1, m) not in view.roots:
                 continue
-            step = (k - 1, m)
+            run = [view.roots.get((k - i, m), ("", 0))[0] for i in range(STALE_STEPS + 1)]
+            if now - seen < (min(2.0, self.commit_grace_s) if len(set(run)) == 1 else self.commit_grace_s):
+                continue
             view.checked_steps.add((k, m))
-            if step in have:
-                continue
-            self.done[(tempo, "update-missing", rep.hotkey)] += 1
-            rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "refused",
-                              f"no update commitment of inner step {k - 1} (it used weights versions {[k - 1, m]} "
-                              f"and {[k, m]})", tempo=tempo)
-            return [self._finish(rec, seen)]
+            rec = None
+            skipped = [have[(k - i - 1, m)] for i in range(STALE_STEPS) if (k - i - 1, m) in have]
+            if len(set(run)) == 1 and not all(skipped or [False]):
+                rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "failed",
+                                  detail=f"its weights root stayed {root[:12]} over inner steps {k - STALE_STEPS}.."
+                                         f"{k} it claims (no optimizer update applied)", tempo=tempo)
+            elif root != view.roots[(k - 1, m)][0] and (k - 1, m) not in have \
+                    and (k - 1, m) not in view.audited_commits:
+                rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "refused",
+                                  detail=f"no update commitment of inner step {k - 1} (its weights changed from "
+                                         f"version {[k - 1, m]} to {[k, m]})", tempo=tempo)
+            if rec is not None:
+                self.done[(tempo, "update-missing", rep.hotkey)] += 1
+                return [self._finish(rec, seen)]
         return []
 
     # ---- figures ---------------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""The validator's audit scheduler alone (:mod:`iota_subnet.validator.auditing`): which hop it picks
+(blind, recent, still in the window), the direction per stage, what receipts alone prove (missing
+update commitments, weights that never change), how unanswered audits are settled (a restart
+announced by the miner's next receipt excuses them), and that transport failures are timeouts and
+typed refusals are refusals. The audits over real HTTP: tests/test_audit_wire.py."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from iota_subnet.config import load_config
+from iota_subnet.protocol import Outcome, ProtocolError, Ticket
+from iota_subnet.protocol.receipt import Receipt
+from iota_subnet.transport import TransportError
+from iota_subnet.validator.audit_policy import AuditPolicy
+from iota_subnet.validator.auditing import STALE_STEPS, AuditScheduler
+from iota_subnet.validator.routing import Replica
+from iota_subnet.validator.update_audit import UpdateAuditor
+
+from dataplane_net import OVR
+
+HK = "5" + "a" * 47
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Refusing:
+    """A verification client whose calls fail the way ``exc`` says; counts bytes like the real one."""
+
+    total_bytes = 0
+
+    def __init__(self, exc):
+        self.exc = exc
+        self.calls = 0
+
+    async def call(self, *a, **kw):
+        self.calls += 1
+        raise self.exc
+
+
+def make(client=None, clock=None, stage=1, updates=True):
+    cfg = load_config("configs/tiny.yaml", OVR)
+    clock = clock or Clock()
+    policy = AuditPolicy(clock=clock)
+    rep = Replica(7, HK, "127.0.0.1:1", stage)
+    sch = AuditScheduler(cfg, run_id="r", client=client or Refusing(TransportError("x", "down")), policy=policy,
+                         rows=lambda t: None, lookup=lambda hk: rep if hk == HK else None,
+                         update_auditor=UpdateAuditor(cfg, run_id="r") if updates else None,
+                         rng=random.Random(0), clock=clock)
+    return sch, rep, policy, clock
+
+
+def ticket(step: int, index: int = 0) -> Ticket:
+    return Ticket(run_id="r", validator="v", lane=0, step=step, index=index, microbatch_id=f"mb-{step}-{index}",
+                  split="train", seed=0, start=0, rows=2, seq_len=32, width=16, wire_dtype="bf16", train=True,
+                  micro_per_step=2, route=("a", HK, "c"))
+
+
+def receipt(step: int, index: int = 0, *, stage: int = 1, ws=None, root: str = "", boot: float = 1.0, t: float = 0.0,
+            backward=True) -> Receipt:
+    h = "1" * 64
+    return Receipt(id=f"mb-{step}-{index}", lane=0, step=step, index=index, attempt=0, stage=stage, status="ok",
+                   fin=h, fout=h, bin=h if backward else "", bout=h if backward else "", ws=step if ws is None else ws,
+                   wm=0, wroot=root or f"{step:064x}", boot=boot, t=t)
+
+
+def test_picks_a_recent_hop_of_the_two_latest_weights_versions():
+    sch, rep, _, clock = make()
+    for k in range(6):
+        for i in range(2):
+            sch.on_receipt(ticket(k, i), receipt(k, i), HK)
+    picks = {sch.pick_hop(HK).receipt.ws for _ in range(50)}
+    assert picks == {4, 5}
+    clock.t += sch.fresh_s + 1            # nothing recent: nothing to audit (its window moved on)
+    assert sch.pick_hop(HK) is None
+
+
+def test_direction_follows_the_stage():
+    sch, *_ = make()
+    assert sch.direction(0, receipt(0, stage=0)) == "forward"
+    assert sch.direction(1, receipt(0)) == "backward"
+    assert sch.direction(1, receipt(0, backward=False)) == "forward"
+    assert sch.direction(2, receipt(0, stage=2)) == "backward"
+
+
+@pytest.mark.parametrize("exc,raw", [(TransportError("m", "connection refused"), "timeout"),
+                                     (asyncio.TimeoutError(), "timeout"),
+                                     (ProtocolError(Outcome.LATE, "not in the window"), "refused")])
+def test_unanswered_audits_count_once_the_miner_reports_again(exc, raw):
+    sch, rep, policy, clock = make(Refusing(exc), updates=False)
+    sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
+    rec = asyncio.run(sch.audit_hop(rep, 0))
+    assert rec.raw == raw and rec.final == "" and not policy.stats      # waits for the miner's next receipt
+    clock.t += 1
+    sch.on_receipt(ticket(4), receipt(4, t=clock.t), HK)                # same process (boot), after the audit
+    assert rec.final == ("timed_out" if raw == "timeout" else "refused")
+    rec2 = asyncio.run(sch.audit_hop(rep, 1))
+    clock.t += 1
+    sch.on_receipt(ticket(5), receipt(5, t=clock.t), HK)
+    assert rec2.final == rec.final and policy.flagged() == {rep.key}      # two unanswered: flagged
+
+
+def test_a_restart_announced_after_the_audit_excuses_it():
+    sch, rep, policy, clock = make(Refusing(ProtocolError(Outcome.LATE, "gone")), updates=False)
+    sch.on_receipt(ticket(3), receipt(3, t=clock.t, boot=900.0), HK)        # work at 1000
+    clock.t += 5
+    rec = asyncio.run(sch.audit_hop(rep, 0))                                   # audit at 1005: LATE
+    clock.t += 5                          # the new process's first receipt: it restarted at 1003
+    sch.on_receipt(ticket(0), receipt(0, t=clock.t, boot=1003.0), HK)
+    assert rec.final == "excused" and not policy.flagged()
+
+
+def test_unanswered_audits_settle_after_a_while_without_receipts():
+    sch, rep, policy, clock = make(updates=False)
+    sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
+    rec = asyncio.run(sch.audit_hop(rep, 0))
+    clock.t += sch.settle_s + 1
+    asyncio.run(sch.round(1))
+    assert rec.final == "timed_out"
+
+
+def test_receipts_prove_missing_commitments_and_weights_that_never_change():
+    sch, rep, policy, clock = make()
+    for k in range(3):                     # weights change at every step; no commitment ever comes
+        sch.on_receipt(ticket(k), receipt(k), HK)
+    clock.t += sch.commit_grace_s + 1
+    out = asyncio.run(sch.round(0))
+    assert [(r.kind, r.raw) for r in out] == [("update", "refused")] and "no update commitment" in out[0].detail
+    sch, rep, policy, clock = make()
+    for k in range(STALE_STEPS + 1):       # a root that stays the same over the steps it claims
+        sch.on_receipt(ticket(k), receipt(k, root="2" * 64), HK)
+    clock.t += sch.commit_grace_s + 1
+    out = asyncio.run(sch.round(0))
+    assert [(r.kind, r.raw, r.final) for r in out] == [("update", "failed", "failed")], [vars(r) for r in out]
+    assert policy.flagged() == {rep.key}
