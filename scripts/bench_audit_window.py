@@ -3,7 +3,7 @@
 with the audit window off and on (update store: copies + Merkle trees of weights, moments and
 gradient per inner step; hop store: a weights snapshot and its row + column trees per version).
 
-Measures process CPU seconds (all threads, the background hashing included) per inner step, and
+Three runs: off, the hop store alone, both stores (the default). Measures process CPU seconds (all threads, the background hashing included) per inner step, and
 the compute thread's seconds, for ``--steps`` inner steps of ``batch_size / micro_batch`` micro-batches
 (forward + backward with a random incoming gradient) of stage ``--stage``.
 
@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-def run(cfg, stage: int, steps: int, window: int) -> dict:
+def run(cfg, stage: int, steps: int, window: int, updates: bool = True) -> dict:
     from iota_subnet.miner import StageWorker
     from iota_subnet.miner.hop_store import HopStore
     from iota_subnet.model import bottleneck_dims
     torch.manual_seed(0)
-    w = StageWorker(cfg, stage, seed=0, audit_window=window)
+    w = StageWorker(cfg, stage, seed=0, audit_window=window if updates else 0)
     hops = HopStore(window) if window else None
     B, T = cfg.train.micro_batch, cfg.data.seq_len
     b = bottleneck_dims(cfg.model, cfg.pipeline)[0]
@@ -81,8 +81,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     cfg = load_config(a.config)
     off = run(cfg, a.stage, a.steps, 0)
+    hops = run(cfg, a.stage, a.steps, a.window, updates=False)
     on = run(cfg, a.stage, a.steps, a.window)
-    res = {"config": a.config, "stage": a.stage, "steps": a.steps, "window": a.window, "off": off, "on": on,
+    res = {"config": a.config, "stage": a.stage, "steps": a.steps, "window": a.window, "off": off,
+           "hop_store_only": hops, "on": on,
+           "hop_store_cpu_overhead_ratio": hops["cpu_s_per_step"] / off["cpu_s_per_step"] - 1,
            "cpu_overhead_ratio": on["cpu_s_per_step"] / off["cpu_s_per_step"] - 1,
            "compute_thread_overhead_ratio": on["compute_thread_s_per_step"] / off["compute_thread_s_per_step"] - 1}
     print(json.dumps(res) if a.json else json.dumps(res, indent=1))
