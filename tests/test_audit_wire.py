@@ -5,12 +5,39 @@ audit policy and its scores."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from dataplane_net import P2PNet, run
 
 pytestmark = pytest.mark.timeout(400)
+
+
+async def typed_refusals(net, vali):
+    """Bad audit requests get typed 4xx refusals over signed HTTP, and the miner keeps serving."""
+    from iota_subnet.protocol import (AuditProjection, AuditProjectRequest, AuditTraceCommit, Outcome, ProtocolError)
+    from iota_subnet.transport import NeuronClient
+    m = net.miners[(1, 0)]
+    c = vali.auditing.miners[m.hotkey].candidates[-1]
+    aud, req = vali.auditing.hop_auditor(c, "backward")
+    ep = f"127.0.0.1:{m.port}"
+
+    async def refused(client, msg, path="/audit/trace", typ=AuditTraceCommit):
+        with pytest.raises(ProtocolError) as e:
+            await client.call(ep, m.hotkey, path, msg, typ, retries=0)
+        return e.value.outcome
+
+    async with NeuronClient(net.vals[0]) as client:
+        assert await refused(client, dataclasses.replace(req, weights_root="0" * 64)) == Outcome.HASH_MISMATCH
+        assert await refused(client, dataclasses.replace(req, microbatch_id="never-seen")) == Outcome.LATE
+        assert await refused(client, dataclasses.replace(req, audit_id="")) == Outcome.MALFORMED
+        assert await refused(client, AuditProjectRequest(run_id=req.run_id, stage=1, audit_id="nope", seed="00" * 32),
+                             "/audit/project", AuditProjection) == Outcome.UNKNOWN_MICROBATCH
+        ok = await client.call(ep, m.hotkey, "/audit/trace", req, AuditTraceCommit, retries=0)   # still serving
+        assert ok.audit_id == req.audit_id
+    async with NeuronClient(net.miner_wallets[(0, 0)]) as client:       # a miner is no validator
+        assert await refused(client, dataclasses.replace(req, audit_id="x1")) == Outcome.FORBIDDEN
 
 
 def _records(vali):
@@ -40,6 +67,7 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
             for m in net.miners.values():            # every miner served its audits and kept a bounded window
                 assert m.hop_routes.served >= 1 and not m.hop_routes.sessions
                 assert len(m.hops.versions()) <= m.audit_window
+            await typed_refusals(net, vali)
         finally:
             await net.close()
 

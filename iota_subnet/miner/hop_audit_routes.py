@@ -9,7 +9,8 @@
 Refusals are typed 4xx: ``LATE`` (410) for a hop or weights version outside the window,
 ``HASH_MISMATCH`` for a weights root other than the one kept for that version, ``MALFORMED`` for a
 bad request, ``UNKNOWN_MICROBATCH`` for a session that does not exist (expired or never opened),
-``BUSY`` (503) when ``max_sessions`` sessions are open. Sessions are dropped after round 3 or
+``BUSY`` (503) when ``max_sessions`` sessions are open, or ``max_per_caller`` of the caller's (one
+validator cannot hold every slot and make the miner refuse the others). Sessions are dropped after round 3 or
 ``session_ttl_s`` seconds. The trace runs on a worker thread, never on the stage's compute thread:
 audits do not wait for training and training does not wait for audits (they share the CPU).
 Memory: the trace of an open session (tiny: 63-177 MB; ``docs/hop-audit.md``).
@@ -41,13 +42,14 @@ class _Session:
 
 class HopAuditRoutes:
     """The three routes over one stage's :class:`HopStore`. ``cfg``: the run config (layouts are
-    built from it, never from the request); ``max_sessions``: audits open at once."""
+    built from it, never from the request); ``max_sessions``: audits open at once, at most
+    ``max_per_caller`` of one validator."""
 
-    def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, max_sessions: int = 4,
-                 session_ttl_s: float = 120.0, commit_wait_s: float = 30.0):
+    def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, max_sessions: int = 8,
+                 max_per_caller: int = 2, session_ttl_s: float = 120.0, commit_wait_s: float = 30.0):
         self.store, self.cfg, self.run_id, self.stage = store, cfg, run_id, int(stage)
-        self.max_sessions, self.session_ttl_s, self.commit_wait_s = int(max_sessions), float(session_ttl_s), \
-            float(commit_wait_s)
+        self.max_sessions, self.max_per_caller = int(max_sessions), int(max_per_caller)
+        self.session_ttl_s, self.commit_wait_s = float(session_ttl_s), float(commit_wait_s)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.sessions: dict[str, _Session] = {}
         self.served = 0
@@ -82,8 +84,9 @@ class HopAuditRoutes:
         self._sweep()
         if not msg.audit_id or len(msg.audit_id) > 64 or msg.audit_id in self.sessions:
             raise ProtocolError(Outcome.MALFORMED, "audit_id must be a fresh id of 1-64 characters")
-        if len(self.sessions) >= self.max_sessions:
-            raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} audits open; retry shortly")
+        mine = sum(1 for x in self.sessions.values() if x.caller == ctx.caller_hotkey)
+        if len(self.sessions) >= self.max_sessions or mine >= self.max_per_caller:
+            raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} audits open ({mine} of yours); retry shortly")
         hop = self.store.hop(msg.microbatch_id)
         if hop is None:
             self.refused += 1

@@ -35,7 +35,9 @@ the last step of each lane), losses (per lane), reroutes, failures, microbatches
 microbatches_failed, live_miners, stage_replicas, replicas (per replica: uid, hotkey, stage, endpoint,
 lane, available, throughput, successes, failures), miners (per uid: hotkey, stage, work, tokens,
 completed, failures, reroutes), probe_loss (latest CLASP round: round, loss, paths), dashboard (its
-URL or null), val_loss, done, weights_set_blocks, last_weights, scores, elapsed_s, updated_at``.
+URL or null), val_loss, done, weights_set_blocks, last_weights, scores, verification_bytes (bodies and
+headers of every verification request), audits (p2p: ``audits, failed, bytes, cpu_s, recent`` and
+``per_tempo``: tempo -> hotkey -> hop audits; null when off), elapsed_s, updated_at``.
 """
 from __future__ import annotations
 
