@@ -99,9 +99,13 @@ async def cheater_run(tmp_path, wikitext_path, cache_dir, kind: str, steps: int 
 def assert_caught(vali, adv, honest, kind):
     flagged = {k[0] for k in vali.audits.flagged()}
     assert flagged == {adv.uid}, (flagged, [(r.uid, r.kind, r.raw, r.detail) for r in vali.auditing.records])
-    reasons = " ".join(vali.audits.stats[(adv.uid, adv.hotkey)].reasons)
-    want = {"hop": "hop audit failed", "update": "update audit", "unanswered": "unanswered"}[CAUGHT_BY[kind]]
-    assert want in reasons, reasons
+    st = vali.audits.stats[(adv.uid, adv.hotkey)]
+    reasons = " ".join(st.reasons)
+    if kind == "dodge":           # its audits go unanswered (its garbage also leaves its weights unchanged)
+        assert st.refused + st.timed_out >= 2 and st.passed == 0, st.to_dict()
+    else:
+        want = {"hop": "hop audit failed", "update": "update audit"}[CAUGHT_BY[kind]]
+        assert want in reasons, reasons
     w = vali.last_weights
     assert w.get(adv.uid, 0.0) == 0.0, w
     assert sum(v for u, v in w.items() if u in honest) >= 0.95 * sum(w.values()) > 0, w

@@ -103,6 +103,7 @@ class AuditRecord:
 
 @dataclass
 class _MinerView:
+    key: Optional[tuple[int, str]] = None      # (uid, hotkey) when last looked up
     boot: float = 0.0
     candidates: deque = field(default_factory=lambda: deque(maxlen=MAX_CANDIDATES))
     commits: deque = field(default_factory=lambda: deque(maxlen=8))
@@ -164,12 +165,14 @@ class AuditScheduler:
         """An accepted receipt of ``hotkey`` about ``ticket``."""
         view = self.miners[hotkey]
         now = self.clock()
+        rep = self.lookup(hotkey)
+        if rep is not None:
+            view.key = rep.key
         if receipt.boot > view.boot:
-            if view.boot > 0:
-                rep = self.lookup(hotkey)
-                if rep is not None and self.policy.announce_restart(rep.key, receipt.boot):
-                    logger.info("{} restarted (boot {:.0f}): audits of its earlier work are excused", rep.short(),
-                                receipt.boot)
+            # a restarted miner may not be routable yet (new endpoint): its uid is the one it had
+            if view.boot > 0 and view.key is not None and self.policy.announce_restart(view.key, receipt.boot):
+                logger.info("uid {} restarted (boot {:.0f}): audits of its earlier work are excused", view.key[0],
+                            receipt.boot)
             view.boot = receipt.boot
         if any(r.hotkey == hotkey for r, _, _ in self.unsettled):
             self.settle(hotkey=hotkey, after=receipt.t)
