@@ -141,3 +141,13 @@ def test_receipts_prove_missing_commitments_and_weights_that_never_change():
     out = asyncio.run(sch.round(0))
     assert [(r.kind, r.raw, r.final) for r in out] == [("update", "failed", "failed")], [vars(r) for r in out]
     assert policy.flagged() == {rep.key}
+
+
+def test_work_from_before_a_restart_is_not_picked():
+    """Its audit window is gone with the old process: auditing it would only spend the excuse budget."""
+    sch, rep, policy, clock = make(updates=False)
+    for k in range(2):
+        sch.on_receipt(ticket(k), receipt(k, t=clock.t, boot=900.0), HK)
+    clock.t += 1
+    sch.on_receipt(ticket(1, 1), receipt(1, 1, t=clock.t, boot=clock.t - 0.5), HK)     # the new process
+    assert {sch.pick_hop(HK).receipt.boot for _ in range(30)} == {clock.t - 0.5}

@@ -57,13 +57,13 @@ from iota_subnet.audit.check import Tolerances
 from iota_subnet.audit.layout import BACKWARD, FORWARD, LayoutError, TraceLayout
 from iota_subnet.config import RunConfig
 from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommit, AuditTraceRequest, ProtocolError,
-                                  Ticket, UpdateCommit)
+                                  Ticket, UpdateCommit, encode)
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 
 from .audit_policy import AuditPolicy
 from .routing import Replica
-from .update_audit import UpdateAuditor
+from .update_audit import HTTP_HEADER_BYTES, UpdateAuditor
 
 #: Hop candidates kept per miner (the most recent receipts).
 MAX_CANDIDATES = 64
@@ -84,7 +84,8 @@ class HopCandidate:
 @dataclass
 class AuditRecord:
     """One audit: ``kind`` (``hop`` | ``update``), ``raw`` outcome, ``final`` (after the policy),
-    ``bytes`` moved (bodies and headers, both ways), ``cpu_s`` validator CPU for the checks.
+    ``bytes``: the encoded messages plus 1 kB of headers each (the verification client's counters
+    give the exact total), ``cpu_s`` validator CPU for the checks.
     ``final`` is ``""`` while an unanswered audit waits to be settled."""
 
     kind: str
@@ -128,14 +129,15 @@ class AuditScheduler:
     its byte counters are the verification traffic); ``policy``: where outcomes go; ``rows(ticket)``:
     the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
     ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
-    ``update_auditor``: None turns update audits off.
+    ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once.
     """
 
     def __init__(self, cfg: RunConfig, *, run_id: str, client: Any, policy: AuditPolicy,
                  rows: Callable[[Ticket], torch.Tensor], lookup: Callable[[str], Optional[Replica]],
                  update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
                  timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
-                 commit_grace_s: float = 10.0, settle_s: float = 30.0, rng: Optional[random.Random] = None,
+                 commit_grace_s: float = 10.0, settle_s: float = 30.0, concurrency: int = 4,
+                 rng: Optional[random.Random] = None,
                  clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
@@ -143,6 +145,7 @@ class AuditScheduler:
         self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
         self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
         self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
+        self.concurrency = max(1, int(concurrency))
         #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
         self.unsettled: list[tuple[AuditRecord, Optional[float], float]] = []
         self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
@@ -206,31 +209,36 @@ class AuditScheduler:
 
     # ---- rounds ----------------------------------------------------------------------------------
     async def round(self, tempo: int) -> list[AuditRecord]:
-        """Run the audits due in ``tempo`` (sequentially). Returns them."""
+        """Run the audits due in ``tempo``: each miner's in sequence, up to ``concurrency`` miners at
+        once (each audit mostly waits for the audited miner). Returns them."""
         out: list[AuditRecord] = self.settle()
         hotkeys = list(self.miners)
         self.rng.shuffle(hotkeys)
-        for hk in hotkeys:
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(hk: str) -> list[AuditRecord]:
             rep = self.lookup(hk)
             if rep is None:
-                continue
-            out += self._missing_commitments(rep, tempo)
-            if self.update_auditor is not None and self.done[(tempo, "update", hk)] < self.updates_per_tempo:
-                rec = await self.audit_update(rep, tempo)
-                if rec is not None:
-                    out.append(rec)
-            if self.done[(tempo, "hop", hk)] < self.hops_per_tempo:
-                rec = await self.audit_hop(rep, tempo)
-                if rec is not None:
-                    out.append(rec)
+                return []
+            got = self._missing_commitments(rep, tempo)
+            async with sem:
+                if self.update_auditor is not None and self.done.get((tempo, "update", hk), 0) < self.updates_per_tempo:
+                    got.append(await self.audit_update(rep, tempo))
+                if self.done.get((tempo, "hop", hk), 0) < self.hops_per_tempo:
+                    got.append(await self.audit_hop(rep, tempo))
+            return [r for r in got if r is not None]
+        for got in await asyncio.gather(*(one(hk) for hk in hotkeys)):
+            out += got
         return out
 
     def pick_hop(self, hotkey: str) -> Optional[HopCandidate]:
         """One of the miner's recent hops, drawn now (blind): received in the last ``fresh_s`` seconds
         and computed with one of the two latest weights versions its receipts named (a miner keeps
-        at least three: ``--audit-window``, default 4)."""
+        at least three: ``--audit-window``, default 4), by its current process (work from before a
+        restart is gone with its audit window: auditing it would only spend the excuses)."""
         now = self.clock()
-        cands = [c for c in self.miners[hotkey].candidates if now - c.received <= self.fresh_s]
+        view = self.miners[hotkey]
+        cands = [c for c in view.candidates if now - c.received <= self.fresh_s and c.receipt.boot >= view.boot]
         latest = sorted({(c.receipt.ws, c.receipt.wm) for c in cands})[-2:]
         fresh = [c for c in cands if (c.receipt.ws, c.receipt.wm) in latest]
         return self.rng.choice(fresh) if fresh else None
@@ -330,24 +338,32 @@ class AuditScheduler:
         except (ValueError, LayoutError) as e:
             rec.raw, rec.detail = "refused", f"unauditable hop {c.ticket.microbatch_id[:40]}: {e}"
             return self._finish(rec, c.receipt.t)
-        b0 = self.client.total_bytes
         t0 = time.monotonic()
+        sizes: list[int] = []
         try:
-            rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req)
+            rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes)
         except ProtocolError as e:
             rec.raw, rec.detail = "refused", f"{e.outcome.value}: {e.message}"[:200]
         except (TransportError, asyncio.TimeoutError) as e:
             rec.raw, rec.detail = "timeout", f"{type(e).__name__}: {e}"[:200]
         except AuditFailure as e:
             rec.raw, rec.detail = "failed", str(e)[:200]
-        rec.bytes = self.client.total_bytes - b0
+        rec.bytes = sum(sizes) + HTTP_HEADER_BYTES * len(sizes)
         rec.wall_s = time.monotonic() - t0
         rec.detail = f"{c.ticket.microbatch_id[:32]}: {rec.detail}"
         return self._finish(rec, c.receipt.t)
 
-    async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest) -> tuple[str, str, float]:
-        lay, call = aud.layout, self.client.call
+    async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest, sizes: list[int]
+                          ) -> tuple[str, str, float]:
+        """The three rounds; ``sizes`` gets the encoded body size of every message sent and received."""
+        lay = aud.layout
         kw = dict(timeout_s=self.timeout_s, retries=0)
+
+        async def call(ep, hk, path, msg, typ, **kw2):
+            sizes.append(len(encode(msg)))
+            resp = await self.client.call(ep, hk, path, msg, typ, **kw2)
+            sizes.append(len(await asyncio.to_thread(encode, resp)))
+            return resp
         commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
                             response_contract=codec.commit_contract(lay), **kw)
         seed, cpu = _thread_timed(aud.on_commit, *codec.read_commit(commit))
@@ -367,7 +383,8 @@ class AuditScheduler:
     # ---- update audits ---------------------------------------------------------------------------
     def pick_commit(self, hotkey: str) -> Optional[UpdateCommit]:
         view = self.miners[hotkey]
-        recent = [c for c, _ in list(view.commits)[-2:] if (c.step, c.merges) not in view.audited_commits]
+        recent = [c for c, _ in list(view.commits)[-2:]
+                  if (c.step, c.merges) not in view.audited_commits and c.at >= view.boot]
         return self.rng.choice(recent) if recent else None
 
     def _bound(self, hotkey: str, commit: UpdateCommit) -> str:
@@ -390,13 +407,11 @@ class AuditScheduler:
         if wrong:
             rec.raw, rec.detail = "failed", wrong
             return self._finish(rec, commit.at or None)
-        b0 = self.client.total_bytes
-        t0 = time.thread_time()
         res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
                                               timeout_s=self.timeout_s)
-        rec.cpu_s = time.thread_time() - t0
+        rec.cpu_s = res.cpu_s
         rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
-        rec.bytes = self.client.total_bytes - b0
+        rec.bytes = res.bytes
         return self._finish(rec, commit.at or None)
 
     def _missing_commitments(self, rep: Replica, tempo: int) -> list[AuditRecord]:
@@ -411,7 +426,7 @@ class AuditScheduler:
           inner step but one skipped for a non-finite gradient, which its commitment says, or a
           lone catch-up to its lane's step): a ``failed`` update audit.
         """
-        if self.update_auditor is None or self.done[(tempo, "update-missing", rep.hotkey)]:
+        if self.update_auditor is None or self.done.get((tempo, "update-missing", rep.hotkey)):
             return []
         view = self.miners[rep.hotkey]
         now = self.clock()

@@ -37,11 +37,15 @@ from iota_subnet.protocol import (UPDATE_KINDS, ProtocolError, UpdateAuditReques
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import TransportError
 
+#: A signed HTTP request or response's headers, allowed per message when counting an audit's bytes.
+HTTP_HEADER_BYTES = 1024
+
 
 @dataclass
 class AuditResult:
     """One audit's raw outcome (before the policy's excuses): ``outcome`` in ``passed``, ``failed``,
-    ``refused``, ``timeout``; ``detail``; ``bytes`` moved (request + answer bodies); ``check``: the
+    ``refused``, ``timeout``; ``detail``; ``bytes``: the request and the answer, bodies (as encoded)
+    plus :data:`HTTP_HEADER_BYTES` each (the client's own counters are the exact total); ``check``: the
     verification details when an answer came back."""
 
     outcome: str
@@ -49,6 +53,7 @@ class AuditResult:
     bytes: int = 0
     check: Optional[UpdateCheck] = None
     wall_s: float = 0.0
+    cpu_s: float = 0.0          # validator CPU of the check (its thread's time)
 
 
 class UpdateAuditor:
@@ -103,20 +108,21 @@ class UpdateAuditor:
         """Plan, ask, check. ``client``: a :class:`~iota_subnet.transport.NeuronClient`."""
         req = self.plan(stage, commit)
         t0 = time.monotonic()
-        b0 = client.bytes_sent + client.bytes_received
+        n = len(encode(req)) + HTTP_HEADER_BYTES        # the answer's body and headers are added below
         try:
             resp = await client.call(endpoint, hotkey, "/audit/update", req, UpdateAuditResponse,
                                      timeout_s=timeout_s, retries=1, response_contract=update_audit_contract())
         except ProtocolError as e:
-            n = client.bytes_sent + client.bytes_received - b0
             return AuditResult("refused", f"{e.outcome.value}: {e.message}"[:200], n, wall_s=time.monotonic() - t0)
         except (TransportError, asyncio.TimeoutError) as e:
-            n = client.bytes_sent + client.bytes_received - b0
             return AuditResult("timeout", str(e)[:200], n, wall_s=time.monotonic() - t0)
-        n = client.bytes_sent + client.bytes_received - b0
-        chk = await asyncio.to_thread(self.check, stage, commit, req, resp)
+        n += len(encode(resp)) + HTTP_HEADER_BYTES
+        def timed():
+            c0 = time.thread_time()
+            return self.check(stage, commit, req, resp), time.thread_time() - c0
+        chk, cpu = await asyncio.to_thread(timed)
         return AuditResult("passed" if chk.ok else "failed", chk.reason or f"max {chk.worst:.3g} units on {chk.rows} rows",
-                           n, chk, time.monotonic() - t0)
+                           n, chk, time.monotonic() - t0, cpu)
 
 
 def audit_bytes(req: UpdateAuditRequest, resp: UpdateAuditResponse) -> int:
