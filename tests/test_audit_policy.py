@@ -124,3 +124,19 @@ def test_quality_merge_and_persistence():
     p2.load_dict(p.to_dict())
     assert p2.flagged() == {(2, "b")} and p2.summary((1, "a"))["passed"] == 1
     assert p2.summary((2, "b"))["by_kind"] == {"merge": 1}
+
+
+def test_killed_miner_audits_before_its_restart_are_excused():
+    """A killed process times out on audits (its hops succeeded seconds earlier, so it does not look
+    down yet); the restart it announces a minute later excuses them; one that never restarts is not."""
+    c = Clock()
+    p = AuditPolicy(clock=c)
+    p.note_hop(K, True, c.t)
+    c.t += 2
+    p.note_hop(K, True, c.t)
+    at = c.t + 1
+    assert p.announce_restart(K, at + 50)
+    assert p.record(*K, 1, "hop", "timeout", at=at, detail="connection refused") == "excused"
+    other = (5, "hk5")
+    p.note_hop(other, True, c.t)
+    assert p.record(*other, 1, "hop", "timeout", at=at, detail="connection refused") == "timed_out"

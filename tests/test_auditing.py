@@ -151,3 +151,20 @@ def test_work_from_before_a_restart_is_not_picked():
     clock.t += 1
     sch.on_receipt(ticket(1, 1), receipt(1, 1, t=clock.t, boot=clock.t - 0.5), HK)     # the new process
     assert {sch.pick_hop(HK).receipt.boot for _ in range(30)} == {clock.t - 0.5}
+
+
+def test_a_late_refusal_outside_the_required_window_is_not_counted():
+    """LATE for a version the miner may have dropped by the time it answered (its later receipts name
+    versions >= REQUIRED_VERSIONS newer) is within its rights; inside that window it counts."""
+    from iota_subnet.validator.auditing import REQUIRED_VERSIONS
+    sch, rep, policy, clock = make(Refusing(ProtocolError(Outcome.LATE, "gone")), updates=False)
+    sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
+    rec = asyncio.run(sch.audit_hop(rep, 0))
+    clock.t += 1
+    sch.on_receipt(ticket(3 + REQUIRED_VERSIONS), receipt(3 + REQUIRED_VERSIONS, t=clock.t), HK)
+    assert rec.final == "outside window" and not policy.stats
+    rec2 = asyncio.run(sch.audit_hop(rep, 0))          # audited again in the same tempo: the newest hop
+    assert rec2.version == (3 + REQUIRED_VERSIONS, 0)
+    clock.t += 1
+    sch.on_receipt(ticket(4 + REQUIRED_VERSIONS), receipt(4 + REQUIRED_VERSIONS, t=clock.t), HK)
+    assert rec2.final == "refused"

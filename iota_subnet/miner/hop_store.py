@@ -27,6 +27,7 @@ version (``docs/hop-audit.md``).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -159,13 +160,6 @@ class HopStore:
             rec.wire.update(wire)
             rec.bversion = tuple(version)
 
-    def add_wire(self, microbatch_id: str, name: str, t: WireTensor) -> None:
-        """A wire tensor of a recorded hop known only later (the forward's output once sent)."""
-        with self._lock:
-            rec = self._hops.get(microbatch_id)
-            if rec is not None:
-                rec.wire[name] = t
-
     # ---- any thread ------------------------------------------------------------------------------
     def hop(self, microbatch_id: str) -> Optional[HopRecord]:
         with self._lock:
@@ -182,7 +176,6 @@ class HopStore:
 
     async def root(self, version: Version) -> str:
         """The hex root of ``version`` for a receipt, ``""`` when it is not kept (awaits the hashing)."""
-        import asyncio
         with self._lock:
             v = self._versions.get(tuple(version))
         if v is None:

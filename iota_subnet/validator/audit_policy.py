@@ -17,7 +17,8 @@ turns it into the outcome that counts:
     but not audits is not down;
   - *restart*: the audited work is from before a restart the miner announced
     (:meth:`AuditPolicy.announce_restart`: its first receipts after a restart carry a new boot
-    time; what its audit store held is gone). Work done after the announced restart is not covered.
+    time; what its audit store held is gone), or the audit went unanswered shortly (120 s) before
+    one (a killed process). Work done after the announced restart is not covered.
 
 * **Bound on excuses**: among a miner's last ``excuse_window`` audits at most
   ``max(min_excuses, max_excuse_fraction x n)`` may be excused (default: 3, or half of the last 20
@@ -130,6 +131,11 @@ class AuditPolicy:
         """An accepted restart between the audited work (``work_at``) and the audit (``audit_at``)."""
         return any(work_at < r <= audit_at for r in self._restarts.get(key, ()))
 
+    def restarted_soon_after(self, key: Key, audit_at: float, within_s: float = 120.0) -> bool:
+        """An accepted restart within ``within_s`` after the audit: its process was dead or dying
+        when the audit went unanswered (a killed miner's audits time out before it comes back)."""
+        return any(audit_at < r <= audit_at + within_s for r in self._restarts.get(key, ()))
+
     # ---- audits -------------------------------------------------------------------------------
     def _excuse_budget_left(self, key: Key) -> bool:
         last = list(self._last.get(key, ()))[-(self.excuse_window - 1):] if self.excuse_window > 1 else []
@@ -152,7 +158,8 @@ class AuditPolicy:
         if raw in ("refused", "timeout"):
             final = "refused" if raw == "refused" else "timed_out"
             reason = ("down (its training hops failed too)" if self.was_down(key, at) else
-                      "work from before its announced restart" if self.restarted_since(key, work_at, at) else "")
+                      "work from before its announced restart" if self.restarted_since(key, work_at, at) else
+                      "down (it announced a restart right after)" if self.restarted_soon_after(key, at) else "")
             if reason:
                 if self._excuse_budget_left(key):
                     final, why = "excused", reason

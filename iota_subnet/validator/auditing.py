@@ -69,6 +69,10 @@ from .update_audit import HTTP_HEADER_BYTES, UpdateAuditor
 MAX_CANDIDATES = 64
 #: Consecutive inner steps with an unchanged weights root that count as "no update applied".
 STALE_STEPS = 3
+#: Weights versions a miner must keep for audits, counted back from the newest one it has named: a
+#: ``LATE`` refusal for an older hop (or inner step) is within its rights, not a failure (the
+#: validator's view lags the miner's: it is judged when the audit is settled).
+REQUIRED_VERSIONS = 3
 
 
 @dataclass
@@ -100,12 +104,15 @@ class AuditRecord:
     cpu_s: float = 0.0
     wall_s: float = 0.0
     tempo: int = 0
+    version: Optional[tuple[int, int]] = None      # the weights version the audited work used / produced
+    code: str = ""                                  # a refusal's outcome (e.g. LATE)
 
 
 @dataclass
 class _MinerView:
     key: Optional[tuple[int, str]] = None      # (uid, hotkey) when last looked up
     boot: float = 0.0
+    latest: tuple[int, int] = (-1, -1)          # newest weights version its current process named
     candidates: deque = field(default_factory=lambda: deque(maxlen=MAX_CANDIDATES))
     commits: deque = field(default_factory=lambda: deque(maxlen=8))
     #: (step, merges) -> skipped, of every commitment received (the newest 1024)
@@ -177,6 +184,9 @@ class AuditScheduler:
                 logger.info("uid {} restarted (boot {:.0f}): audits of its earlier work are excused", view.key[0],
                             receipt.boot)
             view.boot = receipt.boot
+            view.latest = (-1, -1)
+        if receipt.boot >= view.boot:
+            view.latest = max(view.latest, (receipt.ws, receipt.wm), (receipt.bws, receipt.bwm))
         if any(r.hotkey == hotkey for r, _, _ in self.unsettled):
             self.settle(hotkey=hotkey, after=receipt.t)
         for ks, km, root in ((receipt.ws, receipt.wm, receipt.wroot), (receipt.bws, receipt.bwm, receipt.bwroot)):
@@ -281,6 +291,15 @@ class AuditScheduler:
         return out
 
     def _record(self, rec: AuditRecord, work_at: Optional[float], at: float) -> AuditRecord:
+        latest = self.miners[rec.hotkey].latest
+        if rec.raw == "refused" and rec.code == "LATE" and rec.version is not None \
+                and (rec.version[1] < latest[1] or rec.version[0] <= latest[0] - REQUIRED_VERSIONS):
+            rec.final = "outside window"      # it may drop that version by now: not counted, audit again
+            self.done[(rec.tempo, rec.kind, rec.hotkey)] -= 1
+            self.records.append(rec)
+            logger.info("{} audit of uid {}: version {} is outside the window it must keep (newest named {}); "
+                        "not counted", rec.kind, rec.uid, list(rec.version), list(latest))
+            return rec
         rec.final = self.policy.record(rec.uid, rec.hotkey, rec.stage, rec.kind, rec.raw, work_at=work_at, at=at,
                                        detail=rec.detail)
         self.records.append(rec)
@@ -332,7 +351,10 @@ class AuditScheduler:
         if c is None:
             return None
         direction = self.direction(rep.stage, c.receipt)
-        rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", direction=direction, tempo=tempo)
+        r = c.receipt
+        version = (r.bws, r.bwm) if direction == BACKWARD and r.bwroot else (r.ws, r.wm)
+        rec = AuditRecord("hop", rep.uid, rep.hotkey, rep.stage, "passed", direction=direction, tempo=tempo,
+                          version=version)
         try:
             aud, req = self.hop_auditor(c, direction)
         except (ValueError, LayoutError) as e:
@@ -343,7 +365,7 @@ class AuditScheduler:
         try:
             rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes)
         except ProtocolError as e:
-            rec.raw, rec.detail = "refused", f"{e.outcome.value}: {e.message}"[:200]
+            rec.raw, rec.detail, rec.code = "refused", f"{e.outcome.value}: {e.message}"[:200], e.outcome.value
         except (TransportError, asyncio.TimeoutError) as e:
             rec.raw, rec.detail = "timeout", f"{type(e).__name__}: {e}"[:200]
         except AuditFailure as e:
@@ -402,7 +424,8 @@ class AuditScheduler:
         if commit is None:
             return None
         self.miners[rep.hotkey].audited_commits.add((commit.step, commit.merges))
-        rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "passed", tempo=tempo)
+        rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "passed", tempo=tempo,
+                          version=(commit.step + 1, commit.merges))
         wrong = self._bound(rep.hotkey, commit)
         if wrong:
             rec.raw, rec.detail = "failed", wrong
@@ -411,6 +434,7 @@ class AuditScheduler:
                                               timeout_s=self.timeout_s)
         rec.cpu_s = res.cpu_s
         rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
+        rec.code = res.detail.split(":", 1)[0] if res.outcome == "refused" else ""
         rec.bytes = res.bytes
         return self._finish(rec, commit.at or None)
 
