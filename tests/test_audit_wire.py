@@ -123,12 +123,14 @@ def test_cheater_caught_in_the_data_plane(tmp_home, tmp_path, wikitext_path, cac
 
 def test_restart_excuses_audits_of_work_from_before_it(tmp_home, tmp_path, wikitext_path, cache_dir):
     """A miner restarts (a new process: its audit window is gone); an audit of a hop from before the
-    restart is refused (LATE) and excused; the miner is not flagged and its later hops pass."""
+    restart is refused (LATE) and not held against it; the miner is not flagged and its later hops pass."""
     async def main():
         net = P2PNet(tmp_path, wikitext_path, cache_dir)
         await net.start()
         try:
-            vali = net.validator(steps=40, audit_interval_s=1.0, exit_when_done=False)
+            # rounds every 5 s: few background audits hit the miner while it is away (each would spend
+            # one of its excuses: at most 3, or half of its last 20 audits)
+            vali = net.validator(steps=40, audit_interval_s=5.0, exit_when_done=False)
             task = asyncio.create_task(vali.run())
             m = net.miners[(1, 0)]
             for _ in range(600):
@@ -152,8 +154,10 @@ def test_restart_excuses_audits_of_work_from_before_it(tmp_home, tmp_path, wikit
                 await asyncio.sleep(0.1)
                 if rec.final:
                     break
-            assert rec.final == "excused", (vars(rec), vali.audits.stats[rep.key].recent, vali.audits._restarts,
-                                            old.receipt.t, m2.started_at)
+            # excused (work from before its restart), or not counted at all when the restarted process
+            # has already moved 3 versions past it (outside the window it must keep)
+            assert rec.final in ("excused", "outside window"), ([(r["kind"], r["raw"], r["outcome"], r["why"], r["detail"][:60])
+                                             for r in vali.audits.stats[rep.key].recent], old.receipt.t, m2.started_at)
             for _ in range(600):        # its new hops are audited and pass
                 await asyncio.sleep(0.1)
                 if m2.hop_routes.served >= 1:

@@ -143,7 +143,7 @@ class AuditScheduler:
                  rows: Callable[[Ticket], torch.Tensor], lookup: Callable[[str], Optional[Replica]],
                  update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
                  timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
-                 commit_grace_s: float = 10.0, settle_s: float = 30.0, concurrency: int = 4,
+                 commit_grace_s: float = 10.0, settle_s: float = 120.0, concurrency: int = 4,
                  rng: Optional[random.Random] = None,
                  clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy

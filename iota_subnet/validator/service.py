@@ -704,7 +704,9 @@ class ValidatorService:
             return ds.batch(t.seed, t.start, t.rows) if t.split == "train" else ds.val_batch(t.start, t.rows)
 
         def lookup(hotkey: str):
-            return next((r for r in self.router.live_replicas() if r.hotkey == hotkey), None)
+            # a miner the router holds as failed (cooling down) is not audited: it is away, not dodging
+            return next((r for r in self.router.live_replicas() if r.hotkey == hotkey and self.router.is_available(r)),
+                        None)
         return AuditScheduler(self.cfg, run_id=self.opts.run_id, client=self.verify_client, policy=self.audits,
                               rows=rows, lookup=lookup,
                               update_auditor=UpdateAuditor(self.cfg, run_id=self.opts.run_id,
