@@ -200,3 +200,23 @@ def test_cache_limits_come_from_the_config():
                                                              "activation_cache_ttl_s": 9.0}})
     w = StageWorker(cfg, 1)
     assert (w.cache.max_bytes, w.cache.max_entries, w.cache.ttl_s) == (3 << 20, 7, 9.0)
+
+
+def test_input_gradient_only_names_the_weights_it_recomputed_with():
+    """A micro-batch served without training (an alternate's) whose backward comes after an inner
+    step is recomputed with the new weights: the weights version it reports (what its receipt names,
+    and a hop audit replays) is the new one, and it equals the gradient through the new weights."""
+    cfg = load_config("configs/tiny.yaml", OVR)
+    w = StageWorker(cfg, 1, seed=0)
+    w.auto_step = False
+    B, T, b = cfg.train.micro_batch, cfg.data.seq_len, w.spec.out_width
+    x, g = torch.randn(B, T, b), torch.randn(B, T, b) * 1e-2
+    w.forward("alt", x, accumulate=False)
+    w.forward("own", x)
+    w.backward("own", g)
+    w.step()                                   # weights change while "alt" waits for its backward
+    gin = w.backward("alt", g)
+    assert (w.last_weights_step, w.last_weights_merges) == (1, 0)
+    xr = x.clone().requires_grad_(True)
+    w.module(xr).backward(g)
+    assert torch.allclose(gin, xr.grad, atol=1e-6)

@@ -308,9 +308,9 @@ class LinkChecker:
         gL = self.row(f"g.{L}", n)
         if m.tail:
             logits = self.row("lm.logits", n)
-            dlog = torch.softmax(logits, dim=0)
+            dlog = torch.softmax(logits.double(), dim=0)        # float64, as the trace (1 - p at p ~ 1)
             dlog[int(self.targets.reshape(-1)[n])] -= 1.0
-            dlog = dlog / (m.N * self.lay.micro_per_step)
+            dlog = (dlog / (m.N * self.lay.micro_per_step)).float()
             dn = self.row("lm.dn", n)
             self.dot("lm.dn", R["lm.r_b"] * dn, self.vec["lm.o"] * dlog, where)
             self.vec_close("grad_out", gL, self.rmsnorm_bwd(hL, self.weight("norm.weight"), dn), where)

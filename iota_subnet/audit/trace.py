@@ -218,9 +218,11 @@ class Tracer:
         # ---- backward: gradient at the stage output
         if m.tail:
             scale = 1.0 / (N * lay.micro_per_step)
-            dlog = torch.softmax(logits, dim=-1)
+            # softmax - onehot in float64: at a confident token (p ~ 1) float32 leaves 1 - p to rounding,
+            # and the validator's single-row softmax rounds differently (see check.token_backward)
+            dlog = torch.softmax(logits.double(), dim=-1)
             dlog[torch.arange(N, device=self.device), tg] -= 1.0
-            dlog = dlog * scale
+            dlog = (dlog * scale).float()
             dn = self.emit("lm.dn", dlog @ self._w("lm_head.weight"))
             self._rec("lm.dn", dn)
             gr = rmsnorm_backward(hL, self._w("norm.weight"), dn, eps)

@@ -229,7 +229,8 @@ class StageWorker:
         self.tokens += int(entry.meta.get("tokens", 0))
         if self.spec.is_head:
             return None
-        if entry.meta.get("version") != self.version:      # weights replaced since: recompute
+        if entry.meta.get("version") != self.version:      # weights replaced since: recompute with today's
+            self.last_weights_step, self.last_weights_merges = self.inner_step, self.merges
             x = entry.inputs.detach().requires_grad_(True)
             with autocast_ctx(self.device, self.precision):
                 out = self._run(x)
