@@ -272,11 +272,12 @@ def test_miner_registers_only_when_asked_within_its_max_burn_and_follows_its_uid
             assert svc.uid == 0 and before - _balance(db, w.coldkey.ss58_address) == 2 * 10**9
             for n in ("a", "b"):
                 await chain.register(wallets[n], NETUID)
+            await asyncio.sleep(0.3)                          # c lands in a later block than a and b
             await chain.register(wallets["c"], NETUID)        # full: uid 0 (the miner, oldest) is pruned
             await asyncio.sleep(1.1)                          # forced refreshes: at most one a second
             await svc.refresh(force=True)
             assert svc.uid is None and svc.status()["uid"] is None
-            await chain.register(w, NETUID)                   # registered again: another uid
+            await chain.register(w, NETUID)                   # registered again: a's uid (a, b older than c)
             new_uid = await chain.uid(w.hotkey.ss58_address, NETUID)
             assert new_uid not in (None, 0)
             await asyncio.sleep(1.1)
