@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from iota_subnet.merge.claims import (CONTRIBUTION, MergeClaims, chunk_tree, sign_claim, statement, verify_claim)
-from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, MergePayload, Outcome, ProtocolError,
+from iota_subnet.protocol import (MERGE_AUDIT_KEEP_EPOCHS, MergeAuditRequest, MergeAuditResponse, MergePayload, Outcome, ProtocolError,
                                   tensor_sha256)
 from iota_subnet.transport import NeuronClient
 from iota_subnet.validator.audit_policy import AuditPolicy
@@ -76,13 +76,15 @@ def test_claims_sign_verify_and_incoming_checks():
         assert ei.value.outcome == Outcome.FORBIDDEN
 
 
-async def _verify(net, mo: MergeOversight):
-    """The validator's merge round, as ValidatorService._merge_round runs it."""
+async def _verify(net, mo: MergeOversight, collect: bool = True):
+    """The validator's merge round, as ValidatorService._merge_round runs it (``collect=False``: only
+    the reports ``mo`` already holds)."""
     reps = [Replica(s.uid, s.hotkey, s.server.endpoint, s.stage) for s in net.svcs]
     eps = {s.hotkey: s.server.endpoint for s in net.svcs}
     numel = net.svcs[0].merge.params.numel
     async with NeuronClient(net.val) as cl:
-        await mo.collect(cl, reps)
+        if collect:
+            await mo.collect(cl, reps)
 
         async def fetch(hk, req):
             return await cl.call(eps[hk], hk, "/audit/merge", req, MergeAuditResponse, retries=0, timeout_s=20)
@@ -161,12 +163,54 @@ def test_poisoning_reducer_accusation_upheld(tmp_path, tmp_home):
             policy = AuditPolicy()
             record_verdicts(policy, verdicts, {s.hotkey: (s.uid, s.stage) for s in net.svcs})
             assert {k[1] for k in policy.flagged()} == {p.hotkey}
+            assert mo.proven_wrong == {p.hotkey} and mo.accusations() == []       # the rest are moot
             w = _scores(net, policy)
             assert set(w) == {a.uid, b.uid} and sum(w.values()) == pytest.approx(1.0)
             # the poisoner's signed claim describes what it served: a validator's own chunk check shows it
             ev = next(e for s in (a, b) for e in s.merge.reports)
             claim = ev["results"][p.hotkey]["claim"]
             assert verify_claim(claim, p.hotkey, "iota-merge-result/1")
+        finally:
+            await net.close()
+    asyncio.run(main())
+
+
+def test_accusations_outside_the_kept_epochs_expire(tmp_path, tmp_home):
+    """A validator's backlog is not the replicas' fault: once the stage is MERGE_AUDIT_KEEP_EPOCHS
+    epochs past a report, the participants' LATE refusals about it are not counted (the accusation
+    ends ``expired``, nobody's audit record changes); a newer one is still decided."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(1)
+        honest = net.svcs[0]
+        x = await net.add("accuse")
+        y = await net.add("accuse")
+        x.accuser.accomplices |= {y.hotkey}
+        y.accuser.accomplices |= {x.hotkey}
+        try:
+            for epoch in range(MERGE_AUDIT_KEEP_EPOCHS + 1):
+                for k, s in enumerate(net.svcs):
+                    train_locally(s, k + 3 * epoch)
+                await merge_epoch(net.svcs, epoch)
+            assert honest.merge.merged_epoch == MERGE_AUDIT_KEEP_EPOCHS
+            mo = MergeOversight(RUN)
+            reps = [Replica(s.uid, s.hotkey, s.server.endpoint, s.stage) for s in net.svcs]
+            async with NeuronClient(net.val) as cl:
+                await mo.collect(cl, reps)
+            assert mo.stage_epoch(honest.stage) == MERGE_AUDIT_KEEP_EPOCHS
+            reports = dict(mo.reports)
+            mo.reports = {k: ev for k, ev in reports.items() if ev["epoch"] == 0}     # the backlog only
+            assert mo.reports and all(honest.hotkey in ev["wrong"] for ev in mo.reports.values())
+            verdicts, _ = await _verify(net, mo, collect=False)
+            assert verdicts and all(v.outcome == "expired" and not v.silent and not v.penalise for v in verdicts), \
+                [(v.outcome, v.detail, v.silent) for v in verdicts]
+            policy = AuditPolicy()
+            record_verdicts(policy, verdicts, {s.hotkey: (s.uid, s.stage) for s in net.svcs})
+            assert policy.flagged() == set() and mo.accusations() == []        # not counted, not retried
+            # the newest forged accusation is still checked: the accusers are the ones penalised
+            mo.reports = {k: ev for k, ev in reports.items() if ev["epoch"] == MERGE_AUDIT_KEEP_EPOCHS}
+            verdicts, _ = await _verify(net, mo, collect=False)
+            assert verdicts and all(v.outcome == "false" for v in verdicts), [(v.outcome, v.detail) for v in verdicts]
         finally:
             await net.close()
     asyncio.run(main())

@@ -38,7 +38,7 @@ import torch
 from loguru import logger
 
 from iota_subnet.audit.merkle import MerkleTree, leaf_hash
-from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, MergePayload, MergeResult, Outcome,
+from iota_subnet.protocol import (MERGE_AUDIT_KEEP_EPOCHS, MergeAuditRequest, MergeAuditResponse, MergePayload, MergeResult, Outcome,
                                   ProtocolError, proof_tensor, tensor_sha256)
 
 #: Values per chunk (Merkle row) of a merge slice or mean: 32 KB of float32.
@@ -100,7 +100,7 @@ class MergeClaims:
     """Miner side of merge claims (see the module docstring). ``keypair``: this replica's hotkey
     (``wallet.hotkey``); ``chunk``: values per chunk; ``keep_epochs``: merge epochs kept for audits."""
 
-    def __init__(self, keypair: Any, run_id: str, stage: int, *, chunk: int = CHUNK_NUMEL, keep_epochs: int = 4,
+    def __init__(self, keypair: Any, run_id: str, stage: int, *, chunk: int = CHUNK_NUMEL, keep_epochs: int = MERGE_AUDIT_KEEP_EPOCHS,
                  int8_block: int = 256):
         self.keypair, self.run_id, self.stage = keypair, run_id, int(stage)
         self.me = keypair.ss58_address

@@ -505,7 +505,8 @@ class MinerService:
     async def _evidence_route(self, msg, ctx):
         """(validators) the merge mismatch evidence this replica recorded, newest last."""
         self._check_header(msg)
-        return MergeEvidence(run_id=self.run_id, stage=self.stage, reports=self.merge.reports[-50:])
+        return MergeEvidence(run_id=self.run_id, stage=self.stage, reports=self.merge.reports[-50:],
+                             merged_epoch=int(self.merge.merged_epoch))
 
     async def _chunk_route(self, msg, ctx):
         self._check_header(msg)

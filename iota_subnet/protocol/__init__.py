@@ -49,7 +49,7 @@ from .messages import (
 from .ticket import Ticket, TicketError
 from .wire import from_wire, to_wire
 from .outcome import HTTP_STATUS, Outcome, ProtocolError
-from .audit import (UPDATE_KINDS, MergeAuditRequest, MergeAuditResponse, UpdateAuditRequest, UpdateAuditResponse,
+from .audit import (MERGE_AUDIT_KEEP_EPOCHS, UPDATE_KINDS, MergeAuditRequest, MergeAuditResponse, UpdateAuditRequest, UpdateAuditResponse,
                     UpdateCommit, opening_key, parse_opening_key, proof_from_tensor, proof_tensor,
                     update_audit_contract)
 
@@ -57,6 +57,7 @@ MESSAGE_TYPES.update({c.TYPE: c for c in (UpdateAuditRequest, UpdateAuditRespons
                                           MergeAuditResponse)})
 
 __all__ = [
+    "MERGE_AUDIT_KEEP_EPOCHS",
     "AuditOpening", "AuditOpenRequest", "AuditProjection", "AuditProjectRequest", "AuditTraceCommit",
     "AuditTraceRequest", "Backward", "BackwardResult", "HOP_DIRECTIONS", "Hop", "HopAck", "ReceiptAck", "ReceiptBatch", "Ticket",
     "TicketAck", "TicketBatch", "TicketError", "from_wire", "hop_contract", "to_wire", "FLOAT_DTYPES", "Forward", "ForwardResult", "HTTP_STATUS", "Health",

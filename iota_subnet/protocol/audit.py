@@ -135,6 +135,12 @@ class UpdateAuditResponse(Message):
     roots: dict[str, torch.Tensor] = tensor_field(kind=TENSOR_DICT)
 
 
+#: Merge epochs a replica keeps its signed slices and means for, counted back from the newest epoch it
+#: applied: a validator may ask about epoch ``e`` while the replica's merged epoch is below
+#: ``e + MERGE_AUDIT_KEEP_EPOCHS``; older ones are refused (LATE) and that refusal is not a dodge.
+MERGE_AUDIT_KEEP_EPOCHS = 4
+
+
 @dataclass(kw_only=True)
 class MergeAuditRequest(Message):
     """Open chunk rows ``chunks`` of a replica's merge slice (``what="contribution"``) or of a shard

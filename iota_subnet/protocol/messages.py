@@ -254,9 +254,12 @@ class Health(Message):
 @dataclass(kw_only=True)
 class MergeEvidence(Message):
     """Request (``reports`` empty) and reply of ``/merge/evidence``: the mismatch evidence a replica
-    recorded as a third party (:attr:`iota_subnet.merge.engine.MergeEngine.reports`), newest last."""
+    recorded as a third party (:attr:`iota_subnet.merge.engine.MergeEngine.reports`), newest last.
+    ``merged_epoch`` (reply): the last merge epoch the replica applied (-1: none); it keeps what
+    audits of the last ``MERGE_AUDIT_KEEP_EPOCHS`` epochs need (:mod:`iota_subnet.protocol.audit`)."""
     TYPE: ClassVar[str] = "MergeEvidence"
     reports: list[dict[str, Any]] = field(default_factory=list)
+    merged_epoch: int = -1
 
 
 @dataclass(kw_only=True)

@@ -169,6 +169,9 @@ class AuditScheduler:
         self.bytes = 0
         self.cpu_s = 0.0
         self._layouts: dict[tuple, TraceLayout] = {}
+        #: (hotkey, kind) -> its audit of that kind still running (see :meth:`round`)
+        self._inflight: dict[tuple[str, str], asyncio.Task] = {}
+        self._sem = asyncio.Semaphore(self.concurrency)
 
     # ---- inputs ----------------------------------------------------------------------------------
     def on_receipt(self, ticket: Ticket, receipt: Receipt, hotkey: str) -> None:
@@ -218,28 +221,61 @@ class AuditScheduler:
         self.policy.note_hop(key, ok)
 
     # ---- rounds ----------------------------------------------------------------------------------
-    async def round(self, tempo: int) -> list[AuditRecord]:
-        """Run the audits due in ``tempo``: each miner's in sequence, up to ``concurrency`` miners at
-        once (each audit mostly waits for the audited miner). Returns them."""
+    async def round(self, tempo: int, wait_s: Optional[float] = None) -> list[AuditRecord]:
+        """Run the audits due in ``tempo``: each miner's update and hop audit at once, up to
+        ``concurrency`` audits at once (each mostly waits for the audited miner). Returns the
+        records finished by the time it returns. ``wait_s``: wait at most that long (seconds; None:
+        until all are done); audits still running go on in the background, and a miner gets no new
+        audit of a kind while one of that kind is in flight: a miner that lets its audits time out
+        delays only those, not its other audits nor anyone else's."""
         out: list[AuditRecord] = self.settle()
+        for key in [k for k, t in self._inflight.items() if t.done()]:
+            out += self._collect(self._inflight.pop(key))
         hotkeys = list(self.miners)
         self.rng.shuffle(hotkeys)
-        sem = asyncio.Semaphore(self.concurrency)
+        sem = self._sem
 
-        async def one(hk: str) -> list[AuditRecord]:
+        async def limited(job) -> list[AuditRecord]:
+            async with sem:
+                r = await job
+            return [] if r is None else [r]
+        started: dict[tuple[str, str], asyncio.Task] = {}
+        for hk in hotkeys:
             rep = self.lookup(hk)
             if rep is None:
-                return []
-            got = self._missing_commitments(rep, tempo)
-            async with sem:
-                if self.update_auditor is not None and self.done.get((tempo, "update", hk), 0) < self.updates_per_tempo:
-                    got.append(await self.audit_update(rep, tempo))
-                if self.done.get((tempo, "hop", hk), 0) < self.hops_per_tempo:
-                    got.append(await self.audit_hop(rep, tempo))
-            return [r for r in got if r is not None]
-        for got in await asyncio.gather(*(one(hk) for hk in hotkeys)):
-            out += got
+                continue
+            out += [r for r in self._missing_commitments(rep, tempo) if r is not None]
+            due = []
+            if self.update_auditor is not None and self.done.get((tempo, "update", hk), 0) < self.updates_per_tempo:
+                due.append(("update", self.audit_update))
+            if self.done.get((tempo, "hop", hk), 0) < self.hops_per_tempo:
+                due.append(("hop", self.audit_hop))
+            for kind, fn in due:
+                if (hk, kind) not in self._inflight:
+                    started[(hk, kind)] = asyncio.create_task(limited(fn(rep, tempo)))
+        self._inflight.update(started)
+        if started:
+            await asyncio.wait(list(started.values()), timeout=wait_s)
+        for key in [k for k in started if started[k].done()]:
+            out += self._collect(self._inflight.pop(key))
         return out
+
+    @staticmethod
+    def _collect(task: "asyncio.Task") -> list[AuditRecord]:
+        if task.cancelled():
+            return []
+        e = task.exception()
+        if e is not None:
+            logger.warning("an audit failed to run: {}: {}", type(e).__name__, e)
+            return []
+        return task.result()
+
+    async def close(self) -> None:
+        """Cancel the audits still in flight."""
+        for t in self._inflight.values():
+            t.cancel()
+        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        self._inflight.clear()
 
     def pick_hop(self, hotkey: str) -> Optional[HopCandidate]:
         """One of the miner's recent hops, drawn now (blind): received in the last ``fresh_s`` seconds

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
 
+from iota_subnet.protocol.audit import MERGE_AUDIT_KEEP_EPOCHS
 from iota_subnet.protocol.commitment import VALIDATOR, RunCommitment, merge_weights_from_commitments
 
 
@@ -78,8 +79,13 @@ class MergeOversight:
     * :meth:`collect` asks every replica for its evidence (``/evidence``, signed); a report counts
       only as coming from the replica that served it (its ``reporter`` must be that hotkey, its
       ``run_id`` this run, its ``stage`` the replica's stage).
-    * :meth:`accusations`: (report, accused) pairs not decided yet; :meth:`verify` decides up to
-      ``limit`` of them (unresolved ones are retried at later rounds, at most ``max_tries`` times).
+    * :meth:`accusations`: (report, accused) pairs not decided yet, skipping those against a replica
+      already proven wrong (moot: it is penalised); :meth:`verify` decides up to ``limit`` of them
+      (unresolved ones are retried at later rounds, at most ``max_tries`` times).
+    * Replicas keep what merge audits need for the last ``MERGE_AUDIT_KEEP_EPOCHS`` epochs: a LATE
+      refusal about an epoch that far behind the stage is not a dodge. The stage's epoch is the lower
+      median of the merged epochs its replicas state in ``/evidence`` (a replica that overstates its
+      own cannot move it); such an accusation ends ``expired`` and nobody's audit record changes.
     * :meth:`commitment`: the merge-weights commitment to publish (:func:`compute_merge_weights`:
       0 for the replicas caught cheating; only those entries), or None when unchanged.
     """
@@ -92,6 +98,8 @@ class MergeOversight:
         self.published: Optional[str] = None
         self.verdicts: dict[tuple, Any] = {}      # (report key, accused) -> Verdict (decided)
         self.tries: dict[tuple, int] = {}
+        self.proven_wrong: set[str] = set()       # accused hotkeys with an upheld accusation
+        self.stated_epochs: dict[int, dict[str, int]] = {}   # stage -> hotkey -> merged epoch it states
 
     def add(self, reporter: str, stage: int, reports: Iterable[Mapping[str, Any]]) -> int:
         """Keep ``reports`` served by ``reporter`` (a replica of ``stage``). Returns how many are new."""
@@ -120,6 +128,7 @@ class MergeOversight:
             try:
                 got = await client.call(r.endpoint, r.hotkey, "/evidence", MergeEvidence(run_id=self.run_id, stage=r.stage),
                                         MergeEvidence, timeout_s=timeout_s, retries=0)
+                self.stated_epochs.setdefault(int(r.stage), {})[r.hotkey] = int(got.merged_epoch)
                 return self.add(r.hotkey, r.stage, got.reports or [])
             except Exception:  # noqa: BLE001 - no evidence from an unreachable replica
                 return 0
@@ -133,8 +142,22 @@ class MergeOversight:
                 k = (key, hk)
                 if hk == ev.get("reporter") or k in self.verdicts or self.tries.get(k, 0) >= self.max_tries:
                     continue
+                if hk in self.proven_wrong:
+                    continue                      # moot: already penalised on an upheld accusation
                 out.append((key, ev, hk))
         return out
+
+    def stage_epoch(self, stage: int) -> int:
+        """The lower median of the merged epochs the replicas of ``stage`` stated (-1: none known)."""
+        got = sorted(self.stated_epochs.get(int(stage), {}).values())
+        return got[(len(got) - 1) // 2] if got else -1
+
+    def expired(self, ev: Mapping[str, Any]) -> bool:
+        """The report's epoch is outside the window replicas keep for audits."""
+        try:
+            return int(ev.get("epoch", -1)) + MERGE_AUDIT_KEEP_EPOCHS <= self.stage_epoch(int(ev.get("stage", -1)))
+        except (TypeError, ValueError):
+            return False
 
     async def verify(self, auditor: Any, fetch: Any, limit: int = 8) -> list:
         """Decide up to ``limit`` pending accusations with ``auditor`` (``MergeAuditor``) and ``fetch``
@@ -146,9 +169,20 @@ class MergeOversight:
         pending = sorted(self.accusations(), key=lambda a: (int(a[1].get("epoch", -1)), float(a[1].get("time", 0.0))),
                          reverse=True)
         for key, ev, hk in pending[:max(0, int(limit))]:
+            if hk in self.proven_wrong:
+                continue
             v = await auditor.verify(ev, hk, fetch)
             k = (key, hk)
             self.tries[k] = self.tries.get(k, 0) + 1
+            late = {w for w, (raw, detail) in v.silent.items() if raw == "refused" and detail.startswith("LATE")}
+            if v.outcome == "unresolved" and late and self.expired(ev):
+                for w in late:
+                    v.silent.pop(w)
+                v.outcome = "expired"
+                v.detail = (f"epoch {ev.get('epoch')} is outside the {MERGE_AUDIT_KEEP_EPOCHS} epochs replicas keep "
+                            f"(stage at epoch {self.stage_epoch(int(ev.get('stage', -1)))}); not counted")
+            if v.outcome == "upheld":
+                self.proven_wrong.add(hk)
             if v.outcome != "unresolved":
                 self.verdicts[k] = v
             out.append(v)

@@ -718,7 +718,7 @@ class ValidatorService:
         if self.auditing is None:
             return
         block = await self.chain.block()
-        await self.auditing.round(block // max(1, self._tempo))
+        await self.auditing.round(block // max(1, self._tempo), wait_s=self.opts.audit_interval_s)
 
     def _load_verification(self) -> None:
         o = self.opts
@@ -870,6 +870,8 @@ class ValidatorService:
         self.write_status()
 
     async def close(self) -> None:
+        if self.auditing is not None:
+            await self.auditing.close()
         if self.dashboard is not None:
             await self.dashboard.stop()
             await self._dashboard_client.close()
