@@ -103,15 +103,20 @@ def _scores(net, policy):
     return board.weights([1.0], {s.uid: s.hotkey for s in net.svcs})
 
 
+async def _accusers_net(tmp_path):
+    """One honest replica and two colluding accusers (``accuse``) of one stage."""
+    net = Net(tmp_path)
+    await net.start(1)
+    x = await net.add("accuse")
+    y = await net.add("accuse")
+    x.accuser.accomplices |= {y.hotkey}
+    y.accuser.accomplices |= {x.hotkey}
+    return net, net.svcs[0], x, y
+
+
 def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp_home):
     async def main():
-        net = Net(tmp_path)
-        await net.start(1)
-        honest = net.svcs[0]
-        x = await net.add("accuse")
-        y = await net.add("accuse")
-        x.accuser.accomplices |= {y.hotkey}
-        y.accuser.accomplices |= {x.hotkey}
+        net, honest, x, y = await _accusers_net(tmp_path)
         try:
             for k, s in enumerate(net.svcs):
                 train_locally(s, k)
@@ -180,13 +185,7 @@ def test_accusations_outside_the_kept_epochs_expire(tmp_path, tmp_home):
     epochs past a report, the participants' LATE refusals about it are not counted (the accusation
     ends ``expired``, nobody's audit record changes); a newer one is still decided."""
     async def main():
-        net = Net(tmp_path)
-        await net.start(1)
-        honest = net.svcs[0]
-        x = await net.add("accuse")
-        y = await net.add("accuse")
-        x.accuser.accomplices |= {y.hotkey}
-        y.accuser.accomplices |= {x.hotkey}
+        net, honest, x, y = await _accusers_net(tmp_path)
         try:
             for epoch in range(MERGE_AUDIT_KEEP_EPOCHS + 1):
                 for k, s in enumerate(net.svcs):
