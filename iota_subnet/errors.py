@@ -8,7 +8,8 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from iota_subnet.data import DataError
     from iota_subnet.hf import ExportError, ModelFolderError
     from iota_subnet.train.checkpoint import CheckpointError
+    from iota_subnet.transport import PortInUseError
     from iota_subnet.utils.sqlite_file import CorruptStateError
     from iota_subnet.wallets import WalletError
     return (ConfigError, DataError, CheckpointError, ChainError, WalletError, ExportError, ModelFolderError,
-            CorruptStateError)
+            CorruptStateError, PortInUseError)

@@ -120,7 +120,8 @@ def check_external_ip(network: Optional[str], ip: Optional[str], allow_private: 
             "link-local" if addr.is_link_local else "multicast" if addr.is_multicast else
             "private" if addr.is_private else "reserved" if addr.is_reserved else None)
     if kind is not None and not allow_private:
-        raise ConfigError(f"--external-ip {ip} is a {kind} address: no neuron on {network} can reach it; {fix} "
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ConfigError(f"--external-ip {ip} is {article} {kind} address: no neuron on {network} can reach it; {fix} "
                           "(--allow-private-ip accepts it on a private test network)")
     return ip
 

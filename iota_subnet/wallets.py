@@ -15,8 +15,8 @@ def load_wallet(name: str, hotkey: str, path: str | Path) -> bt.Wallet:
     w = bt.Wallet(name=name, hotkey=hotkey, path=str(Path(path).expanduser()))
     hk = Path(path).expanduser() / name / "hotkeys" / hotkey
     if not hk.exists():
-        raise WalletError(f"no hotkey file {hk}; create it with `btcli wallet new_hotkey --wallet.name {name} "
-                          f"--wallet.hotkey {hotkey}` or pass --wallet-path")
+        raise WalletError(f"no hotkey file {hk}; create it with `btcli wallet new_hotkey --wallet {name} "
+                          f"--wallet-hotkey {hotkey}` or pass --wallet-path")
     try:
         _ = w.hotkey
     except Exception as e:  # noqa: BLE001 - bittensor raises several types for unreadable keys

@@ -315,6 +315,40 @@ def test_miner_on_finney_with_a_loopback_address_exits_2_before_touching_the_cha
     assert "Traceback" not in p.stderr and "reconnect" not in p.stderr and "finney:" not in p.stderr
 
 
+def test_a_port_in_use_exits_2_naming_the_fix(tmp_home, tmp_path, wikitext_path, monkeypatch):
+    """Miner and validator (and the validator's dashboard) on a port another process listens on:
+    one line naming the flag to change, exit code 2, no traceback, no hang."""
+    monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
+    db = create_devnet(tmp_path / "c.db", NETUID, tempo=100, block_time=0.2)
+    ws = {n: create_wallet(n, "default", tmp_home / "wallets") for n in ("m", "v")}
+
+    async def register():
+        chain = await open_chain("devnet", db)
+        try:
+            for w in ws.values():
+                await chain.register(w, NETUID)
+        finally:
+            await chain.close()
+    asyncio.run(register())
+    add_stake(db, ws["v"].hotkey.ss58_address, ws["v"].coldkey.ss58_address, 1000.0, netuid=NETUID)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        common = ["--network", "devnet", "--chain-db", str(db), "--netuid", str(NETUID), "--config", "configs/tiny.yaml",
+                  "--wallet-path", str(tmp_home / "wallets"), "--host", "127.0.0.1", "--external-ip", "127.0.0.1",
+                  "--data", str(wikitext_path), "--steps", "2"]
+        for role, args, flag in (("miner", ["--wallet-name", "m", "--stage", "0", "--port", port], "--port"),
+                                 ("validator", ["--wallet-name", "v", "--port", port], "--port"),
+                                 ("validator", ["--wallet-name", "v", "--port", "0", "--dashboard-port", port],
+                                  "--dashboard-port")):
+            p = subprocess.run([sys.executable, "-m", "iota_subnet.cli", role, *common, *args,
+                                "--out", str(tmp_path / f"{role}{flag}")], capture_output=True, text=True, timeout=240)
+            assert p.returncode == 2, (role, flag, p.stderr[-2000:])
+            assert f"127.0.0.1:{port}: the port is in use" in p.stderr and f"another {flag}" in p.stderr, p.stderr[-2000:]
+            assert "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------ item 7: commit-reveal
 
 def test_tlock_payload_decoding():

@@ -254,5 +254,5 @@ def test_doctor_against_the_running_localnet(net, wikitext_path, cache_dir, caps
     assert code == 1
     lines = out.splitlines()
     i = next(i for i, l in enumerate(lines) if l.startswith("FAIL  wallet"))
-    assert "fix: btcli wallet new_coldkey --wallet.name nobody" in lines[i + 1]
+    assert "fix: btcli wallet new_coldkey --wallet nobody" in lines[i + 1]
     assert os.path.exists(net.chain_db)

@@ -24,6 +24,7 @@ from aiohttp import web
 from loguru import logger
 
 from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.transport import start_site
 
 STATIC = Path(__file__).resolve().parent / "static"
 #: Only this origin's scripts, styles and data: no CDN, no third-party requests.
@@ -73,7 +74,7 @@ class DashboardServer:
         """Bind, start sampling, and return the page's URL."""
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
-        await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
+        await start_site(runner, self.host, self.port, "the dashboard", "--dashboard-port")
         self._runner = runner
         if runner.addresses:
             self.port = int(runner.addresses[0][1])

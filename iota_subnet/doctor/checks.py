@@ -195,7 +195,7 @@ def check_wallet(o: DoctorOptions) -> tuple[Any, Check]:
     base = Path(o.wallet_path).expanduser() / o.wallet_name
     if not base.is_dir():
         return None, Check("wallet", FAIL, f"no wallet {o.wallet_name!r} under {Path(o.wallet_path).expanduser()}",
-                           f"btcli wallet new_coldkey --wallet.name {o.wallet_name} (or pass --wallet-name / "
+                           f"btcli wallet new_coldkey --wallet {o.wallet_name} (or pass --wallet-name / "
                            "--wallet-path of an existing wallet)")
     try:
         w = load_wallet(o.wallet_name, o.wallet_hotkey, o.wallet_path)

@@ -32,6 +32,7 @@ gives 500 ``INTERNAL`` (traceback logged) and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import os
 import socket
@@ -72,6 +73,24 @@ _MSG_KEY = web.RequestKey("iota_msg", Message)
 def response_sign_path(path: str, request_nonce: int | str) -> str:
     """The ``path`` a response signature covers: binds the response to one request."""
     return f"{path}#{request_nonce}"
+
+
+
+class PortInUseError(OSError):
+    """A server could not listen on its address (another process holds the port, or the address is
+    not this machine's). The message names the fix."""
+
+
+async def start_site(runner: web.AppRunner, host: str, port: int, what: str, flag: str) -> None:
+    """Start ``runner`` on ``host:port``. Raises PortInUseError (naming ``what`` and the ``flag``
+    that sets its port) instead of the bare OSError of a failed bind."""
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as e:
+        await runner.cleanup()
+        why = "the port is in use (another process holds it)" if e.errno == errno.EADDRINUSE else str(e.strerror or e)
+        raise PortInUseError(f"{what} cannot listen on {host}:{port}: {why}; stop that process or choose "
+                             f"another {flag}") from None
 
 
 @dataclass(frozen=True)
@@ -215,8 +234,7 @@ class NeuronServer:
             return self.port
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        await site.start()
+        await start_site(runner, self.host, self.port, "this neuron's server", "--port")
         self._runner = runner
         addrs = runner.addresses
         if addrs:

@@ -673,20 +673,21 @@ class ValidatorService:
             loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
         if self.opts.audits and self.opts.data_plane == "p2p":
             loops.append(asyncio.create_task(self._every(self.opts.audit_interval_s, self._audit_round, "audits")))
-        await self._serve()
-        await self._serve_dashboard()
-        train = asyncio.create_task(self._train())
-        stop = asyncio.create_task(self.stop_event.wait())
         try:
+            await self._serve()
+            await self._serve_dashboard()
+            train = asyncio.create_task(self._train())
+            stop = asyncio.create_task(self.stop_event.wait())
+            loops += [train, stop]
             await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
             if train.done() and train.exception() is not None:
                 raise train.exception()
             await self.stop_event.wait()
         finally:
             self.stop_event.set()
-            for t in (*loops, train, stop):
+            for t in loops:
                 t.cancel()
-            await asyncio.gather(*loops, train, stop, return_exceptions=True)
+            await asyncio.gather(*loops, return_exceptions=True)
             await self.close()
         return 0
 
