@@ -122,6 +122,7 @@ def test_localnet_trains_survives_a_killed_miner_and_pays(tmp_path, tmp_home, wi
         assert c.proc.poll() is not None, c.name
 
 
+@pytest.mark.slow          # about 3-5 min on 2 cores: `make test-slow` (CI runs it)
 def test_localnet_with_two_validators(tmp_path, tmp_home, wikitext_path, monkeypatch):
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     s = LocalNet(stages=3, replicas=2, validators=2, config=_config(tmp_path), data=str(wikitext_path), steps=16,

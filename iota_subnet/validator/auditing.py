@@ -235,9 +235,9 @@ class AuditScheduler:
         self.rng.shuffle(hotkeys)
         sem = self._sem
 
-        async def limited(job) -> list[AuditRecord]:
+        async def limited(fn, rep) -> list[AuditRecord]:
             async with sem:
-                r = await job
+                r = await fn(rep, tempo)
             return [] if r is None else [r]
         started: dict[tuple[str, str], asyncio.Task] = {}
         for hk in hotkeys:
@@ -252,7 +252,7 @@ class AuditScheduler:
                 due.append(("hop", self.audit_hop))
             for kind, fn in due:
                 if (hk, kind) not in self._inflight:
-                    started[(hk, kind)] = asyncio.create_task(limited(fn(rep, tempo)))
+                    started[(hk, kind)] = asyncio.create_task(limited(fn, rep))
         self._inflight.update(started)
         if started:
             await asyncio.wait(list(started.values()), timeout=wait_s)
