@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from iota_subnet.chain import open_chain
-from iota_subnet.network.localnet import NETUID, LocalNet
+from iota_subnet.network.localnet import NETUID, Child, LocalNet
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -134,3 +134,17 @@ def test_localnet_with_two_validators(tmp_path, tmp_home, wikitext_path, monkeyp
     assert all(v["weights_set_blocks"] for v in s["validators_detail"])
     assert all(m["incentive"] > 0 for m in s["miners"] if m["work"] > 0)
     assert s["final_loss"] is not None and s["tokens"] == 16 * 2 * 8 * 32
+
+
+def test_a_resumed_run_ignores_the_previous_processes_status(tmp_path):
+    """A resumed localnet's folders still hold the last run's status.json (its ports, its dashboard
+    address): until the new process writes its own, the child has no status."""
+    c = Child("validator0", "validator", ["true"], tmp_path / "v.log", tmp_path / "v")
+    c.out.mkdir()
+    (c.out / "status.json").write_text(json.dumps({"dashboard": "http://127.0.0.1:1/"}))
+    os.utime(c.out / "status.json", (time.time() - 60, time.time() - 60))
+    assert c.status() == {"dashboard": "http://127.0.0.1:1/"}      # never started here: read as it is
+    c.started_wall = time.time()
+    assert c.status() == {}
+    (c.out / "status.json").write_text(json.dumps({"dashboard": "http://127.0.0.1:2/"}))
+    assert c.status()["dashboard"] == "http://127.0.0.1:2/"

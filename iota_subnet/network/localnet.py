@@ -50,9 +50,21 @@ class Child:
     started_at: Optional[float] = None      # monotonic time of the latest start
     hold_until: Optional[float] = None      # a chaos kill: restart no earlier than this
     left: bool = False                      # a chaos leave: never restarted
+    started_wall: float = 0.0               # unix time of the latest start
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def status(self) -> dict:
+        """Its ``status.json``, or {} while it has not written one since its latest start (a resumed
+        run's folder still holds the previous process's: its ports and dashboard address are stale)."""
+        p = self.out / "status.json"
+        try:
+            if p.stat().st_mtime < self.started_wall - 1.0:
+                return {}
+            return json.loads(p.read_text())
+        except (OSError, ValueError):
+            return {}
 
 
 def resolved_config_yaml(cfg: RunConfig) -> str:
@@ -229,6 +241,7 @@ class LocalNet:
         logf.close()
         child.died_at = None
         child.started_at = time.monotonic()
+        child.started_wall = time.time()
 
     # ---- fault injection (used by .chaos) ------------------------------------------------------
     def kill(self, child: Child) -> None:
@@ -298,15 +311,7 @@ class LocalNet:
 
     # ---- monitoring ----------------------------------------------------------------------------
     def validator_status(self) -> list[dict]:
-        out = []
-        for c in self.children:
-            if c.kind != "validator":
-                continue
-            try:
-                out.append(json.loads((c.out / "status.json").read_text()))
-            except (OSError, ValueError):
-                out.append({})
-        return out
+        return [c.status() for c in self.children if c.kind == "validator"]
 
     def _supervise(self) -> None:
         now = time.monotonic()
@@ -420,10 +425,7 @@ class LocalNet:
         n = sum(1 for s in st if s.get("lanes"))
         for c in self.children:
             if c.kind == "miner" and c.alive():
-                try:
-                    n += bool(json.loads((c.out / "status.json").read_text()).get("port"))
-                except (OSError, ValueError):
-                    pass
+                n += bool(c.status().get("port"))
         return n
 
     def request_stop(self) -> None:

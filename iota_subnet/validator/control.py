@@ -545,6 +545,11 @@ class ControlPlane:
                 await self._issue_step(lane, k, ahead)
             k = todo[i]
             res = await self.run_lane_step(lane, k, stop)
+            if stop is not None and stop.is_set() and res.ok_count < len(res.microbatches):
+                # stopped inside the step: not counted now; on resume the head says whether it finished it
+                logger.info("lane {} step {}: stopped with {} / {} micro-batches done; resumes there", lane, k,
+                            res.ok_count, len(res.microbatches))
+                break
             if res.ok_count == 0 and not (stop is not None and stop.is_set()):
                 res = await self._completed_elsewhere(lane, k) or res
             if res.ok_count == 0:
