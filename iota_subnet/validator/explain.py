@@ -43,7 +43,11 @@ def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: 
         if au is not None and au.flagged:
             why = [f"flagged by audits: {r}" for r in au.reasons] + [w for w in why if not w.startswith("audit:")]
         elif au is not None and au.audits:
-            why.append(f"audits: {au.passed} passed, {au.excused} excused (honest faults) of {au.audits}")
+            unanswered = au.refused + au.timed_out
+            why.append(f"audits: {au.passed} passed, {au.excused} excused (honest faults)"
+                       + (f", {unanswered} unanswered (refused or timed out; {audits.unanswered_threshold} of its last "
+                             f"{audits.window} would flag it)"
+                          if unanswered else "") + f" of {au.audits}")
         rows.append({
             "uid": rec.uid, "hotkey": rec.hotkey, "stage": rec.stage, "work": rec.work, "tokens": rec.tokens,
             "completed": rec.completed, "failures": rec.failures,
