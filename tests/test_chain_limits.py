@@ -305,6 +305,14 @@ def test_external_ip_must_be_reachable_off_the_devnet():
     assert check_external_ip("local", "127.0.0.1", allow_private=True) == "127.0.0.1"
 
 
+def test_doctor_checks_the_external_ip_as_the_neurons_do():
+    from iota_subnet.doctor.checks import FAIL, PASS, DoctorOptions, check_external_address
+    c = check_external_address(DoctorOptions(network="finney", external_ip="127.0.0.1"))
+    assert c.status == FAIL and "loopback address" in c.detail and "--external-ip" in c.fix, c
+    assert check_external_address(DoctorOptions(network="finney", external_ip="8.8.8.8")).status == PASS
+    assert check_external_address(DoctorOptions(network="devnet")).status == PASS
+
+
 def test_miner_on_finney_with_a_loopback_address_exits_2_before_touching_the_chain(tmp_home):
     create_wallet("m", "default", tmp_home / "wallets")
     p = subprocess.run([sys.executable, "-m", "iota_subnet.cli", "miner", "--network", "finney", "--wallet-name", "m",

@@ -115,6 +115,18 @@ def _ram_bytes() -> Optional[int]:
         return None
 
 
+def _ram_available_bytes() -> Optional[int]:
+    """``MemAvailable`` of /proc/meminfo (bytes): what a new process can use without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_compute(o: DoctorOptions, cfg: Any) -> list[Check]:
     if cfg is None:
         return [Check("gpu", SKIP, "no usable config (see the config line)")]
@@ -142,8 +154,13 @@ def check_compute(o: DoctorOptions, cfg: Any) -> list[Check]:
                      "on a GPU host install a CUDA build of torch (TORCH_SPEC=torch make setup)"))
     if ram is not None:
         need = p.total_bytes - p.reserve_bytes          # no CUDA context on the CPU
-        st = PASS if ram >= need * 1.5 else (WARN if ram >= need else FAIL)
-        out.append(Check("memory", st, f"{_gib(ram)} RAM for a CPU plan of {_gib(need)}", fix))
+        free = _ram_available_bytes()
+        have = ram if free is None else free
+        st = PASS if have >= need * 1.5 else (WARN if have >= need else FAIL)
+        out.append(Check("memory", st, f"{_gib(ram)} RAM" + ("" if free is None else f", {_gib(free)} available now")
+                         + f", for a CPU plan of {_gib(need)}",
+                         fix + "; or stop what holds the memory now" if free is not None and free < need <= ram
+                         else fix))
     return out
 
 
@@ -204,6 +221,17 @@ def check_wallet(o: DoctorOptions) -> tuple[Any, Check]:
     cold = base / "coldkeypub.txt"
     note = "" if cold.exists() else " (no coldkeypub.txt: coldkey-signed commands will ask for the coldkey)"
     return w, Check("wallet", PASS, f"{o.wallet_name}/{o.wallet_hotkey}: hotkey {w.hotkey.ss58_address}{note}")
+
+
+def check_external_address(o: DoctorOptions) -> Check:
+    """The --external-ip the neuron would publish: refused off the devnet when no one could reach it."""
+    from iota_subnet.config import ConfigError
+    from iota_subnet.neuron_common import check_external_ip
+    try:
+        ip = check_external_ip(o.network, o.external_ip)
+    except ConfigError as e:
+        return Check("external-ip", FAIL, str(e).split("; ")[0], "; ".join(str(e).split("; ")[1:]))
+    return Check("external-ip", PASS, f"{ip} (published on {o.network})")
 
 
 def check_port(o: DoctorOptions, own_axon: Optional[str]) -> Check:
@@ -372,6 +400,7 @@ def run_checks(o: DoctorOptions) -> list[Check]:
 
     async def network() -> tuple[list[Check], Optional[str], list[str]]:
         cs, own, peers = await chain_checks(o, wallet)
+        cs.append(check_external_address(o))
         cs.append(check_port(o, own))
         cs += await peer_checks(o, peers)
         return cs, own, peers
