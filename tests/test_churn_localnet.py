@@ -17,16 +17,12 @@ import yaml
 
 from iota_subnet.network.chaos import CHAOS_KINDS, ChaosSpec
 from iota_subnet.network.localnet import LocalNet
+from localnet_support import SMALL_CFG
 from iota_subnet.train.checkpoint import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-CFG = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-                 "vocab_size": 512},
-       "pipeline": {"stages": 3, "compression_ratio": 4},
-       "data": {"vocab_size": 512, "seq_len": 32},
-       "train": {"batch_size": 8, "micro_batch_size": 4, "lr": 1.0e-2, "warmup_steps": 2, "eval_batches": 2},
-       "merge": {"every_steps": 4, "join_timeout_s": 10.0, "phase_timeout_s": 10.0}}
+CFG = {**SMALL_CFG, "merge": {"every_steps": 4, "join_timeout_s": 10.0, "phase_timeout_s": 10.0}}
 RATES = {"kill": 1.4, "pause": 1.4, "partition": 1.4, "slow": 1.4, "validator-kill": 1.2, "join": 1.2, "leave": 1.0}
 WINDOW_S = 480.0          # every scheduled event falls in the first 8 minutes of training
 SETTLE_S = 60.0           # then the network runs undisturbed (restarted miners catch up, a merge or two)

@@ -11,16 +11,12 @@ import pytest
 import yaml
 
 from iota_subnet.network.localnet import LocalNet
+from localnet_support import SMALL_CFG
 from iota_subnet.train.checkpoint import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-CFG = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-                 "vocab_size": 512},
-       "pipeline": {"stages": 3, "compression_ratio": 4},
-       "data": {"vocab_size": 512, "seq_len": 32},
-       "train": {"batch_size": 8, "micro_batch_size": 4, "lr": 1.0e-2, "warmup_steps": 2, "eval_batches": 2},
-       "merge": {"every_steps": 5}}
+CFG = {**SMALL_CFG, "merge": {"every_steps": 5}}
 
 
 def test_localnet_merging_3x3(tmp_path, tmp_home, wikitext_path, monkeypatch):

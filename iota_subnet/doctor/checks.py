@@ -123,7 +123,7 @@ def _ram_available_bytes() -> Optional[int]:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
+        return None             # no /proc (not Linux): the check falls back to installed RAM
     return None
 
 
