@@ -391,7 +391,8 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
     """Read a run config from a YAML file, or build one from a bare model name (``tiny``).
 
     ``overrides``: ``{"pipeline": {"stages": 3}, ...}`` applied on top of the file.
-    Raises :class:`ConfigError` for a missing file, unknown names or keys, or inconsistent values.
+    Raises :class:`ConfigError` for a missing, empty or non-YAML file, unknown names or keys, or
+    inconsistent values.
     """
     p = Path(path_or_name)
     raw: dict
@@ -402,9 +403,12 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         if p.is_dir():
             raise ConfigError(f"{p} is a folder; pass a config file such as {p / 'tiny.yaml'}")
         try:
-            raw = load_yaml(p.read_text()) or {}
+            raw = load_yaml(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        if raw is None:
+            raise ConfigError(f"{p} is empty (or only comments); a config names at least its model, e.g. "
+                              f"'model: tiny', or start from configs/tiny.yaml")
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: top level must be a mapping with sections model/pipeline/data/train")
     else:

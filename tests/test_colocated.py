@@ -121,6 +121,8 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, wikitext_path, cache
     ("model: {name: tiny, n_heads: 0}\n", "model.n_heads must be a positive integer"),
     ("model: tiny\ndata: {val_fraction: 1.5}\n", "data.val_fraction must be in"),
     ("model: tiny\ntrain: {lr: [\n", "not valid YAML"),
+    ("", "is empty"),
+    ("# only a comment\n\n", "is empty"),
 ])
 def test_bad_config_values_name_the_problem(tmp_path, text, needle):
     from iota_subnet.config import ConfigError, load_config
