@@ -74,6 +74,7 @@ class Node:
         s.add_route("/fail", self.fail, Health)
         s.add_route("/slow", self.slow, Health)
         s.add_route("/busy", self.busy, Health)
+        s.add_route("/hang", self.hang, Health)
 
     async def forward(self, msg: Forward, ctx) -> ForwardResult:
         self.received["forward"] = (msg, ctx)
@@ -101,6 +102,11 @@ class Node:
 
     async def slow(self, msg, ctx):
         await asyncio.sleep(0.8)
+        return Health()
+
+    async def hang(self, msg, ctx):
+        self.received["hang"] = True
+        await asyncio.sleep(120)
         return Health()
 
     async def busy(self, msg, ctx):
@@ -450,6 +456,29 @@ def test_transport_errors(wallets, tmp_path):
                 await c.call(dead, hk, "/health", Health(), Health, timeout_s=1, retries=2, backoff_s=0.01)
             assert ei.value.attempts == 3 and c.retries - before == 2
             await _good(c, n)
+    run(main())
+
+
+def test_stop_does_not_wait_for_a_hanging_request(wallets, tmp_path):
+    """A request still running when the server stops gets 2 x SHUTDOWN_GRACE_S, not aiohttp's 60 s: a
+    neuron stops inside the 15 s that localnet and process managers give it before SIGKILL."""
+    from iota_subnet.transport.server import SHUTDOWN_GRACE_S
+
+    async def main():
+        env = Env(wallets, tmp_path)
+        await env.node.server.start()
+        n, c = env.node, env.client
+        call = asyncio.ensure_future(c.call(n.server.endpoint, n.server.hotkey, "/hang", Health(), Health,
+                                            timeout_s=60, retries=0))
+        while "hang" not in n.received:
+            await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        await n.server.stop()
+        took = time.perf_counter() - t0
+        assert took < 2 * SHUTDOWN_GRACE_S + 2.0, took
+        with pytest.raises((TransportError, ProtocolError)):
+            await asyncio.wait_for(call, 10)
+        await c.close()
     run(main())
 
 

@@ -81,11 +81,19 @@ class PortInUseError(OSError):
     not this machine's). The message names the fix."""
 
 
+#: Seconds a stopping server lets requests in flight finish, then again while it cancels them (aiohttp
+#: waits up to twice this; its default of 60 s let a peer's long request, an audit trace or a state
+#: transfer, hold a neuron's shutdown past the 15 s that ``localnet`` and process managers wait before
+#: SIGKILL). Peers retry cancelled hops.
+SHUTDOWN_GRACE_S = 2.0
+
+
 async def start_site(runner: web.AppRunner, host: str, port: int, what: str, flag: str) -> None:
-    """Start ``runner`` on ``host:port``. Raises PortInUseError (naming ``what`` and the ``flag``
+    """Start ``runner`` on ``host:port``; on ``runner.cleanup()`` requests still running get at most
+    twice :data:`SHUTDOWN_GRACE_S` seconds. Raises PortInUseError (naming ``what`` and the ``flag``
     that sets its port) instead of the bare OSError of a failed bind."""
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await web.TCPSite(runner, host, port, reuse_address=True, shutdown_timeout=SHUTDOWN_GRACE_S).start()
     except OSError as e:
         await runner.cleanup()
         why = "the port is in use (another process holds it)" if e.errno == errno.EADDRINUSE else str(e.strerror or e)
