@@ -17,7 +17,7 @@ import bittensor as bt
 import pytest
 import websockets
 
-from iota_subnet.chain import ChainTimeout, create_devnet
+from iota_subnet.chain import ChainError, ChainTimeout, create_devnet
 from iota_subnet.chain.devnet import DevnetSubstrate
 from iota_subnet.chain.sdk import SdkChain
 from iota_subnet.config import load_config
@@ -184,3 +184,38 @@ def test_a_round_without_answer_is_skipped_and_the_next_reconnects(tmp_home, tmp
 
     with SilentEndpoint() as ep:
         asyncio.run(main(ep.url))
+
+
+def test_a_call_whose_connection_a_reconnect_closed_is_a_lost_connection(tmp_path):
+    """A call still running on the devnet when another task reconnects (its time-out marked the chain
+    broken) finds its database closed: that is a lost connection (ChainError, the caller's round is
+    skipped), not "Cannot operate on a closed database" escaping into an audit or weights loop."""
+    db = create_devnet(tmp_path / "c.db", NETUID, tempo=100, block_time=0.2)
+
+    async def main():
+        subs: list[DevnetSubstrate] = []
+
+        def make():
+            subs.append(DevnetSubstrate(db))
+            return bt.Client("local", substrate=subs[-1])
+        chain = SdkChain(make, "devnet", timeout_s=5.0)
+        await chain.connect()
+        await chain.block()
+        gate = asyncio.Event()
+
+        async def in_flight(client):
+            st = subs[0].state                    # what a query running in a worker thread holds
+            await gate.wait()
+            return st.conn.execute("SELECT 1").fetchone()
+        task = asyncio.create_task(chain._io("metagraph", in_flight))
+        await asyncio.sleep(0.05)
+        chain._broken = True                      # as after another call's time-out
+        assert await chain.block() >= 0           # reconnects: the first connection is closed
+        assert len(subs) == 2
+        gate.set()
+        with pytest.raises(ChainError, match="replaced while this call ran") as ei:
+            await task
+        assert "closed database" in str(ei.value)
+        assert await chain.block() >= 0
+        await chain.close()
+    asyncio.run(main())

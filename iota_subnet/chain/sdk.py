@@ -90,8 +90,9 @@ class SdkChain(Chain):
                 if self._broken:
                     await self.reconnect()
         limit = self.write_timeout_s if write else self.timeout_s
+        client = self.client
         try:
-            return await asyncio.wait_for(call(self.client), limit)
+            return await asyncio.wait_for(call(client), limit)
         except asyncio.TimeoutError:
             self._broken = True
             raise ChainTimeout(f"{what}: no answer from {self.network} within {limit:g} s (the endpoint is silent or "
@@ -100,6 +101,13 @@ class SdkChain(Chain):
             self._broken = True
             raise ChainError(f"{what}: the connection to {self.network} is down ({error}); the next chain call "
                              "reconnects first", "ConnectionLost") from error
+        except Exception as error:
+            if client is self.client:
+                raise
+            # another task's reconnect closed this call's connection under it (on the devnet: "Cannot
+            # operate on a closed database"): a lost connection like any other, not a fault of the caller
+            raise ChainError(f"{what}: the connection to {self.network} was replaced while this call ran "
+                             f"({type(error).__name__}: {error}); retry", "ConnectionLost") from error
 
     async def connect(self) -> None:
         try:
