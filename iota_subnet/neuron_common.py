@@ -13,6 +13,7 @@ from typing import Optional
 from loguru import logger
 
 from iota_subnet.utils.aio import StopRequested, until_stopped  # noqa: F401 (re-exported for the entry points)
+from iota_subnet.utils.malloc import tune_malloc
 
 #: Seconds a chain call may go unanswered before the neuron gives up on it (``--chain-timeout``).
 DEFAULT_CHAIN_TIMEOUT_S = 30.0
@@ -127,6 +128,7 @@ def check_external_ip(network: Optional[str], ip: Optional[str], allow_private: 
 
 
 def setup_process(args: argparse.Namespace, name: str) -> None:
+    tune_malloc()                       # before the neuron's threads start (see iota_subnet.utils.malloc)
     if args.network is None:
         args.network = "devnet" if args.chain_db else "finney"
     logger.remove()
