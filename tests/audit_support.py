@@ -281,3 +281,37 @@ class RescuingProver(HopProver):
         for name, t in com.items():
             self.trees[name] = MerkleTree.of_rows(t)
         return vec, [self.trees[n].root for n in self.layout.committed]
+
+
+# ---- near-zero gradient rows ---------------------------------------------------------------------
+def confident_tail_hop(chain: Chain, lm_scale: float = 1000.0, last: int = 2) -> Hop:
+    """The tail's hop of ``chain``'s micro-batch with the LM head scaled by ``lm_scale`` and, at the
+    last ``last`` positions of every row, the target set to the model's top prediction: there the
+    target's probability rounds to 1 and the input gradient's row is near zero (no later token
+    sends it gradient), as on trained weights. Computed honestly (StageWorker, fp32, bf16 wire)."""
+    hop = chain.hops[2]
+    w = {k: v.detach().clone() for k, v in hop.weights.items()}
+    w["lm_head.weight"] *= lm_scale
+    lay = chain.layout(2, "backward")
+    x, y = hop.inputs.x, hop.targets.clone()
+    logits = Tracer(lay, w).run(x, targets=y).records["lm.logits"].view(*y.shape, -1)
+    y[:, -last:] = logits.argmax(-1)[:, -last:]
+    worker = StageWorker(chain.cfg, 2, seed=0)
+    worker.module.load_state_dict(w)
+    out = worker.forward("confident", x.float(), y, accumulate=False)
+    g = _encode(out["grad"], chain.wire)
+    return Hop(2, HopInputs(x, targets=y, wire={"wire.x": hop.inputs.wire["wire.x"], "wire.dx": g}), w,
+               loss=out["loss"], targets=y)
+
+
+def seed_sampling(layout: TraceLayout, want, sampling: SamplingParams = SamplingParams(), tries: int = 100_000) -> int:
+    """An auditor RNG seed (:func:`auditor_for` ``rng_seed``) whose sample includes a token row for
+    which ``want(n)`` holds (the auditor draws the 32-byte projection seed, then the sample)."""
+    from iota_subnet.audit import draw_sample
+    for s in range(tries):
+        rng = random.Random(s)
+        for _ in range(32):
+            rng.getrandbits(8)
+        if any(want(n) for n in draw_sample(layout, sampling, rng).token_rows(layout.dims.T)):
+            return s
+    raise AssertionError("no seed samples such a row")

@@ -5,6 +5,7 @@ one root, and a forgery confined to a fraction of token rows is caught at the st
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -271,6 +272,43 @@ def test_the_output_tolerance_is_the_runs_precision(chain):
     assert 5e-4 < worst < 1e-2, worst
     strict = audit_many(chain, hb, "forward", 3, tol=Tolerances.for_precision("fp32"))
     assert all(not v.ok and all(f.startswith("output") for f in v.failures) for v in strict)
+
+
+def test_a_near_zero_gradient_row_is_measured_against_the_micro_batchs_gradient_scale(chain):
+    """An honest fp32 hop's input-gradient row where the target's probability rounds to 1 (the last
+    positions, LM head scaled) is ~1e-20 of a typical row and its fp32 rounding is large relative to
+    itself (a check relative to the row alone flagged two honest tail miners in the
+    issue-11 localnets). Measured against the median of the sampled scale rows it passes; a row
+    forged by 1e-3 of the micro-batch's gradient scale still fails."""
+    from audit_support import confident_tail_hop, seed_sampling
+    from iota_subnet.audit.check import half_ulp
+    hop = confident_tail_hop(chain)
+    lay = chain.layout(2, "backward")
+    T, b = lay.dims.T, lay.dims.b
+    ref = Tracer(lay, hop.weights).run(hop.inputs.x, targets=hop.targets).grad_in.double().reshape(-1, b)
+    sent = hop.inputs.wire["wire.dx"].double().reshape(-1, b)
+    excess = ((sent - ref).abs() - half_ulp(torch.maximum(sent.abs(), ref.abs()), WIRE)).clamp_min(0).norm(dim=1)
+    own = excess / ref.norm(dim=1).clamp_min(1e-300)
+    bad = {int(n) for n in torch.nonzero(own > 1e-4).flatten()}
+    assert bad and all(n % T >= T - 2 for n in bad)            # the case exists, only where it was built
+    assert float((excess / ref.norm(dim=1).median()).max()) < 1e-5
+    seed = seed_sampling(lay, lambda n: n in bad)
+    v = audit_many(chain, hop, "backward", 1, seed0=seed)[0]
+    assert v.ok, v.failures[:3]
+    # a forgery of the sampled row well above fp32 noise, still small against a typical row, is caught
+    from audit_support import Hop
+    from iota_subnet.audit import HopInputs, draw_sample
+    rng = random.Random(seed)
+    for _ in range(32):
+        rng.getrandbits(8)
+    n = draw_sample(lay, SamplingParams(), rng).token_rows(T)[0]
+    forged = hop.inputs.wire["wire.dx"].clone().reshape(-1, b)
+    forged[n] += (1e-3 * ref.norm(dim=1).median() / b ** 0.5).to(forged.dtype)
+    fh = Hop(2, HopInputs(hop.inputs.x, targets=hop.targets,
+                          wire={"wire.x": hop.inputs.wire["wire.x"], "wire.dx": forged.view_as(hop.inputs.wire["wire.dx"])}),
+             hop.weights, loss=hop.loss, targets=hop.targets)
+    v = audit_many(chain, fh, "backward", 1, seed0=seed)[0]
+    assert not v.ok and any(f.startswith("grad_in") for f in v.failures), v.failures[:3]
 
 
 # ---- commitments -------------------------------------------------------------------------------

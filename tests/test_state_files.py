@@ -61,7 +61,7 @@ def test_miner_start_sweeps_temporary_files_of_killed_saves(tmp_home, tmp_path):
         try:
             await svc.start()
             assert not any(p.exists() for p in strays) and keep.exists()
-            await svc.checkpoint()
+            await svc.checkpoint(wait=True)   # the write runs on its own thread: wait for it
             assert list(out.glob(".*.tmp")) == []
         finally:
             await svc.stop()

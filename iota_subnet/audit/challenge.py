@@ -36,6 +36,9 @@ class SamplingParams:
     chance one audit may miss a forged projection vector that rescues a forged link, which sets
     the number of entries checked where the token rows do not span the vector's space
     (:func:`index_counts`); ``max_idx`` caps it. ``vocab``: LM-head rows checked at least (tail).
+    ``scale_rows``: rows of the gradient a backward hop sent (``wire.dx``) opened only for their
+    norms, whose median is the reference scale of the ``grad_in`` comparison (see
+    :meth:`.check.LinkChecker.wire_close`): ~100 bytes each with its proof.
     """
 
     rows: int = 1
@@ -44,11 +47,12 @@ class SamplingParams:
     act_cols: int = 1
     weight_idx: int = 1
     vocab: int = 4
+    scale_rows: int = 16
     rescue_miss: float = 0.1
     max_idx: int = 256
 
     def validate(self) -> "SamplingParams":
-        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "max_idx"):
+        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "scale_rows", "max_idx"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"sampling.{k} must be an integer >= 1, got {v!r}")
@@ -60,12 +64,15 @@ class SamplingParams:
 @dataclass
 class Sample:
     """One audit's draws. ``tokens``: batch row -> positions; ``spots``: batch row -> positions;
-    ``cols``: (vector name, batch row) -> column indices; ``idx``: vector name -> entry indices."""
+    ``cols``: (vector name, batch row) -> column indices; ``idx``: vector name -> entry indices;
+    ``scale_rows``: token rows (b * T + t) of the sent gradient opened for its scale (backward,
+    non-head; else empty)."""
 
     tokens: dict[int, list[int]]
     spots: dict[int, list[int]]
     cols: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     idx: dict[str, list[int]] = field(default_factory=dict)
+    scale_rows: list[int] = field(default_factory=list)
 
     def token_rows(self, T: int) -> list[int]:
         return sorted(b * T + t for b, ts in self.tokens.items() for t in ts)
@@ -74,7 +81,7 @@ class Sample:
         return {"tokens": {str(b): v for b, v in self.tokens.items()},
                 "spots": {str(b): v for b, v in self.spots.items()},
                 "cols": [[k[0], k[1], v] for k, v in self.cols.items()],
-                "idx": self.idx}
+                "idx": self.idx, "scale_rows": self.scale_rows}
 
 
 #: D-dim projections per batch row, and the activation column tensor each is checked against.
@@ -191,6 +198,8 @@ def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random)
     if m.tail:              # LM-head rows: the sampled tokens' logits and the entries of lm.o
         s.idx["lm.vocab"] = sorted(rng.sample(range(m.V), min(max(params.vocab, counts["lm.o"]), m.V)))
         s.idx["lm.o"] = s.idx["lm.vocab"]
+    if layout.backward and not m.head:
+        s.scale_rows = sorted(rng.sample(range(m.N), min(params.scale_rows, m.N)))
     return s
 
 
@@ -270,6 +279,7 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
                 add("out.dne", toks)
     if layout.backward and not m.head:
         add("wire.dx", toks)
+        add("wire.dx", sample.scale_rows)
         if m.dec_proj:
             add("in.dz", toks)
     return {k: sorted(v) for k, v in sorted(want.items())}
