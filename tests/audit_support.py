@@ -304,14 +304,17 @@ def confident_tail_hop(chain: Chain, lm_scale: float = 1000.0, last: int = 2) ->
                loss=out["loss"], targets=y)
 
 
-def seed_sampling(layout: TraceLayout, want, sampling: SamplingParams = SamplingParams(), tries: int = 100_000) -> int:
+def seed_sampling(layout: TraceLayout, want, sampling: SamplingParams = SamplingParams(),
+                  tries: int = 100_000) -> tuple[int, list[int]]:
     """An auditor RNG seed (:func:`auditor_for` ``rng_seed``) whose sample includes a token row for
-    which ``want(n)`` holds (the auditor draws the 32-byte projection seed, then the sample)."""
+    which ``want(n)`` holds (the auditor draws the 32-byte projection seed, then the sample), and
+    that sample's token rows."""
     from iota_subnet.audit import draw_sample
     for s in range(tries):
         rng = random.Random(s)
         for _ in range(32):
             rng.getrandbits(8)
-        if any(want(n) for n in draw_sample(layout, sampling, rng).token_rows(layout.dims.T)):
-            return s
+        rows = draw_sample(layout, sampling, rng).token_rows(layout.dims.T)
+        if any(want(n) for n in rows):
+            return s, rows
     raise AssertionError("no seed samples such a row")
