@@ -158,6 +158,11 @@ def _run(workers, mid: str, rows: torch.Tensor, cfg, wire: str = "bf16"):
 
 
 # ---- audits ------------------------------------------------------------------------------------
+#: Every block of the stage checked in each audit (tests of single links; production draws
+#: ``SamplingParams.blocks`` of them).
+EVERY_BLOCK = SamplingParams(blocks=1_000)
+
+
 def auditor_for(chain: Chain, hop: Hop, direction: str, *, rng_seed: int, tol: Optional[Tolerances] = None,
                 sampling: SamplingParams = SamplingParams(), layout: Optional[TraceLayout] = None,
                 weights_root: Optional[bytes] = None, wire_roots: Optional[dict] = None,

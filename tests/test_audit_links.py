@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from audit_support import (RescuingProver, Tracer, audit_many, forged_hop, forging_tracer, make_chain)
+from audit_support import (EVERY_BLOCK, RescuingProver, Tracer, audit_many, forged_hop, forging_tracer, make_chain)
 from iota_subnet.audit import HopProver, weights_commitment
 from iota_subnet.audit.check import LinkChecker
 from iota_subnet.audit.project import projections
@@ -73,12 +73,12 @@ def test_a_forged_link_is_caught_by_that_link_alone(chain, monkeypatch, stage, d
     tracer = forging_tracer(target, scale=0.3)
     hop, lay = forged_hop(chain, stage, direction, tracer)
     prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)
-    verdicts = audit_many(chain, hop, direction, 3, prover=prover, seed0=11)
+    verdicts = audit_many(chain, hop, direction, 3, prover=prover, seed0=11, sampling=EVERY_BLOCK)
     for v in verdicts:
         assert not v.ok, target
         assert _keys(v) <= links, (target, v.failures[:4])
     _switch_off(monkeypatch, links)
-    for v in audit_many(chain, hop, direction, 3, prover=prover, seed0=11):
+    for v in audit_many(chain, hop, direction, 3, prover=prover, seed0=11, sampling=EVERY_BLOCK):
         assert v.ok, (target, v.failures[:4])
 
 
@@ -88,7 +88,7 @@ def test_every_link_check_is_exercised_by_the_matrix(chain):
     covered = set().union(*(m[3] for m in MATRIX))
     seen: set[str] = set()
     for stage, direction in ((0, "forward"), (1, "backward"), (2, "backward")):
-        for v in audit_many(chain, chain.hops[stage], direction, 1):
+        for v in audit_many(chain, chain.hops[stage], direction, 1, sampling=EVERY_BLOCK):
             assert v.ok
             seen |= set(v.errors)
     # shared-vector links are covered by the rescue tests below, the outputs by the cheater suite
@@ -123,10 +123,10 @@ def test_computing_with_other_weights_fails_the_weight_columns(chain, monkeypatc
         return projections(layout, records, fake, rnd)
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)
-    for v in audit_many(chain, hop, "forward", 3, prover=prover, seed0=3):
+    for v in audit_many(chain, hop, "forward", 3, prover=prover, seed0=3, sampling=EVERY_BLOCK):
         assert not v.ok and _keys(v) == {link}, v.failures[:3]
     _switch_off(monkeypatch, {link})
-    assert all(v.ok for v in audit_many(chain, hop, "forward", 2, prover=prover, seed0=3))
+    assert all(v.ok for v in audit_many(chain, hop, "forward", 2, prover=prover, seed0=3, sampling=EVERY_BLOCK))
 
 
 def test_scores_with_fake_keys_fail_the_key_columns(chain, monkeypatch):
@@ -167,10 +167,10 @@ def test_scores_with_fake_keys_fail_the_key_columns(chain, monkeypatch):
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=Keep, fix=fix)
-    for v in audit_many(chain, hop, "forward", 3, prover=prover, seed0=8):
+    for v in audit_many(chain, hop, "forward", 3, prover=prover, seed0=8, sampling=EVERY_BLOCK):
         assert not v.ok and _keys(v) == {"kappa"}, v.failures[:3]
     _switch_off(monkeypatch, {"kappa"})
-    assert all(v.ok for v in audit_many(chain, hop, "forward", 2, prover=prover, seed0=8))
+    assert all(v.ok for v in audit_many(chain, hop, "forward", 2, prover=prover, seed0=8, sampling=EVERY_BLOCK))
 
 
 def _probabilities(records, layout, j):
@@ -205,11 +205,11 @@ def test_attention_outputs_rescued_by_a_forged_value_projection_fail_the_spots(m
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)
-    verdicts = audit_many(ch, hop, "forward", 4, prover=prover, seed0=21)
+    verdicts = audit_many(ch, hop, "forward", 4, prover=prover, seed0=21, sampling=EVERY_BLOCK)
     for v in verdicts:
         assert not v.ok and _keys(v) == {"c"}, v.failures[:3]
     _switch_off(monkeypatch, {"c"})
-    assert all(v.ok for v in audit_many(ch, hop, "forward", 2, prover=prover, seed0=21))
+    assert all(v.ok for v in audit_many(ch, hop, "forward", 2, prover=prover, seed0=21, sampling=EVERY_BLOCK))
 
 
 def test_key_gradients_rescued_by_a_forged_query_projection_fail_the_spots(chain, monkeypatch):
@@ -242,10 +242,10 @@ def test_key_gradients_rescued_by_a_forged_query_projection_fail_the_spots(chain
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)
-    for v in audit_many(chain, hop, "backward", 4, prover=prover, seed0=41):
+    for v in audit_many(chain, hop, "backward", 4, prover=prover, seed0=41, sampling=EVERY_BLOCK):
         assert not v.ok and _keys(v) == {"e"}, v.failures[:3]
     _switch_off(monkeypatch, {"e"})
-    assert all(v.ok for v in audit_many(chain, hop, "backward", 2, prover=prover, seed0=41))
+    assert all(v.ok for v in audit_many(chain, hop, "backward", 2, prover=prover, seed0=41, sampling=EVERY_BLOCK))
 
 
 def test_a_projection_made_up_without_rescue_fails(chain):
@@ -259,7 +259,7 @@ def test_a_projection_made_up_without_rescue_fails(chain):
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, fix=fix)
-    v = audit_many(chain, hop, "backward", 1, prover=prover)[0]
+    v = audit_many(chain, hop, "backward", 1, prover=prover, sampling=EVERY_BLOCK)[0]
     keys = _keys(v)
     assert not v.ok and {"w_qkv", "o_d", "c"} & keys and {"qkv", "values", "dk"} & keys, keys
 
@@ -273,7 +273,7 @@ def test_small_forgeries_are_caught(chain, stage, direction, target):
     tracer = forging_tracer(target, scale=2e-3, seed=9)
     hop, lay = forged_hop(chain, stage, direction, tracer)
     prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)
-    for v in audit_many(chain, hop, direction, 2, prover=prover, seed0=13):
+    for v in audit_many(chain, hop, direction, 2, prover=prover, seed0=13, sampling=EVERY_BLOCK):
         assert not v.ok, target
 
 
@@ -306,7 +306,7 @@ def test_a_sparse_rescue_where_tokens_do_not_span_is_caught_at_the_stated_rate(c
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)
-    for v in audit_many(chain, hop, "backward", 6, prover=prover, seed0=61):
+    for v in audit_many(chain, hop, "backward", 6, prover=prover, seed0=61, sampling=EVERY_BLOCK):
         assert not v.ok and _keys(v) <= {"o_g", "o_u"}, v.failures[:3]
     _switch_off(monkeypatch, {"o_g", "o_u"})
-    assert all(v.ok for v in audit_many(chain, hop, "backward", 2, prover=prover, seed0=61))
+    assert all(v.ok for v in audit_many(chain, hop, "backward", 2, prover=prover, seed0=61, sampling=EVERY_BLOCK))

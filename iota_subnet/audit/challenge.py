@@ -3,8 +3,10 @@
 The sample is drawn only after the miner answered rounds 1 and 2 (its trace roots, then its
 projections), from the validator's own OS-seeded RNG:
 
-* ``rows`` batch rows, and in each ``tokens`` token positions (uniform, without replacement): every
-  link of the stage is checked on these token rows (:mod:`.check`);
+* ``rows`` batch rows, and in each ``tokens`` token positions (uniform, without replacement): the
+  stage's boundary links (input, output, and for a backward hop the gradient received and sent) and
+  every link of ``blocks`` of its transformer blocks, drawn uniformly, are checked on these token
+  rows (:mod:`.check`);
 * per sampled batch row, ``spots`` positions where the committed per-position projections
   (``p:`` tensors) are recomputed from opened activation rows, and ``act_cols`` columns of every
   activation matrix whose projection (``kappa``, ``nu``, ``phi``, ``psi``) is recomputed;
@@ -13,11 +15,16 @@ projections), from the validator's own OS-seeded RNG:
   token's logits and the entries of ``lm.o`` are recomputed (the LM head's V-long columns are
   opened only where the token rows do not span the model width, see :func:`index_counts`).
 
-Detection (every link is checked exactly on the sampled token rows, see :mod:`.check`): an
-inconsistency confined to a fraction f of the token rows of a micro-batch, anywhere in the chain,
-is caught with probability ``1 - (1 - f)^s`` when the s = rows x tokens sampled rows are drawn
-from rows holding it (``rows`` batch rows out of B); a forged projection is caught by the spot
-and column checks with the probabilities stated in :mod:`.project` and ``docs``.
+Detection (every checked link is checked exactly on the sampled token rows, see :mod:`.check`): an
+inconsistency confined to a fraction f of the token rows of a micro-batch is caught with
+probability ``1 - (1 - f)^s`` when the s = rows x tokens sampled rows are drawn from rows holding
+it (``rows`` batch rows out of B) and its link is checked: always for a boundary link (a hop whose
+sent output is not the recomputed trace's, e.g. every cheat that skips or fakes work and answers the
+audit honestly), with probability ``blocks / L`` for a link inside one of the stage's L blocks (a
+cheater that forges its trace to hide skipped work must break the chain in some block). Checking
+one block of L cuts the opened rows about L-fold (``docs/hop-audit.md``, "Block sampling"); a forged
+projection is caught by the spot and column checks with the probabilities stated in
+:mod:`.project` and ``docs``.
 """
 from __future__ import annotations
 
@@ -38,7 +45,9 @@ class SamplingParams:
     (:func:`index_counts`); ``max_idx`` caps it. ``vocab``: LM-head rows checked at least (tail).
     ``scale_rows``: rows of the gradient a backward hop sent (``wire.dx``) opened only for their
     norms, whose median is the reference scale of the ``grad_in`` comparison (see
-    :meth:`.check.LinkChecker.wire_close`): ~100 bytes each with its proof.
+    :meth:`.check.LinkChecker.wire_close`): ~100 bytes each with its proof. ``blocks``: transformer
+    blocks of the stage whose links are checked (uniform, without replacement; all of them when the
+    stage has at most that many): each costs about a stage's opened bytes divided by its blocks.
     """
 
     rows: int = 1
@@ -48,11 +57,12 @@ class SamplingParams:
     weight_idx: int = 1
     vocab: int = 4
     scale_rows: int = 16
+    blocks: int = 1
     rescue_miss: float = 0.1
     max_idx: int = 256
 
     def validate(self) -> "SamplingParams":
-        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "scale_rows", "max_idx"):
+        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "scale_rows", "blocks", "max_idx"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"sampling.{k} must be an integer >= 1, got {v!r}")
@@ -66,13 +76,15 @@ class Sample:
     """One audit's draws. ``tokens``: batch row -> positions; ``spots``: batch row -> positions;
     ``cols``: (vector name, batch row) -> column indices; ``idx``: vector name -> entry indices;
     ``scale_rows``: token rows (b * T + t) of the sent gradient opened for its scale (backward,
-    non-head; else empty)."""
+    non-head; else empty); ``blocks``: indices (0 .. L-1, inside the stage) of the blocks whose links
+    are checked, sorted."""
 
     tokens: dict[int, list[int]]
     spots: dict[int, list[int]]
     cols: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     idx: dict[str, list[int]] = field(default_factory=dict)
     scale_rows: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
 
     def token_rows(self, T: int) -> list[int]:
         return sorted(b * T + t for b, ts in self.tokens.items() for t in ts)
@@ -81,11 +93,19 @@ class Sample:
         return {"tokens": {str(b): v for b, v in self.tokens.items()},
                 "spots": {str(b): v for b, v in self.spots.items()},
                 "cols": [[k[0], k[1], v] for k, v in self.cols.items()],
-                "idx": self.idx, "scale_rows": self.scale_rows}
+                "idx": self.idx, "scale_rows": self.scale_rows, "blocks": self.blocks}
 
 
 #: D-dim projections per batch row, and the activation column tensor each is checked against.
 ACT_PROJ = {"kappa": "k^T", "nu": "v^T", "phi": "q^T", "psi": "dy^T"}
+
+
+def vector_block(vname: str) -> int | None:
+    """The block index (inside the stage) of a weight projection vector named ``L{j}.*``; None for
+    the stage's own vectors (``dec.*``, ``enc.*``, ``lm.*``), which every audit checks."""
+    if vname.startswith("L") and "." in vname:
+        return int(vname[1:vname.index(".")])
+    return None
 
 
 def weight_vectors(layout: TraceLayout) -> dict[str, list[tuple[str, str]]]:
@@ -200,6 +220,12 @@ def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random)
         s.idx["lm.o"] = s.idx["lm.vocab"]
     if layout.backward and not m.head:
         s.scale_rows = sorted(rng.sample(range(m.N), min(params.scale_rows, m.N)))
+    L = len(m.layers)
+    s.blocks = sorted(rng.sample(range(L), min(params.blocks, L)))
+    for key in [k for k in s.cols if int(k[0][1:k[0].index(".")]) not in s.blocks]:
+        del s.cols[key]
+    for vname in [v for v in s.idx if vector_block(v) is not None and vector_block(v) not in s.blocks]:
+        s.idx[vname] = []
     return s
 
 
@@ -220,8 +246,10 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
     rows = sorted(sample.tokens)
     L = len(m.layers)
     add("h.0", toks)
-    for j in range(L):
+    add(f"h.{L}", toks)
+    for j in sample.blocks:
         p = f"L{j}."
+        add(f"h.{j}", toks)
         add(f"h.{j + 1}", toks)
         for nm in ("q", "k", "v", "s", "lse", "y", "h1", "g", "u"):
             add(p + nm, toks)
@@ -249,8 +277,10 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
                 add(p + "dy^T", [b * m.HD + i for i in sample.cols[(p + "psi", b)]])
     if layout.backward:
         add(f"g.{L}", toks)
-        for j in range(L):
+        add("g.0", toks)
+        for j in sample.blocks:
             add(f"g.{j}", toks)
+            add(f"g.{j + 1}", toks)
     for vname, parts in weight_vectors(layout).items():
         for wname, _ in parts:
             if sample.idx[vname]:

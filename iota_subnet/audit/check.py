@@ -4,7 +4,9 @@ Input: the rows the miner opened (already verified against their Merkle roots by
 :class:`~.auditor.HopAuditor`), the projection vectors it sent, the random vectors
 (:func:`.project.randoms`) and the sample (:mod:`.challenge`). All arithmetic is float64 on the host.
 
-Links checked for each sampled token n = (b, t), block by block (names as in :mod:`.layout`):
+Links checked for each sampled token n = (b, t): the stage's boundary links (input, output; backward:
+the gradient received and the one sent) always, and those of the sampled blocks (``Sample.blocks``,
+see :mod:`.challenge`) block by block (names as in :mod:`.layout`):
 
 forward
     input       head: ``h.0[n] == E[token]`` (embedding row); else ``h.0[n] == pad(z_id) + W_dec z_enc``
@@ -145,6 +147,7 @@ class LinkChecker:
         cos, sin = layout.rope_tables()
         self.cos, self.sin = cos.double(), sin.double()
         self.grad_floor = self.grad_scale()
+        self.blocks = list(sample.blocks)
 
     # ---- primitives ----------------------------------------------------------------------------
     def row(self, name: str, i: int) -> torch.Tensor:
@@ -267,7 +270,7 @@ class LinkChecker:
             else:
                 self.vec_close("input", h0, base, where)
         sc = 1.0 / math.sqrt(D)
-        for j in range(len(m.layers)):
+        for j in self.blocks:
             p = f"L{j}."
             h, hn = self.row(f"h.{j}", n), self.row(f"h.{j + 1}", n)
             q, k, v = self.row(p + "q", n), self.row(p + "k", n), self.row(p + "v", n)
@@ -343,7 +346,7 @@ class LinkChecker:
                 ref = dz
             self.vec_close("grad_out", gL, ref, where)
         sc = 1.0 / math.sqrt(D)
-        for j in reversed(range(L)):
+        for j in reversed(self.blocks):
             p = f"L{j}."
             gn, gj = self.row(f"g.{j + 1}", n), self.row(f"g.{j}", n)
             h, h1 = self.row(f"h.{j}", n), self.row(p + "h1", n)
@@ -418,7 +421,7 @@ class LinkChecker:
     def batch_row(self, b: int) -> None:
         m, R, T = self.m, self.R, self.m.T
         K, H, D, rep = m.K, m.H, m.D, m.rep
-        for j in range(len(m.layers)):
+        for j in self.blocks:
             p = f"L{j}."
             names = ["kappa"] + (["nu", "phi", "psi"] if self.lay.backward else [])
             weights = {"kappa": "rho", "nu": "rho2", "phi": "sigma", "psi": "sigma2"}
