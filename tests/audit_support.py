@@ -194,7 +194,7 @@ def audit_many(chain: Chain, hop: Hop, direction: str, n: int, *, prover: Option
             troots, wroots = [prover.trees[nm].root for nm in lay.trace], [e[2] for e in prover.weights.entries]
             continue
         seed = aud.on_commit(troots, wroots)
-        vec, proots = prover.project(seed)
+        vec, proots = prover.project(seed, aud.blocks)
         req = aud.on_projection(vec, proots)
         out.append(aud.check(prover.open(req, aud.whole)))
     return out
@@ -278,14 +278,15 @@ class RescuingProver(HopProver):
         super().__init__(*a, **kw)
         self.fix = fix
 
-    def project(self, seed: bytes):
+    def project(self, seed: bytes, blocks=None):
+        lay = self.layout if blocks is None else self.layout.for_blocks(blocks)
         rnd = randoms(self.layout, seed)
-        vec, com = projections(self.layout, self.records, self.weights.tensors, rnd)
-        vec, com = self.fix(self.layout, self.records, self.weights.tensors, rnd, vec, com)
-        self.vectors, self.committed = vec, com
+        vec, com = projections(lay, self.records, self.weights.tensors, rnd)
+        vec, com = self.fix(lay, self.records, self.weights.tensors, rnd, vec, com)
+        self.round2, self.vectors, self.committed = lay, vec, com
         for name, t in com.items():
             self.trees[name] = MerkleTree.of_rows(t)
-        return vec, [self.trees[n].root for n in self.layout.committed]
+        return vec, [self.trees[n].root for n in lay.committed]
 
 
 # ---- near-zero gradient rows ---------------------------------------------------------------------
@@ -315,11 +316,13 @@ def seed_sampling(layout: TraceLayout, want, sampling: SamplingParams = Sampling
     which ``want(n)`` holds (the auditor draws the 32-byte projection seed, then the sample), and
     that sample's token rows."""
     from iota_subnet.audit import draw_sample
+    from iota_subnet.audit.challenge import draw_blocks
     for s in range(tries):
         rng = random.Random(s)
         for _ in range(32):
             rng.getrandbits(8)
-        rows = draw_sample(layout, sampling, rng).token_rows(layout.dims.T)
+        blocks = draw_blocks(layout, sampling, rng)
+        rows = draw_sample(layout, sampling, rng, blocks=blocks).token_rows(layout.dims.T)
         if any(want(n) for n in rows):
             return s, rows
     raise AssertionError("no seed samples such a row")

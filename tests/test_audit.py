@@ -123,7 +123,7 @@ def _ready(chain, stage=1, direction="forward", seed=5):
     prover = HopProver(lay, wc, hop.inputs)
     aud = auditor_for(chain, hop, direction, rng_seed=seed, layout=lay, weights_root=wc.root, sampling=EVERY_BLOCK)
     seed_ = aud.on_commit(*prover.commit())
-    req = aud.on_projection(*prover.project(seed_))
+    req = aud.on_projection(*prover.project(seed_, aud.blocks))
     return prover, aud, req
 
 
@@ -173,8 +173,9 @@ def test_wrong_weights_root_and_wrong_projection_shapes_fail(chain):
     aud = auditor_for(chain, hop, "forward", rng_seed=1, layout=lay, weights_root=wc.root)
     prover = HopProver(lay, wc, hop.inputs)
     aud.on_commit(*prover.commit())
-    vec, roots = prover.project(aud.seed)
-    vec["L0.w_o"] = vec["L0.w_o"][:-1]
+    vec, roots = prover.project(aud.seed, aud.blocks)
+    name = f"L{aud.blocks[0]}.w_o"
+    vec[name] = vec[name][:-1]
     with pytest.raises(AuditFailure, match="w_o"):
         aud.on_projection(vec, roots)
 
@@ -274,6 +275,9 @@ def test_one_sampled_block_catches_a_forged_block_exactly_when_drawn_and_the_bou
             assert set(v.failed_links) == {"values"}
         opened = {n for n in aud.request if n.startswith("L")}
         assert opened and all(n.startswith(f"L{aud.sample.blocks[0]}.") for n in opened)
+        # round 2 projected the drawn block only (and the stage's own decoder and encoder vectors)
+        assert {k.split(".")[0] for k in aud.round2.vectors} == {f"L{aud.sample.blocks[0]}", "dec", "enc"}
+        assert all(k.startswith(f"p:L{aud.sample.blocks[0]}.") for k in aud.round2.committed)
     assert set(drawn) == set(range(L))                          # every block is drawn
     assert 3 <= sum(caught) <= 15                               # binomial(24, 1/3): mean 8, sd 2.3
     tracer = forging_tracer("out.z")
@@ -281,6 +285,31 @@ def test_one_sampled_block_catches_a_forged_block_exactly_when_drawn_and_the_bou
     prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)
     for v in audit_many(chain, hop, "forward", 6, prover=prover, seed0=800):
         assert not v.ok and set(v.failed_links) == {"encoder"}, v.failures[:2]
+
+
+def test_round_two_asks_for_the_checked_blocks_only_and_refuses_bad_block_lists(chain):
+    """The blocks travel with the round-2 seed; the miner projects only those, refuses to open a
+    projection of another block, and a request naming blocks the stage does not have is MALFORMED."""
+    from iota_subnet.protocol import AuditProjectRequest
+    hop = chain.hops[1]
+    lay = chain.layout(1, "backward")
+    prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs)
+    prover.commit()
+    vec, roots = prover.project(b"\x05" * 32, [2])
+    assert set(vec) == {k for k in lay.vectors if not k.startswith(("L0.", "L1."))}
+    assert len(roots) == sum(k.startswith("p:L2.") for k in lay.committed)
+    with pytest.raises(OpenRequestError, match="not projected"):
+        prover.open({"p:L0.c": [0]})
+    assert prover.open({"p:L2.c": [0]})["p:L2.c"].rows.shape == (1, lay.committed["p:L2.c"].width)
+    req = AuditTraceRequest(audit_id="a")
+    assert codec.read_blocks(codec.project_request(req, b"\x00" * 32, [2, 0]), lay) == [0, 2]
+    assert codec.read_blocks(codec.project_request(req, b"\x00" * 32), lay) is None          # all blocks
+    for bad in ([3], [0, 0], [-1]):
+        with pytest.raises(ProtocolError) as e:
+            codec.read_blocks(AuditProjectRequest(audit_id="a", seed="00" * 32, blocks=bad), lay)
+        assert e.value.outcome == Outcome.MALFORMED
+    with pytest.raises(LayoutError):
+        lay.for_blocks([5])
 
 
 # ---- precision ---------------------------------------------------------------------------------
@@ -336,6 +365,29 @@ def test_a_near_zero_gradient_row_is_measured_against_the_micro_batchs_gradient_
              hop.weights, loss=hop.loss, targets=hop.targets)
     v = audit_many(chain, fh, "backward", 1, seed0=seed)[0]
     assert not v.ok and any(f.startswith("grad_in") for f in v.failures), v.failures[:3]
+
+
+def test_non_finite_rows_of_the_sent_gradient_fail_the_opening(chain):
+    """A sent gradient whose other rows are inf (were they accepted, the median of the scale rows
+    would be inf and every sampled row would pass against it) fails at the opening: the message
+    codec refuses non-finite tensors, and the auditor refuses an opened row that is not finite,
+    whatever its proof."""
+    from audit_support import Hop, seed_sampling
+    from iota_subnet.audit import HopInputs
+    hop = chain.hops[2]
+    lay = chain.layout(2, "backward")
+    b = lay.dims.b
+    seed, sampled = seed_sampling(lay, lambda n: True)
+    forged = hop.inputs.wire["wire.dx"].clone().reshape(-1, b)
+    keep = forged[sampled].clone()
+    forged[:] = float("inf")
+    forged[sampled] = keep * 1.5                               # the rows it is checked on: 50 % off
+    fh = Hop(2, HopInputs(hop.inputs.x, targets=hop.targets,
+                          wire={"wire.x": hop.inputs.wire["wire.x"], "wire.dx": forged.view_as(hop.inputs.wire["wire.dx"])}),
+             hop.weights, loss=hop.loss, targets=hop.targets)
+    wire, local = audit_many(chain, fh, "backward", 2, seed0=seed)     # encoded messages, then in process
+    assert not wire.ok and "NON_FINITE" in wire.reason, wire.failures[:3]            # the codec refuses it
+    assert not local.ok and "wire.dx row" in local.reason and "is not finite" in local.reason, local.failures[:3]
 
 
 # ---- commitments -------------------------------------------------------------------------------
@@ -420,7 +472,8 @@ def test_audits_against_flat_sha256_receipts_open_whole_wire_tensors(chain):
     wc = weights_commitment(hop.weights)
     prover = HopProver(lay, wc, hop.inputs)
     aud = auditor_for(chain, hop, "forward", rng_seed=3, layout=lay, weights_root=wc.root, wire_commit="sha256")
-    req = aud.on_projection(*prover.project(aud.on_commit(*prover.commit())))
+    seed = aud.on_commit(*prover.commit())
+    req = aud.on_projection(*prover.project(seed, aud.blocks))
     assert aud.whole == ["wire.x", "wire.z"] and req["wire.x"] == list(range(lay.dims.N))
     op = prover.open(req, aud.whole)
     assert all(p == [] for p in op["wire.x"].proofs)

@@ -4,8 +4,10 @@ The validator chooses a hop only after its receipts are in (blind), then runs th
 
 1. ask the miner for the hop's trace roots (:class:`~iota_subnet.protocol.AuditTraceRequest`);
    :meth:`HopAuditor.on_commit` checks the weights entries combine to the root the receipt named,
-   and returns a fresh random seed;
-2. send the seed; :meth:`HopAuditor.on_projection` takes the projection vectors and roots and
+   and returns a fresh random seed; it also draws the blocks the audit checks (:attr:`blocks`,
+   :func:`~.challenge.draw_blocks`: the trace is committed, so naming them now gives nothing away);
+2. send the seed and the blocks; the miner projects those blocks only (:attr:`round2`, the layout
+   its answer follows); :meth:`HopAuditor.on_projection` takes the projection vectors and roots and
    draws the sample (:func:`~.challenge.draw_sample`), returning the rows to open;
 3. :meth:`HopAuditor.check` verifies every opened row against its root (Merkle proof), then every
    link (:class:`~.check.LinkChecker`).
@@ -22,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .challenge import Sample, SamplingParams, draw_sample, openings
+from .challenge import Sample, SamplingParams, draw_blocks, draw_sample, openings
 from .check import LinkChecker, Tolerances, Verdict
 from .commit import weights_entries_root, entry_names
 from .layout import TraceLayout
@@ -83,6 +85,8 @@ class HopAuditor:
         self.weight_roots: dict[str, bytes] = {}
         self.p_roots: dict[str, bytes] = {}
         self.seed: Optional[bytes] = None
+        self.blocks: list[int] = []
+        self.round2: TraceLayout = layout       # round 2's layout: restricted to self.blocks by on_commit
         self.vectors: dict[str, torch.Tensor] = {}
         self.sample: Optional[Sample] = None
         self.request: dict[str, list[int]] = {}
@@ -102,25 +106,27 @@ class HopAuditor:
         self.trace_roots = dict(zip(lay.trace, map(bytes, trace_roots)))
         self.weight_roots = {"w:" + n: bytes(r) for n, r in zip(names, weight_roots)}
         self.seed = bytes(self.rng.getrandbits(8) for _ in range(32))
+        self.blocks = draw_blocks(lay, self.sampling, self.rng)
+        self.round2 = lay.for_blocks(self.blocks)
         return self.seed
 
     # ---- round 2 -------------------------------------------------------------------------------
     def on_projection(self, vectors: dict[str, torch.Tensor], committed_roots: list[bytes]) -> dict[str, list[int]]:
         """Accept the projections; returns the open request (layout name -> row indices)."""
-        lay = self.layout
+        lay, r2 = self.layout, self.round2
         if self.seed is None:
             raise RuntimeError("on_projection() before on_commit()")
-        if set(vectors) != set(lay.vectors):
+        if set(vectors) != set(r2.vectors):
             raise AuditFailure("projection vectors differ from the expected set")
-        for k, shape in lay.vectors.items():
+        for k, shape in r2.vectors.items():
             t = vectors[k]
             if tuple(t.shape) != tuple(shape) or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
                 raise AuditFailure(f"projection {k}: shape {tuple(t.shape)} (expected {shape}) or non-finite")
-        if len(committed_roots) != len(lay.committed) or any(len(r) != DIGEST_BYTES for r in committed_roots):
-            raise AuditFailure(f"expected {len(lay.committed)} projection roots")
+        if len(committed_roots) != len(r2.committed) or any(len(r) != DIGEST_BYTES for r in committed_roots):
+            raise AuditFailure(f"expected {len(r2.committed)} projection roots")
         self.vectors = dict(vectors)
-        self.p_roots = dict(zip(lay.committed, map(bytes, committed_roots)))
-        self.sample = draw_sample(lay, self.sampling, self.rng)
+        self.p_roots = dict(zip(r2.committed, map(bytes, committed_roots)))
+        self.sample = draw_sample(lay, self.sampling, self.rng, blocks=self.blocks)
         tok = None
         if lay.dims.head:
             flat = self.tokens.reshape(-1)

@@ -194,8 +194,18 @@ def index_counts(layout: TraceLayout, params: SamplingParams) -> dict[str, int]:
     return out
 
 
-def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random) -> Sample:
-    """The validator's draws for one audit (``rng``: seeded from ``os.urandom`` in production)."""
+def draw_blocks(layout: TraceLayout, params: SamplingParams, rng: random.Random) -> list[int]:
+    """The blocks (indices inside the stage) one audit checks: ``params.blocks`` of them, uniform
+    without replacement, sorted. Drawn after the miner committed its trace (round 1) and sent with
+    the round-2 seed, so the miner projects only those blocks."""
+    L = len(layout.dims.layers)
+    return sorted(rng.sample(range(L), min(params.blocks, L)))
+
+
+def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random,
+                blocks: list[int] | None = None) -> Sample:
+    """The validator's draws for one audit (``rng``: seeded from ``os.urandom`` in production);
+    ``blocks``: the blocks drawn for round 2 (:func:`draw_blocks`; None: drawn here, last)."""
     params.validate()
     m = layout.dims
     rows = rng.sample(range(m.B), min(params.rows, m.B))
@@ -220,8 +230,7 @@ def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random)
         s.idx["lm.o"] = s.idx["lm.vocab"]
     if layout.backward and not m.head:
         s.scale_rows = sorted(rng.sample(range(m.N), min(params.scale_rows, m.N)))
-    L = len(m.layers)
-    s.blocks = sorted(rng.sample(range(L), min(params.blocks, L)))
+    s.blocks = sorted(blocks) if blocks is not None else draw_blocks(layout, params, rng)
     for key in [k for k in s.cols if int(k[0][1:k[0].index(".")]) not in s.blocks]:
         del s.cols[key]
     for vname in [v for v in s.idx if vector_block(v) is not None and vector_block(v) not in s.blocks]:

@@ -455,6 +455,8 @@ class LinkChecker:
 
     def weight_vectors(self) -> None:
         for vname, parts in weight_vectors(self.lay).items():
+            if not self.S.idx[vname]:            # a block this audit does not check (not projected)
+                continue
             vec = self.vec[vname]
             for i in self.S.idx[vname]:
                 terms = torch.cat([self.R[rname] * self.row(wname, i) for wname, rname in parts])

@@ -71,9 +71,23 @@ def read_commit(msg: AuditTraceCommit) -> tuple[list[bytes], list[bytes]]:
 
 
 # ---- round 2 -------------------------------------------------------------------------------------
-def project_request(audit: AuditTraceRequest, seed: bytes) -> AuditProjectRequest:
+def project_request(audit: AuditTraceRequest, seed: bytes, blocks=None) -> AuditProjectRequest:
+    """``blocks``: the blocks (indices inside the stage) to project (None: all)."""
     return AuditProjectRequest(run_id=audit.run_id, stage=audit.stage, microbatch_id=audit.microbatch_id,
-                               audit_id=audit.audit_id, seed=bytes(seed).hex())
+                               audit_id=audit.audit_id, seed=bytes(seed).hex(),
+                               blocks=[int(j) for j in blocks] if blocks is not None else [])
+
+
+def read_blocks(msg: AuditProjectRequest, layout: TraceLayout) -> list[int] | None:
+    """The blocks a round-2 request asks for (None: all, an empty list); raises MALFORMED for
+    indices that are not distinct integers of the stage's blocks."""
+    if not msg.blocks:
+        return None
+    L = len(layout.dims.layers)
+    bad = [j for j in msg.blocks if not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < L]
+    if bad or len(set(msg.blocks)) != len(msg.blocks):
+        raise ProtocolError(Outcome.MALFORMED, f"blocks must be distinct indices in 0..{L - 1}, got {msg.blocks[:8]}")
+    return sorted(msg.blocks)
 
 
 def read_seed(msg: AuditProjectRequest) -> bytes:

@@ -47,6 +47,7 @@ def audit_bytes(layout: TraceLayout, sampling: SamplingParams = SamplingParams()
     m = layout.dims
     rng = random.Random(seed)
     sample = draw_sample(layout, sampling, rng)
+    r2 = layout.for_blocks(sample.blocks)           # round 2 projects the checked blocks only
     tok = {n: 0 for n in sample.token_rows(m.T)} if m.head else None
     req = openings(layout, sample, tok)
     if not with_forward_output:
@@ -62,9 +63,9 @@ def audit_bytes(layout: TraceLayout, sampling: SamplingParams = SamplingParams()
                                                    .view(-1, DIGEST_BYTES),
                                                    weight_roots=_zeros(n_w * DIGEST_BYTES, torch.uint8)
                                                    .view(-1, DIGEST_BYTES))))
-    sizes["r2_req"] = len(encode(AuditProjectRequest(**hdr, seed="0" * 64)))
-    sizes["r2_resp"] = len(encode(AuditProjection(**hdr, vectors=_zeros(layout.vector_numel(), torch.float32),
-                                                  roots=_zeros(len(layout.committed) * DIGEST_BYTES, torch.uint8)
+    sizes["r2_req"] = len(encode(AuditProjectRequest(**hdr, seed="0" * 64, blocks=list(sample.blocks))))
+    sizes["r2_resp"] = len(encode(AuditProjection(**hdr, vectors=_zeros(r2.vector_numel(), torch.float32),
+                                                  roots=_zeros(len(r2.committed) * DIGEST_BYTES, torch.uint8)
                                                   .view(-1, DIGEST_BYTES))))
     sizes["r3_req"] = len(encode(AuditOpenRequest(**hdr, rows=req, whole=whole)))
     n = {"values": 0, "weights": 0, "wire": 0}

@@ -46,6 +46,7 @@ batch row: ``p:L{j}.c`` [B, T*K] (values projected on a random vector per kv hea
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 import torch
 
@@ -155,7 +156,8 @@ class TraceLayout:
     trace; the tail's hop is always audited this way). ``micro_per_step``: the tail divides its
     loss by it before backward (the gradient scale). ``wire_format``: ``fp32``, ``bf16`` or ``int8``
     (:mod:`iota_subnet.protocol.wire`); int8 wire rows are ``b`` bytes plus a float32 scale.
-    Raises :class:`LayoutError`.
+    ``blocks``: the blocks (indices inside the stage) whose round-2 projections the audit asks for
+    (None: all); :meth:`for_blocks` makes such a view. Raises :class:`LayoutError`.
     """
 
     dims: Dims
@@ -169,6 +171,7 @@ class TraceLayout:
     vectors: dict[str, tuple[int, ...]] = field(default_factory=dict)   # round 2, sent in full
     wire: dict[str, Entry] = field(default_factory=dict)
     weights: dict[str, Entry] = field(default_factory=dict)
+    blocks: tuple[int, ...] | None = None
 
     @classmethod
     def build(cls, cfg: ModelConfig, pcfg: PipelineConfig, stage: int, *, batch: int, seq: int,
@@ -269,6 +272,28 @@ class TraceLayout:
             add(self.weights, "w:" + name, rows, width, "weights")
             if has_columns(name, shape):
                 add(self.weights, "w:" + name + "^T", shape[1], shape[0], "weights")
+
+    def block_ids(self) -> tuple[int, ...]:
+        """The blocks this layout's round 2 covers (all of the stage's unless :meth:`for_blocks`)."""
+        return tuple(range(len(self.dims.layers))) if self.blocks is None else self.blocks
+
+    def for_blocks(self, blocks) -> "TraceLayout":
+        """The same layout with round 2 (``committed`` projections and ``vectors``) restricted to
+        ``blocks`` (indices inside the stage) plus the stage's own vectors (decoder, encoder, LM
+        head): what an audit that checks those blocks asks the miner to project. Raises
+        :class:`LayoutError` for an index out of range or repeated."""
+        L = len(self.dims.layers)
+        bs = tuple(sorted(int(j) for j in blocks))
+        if not bs or len(set(bs)) != len(bs) or bs[0] < 0 or bs[-1] >= L:
+            raise LayoutError(f"blocks must be distinct indices in 0..{L - 1}, got {list(blocks)}")
+        keep = {f"L{j}." for j in bs}
+
+        def kept(name: str) -> bool:
+            bare = name[2:] if name.startswith("p:") else name
+            return not (bare.startswith("L") and "." in bare) or bare[:bare.index(".") + 1] in keep
+
+        return dataclasses.replace(self, committed={k: v for k, v in self.committed.items() if kept(k)},
+                                   vectors={k: v for k, v in self.vectors.items() if kept(k)}, blocks=bs)
 
     # ---- lookups ------------------------------------------------------------------------------
     def entry(self, name: str) -> Entry:

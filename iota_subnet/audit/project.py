@@ -88,7 +88,8 @@ def _group_dot(x: torch.Tensor, r: torch.Tensor, groups: int, D: int, rep: int =
 
 def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
                 rnd: Randoms) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Miner side: the round-2 answer for trace ``records`` and ``weights`` (host tensors).
+    """Miner side: the round-2 answer for trace ``records`` and ``weights`` (host tensors), for the
+    blocks ``layout`` covers (:meth:`~.layout.TraceLayout.for_blocks`).
 
     Returns ``(vectors, committed)``: ``vectors`` name -> float32 tensor of the shape in
     ``layout.vectors`` (sent in full); ``committed`` ``p:`` name -> 2-D float32 tensor (committed by
@@ -126,7 +127,7 @@ def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: 
 
     vec: dict[str, torch.Tensor] = {}
     com: dict[str, torch.Tensor] = {}
-    for j in range(len(m.layers)):
+    for j in layout.block_ids():
         p = f"L{j}."
         Wq, Wk, Wv = wp(j, "self_attn.q_proj.weight"), wp(j, "self_attn.k_proj.weight"), wp(j, "self_attn.v_proj.weight")
         Wo, Wg, Wu = wp(j, "self_attn.o_proj.weight"), wp(j, "mlp.gate_proj.weight"), wp(j, "mlp.up_proj.weight")

@@ -77,6 +77,7 @@ class HopProver:
         self.wire: dict[str, torch.Tensor] = {}
         self.committed: dict[str, torch.Tensor] = {}
         self.vectors: dict[str, torch.Tensor] = {}
+        self.round2: TraceLayout = layout          # the layout round 2 answered (restricted to the asked blocks)
         self.trace_loss: Optional[float] = None
 
     # ---- round 1 -------------------------------------------------------------------------------
@@ -95,15 +96,18 @@ class HopProver:
         return [self.trees[n].root for n in self.layout.trace], [e[2] for e in self.weights.entries]
 
     # ---- round 2 -------------------------------------------------------------------------------
-    def project(self, seed: bytes) -> tuple[dict[str, torch.Tensor], list[bytes]]:
-        """Projection vectors (``layout.vectors`` order) and the roots of ``layout.committed``."""
+    def project(self, seed: bytes, blocks=None) -> tuple[dict[str, torch.Tensor], list[bytes]]:
+        """Projection vectors and the roots of the committed projections, in the order of the layout
+        restricted to ``blocks`` (None: every block; :meth:`~.layout.TraceLayout.for_blocks`, kept as
+        :attr:`round2`). Raises :class:`~.layout.LayoutError` for blocks the stage does not have."""
         if not self.records:
             raise RuntimeError("project() before commit()")
-        vec, com = projections(self.layout, self.records, self.weights.tensors, randoms(self.layout, seed))
-        self.vectors, self.committed = vec, com
+        lay = self.layout if blocks is None else self.layout.for_blocks(blocks)
+        vec, com = projections(lay, self.records, self.weights.tensors, randoms(self.layout, seed))
+        self.round2, self.vectors, self.committed = lay, vec, com
         for name, t in com.items():
             self.trees[name] = MerkleTree.of_rows(t)
-        return vec, [self.trees[n].root for n in self.layout.committed]
+        return vec, [self.trees[n].root for n in lay.committed]
 
     # ---- round 3 -------------------------------------------------------------------------------
     def check_request(self, request: dict[str, list[int]]) -> int:
@@ -116,6 +120,8 @@ class HopProver:
                 raise OpenRequestError(f"no committed tensor {name!r}") from None
             if name in self.layout.wire and name not in self.wire:
                 raise OpenRequestError(f"this hop has no {name}")
+            if name in self.layout.committed and name not in self.committed:
+                raise OpenRequestError(f"{name} was not projected in round 2 (its block was not asked for)")
             if not isinstance(idx, list) or not idx or len(set(idx)) != len(idx):
                 raise OpenRequestError(f"{name}: row list must be non-empty and unique")
             if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < e.rows for i in idx):

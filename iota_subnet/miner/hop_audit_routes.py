@@ -127,9 +127,10 @@ class HopAuditRoutes:
         self._check(msg)
         s = self._session(msg.audit_id, ctx.caller_hotkey)
         seed = codec.read_seed(msg)
+        blocks = codec.read_blocks(msg, s.layout)
         async with s.lock:
-            vec, roots = await asyncio.to_thread(s.prover.project, seed)
-        return codec.projection_message(msg, s.layout, vec, roots)
+            vec, roots = await asyncio.to_thread(s.prover.project, seed, blocks)
+        return codec.projection_message(msg, s.prover.round2, vec, roots)
 
     # ---- round 3 ---------------------------------------------------------------------------------
     async def open(self, msg: AuditOpenRequest, ctx: Any) -> AuditOpening:

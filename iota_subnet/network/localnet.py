@@ -72,6 +72,15 @@ def resolved_config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
+def _sum_by_key(dicts) -> dict:
+    """Key-wise sum of ``{key: number}`` dicts (e.g. every validator's verification bytes by path)."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def audit_summary(statuses: list[dict]) -> dict:
     """The validators' audits (p2p): how many, how many failed, hop audits per miner per tempo (min and
     mean over the miners audited and the full tempos seen: the first and last are partial), flagged uids."""
@@ -570,6 +579,7 @@ class LocalNet:
             "stage_utilisation": (sum(b / max(train_s or u, 1e-9) for b, u in zip(busy, uptime)) / len(busy))
             if busy else None,
             "verification_bytes": sum(s.get("verification_bytes", 0) for s in st),
+            "verification_bytes_by_path": _sum_by_key(s.get("verification_bytes_by_path") or {} for s in st),
             "audits": audit_summary(st),
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,

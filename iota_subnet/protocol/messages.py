@@ -358,10 +358,13 @@ class AuditTraceCommit(Message):
 
 @dataclass(kw_only=True)
 class AuditProjectRequest(Message):
-    """Round 2 (validator -> miner): the seed (hex, 32 bytes) of the random projection vectors."""
+    """Round 2 (validator -> miner): the seed (hex, 32 bytes) of the random projection vectors and
+    the blocks (indices inside the stage) the audit checks, whose projections are asked for (empty:
+    all blocks)."""
     TYPE: ClassVar[str] = "AuditProjectRequest"
     audit_id: str = ""
     seed: str = ""
+    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -94,6 +94,8 @@ class NeuronClient:
         #: HTTP request line + header bytes sent / status line + header bytes received (approximate)
         self.header_bytes_sent = 0
         self.header_bytes_received = 0
+        #: path -> bodies and headers, both directions (what :attr:`total_bytes` sums, by endpoint path)
+        self.bytes_by_path: dict[str, int] = {}
         self.requests = 0
         self.retries = 0
         self.failures = 0
@@ -170,10 +172,13 @@ class NeuronClient:
                 async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
                     self.bytes_sent += len(body)
                     # request line, Host, Content-Length and our headers; the response's status line and headers
-                    self.header_bytes_sent += len(url) + 64 + sum(len(k) + len(v) + 4 for k, v in headers.items())
-                    self.header_bytes_received += 17 + sum(len(k) + len(v) + 4 for k, v in resp.raw_headers)
+                    head_out = len(url) + 64 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+                    head_in = 17 + sum(len(k) + len(v) + 4 for k, v in resp.raw_headers)
+                    self.header_bytes_sent += head_out
+                    self.header_bytes_received += head_in
                     data = await self._read(resp)
                     self.bytes_received += len(data)
+                    self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + len(body) + head_out + head_in + len(data)
                     if resp.status == 200:
                         if self.verify_responses:
                             self._verify_response(resp, data, path, receiver_hotkey, headers)

@@ -429,9 +429,9 @@ class AuditScheduler:
         commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
                             response_contract=codec.commit_contract(lay), **kw)
         seed, cpu = _thread_timed(aud.on_commit, *codec.read_commit(commit))
-        proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed), AuditProjection,
-                          response_contract=codec.projection_contract(lay), **kw)
-        rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, *codec.read_projection(proj, lay))
+        proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed, aud.blocks),
+                          AuditProjection, response_contract=codec.projection_contract(aud.round2), **kw)
+        rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, *codec.read_projection(proj, aud.round2))
         oreq = codec.open_request(req, rows, aud.whole)
         opening = await call(rep.endpoint, rep.hotkey, "/audit/open", oreq, AuditOpening,
                              response_contract=codec.opening_contract(lay, rows, weights_dtype=aud.weights_dtype,

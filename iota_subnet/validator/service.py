@@ -199,6 +199,7 @@ class ValidatorService:
         self.driver: Optional[PipelineDriver] = None
         self.state: Optional[ValidatorState] = None
         self.client: Optional[NeuronClient] = None
+        self.verify_client: Optional[NeuronClient] = None   # audits, spot checks, merge evidence, lane probes
         self.metrics: Optional[MetricsWriter] = None
         self.current: dict[int, str] = {}  # uid -> hotkey (metagraph)
         self.validators: list[str] = []
@@ -461,7 +462,9 @@ class ValidatorService:
             + (self.server.route_bytes.get("/receipts", 0) if self.server else 0),
             "data_plane": self.opts.data_plane,
             # every byte of verification (audits, spot checks, merge evidence), HTTP headers included
-            "verification_bytes": self.verify_client.total_bytes if getattr(self, "verify_client", None) else 0,
+            "verification_bytes": self.verify_client.total_bytes if self.verify_client is not None else 0,
+            "verification_bytes_by_path": dict(self.verify_client.bytes_by_path) if self.verify_client is not None
+            else {},
             "audits": self.auditing.status() | {"per_tempo": {str(k): v for k, v in self.auditing.per_tempo().items()}}
             if self.auditing is not None else None,
             "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
@@ -893,8 +896,8 @@ class ValidatorService:
             self.metrics = None
         if self.client is not None:
             await self.client.close()
-            if getattr(self, "verify_client", None) is not None:
-                await self.verify_client.close()
+        if self.verify_client is not None:
+            await self.verify_client.close()
         if self.chain is not None and self._own_chain:
             await self.chain.close()
 
