@@ -81,6 +81,9 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
             "samples_skipped": chaos_summary.get("samples_skipped"),
             "merges_applied": (summary.get("merge") or {}).get("merges_applied"),
             "mismatch_reports": (summary.get("merge") or {}).get("mismatch_reports"),
+            # hop and update audits under churn: an honest miner that was only killed, paused or cut off
+            # must not be flagged (issue 10, item 2)
+            "audits": {k: (summary.get("audits") or {}).get(k) for k in ("audits", "audits_failed", "flagged")},
             "curve": read_curve(out)}
 
 
@@ -138,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_one(f"undisturbed{i}", a, None) for i in range(a.undisturbed)]
     runs += [run_one(f"chaos-seed{s}", a, f"{a.chaos},seed={s},min_live=2") for s in seeds]
     png = Path(a.plot) if a.plot else Path(a.out) / "loss_curves.png"
-    plot(runs, png, f"{Path(a.config).stem}, {a.stages}x{a.replicas}, merge every {a.merge_every}")
+    try:
+        plot(runs, png, f"{Path(a.config).stem}, {a.stages}x{a.replicas}, merge every {a.merge_every}")
+    except ImportError:                 # the figures are still printed; the curves are in each run's metrics.jsonl
+        print("no plot: matplotlib is not installed (pip install -e \".[bench]\")", file=sys.stderr)
+        png = None
     und = [r for r in runs if not r["chaos"]]
     dis = [r for r in runs if r["chaos"]]
     vu, vd = mean([r["val_loss"] for r in und]), mean([r["val_loss"] for r in dis])
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         "mismatch_reports": {r["name"]: r["mismatch_reports"] for r in runs},
         "wall_s": {r["name"]: r["wall_s"] for r in runs},
         "timed_out": [r["name"] for r in runs if r["timed_out"]],
-        "plot": str(png),
+        "audits": {r["name"]: r["audits"] for r in runs},
+        "plot": str(png) if png else None,
     }
     if a.json:
         print(json.dumps(res, indent=2))
