@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(400)
 
 
 async def typed_refusals(net, vali):
-    """Bad audit requests get typed 4xx refusals over signed HTTP, and the miner keeps serving."""
+    """Bad audit requests get typed 4xx refusals over signed HTTP, and the miner keeps serving; a
+    validator's abandoned sessions never fill its slots."""
     from iota_subnet.protocol import (AuditProjection, AuditProjectRequest, AuditTraceCommit, Outcome, ProtocolError)
     from iota_subnet.transport import NeuronClient
     m = net.miners[(1, 0)]
@@ -36,6 +37,16 @@ async def typed_refusals(net, vali):
                              "/audit/project", AuditProjection) == Outcome.UNKNOWN_MICROBATCH
         ok = await client.call(ep, m.hotkey, "/audit/trace", req, AuditTraceCommit, retries=0)   # still serving
         assert ok.audit_id == req.audit_id
+        # sessions its validator abandoned (rounds 2-3 never came: it timed out) do not make the miner
+        # refuse that validator's next audits: each new round 1 supersedes its older sessions (before,
+        # the third got BUSY for two minutes, counted against the miner)
+        for i in range(m.hop_routes.max_per_caller + 1):
+            again = await client.call(ep, m.hotkey, "/audit/trace", dataclasses.replace(req, audit_id=f"again{i}"),
+                                      AuditTraceCommit, retries=0)
+            assert again.audit_id == f"again{i}"
+            assert [k for k, x in m.hop_routes.sessions.items() if x.caller == net.vals[0].hotkey.ss58_address] \
+                == [f"again{i}"]
+        assert m.hop_routes.superseded >= m.hop_routes.max_per_caller + 1
     async with NeuronClient(net.miner_wallets[(0, 0)]) as client:       # a miner is no validator
         assert await refused(client, dataclasses.replace(req, audit_id="x1")) == Outcome.FORBIDDEN
 

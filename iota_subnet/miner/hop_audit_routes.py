@@ -9,9 +9,15 @@
 Refusals are typed 4xx: ``LATE`` (410) for a hop or weights version outside the window,
 ``HASH_MISMATCH`` for a weights root other than the one kept for that version, ``MALFORMED`` for a
 bad request, ``UNKNOWN_MICROBATCH`` for a session that does not exist (expired or never opened),
-``BUSY`` (503) when ``max_sessions`` sessions are open, or ``max_per_caller`` of the caller's (one
-validator cannot hold every slot and make the miner refuse the others). Sessions are dropped after round 3 or
-``session_ttl_s`` seconds. The trace runs on a worker thread, never on the stage's compute thread:
+``BUSY`` (503) when ``max_sessions`` sessions are open or tracing, or ``max_per_caller`` of the
+caller's traces are still running (one validator cannot hold every slot and make the miner refuse
+the others). Sessions are dropped after round 3 or ``session_ttl_s`` seconds, and when their
+validator opens a new one: a validator audits a miner's hops one at a time
+(:class:`iota_subnet.validator.auditing.AuditScheduler`), so a new round 1 from it means it gave up
+on its older sessions (it timed out on them); a trace still running for a request it has since
+superseded is discarded when it ends. Without that, the sessions a validator abandoned on a slow
+(paused, overloaded) miner filled its slots for two minutes and the miner's next answers were
+``BUSY`` refusals, counted against it (issue 13's churn runs flagged six honest miners so). The trace runs on a worker thread, never on the stage's compute thread:
 audits do not wait for training and training does not wait for audits (they share the CPU).
 Memory: the trace of an open session (tiny: 63-177 MB; ``docs/hop-audit.md``).
 """
@@ -52,6 +58,10 @@ class HopAuditRoutes:
         self.session_ttl_s, self.commit_wait_s = float(session_ttl_s), float(commit_wait_s)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.sessions: dict[str, _Session] = {}
+        #: caller -> traces running for it; caller -> number of its latest round-1 request
+        self.tracing: dict[str, int] = {}
+        self.latest: dict[str, int] = {}
+        self.superseded = 0
         self.served = 0
         self.refused = 0
 
@@ -84,9 +94,24 @@ class HopAuditRoutes:
         self._sweep()
         if not msg.audit_id or len(msg.audit_id) > 64 or msg.audit_id in self.sessions:
             raise ProtocolError(Outcome.MALFORMED, "audit_id must be a fresh id of 1-64 characters")
-        mine = sum(1 for x in self.sessions.values() if x.caller == ctx.caller_hotkey)
-        if len(self.sessions) >= self.max_sessions or mine >= self.max_per_caller:
-            raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} audits open ({mine} of yours); retry shortly")
+        caller = ctx.caller_hotkey
+        for k in [k for k, s in self.sessions.items() if s.caller == caller]:      # abandoned by their validator
+            del self.sessions[k]
+            self.superseded += 1
+        mine = self.tracing.get(caller, 0)
+        if len(self.sessions) + sum(self.tracing.values()) >= self.max_sessions or mine >= self.max_per_caller:
+            raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} audits open, {sum(self.tracing.values())} "
+                                              f"tracing ({mine} of yours); retry shortly")
+        self.latest[caller] = turn = self.latest.get(caller, 0) + 1
+        self.tracing[caller] = mine + 1
+        try:
+            return await self._trace(msg, caller, turn)
+        finally:
+            self.tracing[caller] -= 1
+            if not self.tracing[caller]:
+                del self.tracing[caller]
+
+    async def _trace(self, msg: AuditTraceRequest, caller: str, turn: int) -> AuditTraceCommit:
         hop = self.store.hop(msg.microbatch_id)
         if hop is None:
             self.refused += 1
@@ -119,7 +144,10 @@ class HopAuditRoutes:
             troots, wroots = await asyncio.to_thread(prover.commit)
         except ValueError as e:
             raise ProtocolError(Outcome.BAD_SHAPE, f"the kept hop does not fit the audit: {e}") from None
-        self.sessions[msg.audit_id] = _Session(prover, layout, ctx.caller_hotkey, time.monotonic(), asyncio.Lock())
+        if self.latest.get(caller) != turn:        # its validator has opened a newer audit since: not kept
+            self.superseded += 1
+            raise ProtocolError(Outcome.LATE, "this audit was superseded by a newer one from you while it traced")
+        self.sessions[msg.audit_id] = _Session(prover, layout, caller, time.monotonic(), asyncio.Lock())
         return codec.commit_message(msg, troots, wroots)
 
     # ---- round 2 ---------------------------------------------------------------------------------
@@ -149,5 +177,6 @@ class HopAuditRoutes:
         return codec.opening_message(msg, s.layout, opened)
 
     def status(self) -> dict:
-        return {"open": len(self.sessions), "served": self.served, "refused": self.refused}
+        return {"open": len(self.sessions), "served": self.served, "refused": self.refused,
+                "superseded": self.superseded}
 
