@@ -101,7 +101,7 @@ async def cheater_run(tmp_path, wikitext_path, cache_dir, kind: str, steps: int 
     net = P2PNet(tmp_path, wikitext_path, cache_dir)
     await net.start(adversaries={ADV: kind})
     try:
-        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4)
+        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4, audit_timeout_s=4)
         assert await vali.run() == 0
         adv = net.miners[ADV]
         honest = {m.uid for k, m in net.miners.items() if k != ADV}

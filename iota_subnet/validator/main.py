@@ -51,6 +51,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="(p2p) do not audit miners' hops and inner steps (nothing but CLASP is then verified)")
     v.add_argument("--audits-per-tempo", type=int, default=1,
                    help="(p2p) hop audits and update audits of every miner per tempo")
+    v.add_argument("--audit-timeout", type=float, default=30.0,
+                   help="(p2p) seconds a miner has to answer each round of an audit (it recomputes a hop: "
+                        "independent of --hop-timeout, which only sets how fast dead training hops are routed around)")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
     return p
@@ -72,7 +75,8 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                            ("--steps", a.steps is None or a.steps >= 1, ">= 1"),
                            ("--ticket-lookahead", a.ticket_lookahead >= 1, ">= 1"),
                            ("--stall", a.stall > 0, "> 0"),
-                           ("--audits-per-tempo", a.audits_per_tempo >= 1, ">= 1")):
+                           ("--audits-per-tempo", a.audits_per_tempo >= 1, ">= 1"),
+                           ("--audit-timeout", a.audit_timeout > 0, "> 0")):
         if not ok:
             raise ValidatorError(f"{name} must be {want}")
     steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
@@ -91,7 +95,7 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             host=a.host, external_ip=check_external_ip(a.network, a.external_ip, a.allow_private_ip),
                             data_plane=a.data_plane, wire_dtype=a.wire_dtype,
                             ticket_lookahead=a.ticket_lookahead, stall_s=a.stall, audits=a.audits,
-                            audits_per_tempo=a.audits_per_tempo)
+                            audits_per_tempo=a.audits_per_tempo, audit_timeout_s=a.audit_timeout)
 
 
 def run_validator_cli(a: argparse.Namespace) -> int:

@@ -122,6 +122,9 @@ class ValidatorOptions:
     audits: bool = True  # p2p: hop and update audits of every miner (off: nothing is verified but CLASP)
     audits_per_tempo: int = 1  # hop audits (and update audits) of each miner per tempo
     audit_interval_s: float = 2.0  # seconds between audit rounds (each audits the miners still due)
+    # seconds a miner has to answer each round of an audit (a trace recomputation, not a training hop:
+    # independent of hop_timeout_s, which sets how fast a dead training hop is routed around)
+    audit_timeout_s: float = 30.0
     snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
     clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
     clasp_paths: int = 6  # pathways per CLASP round
@@ -715,7 +718,7 @@ class ValidatorService:
                               rows=rows, lookup=lookup,
                               update_auditor=UpdateAuditor(self.cfg, run_id=self.opts.run_id,
                                                            total_steps=self.cfg.train.total_steps),
-                              timeout_s=self.opts.hop_timeout_s, hops_per_tempo=self.opts.audits_per_tempo,
+                              timeout_s=self.opts.audit_timeout_s, hops_per_tempo=self.opts.audits_per_tempo,
                               updates_per_tempo=self.opts.audits_per_tempo)
 
     async def _audit_round(self) -> None:
