@@ -17,8 +17,9 @@ validator opens a new one: a validator audits a miner's hops one at a time
 on its older sessions (it timed out on them); a trace still running for a request it has since
 superseded is discarded when it ends. Without that, the sessions a validator abandoned on a slow
 (paused, overloaded) miner filled its slots for two minutes and the miner's next answers were
-``BUSY`` refusals, counted against it (issue 13's churn runs flagged six honest miners so). The trace runs on a worker thread, never on the stage's compute thread:
-audits do not wait for training and training does not wait for audits (they share the CPU).
+``BUSY`` refusals, counted against it (issue 13's churn runs flagged six honest miners so). The
+trace runs on a worker thread, never on the stage's compute thread: audits do not wait for
+training and training does not wait for audits (they share the CPU).
 Memory: the trace of an open session (tiny: 63-177 MB; ``docs/hop-audit.md``).
 """
 from __future__ import annotations
