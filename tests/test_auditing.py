@@ -153,6 +153,26 @@ def test_work_from_before_a_restart_is_not_picked():
     assert {sch.pick_hop(HK).receipt.boot for _ in range(30)} == {clock.t - 0.5}
 
 
+def test_a_restarted_process_is_bound_by_the_roots_it_names_not_by_its_old_process():
+    """After a restart the miner resumes from its checkpoint and names versions (step, merges) again,
+    with other weights: its update commitment is checked against the roots the new process named
+    (before, the old process's root for the same version failed it); a commitment that differs from
+    the new process's roots still fails."""
+    from iota_subnet.protocol import UpdateCommit
+    sch, rep, policy, clock = make()
+    for k in range(4):                                          # the old process: versions 0..3
+        sch.on_receipt(ticket(k), receipt(k, t=clock.t, boot=900.0, root=f"{k:063x}a"), HK)
+    clock.t += 5
+    for k in (2, 3):                                            # resumed at step 2: versions 2, 3 again
+        sch.on_receipt(ticket(k, 1), receipt(k, 1, t=clock.t, boot=clock.t - 1, root=f"{k:063x}b"), HK)
+
+    def commit(w0: str, w1: str) -> UpdateCommit:
+        return UpdateCommit(step=2, merges=0, adam_step=3, lr=1e-3, grad_norm=1.0, clip_coef=1.0, skipped=False,
+                            roots={"w0": w0, "w1": w1}, at=clock.t)
+    assert sch._bound(HK, commit(f"{2:063x}b", f"{3:063x}b")) == ""
+    assert "is not the weights version [3, 0]" in sch._bound(HK, commit(f"{2:063x}b", f"{3:063x}a"))
+
+
 def test_a_late_refusal_outside_the_required_window_is_not_counted():
     """LATE for a version the miner may have dropped by the time it answered (its later receipts name
     versions >= REQUIRED_VERSIONS newer) is within its rights; inside that window it counts."""

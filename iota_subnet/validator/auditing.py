@@ -188,6 +188,11 @@ class AuditScheduler:
                             receipt.boot)
             view.boot = receipt.boot
             view.latest = (-1, -1)
+            # the new process resumed from a checkpoint and names versions (step, merges) again, with
+            # other weights: the roots its old process named no longer bind it (a post-restart update
+            # commitment checked against them failed an honest miner in a churn run)
+            view.roots.clear()
+            view.checked_steps.clear()
         if receipt.boot >= view.boot:
             view.latest = max(view.latest, (receipt.ws, receipt.wm), (receipt.bws, receipt.bwm))
         if any(r.hotkey == hotkey for r, _, _ in self.unsettled):
