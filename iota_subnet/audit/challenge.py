@@ -32,7 +32,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from .layout import TraceLayout
+from .layout import TraceLayout, block_of
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,6 @@ class Sample:
 
 #: D-dim projections per batch row, and the activation column tensor each is checked against.
 ACT_PROJ = {"kappa": "k^T", "nu": "v^T", "phi": "q^T", "psi": "dy^T"}
-
-
-def vector_block(vname: str) -> int | None:
-    """The block index (inside the stage) of a weight projection vector named ``L{j}.*``; None for
-    the stage's own vectors (``dec.*``, ``enc.*``, ``lm.*``), which every audit checks."""
-    if vname.startswith("L") and "." in vname:
-        return int(vname[1:vname.index(".")])
-    return None
 
 
 def weight_vectors(layout: TraceLayout) -> dict[str, list[tuple[str, str]]]:
@@ -231,9 +223,9 @@ def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random,
     if layout.backward and not m.head:
         s.scale_rows = sorted(rng.sample(range(m.N), min(params.scale_rows, m.N)))
     s.blocks = sorted(blocks) if blocks is not None else draw_blocks(layout, params, rng)
-    for key in [k for k in s.cols if int(k[0][1:k[0].index(".")]) not in s.blocks]:
+    for key in [k for k in s.cols if block_of(k[0]) not in s.blocks]:
         del s.cols[key]
-    for vname in [v for v in s.idx if vector_block(v) is not None and vector_block(v) not in s.blocks]:
+    for vname in [v for v in s.idx if block_of(v) is not None and block_of(v) not in s.blocks]:
         s.idx[vname] = []
     return s
 

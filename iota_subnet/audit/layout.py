@@ -132,6 +132,15 @@ def param_shapes(cfg: ModelConfig, pcfg: PipelineConfig, stage: int) -> list[tup
     return [(k, tuple(v.shape)) for k, v in m.state_dict().items()]
 
 
+def block_of(name: str) -> int | None:
+    """The block index (inside the stage) of a per-block name (``L{j}.*``, ``p:L{j}.*``); None for
+    the stage's own names (``h.i``, ``dec.*``, ``enc.*``, ``lm.*``, ...)."""
+    bare = name[2:] if name.startswith("p:") else name
+    if bare.startswith("L") and "." in bare and bare[1:bare.index(".")].isdigit():
+        return int(bare[1:bare.index(".")])
+    return None
+
+
 def has_columns(name: str, shape: tuple[int, ...]) -> bool:
     """Whether a parameter is also committed column-wise: every matrix but the token embedding (only
     ever read by rows)."""
@@ -286,11 +295,9 @@ class TraceLayout:
         bs = tuple(sorted(int(j) for j in blocks))
         if not bs or len(set(bs)) != len(bs) or bs[0] < 0 or bs[-1] >= L:
             raise LayoutError(f"blocks must be distinct indices in 0..{L - 1}, got {list(blocks)}")
-        keep = {f"L{j}." for j in bs}
-
         def kept(name: str) -> bool:
-            bare = name[2:] if name.startswith("p:") else name
-            return not (bare.startswith("L") and "." in bare) or bare[:bare.index(".") + 1] in keep
+            j = block_of(name)
+            return j is None or j in bs
 
         return dataclasses.replace(self, committed={k: v for k, v in self.committed.items() if kept(k)},
                                    vectors={k: v for k, v in self.vectors.items() if kept(k)}, blocks=bs)

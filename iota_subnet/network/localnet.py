@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import dataclasses
 import json
 import os
@@ -70,15 +71,6 @@ class Child:
 def resolved_config_yaml(cfg: RunConfig) -> str:
     d = cfg.to_dict()
     return yaml.safe_dump(d, sort_keys=False)
-
-
-def _sum_by_key(dicts) -> dict:
-    """Key-wise sum of ``{key: number}`` dicts (e.g. every validator's verification bytes by path)."""
-    out: dict = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def audit_summary(statuses: list[dict]) -> dict:
@@ -579,7 +571,8 @@ class LocalNet:
             "stage_utilisation": (sum(b / max(train_s or u, 1e-9) for b, u in zip(busy, uptime)) / len(busy))
             if busy else None,
             "verification_bytes": sum(s.get("verification_bytes", 0) for s in st),
-            "verification_bytes_by_path": _sum_by_key(s.get("verification_bytes_by_path") or {} for s in st),
+            "verification_bytes_by_path": dict(sum((Counter(s.get("verification_bytes_by_path") or {}) for s in st),
+                                                   Counter())),
             "audits": audit_summary(st),
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
