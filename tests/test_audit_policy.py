@@ -79,7 +79,7 @@ def test_churned_honest_miner_restarts_are_excused_not_flagged():
     """Pauses and restarts on purpose (the churn issue): audits of work from before each announced
     restart are refused (LATE: the store is gone), and excused."""
     c = Clock()
-    p = AuditPolicy(clock=c, min_restart_interval_s=60)
+    p = AuditPolicy(clock=c)
     flagged = []
     for cycle in range(4):
         for _ in range(5):                                   # works and passes
@@ -100,17 +100,40 @@ def test_churned_honest_miner_restarts_are_excused_not_flagged():
     assert p.record(*K, 1, "update", "refused", work_at=c.t - 2) == "refused"
 
 
-def test_restart_excuses_need_restarts_apart():
+def test_honest_miner_killed_twice_within_a_minute_is_excused_both_times():
+    """The churn harness may kill the same miner twice in under a minute (a churn run flagged one
+    when restarts had to be 60 s apart): both restarts excuse the audits of the work before them."""
     c = Clock()
-    p = AuditPolicy(clock=c, min_restart_interval_s=60)
-    assert p.announce_restart(K, c.t)
-    assert not p.announce_restart(K, c.t + 10)             # "restarting" before every audit
-    w = c.t + 5
-    c.t += 20
-    p.note_hop(K, True, c.t)
-    assert p.record(*K, 1, "update", "refused", work_at=w) == "refused"
+    p = AuditPolicy(clock=c)
+    for gap in (0.0, 25.0):
+        c.t += gap
+        work_at = c.t - 3
+        c.t += 8                                             # killed; back 8 s later
+        assert p.announce_restart(K, c.t)
+        assert not p.announce_restart(K, c.t)                # the same boot, seen in a later receipt
+        c.t += 2
+        p.note_hop(K, True, c.t)
+        assert p.record(*K, 1, "hop", "timeout", work_at=work_at) == "excused"
+    assert not p.stats[K].flagged and p.stats[K].excused == 2
     with pytest.raises(ValueError):
         p.record(*K, 1, "update", "weird")
+
+
+def test_restarting_before_every_audit_is_flagged_at_the_excuse_bound():
+    """A dodger that announces a new boot before each audit it refuses gets at most the excuse
+    bound (3, or half of the last 20) excused; the rest are refusals and flag it."""
+    c = Clock()
+    p = AuditPolicy(clock=c)
+    outs = []
+    while not p.stats.get(K) or not p.stats[K].flagged:
+        work_at = c.t
+        c.t += 10
+        assert p.announce_restart(K, c.t - 1)
+        p.note_hop(K, True, c.t)                             # it trains fine
+        outs.append(p.record(*K, 1, "hop", "refused", work_at=work_at, detail="LATE"))
+        assert len(outs) < 10
+    assert outs == ["excused"] * 3 + ["refused"] * 2
+    assert "unanswered" in p.stats[K].reasons[0]
 
 
 def test_quality_merge_and_persistence():
