@@ -30,10 +30,10 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q -rs --durations=25 -m "not slow" tests
+	$(PY) -m pytest -q -rfEs --durations=25 -m "not slow" tests
 
 test-slow: setup
-	$(PY) -m pytest -q -rs --durations=0 -m slow tests
+	$(PY) -m pytest -q -rfEs --durations=40 -m slow tests
 
 localnet: setup
 	$(VENV)/bin/iota-subnet localnet --stages 3 --replicas 2 --validators 1 \

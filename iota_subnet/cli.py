@@ -9,6 +9,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from iota_subnet.utils.logs import log_to_stderr
+
 
 def _cmd_train_colocated(a: argparse.Namespace) -> int:
     from iota_subnet.train.colocated import train_colocated
@@ -95,8 +97,7 @@ def _load_extra_commands() -> None:
 def main(argv=None) -> int:
     _load_extra_commands()
     args = build_parser().parse_args(argv)
-    logger.remove()
-    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    log_to_stderr("INFO")
     from iota_subnet.errors import known_errors
     known = known_errors()
     try:

@@ -13,6 +13,7 @@ from typing import Optional
 from loguru import logger
 
 from iota_subnet.utils.aio import StopRequested, until_stopped  # noqa: F401 (re-exported for the entry points)
+from iota_subnet.utils.logs import log_to_stderr
 from iota_subnet.utils.malloc import tune_malloc
 
 #: Seconds a chain call may go unanswered before the neuron gives up on it (``--chain-timeout``).
@@ -131,9 +132,7 @@ def setup_process(args: argparse.Namespace, name: str) -> None:
     tune_malloc()                       # before the neuron's threads start (see iota_subnet.utils.malloc)
     if args.network is None:
         args.network = "devnet" if args.chain_db else "finney"
-    logger.remove()
-    logger.add(sys.stderr, level=args.log_level,
-               format="<green>{time:HH:mm:ss}</green> " + name + " <level>{level: <7}</level> {message}")
+    log_to_stderr(args.log_level, "<green>{time:HH:mm:ss}</green> " + name + " <level>{level: <7}</level> {message}")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
