@@ -17,7 +17,14 @@ replicas), then prints (``--json``: one JSON object):
 
 Issue 13's acceptance: >= 40 events of >= 4 kinds per disturbed run, ``relative_gap <= 0.02``, every
 ``per_seed_gap <= 0.03`` (run-to-run noise of ``tiny`` is about 0.7%). About an hour on a
-workstation with the defaults; a short check of the script itself:
+workstation with the defaults; on 2 cores a run alone takes 30-100 minutes.
+
+Resumable: each finished run leaves ``OUT/NAME/bench_run.json``; the same command again reuses the
+finished runs whose parameters match and redoes only the others (a run killed half-way is started
+over: its folder is cleared). ``--max-runs N`` stops after N new runs, so the five runs can be
+spread over several sittings; the figures are printed over the runs finished so far, with
+``runs_left`` saying what is missing (``--fresh``: ignore earlier results). A short check of the
+script itself:
 
     python scripts/bench_churn.py --json                                     # the benchmark
     python scripts/bench_churn.py --steps 20 --undisturbed 1 --seeds 1 \\
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from iota_subnet.network.cli import parse_sets  # noqa: E402
 from iota_subnet.network.localnet import LocalNet  # noqa: E402
+from iota_subnet.utils.atomic import atomic_write_json  # noqa: E402
+
+RESULT = "bench_run.json"
 
 DEFAULT_CHAOS = "kill=1/min,pause=0.8/min,partition=0.8/min,slow=0.8/min,validator-kill=0.3/min,join=0.2/min,leave=0.1/min"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
@@ -54,8 +65,28 @@ def read_curve(out: Path) -> list[tuple[int, float]]:
     return rows
 
 
+def run_params(a: argparse.Namespace, chaos: str | None) -> dict:
+    """What makes two runs the same run (a finished run is reused only when these match)."""
+    return {"config": a.config, "data": a.data, "stages": a.stages, "replicas": a.replicas,
+            "validators": a.validators, "steps": a.steps, "merge_every": a.merge_every, "chaos": chaos,
+            "chaos_duration_s": a.chaos_duration, "hop_timeout_s": a.hop_timeout, "stall_s": a.stall,
+            "block_time": a.block_time, "tempo": a.tempo, "set": sorted(a.set)}
+
+
+def finished_run(name: str, a: argparse.Namespace, chaos: str | None) -> dict | None:
+    """The result of an earlier run ``name`` with the same parameters, or None."""
+    p = Path(a.out) / name / RESULT
+    try:
+        r = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return r if r.get("params") == run_params(a, chaos) and not r.get("timed_out") else None
+
+
 def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
     out = Path(a.out) / name
+    if out.exists():                    # a run killed half-way (or with other parameters): start it over
+        shutil.rmtree(out)
     ovr = parse_sets(a.set)
     ovr.setdefault("merge", {})["every_steps"] = a.merge_every
     t0 = time.monotonic()
@@ -70,7 +101,7 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
         print(f"{name}: {e}", file=sys.stderr)
         summary = {"timed_out": True}
     chaos_summary = summary.get("chaos") or {}
-    return {"name": name, "chaos": chaos, "timed_out": bool(summary.get("timed_out")),
+    result = {"name": name, "params": run_params(a, chaos), "chaos": chaos, "timed_out": bool(summary.get("timed_out")),
             "val_loss": summary.get("val_loss"), "final_loss": summary.get("final_loss"),
             "wall_s": round(time.monotonic() - t0, 1), "events": chaos_summary.get("events", 0),
             "events_by_kind": chaos_summary.get("events_by_kind", {}),
@@ -85,6 +116,8 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
             # must not be flagged (issue 10, item 2)
             "audits": {k: (summary.get("audits") or {}).get(k) for k in ("audits", "audits_failed", "flagged")},
             "curve": read_curve(out)}
+    atomic_write_json(out / RESULT, result)
+    return result
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
@@ -131,15 +164,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall", type=float, default=10.0, help="validators' --stall (seconds without progress)")
     ap.add_argument("--block-time", type=float, default=0.5)
     ap.add_argument("--tempo", type=int, default=10)
-    ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
+    ap.add_argument("--timeout", type=float, default=3 * 3600.0, help="per run, seconds")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--out", default="runs/bench_churn")
     ap.add_argument("--plot", default=None, help="PNG path (default OUT/loss_curves.png)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--max-runs", type=int, default=None, help="start at most this many new runs, then report")
+    ap.add_argument("--fresh", action="store_true", help="redo every run (ignore OUT/NAME/bench_run.json)")
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    runs = [run_one(f"undisturbed{i}", a, None) for i in range(a.undisturbed)]
-    runs += [run_one(f"chaos-seed{s}", a, f"{a.chaos},seed={s},min_live=2") for s in seeds]
+    plan = [(f"undisturbed{i}", None) for i in range(a.undisturbed)]
+    plan += [(f"chaos-seed{s}", f"{a.chaos},seed={s},min_live=2") for s in seeds]
+    runs, left, started = [], [], 0
+    for name, chaos in plan:
+        done = None if a.fresh else finished_run(name, a, chaos)
+        if done is not None:
+            print(f"{name}: reusing the finished run in {Path(a.out) / name}", file=sys.stderr)
+            runs.append(done)
+        elif a.max_runs is not None and started >= a.max_runs:
+            left.append(name)
+        else:
+            print(f"{name}: running ({started + 1} new this time, {len(plan)} planned)", file=sys.stderr)
+            runs.append(run_one(name, a, chaos))
+            started += 1
     png = Path(a.plot) if a.plot else Path(a.out) / "loss_curves.png"
     try:
         plot(runs, png, f"{Path(a.config).stem}, {a.stages}x{a.replicas}, merge every {a.merge_every}")
@@ -170,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         "timed_out": [r["name"] for r in runs if r["timed_out"]],
         "audits": {r["name"]: r["audits"] for r in runs},
         "plot": str(png) if png else None,
+        "runs_left": left,
     }
+    if left:
+        print(f"{len(left)} of {len(plan)} runs left ({', '.join(left)}): the same command again goes on",
+              file=sys.stderr)
     if a.json:
         print(json.dumps(res, indent=2))
     else:
