@@ -31,6 +31,10 @@ import torch
 LEAF = b"\x00"
 NODE = b"\x01"
 DIGEST_BYTES = 32
+# sha256 states that have absorbed the domain byte: ``.copy()`` then ``.update(data)`` hashes
+# ``domain || data`` without building the concatenation (rows are hashed by the hundred thousand)
+_LEAF_STATE = hashlib.sha256(LEAF)
+_NODE_STATE = hashlib.sha256(NODE)
 
 
 class MerkleError(ValueError):
@@ -60,7 +64,10 @@ def leaf_hash(row: torch.Tensor) -> bytes:
 
 
 def node_hash(left: bytes, right: bytes) -> bytes:
-    return hashlib.sha256(NODE + left + right).digest()
+    h = _NODE_STATE.copy()
+    h.update(left)
+    h.update(right)
+    return h.digest()
 
 
 def row_leaves(t: torch.Tensor) -> list[bytes]:
@@ -68,8 +75,12 @@ def row_leaves(t: torch.Tensor) -> list[bytes]:
     rows = as_rows(t)
     if rows.numel() == 0:
         return [hashlib.sha256(LEAF).digest() for _ in range(rows.shape[0])] or [hashlib.sha256(LEAF).digest()]
-    flat = rows.view(torch.uint8).numpy()            # [r, row_bytes]
-    return [hashlib.sha256(LEAF + memoryview(flat[i])).digest() for i in range(flat.shape[0])]
+    out = []
+    for row in rows.view(torch.uint8).numpy():      # [row_bytes] each, no copy
+        h = _LEAF_STATE.copy()
+        h.update(row)
+        out.append(h.digest())
+    return out
 
 
 class MerkleTree:
