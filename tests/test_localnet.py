@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -148,3 +149,14 @@ def test_a_resumed_run_ignores_the_previous_processes_status(tmp_path):
     assert c.status() == {}
     (c.out / "status.json").write_text(json.dumps({"dashboard": "http://127.0.0.1:2/"}))
     assert c.status()["dashboard"] == "http://127.0.0.1:2/"
+
+
+def test_dashboard_addresses_go_to_stderr_so_json_on_stdout_stays_parseable(tmp_path, capsys):
+    """``bench_churn.py --json`` and ``bench_verification.py --json`` print one JSON object on stdout;
+    the dashboard address a local network announces once its validator serves one went to stdout too
+    and made that output unparseable."""
+    ns = SimpleNamespace(children=[Child("validator0", "validator", ["true"], tmp_path / "v.log", tmp_path / "v")],
+                         dashboards={})
+    LocalNet._announce_dashboards(ns, [{"dashboard": "http://127.0.0.1:5/"}])
+    out, err = capsys.readouterr()
+    assert out == "" and "dashboard (validator0): http://127.0.0.1:5/" in err

@@ -441,7 +441,7 @@ class LocalNet:
             if url and self.dashboards.get(name) != url:
                 self.dashboards[name] = url
                 logger.info(f"{name} dashboard: {url}")
-                print(f"dashboard ({name}): {url}", flush=True)
+                print(f"dashboard ({name}): {url}", file=sys.stderr, flush=True)   # stdout: --json results only
 
     @staticmethod
     def _steps_done(st: list[dict]) -> int:
