@@ -80,7 +80,8 @@ def finished_run(name: str, a: argparse.Namespace, chaos: str | None) -> dict | 
         r = json.loads(p.read_text())
     except (OSError, ValueError):
         return None
-    return r if r.get("params") == run_params(a, chaos) and not r.get("timed_out") else None
+    ok = isinstance(r, dict) and r.get("params") == run_params(a, chaos) and not r.get("timed_out")
+    return r if ok else None
 
 
 def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
