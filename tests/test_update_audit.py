@@ -264,3 +264,33 @@ def test_audit_over_http_not_blocked_by_the_worker_lock(tmp_home):
             await client.close()
             await server.stop()
     asyncio.run(main())
+
+
+def test_hop_store_reuses_the_update_stores_commitment_of_the_same_weights():
+    """The weights after inner step k are version k + 1 of hop receipts: committed once (the update
+    store's ``w1``), unless the live weights changed since that copy (then the hop store hashes its own)."""
+    from iota_subnet.audit.commit import weights_root
+    from iota_subnet.audit.merkle import verify_proof, leaf_hash
+    from iota_subnet.miner.hop_store import HopStore
+    c = cfg()
+    w = StageWorker(c, 1, seed=0, total_steps=c.train.total_steps, audit_window=3)
+    train(w, 2)
+    hops = HopStore(3, shared=w.updates.weights_version)
+    with w.lock:
+        v = hops.observe(w)
+    assert v == (2, 0) and (hops.shared_versions, hops.snapshots) == (1, 0) and hops.nbytes == 0
+    wc = hops.commitment(v, timeout_s=10)
+    assert wc.root == weights_root(w.module.state_dict()) and wc.root.hex() == w.updates.weights_root(2)
+    mat = next(n for n, shape, _ in wc.entries if n.endswith("^T"))[:-2]
+    for name in ("w:" + mat + "^T", "w:" + mat):
+        row, proof = wc.open_row(name, 5)
+        assert verify_proof(wc.trees[name].root, leaf_hash(row), 5, wc.trees[name].n_leaves, proof)
+    # weights touched in place after the step, version unchanged: not the committed copy any more
+    with w.lock, torch.no_grad():
+        next(w.module.parameters()).add_(1.0)
+        fresh = HopStore(3, shared=w.updates.weights_version)
+        v2 = fresh.observe(w)
+    assert v2 == v and (fresh.shared_versions, fresh.snapshots) == (0, 1)
+    assert fresh.commitment(v2, timeout_s=10).root == weights_root(w.module.state_dict()) != wc.root
+    # a version the update store does not hold (another merge count) is hashed by the hop store
+    assert w.updates.weights_version((2, 1)) is None and w.updates.weights_version((9, 0)) is None

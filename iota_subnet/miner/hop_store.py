@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,8 +85,9 @@ class HopRecord:
 
 
 class _Version:
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, own: bool = True):
         self.future = future
+        self.own = own              # False: the copy belongs to ``shared``'s owner (not counted in nbytes)
         self.at = time.time()
 
 
@@ -94,10 +95,14 @@ class HopStore:
     """Hops and weights versions of one stage for the audit window (see the module docstring).
 
     ``keep_versions``: K; ``max_hops``: hops kept at most (oldest dropped first); ``hash_threads``:
-    background hashing threads (hashlib releases the GIL on large rows).
+    background hashing threads (hashlib releases the GIL on large rows). ``shared(version)``: a
+    future of that version's :class:`~iota_subnet.audit.commit.WeightsCommitment` already being
+    built elsewhere, or None (:meth:`iota_subnet.miner.update_store.UpdateStore.weights_version`:
+    the weights after an inner step are committed once, for both kinds of audit).
     """
 
-    def __init__(self, keep_versions: int = DEFAULT_KEEP_VERSIONS, *, max_hops: int = 1024, hash_threads: int = 1):
+    def __init__(self, keep_versions: int = DEFAULT_KEEP_VERSIONS, *, max_hops: int = 1024, hash_threads: int = 1,
+                 shared: Optional[Callable[[Version], Optional[Future]]] = None):
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self.keep_versions = int(keep_versions)
@@ -106,7 +111,9 @@ class HopStore:
         self._lock = threading.Lock()
         self._versions: "OrderedDict[Version, _Version]" = OrderedDict()
         self._hops: "OrderedDict[str, HopRecord]" = OrderedDict()
+        self.shared = shared
         self.snapshots = 0
+        self.shared_versions = 0    # versions whose commitment came from ``shared`` (no copy, no hashing)
         self.snapshot_s = 0.0       # compute-thread seconds spent copying weights (the critical path)
 
     # ---- compute thread ------------------------------------------------------------------------
@@ -117,13 +124,18 @@ class HopStore:
         with self._lock:
             if v in self._versions:
                 return v
-        t0 = time.perf_counter()
-        snap = host_snapshot(worker.module.state_dict())
-        self.snapshot_s += time.perf_counter() - t0
-        self.snapshots += 1
-        fut = self.pool.submit(weights_commitment, snap)
+        fut = self.shared(v) if self.shared is not None else None
+        own = fut is None
+        if not own:
+            self.shared_versions += 1
+        else:
+            t0 = time.perf_counter()
+            snap = host_snapshot(worker.module.state_dict())
+            self.snapshot_s += time.perf_counter() - t0
+            self.snapshots += 1
+            fut = self.pool.submit(weights_commitment, snap)
         with self._lock:
-            self._versions[v] = _Version(fut)
+            self._versions[v] = _Version(fut, own)
             while len(self._versions) > self.keep_versions:
                 self._versions.popitem(last=False)
             kept = set(self._versions)
@@ -189,9 +201,10 @@ class HopStore:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the kept weights copies (trees and hop tensors not counted)."""
+        """Host bytes of the weights copies this store made (trees, hop tensors and shared copies not
+        counted)."""
         with self._lock:
-            futs = [v.future for v in self._versions.values()]
+            futs = [v.future for v in self._versions.values() if v.own]
         total = 0
         for f in futs:
             if f.done() and f.exception() is None:
@@ -201,7 +214,7 @@ class HopStore:
     def status(self) -> dict:
         with self._lock:
             return {"versions": [list(v) for v in self._versions], "hops": len(self._hops),
-                    "snapshots": self.snapshots, "snapshot_s": round(self.snapshot_s, 3)}
+                    "snapshots": self.snapshots, "shared_versions": self.shared_versions, "snapshot_s": round(self.snapshot_s, 3)}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -417,7 +417,8 @@ class MinerService:
         from iota_subnet.protocol import UpdateAuditRequest
         if not isinstance(self.worker, StageWorker) or self.audit_window <= 0:
             return
-        self.hops = HopStore(self.audit_window)
+        self.hops = HopStore(self.audit_window, shared=self.worker.updates.weights_version
+                             if self.worker.updates is not None else None)
         self.hop_routes = HopAuditRoutes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage)
         update_route = (UpdateAuditRoute(self.worker.updates, self.run_id, self.stage)
                         if self.worker.updates is not None else None)

@@ -39,8 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from iota_subnet.audit.commit import host_cols
-from iota_subnet.audit.layout import has_columns
+from iota_subnet.audit.commit import WeightsCommitment, weights_commitment
 from iota_subnet.audit.merkle import MerkleTree, as_rows, combine_roots
 from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAuditRequest, UpdateAuditResponse,
                                   UpdateCommit, opening_key, proof_tensor)
@@ -65,6 +64,7 @@ class _Copies:
         self.trees: dict[str, MerkleTree] = {}
         self.entries: list[tuple[str, tuple, bytes]] = []    # (name, shape, root) in commitment order
         self.root: Optional[bytes] = None
+        self.weights: Optional[WeightsCommitment] = None     # weights kinds: rows and columns (build)
         self.future: Optional[Future] = None
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -84,18 +84,24 @@ class _Copies:
 
     def build(self, shapes: dict[str, tuple], columns: bool = False) -> bytes:
         """Merkle trees and the combined root. ``columns`` (weights): matrices are also committed by
-        columns, as the weights version root of hop receipts is (:mod:`iota_subnet.audit.commit`),
-        so the root of the weights after step k *is* the root receipts name for version k + 1."""
+        columns, exactly as the weights version root of hop receipts is
+        (:func:`~iota_subnet.audit.commit.weights_commitment`, kept in :attr:`weights`), so the root
+        of the weights after step k *is* the root receipts name for version k + 1 and the hop store
+        reuses it (:meth:`UpdateStore.weights_version`) instead of hashing the same weights again."""
         for ev in self.events:           # the device -> host copies have landed
             ev.synchronize()
         self.events.clear()
+        if columns:
+            wc = weights_commitment({n: self.host[n] for n in self.names})
+            self.weights = wc
+            self.trees = {n: wc.trees["w:" + n] for n in self.names}
+            self.entries = list(wc.entries)
+            self.root = wc.root
+            return self.root
         self.entries = []
         for n in self.names:
             self.trees[n] = MerkleTree.of_rows(self.host[n])
             self.entries.append((n, shapes[n], self.trees[n].root))
-            if columns and has_columns(n, shapes[n]):
-                self.entries.append((n + "^T", (shapes[n][1], shapes[n][0]),
-                                     MerkleTree.of_rows(host_cols(self.host[n])).root))
         self.root = combine_roots(self.entries)
         return self.root
 
@@ -140,6 +146,8 @@ class UpdateStore:
         self.names = [n for n in module.state_dict().keys() if n in params]
         self.params = [params[n] for n in self.names]
         self.shapes = {n: tuple(int(s) for s in p.shape) for n, p in zip(self.names, self.params)}
+        #: the weights copies commit exactly what a weights version root covers (the whole state_dict)
+        self.covers_state = self.names == list(module.state_dict().keys())
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(hash_workers)), thread_name_prefix="update-audit-hash")
         self._lock = threading.Lock()
         self._records: "OrderedDict[int, _Record]" = OrderedDict()
@@ -275,6 +283,29 @@ class UpdateStore:
         if rec is None or rec.commit is None:
             return None
         return rec.commit.roots["w1"]
+
+    def weights_version(self, version: tuple[int, int]) -> Optional[Future]:
+        """For the hop store (call on the compute thread, under the worker's lock): a future of the
+        :class:`~iota_subnet.audit.commit.WeightsCommitment` of weights version ``(step, merges)``
+        when it is the kept state after inner step ``step - 1`` and the live weights have not been
+        touched since that copy (same tensors, same in-place versions); else None (hash a snapshot)."""
+        step, merges = int(version[0]), int(version[1])
+        with self._lock:
+            rec = self._records.get(step - 1)
+        if not self.covers_state or rec is None or rec.merges != merges:
+            return None
+        c = rec.kinds["w1"]
+        if c.future is None or not self._same(c, self._state_tensors("w")[1]):
+            return None
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(c.weights)
+        c.future.add_done_callback(done)
+        return out
 
     @property
     def nbytes(self) -> int:
