@@ -4,6 +4,7 @@ cheater suite and forged openings fail, the trace is the stage's computation, th
 one root, and a forgery confined to a fraction of token rows is caught at the stated rate."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -236,19 +237,25 @@ def test_a_forged_link_fails_on_tiny(chain, stage, direction, target, links):
 
 
 def test_detection_of_a_forgery_confined_to_a_fraction_of_rows(chain):
-    """f = 1/4 of the token rows forged at one link; s = 2 sampled rows of one batch row: caught with
-    probability sum_b C(T - m_b, 2) / C(T, 2) / B away from 1, i.e. about 1 - (1 - f)^2 = 0.44."""
+    """f = 1/4 of the token rows forged at one link; s sampled rows of one batch row (s = 1 by default,
+    and 2): caught with probability sum_b C(T - m_b, s) / C(T, s) / B away from 1, i.e. about
+    1 - (1 - f)^s (0.25, 0.44)."""
+    for s in (1, 2):
+        _detection_at(chain, dataclasses.replace(EVERY_BLOCK, tokens=s), s)
+
+
+def _detection_at(chain, sampling, s):
     f, n = 0.25, 30
     tracer = forging_tracer("L0.y", fraction=f, seed=3)
     hop, lay = forged_hop(chain, 1, "forward", tracer)
     prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer)
-    verdicts = audit_many(chain, hop, "forward", n, prover=prover, seed0=500, sampling=EVERY_BLOCK)
+    verdicts = audit_many(chain, hop, "forward", n, prover=prover, seed0=500, sampling=sampling)
     caught = sum(not v.ok for v in verdicts)
     mask = tracer(lay, hop.weights).mask
     T = lay.dims.T
-    p_miss = sum(math.comb(T - int(mask[b].sum()), 2) / math.comb(T, 2) for b in range(lay.dims.B)) / lay.dims.B
+    p_miss = sum(math.comb(T - int(mask[b].sum()), s) / math.comb(T, s) for b in range(lay.dims.B)) / lay.dims.B
     p = 1 - p_miss
-    assert abs(p - (1 - (1 - f) ** 2)) < 0.08
+    assert abs(p - (1 - (1 - f) ** s)) < 0.08
     sd = math.sqrt(n * p * (1 - p))
     assert abs(caught - n * p) <= 4 * sd, (caught, n * p)
 
