@@ -7,7 +7,9 @@ Weights versions
     :meth:`HopStore.observe` copies the weights to host memory (:func:`~iota_subnet.audit.commit.host_snapshot`,
     under the worker's lock, on the compute thread: a memcpy, the only part on the critical path) and
     hashes them on a background thread (:func:`~iota_subnet.audit.commit.weights_commitment`: rows and
-    columns of every matrix). Receipts name the version's root (``wroot``), filled in when the receipt
+    columns of every matrix), unless the update store already commits those very weights (the state
+    after the last inner step, untouched since: ``shared``), whose commitment it then reuses (no copy,
+    no second hashing). Receipts name the version's root (``wroot``), filled in when the receipt
     batch is sent (:meth:`HopStore.root`), so hashing never delays a hop.
 
 What is kept (the audit window)
@@ -17,7 +19,8 @@ What is kept (the audit window)
     the tensors the data plane already holds (no copy). A hop whose version left the window is
     answered ``LATE`` (410).
 
-Memory (K versions): ``K x 4 x P`` bytes of fp32 weights for a stage of P parameters, plus the trees
+Memory (K versions): ``K x 4 x P`` bytes of fp32 weights for a stage of P parameters (none of its own
+for the versions it takes from the update store: that store's copies), plus the trees
 (~64 bytes a row or column; < 1 % of the weights at these shapes), plus the hops: up to 4 wire
 tensors of ``B x T x b`` values each (tiny, bf16: 64 kB each). K = 4: ``tiny`` stage 1 (2.4 M
 parameters) ~40 MB of weights + ~1 MB of hops; ``1b`` middle stage (~244 M parameters) ~3.9 GB;

@@ -19,7 +19,9 @@ reports the live figure.
 
 The weights kinds (``w0``, ``w1``) commit matrices by rows and by columns, exactly as the weights
 version root of hop receipts (:func:`iota_subnet.audit.commit.weights_commitment`): ``w1`` of step k
-is the root receipts name for the weights version ``(k + 1, merges)``. Audits open rows only.
+is the root receipts name for the weights version ``(k + 1, merges)``, and the hop store takes that
+commitment (trees and host copy) instead of hashing the same weights again
+(:meth:`UpdateStore.weights_version`). Update audits open rows only.
 
 Serving (:meth:`UpdateStore.open`, mounted by :class:`UpdateAuditRoute`) reads only stored copies
 under the store's own lock: it never takes the worker's lock, never waits for the compute thread or
