@@ -217,7 +217,8 @@ class HopStore:
     def status(self) -> dict:
         with self._lock:
             return {"versions": [list(v) for v in self._versions], "hops": len(self._hops),
-                    "snapshots": self.snapshots, "shared_versions": self.shared_versions, "snapshot_s": round(self.snapshot_s, 3)}
+                    "snapshots": self.snapshots, "shared_versions": self.shared_versions,
+                    "snapshot_s": round(self.snapshot_s, 3)}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
