@@ -280,7 +280,8 @@ def test_hop_store_reuses_the_update_stores_commitment_of_the_same_weights():
         v = hops.observe(w)
     assert v == (2, 0) and (hops.shared_versions, hops.snapshots) == (1, 0) and hops.nbytes == 0
     wc = hops.commitment(v, timeout_s=10)
-    assert wc.root == weights_root(w.module.state_dict()) and wc.root.hex() == w.updates.weights_root(2)
+    step1 = w.updates.commitment(1, timeout_s=10)      # sealed after the trees: wait for it, not just the trees
+    assert wc.root == weights_root(w.module.state_dict()) and wc.root.hex() == step1.roots["w1"]
     mat = next(n for n, shape, _ in wc.entries if n.endswith("^T"))[:-2]
     for name in ("w:" + mat + "^T", "w:" + mat):
         row, proof = wc.open_row(name, 5)
