@@ -1,6 +1,8 @@
 """Stage workers chained by hand reproduce the co-located trainer's steps; the cache is bounded."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -169,6 +171,43 @@ def test_cache_bound_holds_when_backwards_never_come(stage):
         # cache's sum is at most a few KiB above what the graphs hold together
         assert held <= cache.bytes <= bound and cache.bytes - held <= 4096 * len(cache), (i, held, bound)
     assert len(cache) == 3 and cache.evictions["bytes"] == 22 and cache.peak_bytes <= bound
+
+
+def _live_graph_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_forwards_whose_backward_never_comes_free_their_graphs(stage):
+    """Evicted and dropped forwards leave no autograd graph behind. (The CPU meter's saved-tensor
+    hook once packed each saved tensor as itself: a tensor an op saves as its own output, e.g.
+    attention's, then held its grad_fn through a Python reference, a cycle the garbage collector
+    cannot see, and every forward whose backward never came leaked its graph: stage-0 miners of a
+    3 x 3 localnet with audits on grew to 5 GB and were OOM-killed.)"""
+    cfg = load_config("configs/tiny.yaml", OVR)
+    before = _live_graph_tensors()
+    cache = ActivationCache(max_bytes=1 << 30, max_entries=2, ttl_s=1000)
+    w = StageWorker(cfg, stage, cache=cache)
+    for i in range(6):
+        w.forward(f"mb{i}", torch.randint(0, 256, (2, 16)) if stage == 0 else torch.randn(2, 16, 16))
+    assert cache.evictions["entries"] == 4 and _live_graph_tensors() > before      # two graphs cached
+    assert w.drop("mb4") and w.drop("mb5") and len(cache) == 0
+    assert _live_graph_tensors() == before
+    # a kept forward still backpropagates exactly as without the meter
+    x = torch.randint(0, 256, (2, 16)) if stage == 0 else torch.randn(2, 16, 16)
+    w.forward("kept", x)
+    g = torch.randn(w.cache.get("kept").outputs.shape)
+    gin = w.backward("kept", g)
+    xr = x if stage == 0 else x.clone().requires_grad_(True)
+    out = w.module(xr)
+    grads = torch.autograd.grad(out, [p for p in w.module.parameters()] + ([] if stage == 0 else [xr]), g,
+                                allow_unused=True)
+    if stage:
+        assert torch.allclose(gin, grads[-1], atol=1e-6)
+    del out
+    assert _live_graph_tensors() == before
+    cache.close()
 
 
 def test_cache_ttl_expires_without_new_forwards_and_caps_entries():
