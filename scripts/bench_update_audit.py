@@ -132,7 +132,7 @@ def store_figures(K: int = 2) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from iota_subnet.audit.update import UPDATE_TOL_UNITS

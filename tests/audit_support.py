@@ -158,9 +158,9 @@ def _run(workers, mid: str, rows: torch.Tensor, cfg, wire: str = "bf16"):
 
 
 # ---- audits ------------------------------------------------------------------------------------
-#: Every block of the stage checked in each audit (tests of single links; production draws
-#: ``SamplingParams.blocks`` of them).
-EVERY_BLOCK = SamplingParams(blocks=1_000)
+#: Every block of the stage and every kv-head group checked in each audit (tests of single links;
+#: production draws ``SamplingParams.blocks`` blocks and ``SamplingParams.groups`` groups).
+EVERY_BLOCK = SamplingParams(blocks=1_000, groups=1_000)
 
 
 def auditor_for(chain: Chain, hop: Hop, direction: str, *, rng_seed: int, tol: Optional[Tolerances] = None,

@@ -196,12 +196,12 @@ def test_attention_outputs_rescued_by_a_forged_value_projection_fail_the_spots(m
         P = _probabilities(records, layout, 1)                                            # [B, H, t, s]
         dy = (records["L1.y"] - honest["L1.y"]).double().view(m.B, m.T, m.H, m.D)
         r = rnd["L1.r_c"].view(m.K, m.D)
-        c = com["p:L1.c"].double().view(m.B, m.T, m.K).clone()
+        c = com["p:L1.c"].double().view(m.B, m.K, m.T).clone()                          # rows b*K + g
         for b in range(m.B):
             for h in range(m.H):
                 rhs = dy[b, :, h] @ r[h]
-                c[b, :, h] += torch.linalg.solve_triangular(P[b, h], rhs[:, None], upper=False)[:, 0]
-        com["p:L1.c"] = c.reshape(m.B, m.T * m.K).float()
+                c[b, h] += torch.linalg.solve_triangular(P[b, h], rhs[:, None], upper=False)[:, 0]
+        com["p:L1.c"] = c.reshape(m.B * m.K, m.T).float()
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)
@@ -224,11 +224,11 @@ def test_key_gradients_rescued_by_a_forged_query_projection_fail_the_spots(chain
     def fix(layout, records, weights, rnd, vec, com):
         P = _probabilities(records, layout, 1)
         dp = records["L1.dp"].double().view(m.B, m.T, m.H, m.T).permute(0, 2, 1, 3)
-        delta = records["L1.delta"].double().view(m.B, m.T, m.H).permute(0, 2, 1)
+        delta = records["L1.delta"].double().view(m.B, m.H, m.T)                         # rows b*K + g
         dS = P * (dp - delta[..., None]) / math.sqrt(m.D)                                # [B, H, t, u]
         ddk = (records["L1.dk"] - honest["L1.dk"]).double().view(m.B, m.T, m.K, m.D)
         r = rnd["L1.r_dk"].view(m.K, m.D)
-        e = com["p:L1.e"].double().view(m.B, m.T, m.H).clone()
+        e = com["p:L1.e"].double().view(m.B, m.H, m.T).clone()                          # rows b*K + g
         for b in range(m.B):
             for g in range(m.K):
                 heads = list(range(g * m.rep, (g + 1) * m.rep))
@@ -237,8 +237,8 @@ def test_key_gradients_rescued_by_a_forged_query_projection_fail_the_spots(chain
                 sol = torch.linalg.pinv(A, rtol=1e-12) @ rhs                           # minimum-norm exact solve
                 assert float((A @ sol - rhs).norm()) < 1e-9 * (float(rhs.norm()) + 1e-30)
                 for i, hh in enumerate(heads):
-                    e[b, :, hh] += sol[i * m.T:(i + 1) * m.T]
-        com["p:L1.e"] = e.reshape(m.B, m.T * m.H).float()
+                    e[b, hh] += sol[i * m.T:(i + 1) * m.T]
+        com["p:L1.e"] = e.reshape(m.B * m.K, m.rep * m.T).float()
         return vec, com
 
     prover = RescuingProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=tracer, fix=fix)

@@ -6,7 +6,9 @@ projections), from the validator's own OS-seeded RNG:
 * ``rows`` batch rows, and in each ``tokens`` token positions (uniform, without replacement): the
   stage's boundary links (input, output, and for a backward hop the gradient received and sent) and
   every link of ``blocks`` of its transformer blocks, drawn uniformly, are checked on these token
-  rows (:mod:`.check`);
+  rows (:mod:`.check`); the attention links (scores, softmax, values and their backward) on the
+  heads of ``groups`` of the K kv-head groups, drawn uniformly (the score and dP rows, ``rep x T``
+  values per group and token, are most of a backward audit's bytes);
 * per sampled batch row, ``spots`` positions where the committed per-position projections
   (``p:`` tensors) are recomputed from opened activation rows, and ``act_cols`` columns of every
   activation matrix whose projection (``kappa``, ``nu``, ``phi``, ``psi``) is recomputed;
@@ -56,6 +58,13 @@ class SamplingParams:
     proportional to f, so sampling more tokens changes the constant, not whether partial cheating
     pays: a flagged miner loses its weight for many tempos for compute saved in one
     (``docs/hop-audit.md``, "Detection").
+
+    ``groups = 1``: the attention links are checked on the heads of one kv-head group of K, drawn
+    uniformly after round 2 (a forged trace whose chain breaks only inside the attention of some
+    heads is caught with probability (their groups) / K per audit; every other link, and every
+    boundary link, on every audit). The per-head score, dP and softmax-statistics rows are
+    ``H x T`` values per token and block, about 40 % of a ``tiny`` backward audit with every group:
+    one of K = 4 cuts a middle backward audit from 212 to 158 kB.
     """
 
     rows: int = 1
@@ -66,11 +75,13 @@ class SamplingParams:
     vocab: int = 4
     scale_rows: int = 16
     blocks: int = 1
+    groups: int = 1
     rescue_miss: float = 0.1
     max_idx: int = 256
 
     def validate(self) -> "SamplingParams":
-        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "scale_rows", "blocks", "max_idx"):
+        for k in ("rows", "tokens", "spots", "act_cols", "weight_idx", "vocab", "scale_rows", "blocks", "groups",
+                  "max_idx"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"sampling.{k} must be an integer >= 1, got {v!r}")
@@ -85,7 +96,8 @@ class Sample:
     ``cols``: (vector name, batch row) -> column indices; ``idx``: vector name -> entry indices;
     ``scale_rows``: token rows (b * T + t) of the sent gradient opened for its scale (backward,
     non-head; else empty); ``blocks``: indices (0 .. L-1, inside the stage) of the blocks whose links
-    are checked, sorted."""
+    are checked, sorted; ``groups``: the kv-head groups (0 .. K-1) whose attention links are checked,
+    sorted."""
 
     tokens: dict[int, list[int]]
     spots: dict[int, list[int]]
@@ -93,6 +105,7 @@ class Sample:
     idx: dict[str, list[int]] = field(default_factory=dict)
     scale_rows: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
 
     def token_rows(self, T: int) -> list[int]:
         return sorted(b * T + t for b, ts in self.tokens.items() for t in ts)
@@ -101,7 +114,8 @@ class Sample:
         return {"tokens": {str(b): v for b, v in self.tokens.items()},
                 "spots": {str(b): v for b, v in self.spots.items()},
                 "cols": [[k[0], k[1], v] for k, v in self.cols.items()],
-                "idx": self.idx, "scale_rows": self.scale_rows, "blocks": self.blocks}
+                "idx": self.idx, "scale_rows": self.scale_rows, "blocks": self.blocks,
+                "groups": self.groups}
 
 
 #: D-dim projections per batch row, and the activation column tensor each is checked against.
@@ -235,6 +249,7 @@ def draw_sample(layout: TraceLayout, params: SamplingParams, rng: random.Random,
         del s.cols[key]
     for vname in [v for v in s.idx if block_of(v) is not None and block_of(v) not in s.blocks]:
         s.idx[vname] = []
+    s.groups = sorted(rng.sample(range(m.K), min(params.groups, m.K)))
     return s
 
 
@@ -253,6 +268,9 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
 
     toks = sample.token_rows(T)
     rows = sorted(sample.tokens)
+    K = m.K
+    gtoks = [n * K + g for n in toks for g in sample.groups]        # per (token, kv group) rows
+    grows = [b * K + g for b in rows for g in sample.groups]        # per (batch row, kv group) rows
     L = len(m.layers)
     add("h.0", toks)
     add(f"h.{L}", toks)
@@ -260,9 +278,10 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
         p = f"L{j}."
         add(f"h.{j}", toks)
         add(f"h.{j + 1}", toks)
-        for nm in ("q", "k", "v", "s", "lse", "y", "h1", "g", "u"):
+        for nm in ("q", "k", "v", "lse", "y", "h1", "g", "u"):
             add(p + nm, toks)
-        add("p:" + p + "c", rows)
+        add(p + "s", gtoks)
+        add("p:" + p + "c", grows)
         add("p:" + p + "kappa", rows)
         for b in rows:
             add(p + "v", [b * T + s for s in sample.spots[b]])
@@ -270,11 +289,15 @@ def openings(layout: TraceLayout, sample: Sample, tokens_of_rows: dict[int, int]
         for par in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             add("w:" + layout.block_param(j, par), [0])
         if layout.backward:
-            for nm in ("da", "dn2", "dy", "dp", "dq", "dk", "dv", "dn1", "s^T", "dp^T"):
+            for nm in ("da", "dn2", "dy", "dq", "dk", "dv", "dn1"):
                 add(p + nm, toks)
-            add(p + "lse_b", rows)
-            add(p + "delta", rows)
-            for nm in ("ck", "e", "f", "nu", "phi", "psi"):
+            for nm in ("dp", "s^T", "dp^T"):
+                add(p + nm, gtoks)
+            add(p + "lse_b", grows)
+            add(p + "delta", grows)
+            for nm in ("ck", "e", "f"):
+                add("p:" + p + nm, grows)
+            for nm in ("nu", "phi", "psi"):
                 add("p:" + p + nm, rows)
             for b in rows:
                 spots = [b * T + s for s in sample.spots[b]]

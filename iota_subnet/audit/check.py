@@ -6,7 +6,9 @@ Input: the rows the miner opened (already verified against their Merkle roots by
 
 Links checked for each sampled token n = (b, t): the stage's boundary links (input, output; backward:
 the gradient received and the one sent) always, and those of the sampled blocks (``Sample.blocks``,
-see :mod:`.challenge`) block by block (names as in :mod:`.layout`):
+see :mod:`.challenge`) block by block (names as in :mod:`.layout`); the per-head attention links
+(lse, scores, values; dP rows, delta, dq, columns, dk, dv) on the heads of the sampled kv-head
+groups (``Sample.groups``):
 
 forward
     input       head: ``h.0[n] == E[token]`` (embedding row); else ``h.0[n] == pad(z_id) + W_dec z_enc``
@@ -148,6 +150,7 @@ class LinkChecker:
         self.cos, self.sin = cos.double(), sin.double()
         self.grad_floor = self.grad_scale()
         self.blocks = list(sample.blocks)
+        self.groups = list(sample.groups)
 
     # ---- primitives ----------------------------------------------------------------------------
     def row(self, name: str, i: int) -> torch.Tensor:
@@ -277,18 +280,20 @@ class LinkChecker:
             n1 = self.rmsnorm(h, self.weight(self.bp(j, "input_layernorm.weight")))
             lhs = torch.cat((R[p + "r_q"] * self.unrope(q, t, H), R[p + "r_k"] * self.unrope(k, t, K), R[p + "r_v"] * v))
             self.dot(p + "qkv", lhs, self.vec[p + "w_qkv"] * n1, where)
-            s = self.row(p + "s", n).view(H, T)
             lse = self.row(p + "lse", n)
-            self.absdiff(p + "lse", lse, torch.logsumexp(s[:, :t + 1], dim=-1), where)
             kap = self.row("p:" + p + "kappa", b).view(K, D)
             qh, y = q.view(H, D), self.row(p + "y", n).view(H, D)
-            c = self.row("p:" + p + "c", b).view(T, K)
             rc = R[p + "r_c"].view(K, D)
-            for hh in range(H):
-                g = hh // rep
-                self.dot(p + "scores", R[p + "rho"] * s[hh], qh[hh] * kap[g] * sc, f"{where}, head {hh}")
-                P = torch.exp(s[hh, :t + 1] - lse[hh])
-                self.dot(p + "values", rc[g] * y[hh], P * c[:t + 1, g], f"{where}, head {hh}")
+            for g in self.groups:                       # the sampled kv-head groups' heads
+                s = self.row(p + "s", n * K + g).view(rep, T)
+                c = self.row("p:" + p + "c", b * K + g)             # [T]
+                self.absdiff(p + "lse", lse[g * rep:(g + 1) * rep], torch.logsumexp(s[:, :t + 1], dim=-1),
+                             f"{where}, kv group {g}")
+                for i in range(rep):
+                    hh = g * rep + i
+                    self.dot(p + "scores", R[p + "rho"] * s[i], qh[hh] * kap[g] * sc, f"{where}, head {hh}")
+                    P = torch.exp(s[i, :t + 1] - lse[hh])
+                    self.dot(p + "values", rc[g] * y[hh], P * c[:t + 1], f"{where}, head {hh}")
             h1 = self.row(p + "h1", n)
             self.dot(p + "o", R[p + "r_o"] * (h1 - h), self.vec[p + "w_o"] * y.reshape(-1), where)
             n2 = self.rmsnorm(h1, self.weight(self.bp(j, "post_attention_layernorm.weight")))
@@ -363,39 +368,41 @@ class LinkChecker:
             y, q, k, v = (self.row(p + nm, n) for nm in ("y", "q", "k", "v"))
             yh, dyh = y.view(H, D), dy.view(H, D)
             kh, vh = k.view(K, D), v.view(K, D)
-            s, lse = self.row(p + "s", n).view(H, T), self.row(p + "lse", n)
-            dp = self.row(p + "dp", n).view(H, T)
-            lse_b, delta_b = self.row(p + "lse_b", b).view(T, H), self.row(p + "delta", b).view(T, H)
-            self.absdiff(p + "lse_b", lse_b[t], lse, where)
-            sT, dpT = self.row(p + "s^T", n).view(H, T), self.row(p + "dp^T", n).view(H, T)
+            lse = self.row(p + "lse", n)
             nu = self.row("p:" + p + "nu", b).view(K, D)
             phi, psi = self.row("p:" + p + "phi", b).view(H, D), self.row("p:" + p + "psi", b).view(H, D)
-            ck = self.row("p:" + p + "ck", b).view(T, K)
-            e, f = self.row("p:" + p + "e", b).view(T, H), self.row("p:" + p + "f", b).view(T, H)
             rdq, rdk, rdv = (R[p + nm].view(K, D) for nm in ("r_dq", "r_dk", "r_dv"))
             dq, dk, dv = self.row(p + "dq", n).view(H, D), self.row(p + "dk", n).view(K, D), self.row(p + "dv", n).view(K, D)
             dk_terms = [[] for _ in range(K)]
             dk_mag = [[] for _ in range(K)]
             dv_terms = [[] for _ in range(K)]
-            for hh in range(H):
-                g = hh // rep
-                wh = f"{where}, head {hh}"
-                self.dot(p + "dp", R[p + "rho2"] * dp[hh], dyh[hh] * nu[g], wh)
-                dl = float(dyh[hh] @ yh[hh])
-                self._record(p + "delta", abs(float(delta_b[t, hh]) - dl) / (float(dyh[hh].norm() * yh[hh].norm()) + TINY),
-                             self.tol.link, wh)
-                P = torch.exp(s[hh, :t + 1] - lse[hh])
-                dsr = P * (dp[hh, :t + 1] - delta_b[t, hh])
-                self.dot(p + "dq", rdq[g] * dq[hh], dsr * ck[:t + 1, g] * sc, wh,
-                         b_mag=P * (dp[hh, :t + 1].abs() + abs(float(delta_b[t, hh]))) * ck[:t + 1, g] * sc)
-                self.dot(p + "s^T", R[p + "sigma"] * sT[hh], phi[hh] * kh[g] * sc, wh)
-                self.dot(p + "dp^T", R[p + "sigma2"] * dpT[hh], psi[hh] * vh[g], wh)
-                Pc = torch.exp(sT[hh, t:] - lse_b[t:, hh])                 # P[t', t] for t' >= t
-                dsc = Pc * (dpT[hh, t:] - delta_b[t:, hh])
-                dk_terms[g].append(dsc * e[t:, hh] * sc)
-                dk_mag[g].append(Pc * (dpT[hh, t:].abs() + delta_b[t:, hh].abs()) * e[t:, hh] * sc)
-                dv_terms[g].append(Pc * f[t:, hh])
-            for g in range(K):
+            for g in self.groups:                       # the sampled kv-head groups' heads
+                s, dp = self.row(p + "s", n * K + g).view(rep, T), self.row(p + "dp", n * K + g).view(rep, T)
+                sT, dpT = self.row(p + "s^T", n * K + g).view(rep, T), self.row(p + "dp^T", n * K + g).view(rep, T)
+                lse_b = self.row(p + "lse_b", b * K + g).view(rep, T)          # [head, position]
+                delta_b = self.row(p + "delta", b * K + g).view(rep, T)
+                ck = self.row("p:" + p + "ck", b * K + g)                      # [T]
+                e, f = self.row("p:" + p + "e", b * K + g).view(rep, T), self.row("p:" + p + "f", b * K + g).view(rep, T)
+                self.absdiff(p + "lse_b", lse_b[:, t], lse[g * rep:(g + 1) * rep], f"{where}, kv group {g}")
+                for i in range(rep):
+                    hh = g * rep + i
+                    wh = f"{where}, head {hh}"
+                    self.dot(p + "dp", R[p + "rho2"] * dp[i], dyh[hh] * nu[g], wh)
+                    dl = float(dyh[hh] @ yh[hh])
+                    self._record(p + "delta", abs(float(delta_b[i, t]) - dl) / (float(dyh[hh].norm() * yh[hh].norm()) + TINY),
+                                 self.tol.link, wh)
+                    P = torch.exp(s[i, :t + 1] - lse[hh])
+                    dsr = P * (dp[i, :t + 1] - delta_b[i, t])
+                    self.dot(p + "dq", rdq[g] * dq[hh], dsr * ck[:t + 1] * sc, wh,
+                             b_mag=P * (dp[i, :t + 1].abs() + abs(float(delta_b[i, t]))) * ck[:t + 1] * sc)
+                    self.dot(p + "s^T", R[p + "sigma"] * sT[i], phi[hh] * kh[g] * sc, wh)
+                    self.dot(p + "dp^T", R[p + "sigma2"] * dpT[i], psi[hh] * vh[g], wh)
+                    Pc = torch.exp(sT[i, t:] - lse_b[i, t:])                   # P[t', t] for t' >= t
+                    dsc = Pc * (dpT[i, t:] - delta_b[i, t:])
+                    dk_terms[g].append(dsc * e[i, t:] * sc)
+                    dk_mag[g].append(Pc * (dpT[i, t:].abs() + delta_b[i, t:].abs()) * e[i, t:] * sc)
+                    dv_terms[g].append(Pc * f[i, t:])
+            for g in self.groups:
                 wg = f"{where}, kv head {g}"
                 self.dot(p + "dk", rdk[g] * dk[g], torch.cat(dk_terms[g]), wg, b_mag=torch.cat(dk_mag[g]))
                 self.dot(p + "dv", rdv[g] * dv[g], torch.cat(dv_terms[g]), wg)
@@ -431,27 +438,27 @@ class LinkChecker:
                     col = self.row(p + ACT_PROJ[nm], b * proj.numel() + i)
                     got = proj[i:i + 1]
                     self.dot(p + nm, got, R[p + weights[nm]] * col, f"batch row {b}, column {i}")
-            c = self.row("p:" + p + "c", b).view(T, K)
             for s in self.S.spots[b]:
                 v = self.row(p + "v", b * T + s).view(K, D)
-                for g in range(K):
-                    self.dot(p + "c", c[s, g:g + 1], R[p + "r_c"].view(K, D)[g] * v[g], f"batch row {b}, spot {s}")
+                for g in self.groups:
+                    c = self.row("p:" + p + "c", b * K + g)            # [T]
+                    self.dot(p + "c", c[s:s + 1], R[p + "r_c"].view(K, D)[g] * v[g], f"batch row {b}, spot {s}")
             if not self.lay.backward:
                 continue
-            ck = self.row("p:" + p + "ck", b).view(T, K)
-            e, f = self.row("p:" + p + "e", b).view(T, H), self.row("p:" + p + "f", b).view(T, H)
             rdq, rdk, rdv = (R[p + nm].view(K, D) for nm in ("r_dq", "r_dk", "r_dv"))
             for s in self.S.spots[b]:
                 where = f"batch row {b}, spot {s}"
                 k = self.row(p + "k", b * T + s).view(K, D)
                 q = self.row(p + "q", b * T + s).view(H, D)
                 dy = self.row(p + "dy", b * T + s).view(H, D)
-                for g in range(K):
-                    self.dot(p + "ck", ck[s, g:g + 1], rdq[g] * k[g], where)
-                for hh in range(H):
-                    g = hh // rep
-                    self.dot(p + "e", e[s, hh:hh + 1], rdk[g] * q[hh], where)
-                    self.dot(p + "f", f[s, hh:hh + 1], rdv[g] * dy[hh], where)
+                for g in self.groups:
+                    ck = self.row("p:" + p + "ck", b * K + g)                                   # [T]
+                    e, f = self.row("p:" + p + "e", b * K + g).view(rep, T), self.row("p:" + p + "f", b * K + g).view(rep, T)
+                    self.dot(p + "ck", ck[s:s + 1], rdq[g] * k[g], where)
+                    for i in range(rep):
+                        hh = g * rep + i
+                        self.dot(p + "e", e[i, s:s + 1], rdk[g] * q[hh], where)
+                        self.dot(p + "f", f[i, s:s + 1], rdv[g] * dy[hh], where)
 
     def weight_vectors(self) -> None:
         for vname, parts in weight_vectors(self.lay).items():

@@ -16,8 +16,10 @@ Trace tensors (fp32, see :mod:`.trace`; ``j`` is the block's index inside the st
 ``h.i``             [N, d]           residual stream at block boundary i = 0..L (``h.0`` stage
                                      input after the embedding / bottleneck decoder)
 ``L{j}.q``/``.k``   [N, H*D]/[N,K*D] queries / keys after RoPE; ``.v`` [N, K*D] values
-``L{j}.s``          [N, H*T]         attention scores q.k/sqrt(D), *unmasked*, token n's row for all
-                                     heads (head-major); ``L{j}.lse`` [N, H] their causal logsumexp
+``L{j}.s``          [N*K, rep*T]     attention scores q.k/sqrt(D), *unmasked*: row ``n*K + g`` holds
+                                     token n's scores for the rep heads of kv group g (head-major), so
+                                     an audit opens the groups it checks only; ``L{j}.lse`` [N, H]
+                                     their causal logsumexp
 ``L{j}.y``          [N, H*D]         attention output; ``L{j}.h1`` [N, d] residual after attention
 ``L{j}.g``/``.u``   [N, F]           gate / up projections
 ``L{j}.k^T``        [B*K*D, T]       columns of the keys of batch row b (row ``b*K*D + i``)
@@ -27,17 +29,19 @@ Trace tensors (fp32, see :mod:`.trace`; ``j`` is the block's index inside the st
 
 Backward trace tensors (audits of a backward hop; the forward ones above are committed too):
 ``g.i`` [N, d] gradient of the loss at boundary i; per block ``da`` [N, F], ``dn2`` [N, d], ``dy``
-[N, H*D], ``dp`` [N, H*T] (dy.v, unmasked, rows), ``dq`` [N, H*D], ``dk``/``dv`` [N, K*D] (dq, dk in
-RoPE space), ``dn1`` [N, d], ``s^T``/``dp^T`` [N, H*T] (columns of the score and dP matrices: key
-position n's column for all heads), ``v^T`` [B*K*D, T], ``q^T``/``dy^T`` [B*H*D, T], ``lse_b``/
-``delta`` [B, T*H] (per batch row: logsumexp and dy.y of every token, token-major);
+[N, H*D], ``dp`` [N*K, rep*T] (dy.v, unmasked, rows; by kv group as ``s``), ``dq`` [N, H*D],
+``dk``/``dv`` [N, K*D] (dq, dk in RoPE space), ``dn1`` [N, d], ``s^T``/``dp^T`` [N*K, rep*T] (columns
+of the score and dP matrices: key position n's column for the heads of group g), ``v^T`` [B*K*D, T],
+``q^T``/``dy^T`` [B*H*D, T], ``lse_b``/``delta`` [B*K, rep*T] (per batch row and kv group: logsumexp
+and dy.y of every token, head-major);
 ``out.dne`` [N, d] (gradient through the encoder projection), ``lm.dn`` [N, d] (through the LM
 head), ``in.dz`` [N, b] (input gradient before wire rounding).
 
 Projection tensors committed in round 2 (``p:`` names, after the validator's seed), one leaf per
-batch row: ``p:L{j}.c`` [B, T*K] (values projected on a random vector per kv head) and
-``p:L{j}.kappa`` [B, K*D] (keys summed with random weights over positions); for backward
-``p:L{j}.ck`` [B, T*K] (keys), ``p:L{j}.e`` [B, T*H] (queries), ``p:L{j}.f`` [B, T*H] (dy),
+batch row (per batch row and kv group ``b*K + g`` where the name says so): ``p:L{j}.c`` [B*K, T]
+(values projected on a random vector per kv head) and ``p:L{j}.kappa`` [B, K*D] (keys summed with
+random weights over positions); for backward ``p:L{j}.ck`` [B*K, T] (keys), ``p:L{j}.e`` [B*K, rep*T]
+(queries), ``p:L{j}.f`` [B*K, rep*T] (dy),
 ``p:L{j}.nu`` [B, K*D] (values), ``p:L{j}.phi`` / ``p:L{j}.psi`` [B, H*D] (queries / dy). Vectors sent in full in round
 2 are listed in :attr:`TraceLayout.vectors`. Wire tensors (their roots are in the receipts):
 ``wire.x`` (forward input), ``wire.z`` (forward output), ``wire.dz`` (gradient received),
@@ -206,7 +210,7 @@ class TraceLayout:
     def _fill(self) -> None:
         m = self.dims
         N, B, T, d, H, K, F = m.N, m.B, m.T, m.d, m.H, m.K, m.F
-        HD, KD = m.HD, m.KD
+        HD, KD, rep = m.HD, m.KD, m.rep
         tr, cm, vec = self.trace, self.committed, self.vectors
 
         def add(dst, name, rows, width, dtype="float32"):
@@ -217,11 +221,12 @@ class TraceLayout:
             add(tr, f"h.{i}", N, d)
         for j in range(L):
             p = f"L{j}."
-            for nm, w in (("q", HD), ("k", KD), ("v", KD), ("s", H * T), ("lse", H), ("y", HD), ("h1", d),
+            for nm, w in (("q", HD), ("k", KD), ("v", KD), ("lse", H), ("y", HD), ("h1", d),
                           ("g", F), ("u", F)):
                 add(tr, p + nm, N, w)
+            add(tr, p + "s", N * K, rep * T)          # by kv group: an audit opens the groups it checks
             add(tr, p + "k^T", B * KD, T)
-            add(cm, "p:" + p + "c", B, T * K)
+            add(cm, "p:" + p + "c", B * K, T)
             for nm, n in (("w_qkv", d), ("w_o", HD), ("w_gu", d), ("w_d", F)):
                 vec[p + nm] = (n,)
             add(cm, "p:" + p + "kappa", B, KD)
@@ -239,17 +244,18 @@ class TraceLayout:
                 add(tr, f"g.{i}", N, d)
             for j in range(L):
                 p = f"L{j}."
-                for nm, w in (("da", F), ("dn2", d), ("dy", HD), ("dp", H * T), ("dq", HD), ("dk", KD),
-                              ("dv", KD), ("dn1", d), ("s^T", H * T), ("dp^T", H * T)):
+                for nm, w in (("da", F), ("dn2", d), ("dy", HD), ("dq", HD), ("dk", KD), ("dv", KD), ("dn1", d)):
                     add(tr, p + nm, N, w)
+                for nm in ("dp", "s^T", "dp^T"):
+                    add(tr, p + nm, N * K, rep * T)
                 add(tr, p + "v^T", B * KD, T)
                 add(tr, p + "q^T", B * HD, T)
                 add(tr, p + "dy^T", B * HD, T)
-                add(tr, p + "lse_b", B, T * H)
-                add(tr, p + "delta", B, T * H)
-                add(cm, "p:" + p + "ck", B, T * K)
-                add(cm, "p:" + p + "e", B, T * H)
-                add(cm, "p:" + p + "f", B, T * H)
+                add(tr, p + "lse_b", B * K, rep * T)
+                add(tr, p + "delta", B * K, rep * T)
+                add(cm, "p:" + p + "ck", B * K, T)
+                add(cm, "p:" + p + "e", B * K, rep * T)
+                add(cm, "p:" + p + "f", B * K, rep * T)
                 for nm, n in (("o_d", d), ("o_g", F), ("o_u", F), ("o_o", d), ("o_q", HD), ("o_k", KD),
                               ("o_v", KD)):
                     vec[p + nm] = (n,)

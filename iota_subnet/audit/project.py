@@ -86,6 +86,13 @@ def _group_dot(x: torch.Tensor, r: torch.Tensor, groups: int, D: int, rep: int =
     return (xh * rr).sum(-1)
 
 
+def _by_group(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, T, heads] -> [B * groups, heads / groups * T]: row ``b * groups + g`` holds the heads of kv
+    group g, head-major (the layout's per-group rows, so an audit opens only the groups it checks)."""
+    B, T, heads = x.shape
+    return x.permute(0, 2, 1).reshape(B * groups, heads // groups * T)
+
+
 def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
                 rnd: Randoms) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Miner side: the round-2 answer for trace ``records`` and ``weights`` (host tensors), for the
@@ -139,7 +146,7 @@ def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: 
         k = rec(p + "k").view(B, T, K * D)
         v = rec(p + "v").view(B, T, K * D)
         com["p:" + p + "kappa"] = torch.einsum("btk,t->bk", k, R[p + "rho"])
-        com["p:" + p + "c"] = _group_dot(v, R[p + "r_c"], K, D).reshape(B, T * K)
+        com["p:" + p + "c"] = _by_group(_group_dot(v, R[p + "r_c"], K, D), K)
         if layout.backward:
             q = rec(p + "q").view(B, T, H * D)
             dy = rec(p + "dy").view(B, T, H * D)
@@ -153,9 +160,9 @@ def projections(layout: TraceLayout, records: dict[str, torch.Tensor], weights: 
             com["p:" + p + "nu"] = torch.einsum("btk,t->bk", v, R[p + "rho2"])
             com["p:" + p + "phi"] = torch.einsum("btk,t->bk", q, R[p + "sigma"])
             com["p:" + p + "psi"] = torch.einsum("btk,t->bk", dy, R[p + "sigma2"])
-            com["p:" + p + "ck"] = _group_dot(k, R[p + "r_dq"], K, D).reshape(B, T * K)
-            com["p:" + p + "e"] = _group_dot(q, R[p + "r_dk"], K, D, rep).reshape(B, T * H)
-            com["p:" + p + "f"] = _group_dot(dy, R[p + "r_dv"], K, D, rep).reshape(B, T * H)
+            com["p:" + p + "ck"] = _by_group(_group_dot(k, R[p + "r_dq"], K, D), K)
+            com["p:" + p + "e"] = _by_group(_group_dot(q, R[p + "r_dk"], K, D, rep), K)
+            com["p:" + p + "f"] = _by_group(_group_dot(dy, R[p + "r_dv"], K, D, rep), K)
     if m.dec_proj:
         Wdec = W["bottleneck_in.proj.weight"]                   # [d, b - r]
         vec["dec.w"] = Wdec.T @ R["dec.r"]

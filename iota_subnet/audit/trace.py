@@ -263,8 +263,8 @@ class Tracer:
             self._rec(p + "s^T", s.permute(0, 3, 1, 2))
             yh = y.view(B, T, H, D).permute(0, 2, 1, 3)
             delta = self.emit(p + "delta", (dyh * yh).sum(-1))                          # [B, H, T]
-            self._rec(p + "delta", delta.permute(0, 2, 1))
-            self._rec(p + "lse_b", lse.permute(0, 2, 1))
+            self._rec(p + "delta", delta)                   # [B, H, T] -> rows b*K + g (head-major)
+            self._rec(p + "lse_b", lse)
             ds = P * (dp - delta[..., None])
             dq = self.emit(p + "dq", (ds @ kh * inv).permute(0, 2, 1, 3))             # [B, T, H, D]
             dk = self.emit(p + "dk", (ds.transpose(-1, -2) @ qh * inv).view(B, K, rep, T, D).sum(2)

@@ -16,8 +16,8 @@ typed refusal, e.g. ``LATE`` for a step the miner no longer keeps); ``timeout`` 
 
 Cost per audit with ``rows`` rows of ``n`` values: ``7 x rows x n x 4`` bytes of rows, ``7 x rows x
 depth x 32`` bytes of proofs, ``7 x n_params x 32`` bytes of per-parameter roots, plus ~100 bytes
-of header per tensor; on a ``tiny`` stage (30 parameters, rows of 256-768 values) with 2 rows:
-about 30 KB (``scripts/bench_update_audit.py``). Validator CPU: 3 row-sized AdamW steps and
+of header per tensor; on a ``tiny`` stage (30 parameters, rows of 256-768 values), mean of 5
+audits: 22-29 kB with 1 row (the default), 37-43 kB with 2 (``scripts/bench_update_audit.py --rows``). Validator CPU: 3 row-sized AdamW steps and
 ``7 x rows`` proof checks: well under a millisecond.
 """
 from __future__ import annotations
@@ -59,9 +59,13 @@ class AuditResult:
 class UpdateAuditor:
     """Plans and checks update audits for one run. ``total_steps``: the inner-step schedule length
     miners use (for the expected learning rate; None: the rate is not checked); ``rows``: rows opened
-    per audit; ``rng``: OS-seeded by default (miners cannot predict the rows)."""
+    per audit (default 1, was 2 until 2026-12-01: a wrong update of every row, what skipping or
+    faking the optimizer step gives, fails every audit either way; one confined to a fraction f of
+    the rows fails with probability ~f per audit instead of ~2f, the same trade as one token per hop
+    audit, ``docs/hop-audit.md``, "Detection"; 13-19 kB less per audit on ``tiny``); ``rng``:
+    OS-seeded by default (miners cannot predict the rows)."""
 
-    def __init__(self, cfg: RunConfig, *, run_id: str, total_steps: Optional[int] = None, rows: int = 2,
+    def __init__(self, cfg: RunConfig, *, run_id: str, total_steps: Optional[int] = None, rows: int = 1,
                  rng: Optional[random.Random] = None, tol_units: float = UPDATE_TOL_UNITS):
         self.cfg, self.run_id = cfg, run_id
         self.total_steps = total_steps
