@@ -294,6 +294,46 @@ def test_one_sampled_block_catches_a_forged_block_exactly_when_drawn_and_the_bou
         assert not v.ok and set(v.failed_links) == {"encoder"}, v.failures[:2]
 
 
+def test_one_sampled_kv_group_catches_a_forgery_in_its_heads_exactly_when_drawn(chain):
+    """Default sampling checks the attention of one kv-head group of K (``SamplingParams.groups``):
+    attention outputs forged only on the heads of group 0 (carried downstream, so every other link
+    holds) fail exactly the audits that drew group 0 (about 1 in K), at the ``values`` link; the
+    group is drawn in round 3, after the trace and the projections are committed, and the audit
+    opens the drawn group's rows of the per-head tensors only."""
+    lay = chain.layout(1, "forward")
+    m = lay.dims
+    assert m.K > 1
+
+    class ForgeGroup0(Tracer):
+        def emit(self, name, t):
+            if name != "L1.y":
+                return t
+            t = t.clone()                                    # [N, H*D]: group 0 = heads 0 .. rep-1
+            t[:, :m.rep * m.D] += 0.5 * float(t.std()) * torch.randn(m.N, m.rep * m.D,
+                                                                     generator=torch.Generator().manual_seed(1))
+            return t
+
+    hop, _ = forged_hop(chain, 1, "forward", ForgeGroup0)
+    prover = HopProver(lay, weights_commitment(hop.weights), hop.inputs, tracer=ForgeGroup0)
+    drawn, caught = [], 0
+    every_block = SamplingParams(blocks=1_000)
+    for i in range(12):
+        aud = auditor_for(chain, hop, "forward", rng_seed=900 + i, layout=lay, sampling=every_block)
+        aud.on_commit(*prover.commit())
+        assert aud.sample is None                            # nothing drawn before round 2 is answered
+        aud.on_projection(*prover.project(aud.seed, aud.blocks))
+        (g,) = aud.sample.groups
+        drawn.append(g)
+        assert aud.request["L1.s"] == sorted(n * m.K + g for n in aud.sample.token_rows(m.T))
+        v = aud.check(prover.open(aud.request, aud.whole))
+        assert (not v.ok) == (g == 0), (g, v.failures[:2])
+        if not v.ok:
+            caught += 1
+            assert set(v.failed_links) == {"values"}, v.failures[:2]
+    assert set(drawn) == set(range(m.K))                     # every group is drawn
+    assert 1 <= caught <= 8                                  # binomial(12, 1/K = 1/4): mean 3, sd 1.5
+
+
 def test_round_two_asks_for_the_checked_blocks_only_and_refuses_bad_block_lists(chain):
     """The blocks travel with the round-2 seed; the miner projects only those, refuses to open a
     projection of another block, and a request naming blocks the stage does not have is MALFORMED."""

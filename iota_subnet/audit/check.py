@@ -151,6 +151,9 @@ class LinkChecker:
         self.grad_floor = self.grad_scale()
         self.blocks = list(sample.blocks)
         self.groups = list(sample.groups)
+        if not self.groups or not all(0 <= g < self.m.K for g in self.groups):
+            raise ValueError(f"sample.groups must name kv-head groups in 0..{self.m.K - 1}, got {self.groups} "
+                             "(draw_sample draws them)")
 
     # ---- primitives ----------------------------------------------------------------------------
     def row(self, name: str, i: int) -> torch.Tensor:
