@@ -8,7 +8,7 @@ projections), from the validator's own OS-seeded RNG:
   every link of ``blocks`` of its transformer blocks, drawn uniformly, are checked on these token
   rows (:mod:`.check`); the attention links (scores, softmax, values and their backward) on the
   heads of ``groups`` of the K kv-head groups, drawn uniformly (the score and dP rows, ``rep x T``
-  values per group and token, are most of a backward audit's bytes);
+  values per group and token, are the largest single part of a backward audit's bytes);
 * per sampled batch row, ``spots`` positions where the committed per-position projections
   (``p:`` tensors) are recomputed from opened activation rows, and ``act_cols`` columns of every
   activation matrix whose projection (``kappa``, ``nu``, ``phi``, ``psi``) is recomputed;
