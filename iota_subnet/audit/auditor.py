@@ -18,7 +18,6 @@ turns exceptions of the transport into ``Verdict(ok=False)`` (:meth:`HopAuditor.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 from typing import Optional
 
@@ -49,7 +48,7 @@ class HopAuditor:
     whole (tiny, bf16: 64 kB a tensor instead of ~1 kB); int8 wire tensors need ``"root"`` (the flat
     hash of the receipts does not cover their scales). ``tokens`` [B, T] (head) / ``targets``
     [B, T] (tail), from the micro-batch's sample address; ``loss``: the loss the tail reported;
-    ``rng``: defaults to one seeded from ``os.urandom``.
+    ``rng``: defaults to ``random.SystemRandom`` (the OS CSPRNG: a miner cannot predict the draws).
     """
 
     def __init__(self, layout: TraceLayout, *, weights_root: bytes, wire_roots: dict[str, bytes],
@@ -79,7 +78,7 @@ class HopAuditor:
             raise ValueError("auditing the tail needs the micro-batch's targets")
         self.tol, self.sampling = tol, sampling.validate()
         self.wire_dtype, self.weights_dtype = layout.wire_torch_dtype, weights_dtype
-        self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
+        self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
         self.tokens, self.targets, self.loss = tokens, targets, loss
         self.trace_roots: dict[str, bytes] = {}
         self.weight_roots: dict[str, bytes] = {}

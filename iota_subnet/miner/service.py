@@ -39,29 +39,34 @@ from iota_subnet.chain import Chain
 from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.chain.registration import ensure_registered
 from iota_subnet.config import ConfigError, RunConfig
+from iota_subnet.data import DataError, build_dataset, fingerprints
+from iota_subnet.merge import MergeEngine, ModuleParams
+from iota_subnet.merge.claims import MergeAuditRoute, MergeClaims
+from iota_subnet.merge.sync import SnapshotDonor, SyncError, sync_state
+from iota_subnet.merge.transport import HttpTransport
+from iota_subnet.miner.catch_up import catch_up
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
 from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
 from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
+from iota_subnet.miner.update_store import UpdateAuditRoute
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.plan import require_fit
 from iota_subnet.utils.aio import StopRequested, until_stopped
-from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeEvidence, MergeJoin,
-                                  MergePayload,
-                                  MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
-                                  StateResponse, backward_contract, forward_contract, merge_payload_contract)
-from iota_subnet.protocol.commitment import StageCommitment
+from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeAuditRequest,
+                                  MergeEvidence, MergeJoin, MergePayload, MergeResultRequest, Outcome, ProtocolError,
+                                  StateChunkRequest, StateRequest, StateResponse, UpdateAuditRequest, backward_contract,
+                                  forward_contract, merge_payload_contract)
 from iota_subnet.dashboard import DashboardServer, MinerSource
 from iota_subnet.doctor.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
-from iota_subnet.train.checkpoint import CheckpointError
 from iota_subnet.protocol.commitment import (MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError,
                                              merge_weights_from_commitments)
-from iota_subnet.train.checkpoint import CheckpointError, sweep_stray_temporaries
+from iota_subnet.train.checkpoint import CheckpointError, read_checkpoint, sweep_stray_temporaries, tensors_bytes
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
-from iota_subnet.utils.atomic import atomic_write_json
+from iota_subnet.utils.atomic import atomic_write_bytes, atomic_write_json
 from iota_subnet.utils.run_folder import hand_over
 
 #: Largest micro-batch (rows) a miner accepts; bounds the memory one request can claim.
@@ -191,6 +196,14 @@ class MinerService:
         self.metrics.watch(self.status)
         self.dashboard_port = dashboard_port   # the read-only web dashboard (None: off; 0: any free port)
         self.dashboard: Optional[DashboardServer] = None
+        # merging (set up in start() when the run merges replicas; see _setup_merge)
+        self.merge: Optional[MergeEngine] = None
+        self.donor: Optional[SnapshotDonor] = None
+        self.claims: Optional[MergeClaims] = None
+        self.accuser: Any = None            # the ``accuse`` adversary's forger (cheater suite only)
+        self.merge_client: Optional[NeuronClient] = None
+        self._sync_task: Optional[asyncio.Task] = None
+        self._merge_task: Optional[asyncio.Task] = None
         self.m_requests = Counter("iota_miner_requests", "compute requests completed, by route and outcome",
                                   ["route", "outcome"], registry=self.metrics.registry)
 
@@ -389,7 +402,6 @@ class MinerService:
     async def _row_source(self):
         """The head and the tail read token rows themselves, by the tickets' sample addresses. The
         data they build is fingerprinted and checked against what the run's validators advertise."""
-        from iota_subnet.data import DataError, build_dataset, fingerprints
         if self.dataset is None:
             def build():
                 tok, ds = build_dataset(self.cfg.data, self.data, Path(self.cache_dir) if self.cache_dir else None,
@@ -413,8 +425,6 @@ class MinerService:
         """Hop audits (``/audit/trace|project|open``) over the last ``audit_window`` weights versions
         and ``/audit/update`` over the last ``audit_window`` inner steps (validators; real stage workers
         only: an emulated one has no weights)."""
-        from iota_subnet.miner.update_store import UpdateAuditRoute
-        from iota_subnet.protocol import UpdateAuditRequest
         if not isinstance(self.worker, StageWorker) or self.audit_window <= 0:
             return
         self.hops = HopStore(self.audit_window, shared=self.worker.updates.weights_version
@@ -434,24 +444,11 @@ class MinerService:
         return self.port or await self.publisher.served_port(self.external_ip)
 
     # ---- merging (iota_subnet.merge) -------------------------------------------------------------
-    merge = None
-    donor = None
-    claims = None
-    accuser = None
-    _sync_task = None
-    _merge_task = None
-    merge_client = None
-
     @property
     def merge_state_path(self) -> Path:
         return self.out / f"stage{self.stage}.merge.safetensors"
 
     def _setup_merge(self) -> None:
-        from iota_subnet.merge import MergeEngine, ModuleParams
-        from iota_subnet.merge.sync import SnapshotDonor
-        from iota_subnet.merge.transport import HttpTransport
-        from iota_subnet.merge.claims import MergeAuditRoute, MergeClaims
-        from iota_subnet.protocol import MergeAuditRequest
         mc = self.cfg.merge
         self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
@@ -514,7 +511,6 @@ class MinerService:
         return await self.donor.handle(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
 
     def _load_merge_state(self) -> None:
-        from iota_subnet.train.checkpoint import read_checkpoint
         p = self.merge_state_path
         if not p.exists():
             return
@@ -532,8 +528,6 @@ class MinerService:
             logger.warning(f"ignoring merge state {p}: {e}")
 
     def _save_merge_state(self) -> None:
-        from iota_subnet.train.checkpoint import tensors_bytes
-        from iota_subnet.utils.atomic import atomic_write_bytes
         data = tensors_bytes({"anchor": self.merge.anchor.contiguous().cpu(),
                               "momentum": self.merge.momentum.contiguous().cpu()},
                              {"merged_epoch": self.merge.merged_epoch, "step": self.worker.inner_step,
@@ -549,7 +543,6 @@ class MinerService:
     async def _catch_up(self) -> None:
         """On start: sync from peers when they merged an epoch this replica has not; then in sync
         (:mod:`iota_subnet.miner.catch_up`: waits for an answer rather than trusting a silence)."""
-        from iota_subnet.miner.catch_up import catch_up
         mc = self.cfg.merge
         try:
             res = await catch_up(self.merge, self._peers, lambda e: self.pull_merged_state(min_epoch=e),
@@ -562,7 +555,6 @@ class MinerService:
 
     async def pull_merged_state(self, min_epoch: int = -1) -> bool:
         """State sync from every peer at once; applies all or nothing. Returns True when applied."""
-        from iota_subnet.merge.sync import SyncError, sync_state
         was_in_sync, self.merge.in_sync = self.merge.in_sync, False
         try:
             for attempt in range(3):

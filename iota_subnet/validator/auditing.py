@@ -39,7 +39,6 @@ Validator CPU: 0.03-0.2 s a hop audit (checks on a worker thread).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 import uuid
@@ -155,7 +154,7 @@ class AuditScheduler:
         self.concurrency = max(1, int(concurrency))
         #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
         self.unsettled: list[tuple[AuditRecord, Optional[float], float]] = []
-        self.rng = rng or random.Random(int.from_bytes(os.urandom(16), "little"))
+        self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
         self.clock = clock
         self.tol = Tolerances.for_precision(cfg.train.precision)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch

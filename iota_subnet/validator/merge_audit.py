@@ -31,7 +31,6 @@ failed, no answer -> refused / timeout of the silent party.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Optional
@@ -82,7 +81,7 @@ class MergeAuditor:
         self.run_id = run_id
         self.stage_numel = stage_numel
         self.sample_chunks = max(1, int(sample_chunks))
-        self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
+        self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
         self.chunks_per_request = max(1, min(int(chunks_per_request), MAX_AUDIT_CHUNKS))
 
     async def verify(self, report: Mapping[str, Any], accused: str, fetch: Fetch) -> Verdict:

@@ -45,40 +45,51 @@ import asyncio
 import json
 import math
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+from aiohttp import web
 from loguru import logger
 
 from iota_subnet.chain import Chain, ChainError, open_chain
 from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
+from iota_subnet.data import DataError, build_dataset, fingerprints
 from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.model import PipelineStage
 from iota_subnet.telemetry import NeuronMetrics
+from iota_subnet.protocol import MergeAuditResponse, Outcome, ProtocolError, ReceiptBatch
 from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment
+from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
 from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.train.optim import lr_at
-from iota_subnet.transport import NeuronClient
+from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 from iota_subnet.utils.run_folder import hand_over
 from iota_subnet.version import __version__, weights_version_key
+from iota_subnet.wallets import WalletError
+from iota_subnet.wallets import load_wallet as _load_wallet
 
 from . import explain
 from .audit_policy import AuditPolicy, merge_quality
 from .auditing import AuditScheduler
-from .merge_audit import record_verdicts
+from .merge_audit import MergeAuditor, record_verdicts
+from .merge_weights import MergeOversight
 from .clasp import attribute, quality_factors
 from .control import ControlPlane
 from .driver import OPEN_ENDED_STEPS, LaneStepResult, PipelineDriver
 from .peers import PeerView, alive_blocks_for, coordinating_validators, heartbeat_due, run_fingerprints
 from .routing import Router, discover
-from .scoring import Scoreboard, stage_compute_shares, with_burn
+from .scoring import Ledger, Scoreboard, stage_compute_shares, with_burn
 from .state import StateError, ValidatorState
+from .update_audit import UpdateAuditor
 from .verification import SpotChecker
 
 #: Version key sent with the weights (from the package version); the chain refuses keys older than
@@ -145,10 +156,8 @@ class ValidatorOptions:
 
 
 def load_wallet(name: str, hotkey: str, path: str) -> Any:
-    from iota_subnet.wallets import WalletError
-    from iota_subnet.wallets import load_wallet as _load
     try:
-        return _load(name, hotkey, path)
+        return _load_wallet(name, hotkey, path)
     except WalletError as e:
         raise ValidatorError(str(e)) from e
 
@@ -227,13 +236,15 @@ class ValidatorService:
         self.checker: Optional[SpotChecker] = None
         #: outcomes of audits (update audits, hop audits, merge checks) and their excuses
         self.audits = AuditPolicy()
-        self.merge_oversight = None   # MergeOversight when the run merges replicas (see start())
-        self.merge_auditor = None     # MergeAuditor (checks merge accusations) likewise
+        self.merge_oversight: Optional[MergeOversight] = None   # when the run merges replicas (see start())
+        self.merge_auditor: Optional[MergeAuditor] = None       # checks merge accusations, likewise
+        self.ledger: Optional[Ledger] = None                    # verified work per miner (see start())
         self.auditing: Optional[AuditScheduler] = None   # p2p audits (see _train)
         self._numel: dict[int, int] = {}
         self.board = Scoreboard(window=opts.score_window, grace=opts.stale_grace)
         self.probes: list[dict] = []
         self.clasp_rounds = 0
+        self._clasp_rng = random.SystemRandom()    # which lanes CLASP probes: unpredictable to miners
         self.attribution: dict = {}
         self.explained: dict = {}
         self.server: Any = None   # NeuronServer: /receipts, GET /scores
@@ -283,8 +294,6 @@ class ValidatorService:
         self.client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)         # training hops
         self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # spot checks, CLASP
         if self.cfg.merge.enabled:
-            from .merge_audit import MergeAuditor
-            from .merge_weights import MergeOversight
             self.merge_oversight = MergeOversight(o.run_id)
             self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel)
         self._load_verification()
@@ -314,8 +323,6 @@ class ValidatorService:
             if self.cfg is None:
                 self.cfg = load_config(o.config)
             if self.dataset is None:
-                from iota_subnet.data import DataError, build_dataset, fingerprints
-
                 def build():
                     tok, ds = build_dataset(self.cfg.data, o.data, Path(o.cache_dir) if o.cache_dir else None,
                                             allow_fallback=o.allow_data_fallback)
@@ -455,7 +462,7 @@ class ValidatorService:
             "miners": {str(r.uid): {"hotkey": r.hotkey, "stage": r.stage, "work": r.work, "tokens": r.tokens,
                                     "completed": r.completed, "failures": r.failures, "reroutes": r.reroutes}
                        for r in self.ledger.records.values() if self.current.get(r.uid) == r.hotkey}
-            if getattr(self, "ledger", None) else {},
+            if self.ledger is not None else {},
             "done_block": self.done_block, "train_s": self.train_s,
             "scores": self.explained.get("miners", []),
             "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
@@ -533,7 +540,6 @@ class ValidatorService:
         endpoints = {r.hotkey: r.endpoint for r in live}
 
         async def fetch(hotkey: str, req):
-            from iota_subnet.protocol import MergeAuditResponse
             ep = endpoints.get(hotkey)
             if ep is None:
                 raise ConnectionError(f"no endpoint for {hotkey[:10]}")
@@ -548,9 +554,6 @@ class ValidatorService:
     def _stage_numel(self, stage: int) -> int:
         n = self._numel.get(stage)
         if n is None:
-            import torch
-
-            from iota_subnet.model import PipelineStage
             with torch.device("meta"):
                 n = self._numel[stage] = sum(p.numel() for p in PipelineStage(self.cfg.model, self.cfg.pipeline, stage,
                                                                               init=False).parameters())
@@ -704,7 +707,6 @@ class ValidatorService:
     def _make_auditing(self) -> AuditScheduler:
         """The p2p audit scheduler: receipts in, audits over the verification client, outcomes into
         :attr:`audits` (the policy that scoring reads)."""
-        from .update_audit import UpdateAuditor
         ds = self.dataset
 
         def rows(t):
@@ -801,10 +803,7 @@ class ValidatorService:
     async def _clasp_round(self) -> None:
         if self.driver is None or self.router is None or self.router.n_lanes == 0:
             return
-        import random as _random
-        rng = getattr(self, "_clasp_rng", None) or _random.Random(int.from_bytes(os.urandom(8), "little"))
-        self._clasp_rng = rng
-        got = await self.driver.clasp_round(self.clasp_rounds, self.opts.clasp_paths, rng)
+        got = await self.driver.clasp_round(self.clasp_rounds, self.opts.clasp_paths, self._clasp_rng)
         if got:
             self.last_probe = {"round": self.clasp_rounds, "loss": sum(g["loss"] for g in got) / len(got),
                                "paths": len(got)}
@@ -815,12 +814,6 @@ class ValidatorService:
     async def _serve(self) -> None:
         """The validator's own server: miners deliver receipts (``/receipts``, signed, registered
         hotkeys); ``GET /scores`` is public and read-only. Its endpoint is published on chain."""
-        from aiohttp import web
-
-        from iota_subnet.protocol import Outcome, ProtocolError, ReceiptBatch
-        from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
-        from iota_subnet.transport import NeuronServer
-
         async def scores(_request):
             return web.json_response(self.explained or {"miners": []})
 

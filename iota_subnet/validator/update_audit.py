@@ -23,7 +23,6 @@ audits: 22-29 kB with 1 row (the default), 37-43 kB with 2 (``scripts/bench_upda
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ class UpdateAuditor:
         self.cfg, self.run_id = cfg, run_id
         self.total_steps = total_steps
         self.rows = max(1, int(rows))
-        self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
+        self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
         self.tol_units = float(tol_units)
         self.hp = AdamHParams.from_train(cfg.train)
         self._layouts: dict[int, list[ParamInfo]] = {}

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import threading
 import time
@@ -188,7 +187,7 @@ class SpotChecker:
     """Samples hops, snapshots weights, replays, keeps :class:`CheckStats` per miner.
 
     ``client``: a :class:`~iota_subnet.transport.NeuronClient` (``/state`` calls); ``rate``: fraction of
-    hops replayed (0 disables); ``rng``: a ``random.Random`` (default seeded from ``os.urandom``, so a
+    hops replayed (0 disables); ``rng``: a ``random.Random`` (default ``random.SystemRandom``, the OS CSPRNG, so a
     miner cannot predict the draws); ``single_validator``: whether the unverifiable-hops rule applies.
     """
 
@@ -202,7 +201,7 @@ class SpotChecker:
         self.fail_threshold = max(1, int(fail_threshold))
         self.min_samples = int(min_samples)
         self.single_validator = single_validator
-        self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
+        self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
         self.state_timeout_s = state_timeout_s
         self.device = torch.device(device)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
