@@ -23,7 +23,9 @@ Resumable: each finished run leaves ``OUT/NAME/bench_run.json``; the same comman
 finished runs whose parameters match and redoes only the others (a run killed half-way is started
 over: its folder is cleared). ``--max-runs N`` stops after N new runs, so the five runs can be
 spread over several sittings; the figures are printed over the runs finished so far, with
-``runs_left`` saying what is missing (``--fresh``: ignore earlier results). A short check of the
+``runs_left`` saying what is missing (``--fresh``: ignore earlier results). ``--keep DIR`` also
+keeps each result as ``DIR/NAME.json`` (the repository keeps them in ``docs/bench_churn``, so that
+runs made in different sittings add up). A short check of the
 script itself:
 
     python scripts/bench_churn.py --json                                     # the benchmark
@@ -74,14 +76,17 @@ def run_params(a: argparse.Namespace, chaos: str | None) -> dict:
 
 
 def finished_run(name: str, a: argparse.Namespace, chaos: str | None) -> dict | None:
-    """The result of an earlier run ``name`` with the same parameters, or None."""
-    p = Path(a.out) / name / RESULT
-    try:
-        r = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(r, dict) and r.get("params") == run_params(a, chaos) and not r.get("timed_out")
-    return r if ok else None
+    """The result of an earlier run ``name`` with the same parameters (from ``OUT/NAME/bench_run.json``,
+    else ``KEEP/NAME.json``), or None."""
+    paths = [Path(a.out) / name / RESULT] + ([Path(a.keep) / f"{name}.json"] if a.keep else [])
+    for p in paths:
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(r, dict) and r.get("params") == run_params(a, chaos) and not r.get("timed_out"):
+            return r
+    return None
 
 
 def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
@@ -118,6 +123,9 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
             "audits": {k: (summary.get("audits") or {}).get(k) for k in ("audits", "audits_failed", "flagged")},
             "curve": read_curve(out)}
     atomic_write_json(out / RESULT, result)
+    if a.keep and not result["timed_out"]:
+        Path(a.keep).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(a.keep) / f"{name}.json", result)
     return result
 
 
@@ -147,7 +155,7 @@ def mean(xs: list) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--data", default=str(DEFAULT_DATA) if DEFAULT_DATA.exists() else None)
@@ -172,7 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--max-runs", type=int, default=None, help="start at most this many new runs, then report")
     ap.add_argument("--fresh", action="store_true", help="redo every run (ignore OUT/NAME/bench_run.json)")
-    a = ap.parse_args(argv)
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="also keep each finished run's result (figures and loss curve, a few kB) as DIR/NAME.json "
+                         "and reuse it from there: a folder to commit, so that runs add up across machines")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     plan = [(f"undisturbed{i}", None) for i in range(a.undisturbed)]
     plan += [(f"chaos-seed{s}", f"{a.chaos},seed={s},min_live=2") for s in seeds]
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, chaos in plan:
         done = None if a.fresh else finished_run(name, a, chaos)
         if done is not None:
-            print(f"{name}: reusing the finished run in {Path(a.out) / name}", file=sys.stderr)
+            print(f"{name}: reusing its finished run (val loss {done['val_loss']})", file=sys.stderr)
             runs.append(done)
         elif a.max_runs is not None and started >= a.max_runs:
             left.append(name)
@@ -190,9 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             started += 1
     png = Path(a.plot) if a.plot else Path(a.out) / "loss_curves.png"
     try:
+        if not any(r["curve"] for r in runs):
+            raise LookupError("no finished run yet")
         plot(runs, png, f"{Path(a.config).stem}, {a.stages}x{a.replicas}, merge every {a.merge_every}")
     except ImportError:                 # the figures are still printed; the curves are in each run's metrics.jsonl
         print("no plot: matplotlib is not installed (pip install -e \".[bench]\")", file=sys.stderr)
+        png = None
+    except LookupError as e:
+        print(f"no plot: {e}", file=sys.stderr)
         png = None
     und = [r for r in runs if not r["chaos"]]
     dis = [r for r in runs if r["chaos"]]

@@ -1,0 +1,70 @@
+"""How the churn benchmark adds up runs made in different sittings (scripts/bench_churn.py; the runs
+themselves are the benchmark, not a test): a finished run's result is reused when its parameters
+match, from ``OUT/NAME/bench_run.json`` or from the committed ``--keep`` folder, and the figures are
+computed over the runs finished so far."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_churn", REPO / "scripts" / "bench_churn.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_churn"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _result(bench, argv, name, chaos, val_loss, events=0):
+    """A result as ``run_one`` writes it, for the parameters ``argv`` parses to."""
+    a = bench.build_parser().parse_args(argv)
+    return {"name": name, "params": bench.run_params(a, chaos), "chaos": chaos, "timed_out": False,
+            "val_loss": val_loss, "final_loss": val_loss, "wall_s": 1.0, "events": events,
+            "events_by_kind": {"kill": events} if chaos else {}, "skipped_by_kind": {}, "unrecovered": [],
+            "microbatches_lost": 0 if chaos else None, "samples_repeated": 0 if chaos else None,
+            "samples_skipped": 0 if chaos else None, "merges_applied": 10, "mismatch_reports": 0,
+            "audits": {"audits": 5, "audits_failed": 0, "flagged": []}, "curve": [[0, 9.0], [1, val_loss]]}
+
+
+def test_kept_results_add_up_and_only_matching_parameters_are_reused(bench, tmp_path, capsys):
+    keep, out = tmp_path / "keep", tmp_path / "out"
+    argv = ["--out", str(out), "--keep", str(keep), "--seeds", "1,2", "--max-runs", "0", "--json"]
+    seed1 = f"{bench.DEFAULT_CHAOS},seed=1,min_live=2"
+    keep.mkdir()
+    (keep / "undisturbed0.json").write_text(json.dumps(_result(bench, argv, "undisturbed0", None, 5.50)))
+    (keep / "chaos-seed1.json").write_text(json.dumps(_result(bench, argv, "chaos-seed1", seed1, 5.61, events=44)))
+    # a result of another setting (other steps) is not this benchmark's: not reused
+    other = _result(bench, argv + ["--steps", "20"], "undisturbed1", None, 7.0)
+    (out / "undisturbed1").mkdir(parents=True)
+    (out / "undisturbed1" / bench.RESULT).write_text(json.dumps(other))
+
+    assert bench.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["runs_left"] == ["undisturbed1", "chaos-seed2"]          # --max-runs 0: nothing started
+    assert res["val_loss_per_run"] == {"undisturbed0": 5.50, "chaos-seed1": 5.61}
+    assert res["events"] == 44 and res["events_by_kind"] == {"chaos-seed1": {"kill": 44}}
+    assert res["relative_gap"] == pytest.approx(0.11 / 5.50)
+    assert res["per_seed_gap"] == {"chaos-seed1": pytest.approx(0.11 / 5.50)}
+    assert not (out / "undisturbed0").exists()                          # reused, not re-run
+
+
+def test_a_timed_out_or_unreadable_result_is_run_again(bench, tmp_path, capsys):
+    keep = tmp_path / "keep"
+    argv = ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", "2", "--seeds", "",
+            "--max-runs", "0", "--json"]
+    keep.mkdir()
+    timed_out = {**_result(bench, argv, "undisturbed0", None, 5.5), "timed_out": True}
+    (keep / "undisturbed0.json").write_text(json.dumps(timed_out))
+    (keep / "undisturbed1.json").write_text("{not json")
+    assert bench.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["runs_left"] == ["undisturbed0", "undisturbed1"] and res["val_loss_undisturbed"] is None
+    assert res["plot"] is None                                          # nothing finished: nothing to draw
