@@ -98,7 +98,7 @@ class Pending:
 class _Task:
     priority: tuple
     seq: int
-    kind: str = field(compare=False)                  # forward | backward
+    kind: str = field(compare=False)                  # forward | backward | step (head: see _settle_before)
     ticket: Ticket = field(compare=False)
     path: list[str] = field(compare=False)
     data: Optional[torch.Tensor] = field(compare=False, default=None)
@@ -334,16 +334,46 @@ class DataPlane:
                     self._receipt(t, status="stale", error=f"head already at inner step {w.inner_step}")
                 return self._admit()
             base = min(step, self.base_steps.get(lane, 0))
-            if base > w.inner_step and not any(self.steps.busy(lane, s) for s in range(w.inner_step, base)):
-                skipped = w.skip_to(base)          # restarted behind the lane: its validator says < base is done
-                logger.warning(f"stage 0: lane {lane} has completed steps before {base}; this head was at "
-                               f"{base - skipped}: skipped {skipped} inner step(s)")
+            if base > w.inner_step:
+                if self._settle_before(lane, base):
+                    return _Task((0,), next(self._seq), "step", self.tickets[members[0]], [])
+                if not any(self.steps.busy(lane, s) for s in range(w.inner_step, base)):
+                    skipped = w.skip_to(base)      # restarted behind the lane: its validator says < base is done
+                    logger.warning(f"stage 0: lane {lane} has completed steps before {base}; this head was at "
+                                   f"{base - skipped}: skipped {skipped} inner step(s)")
             if step == w.inner_step and in_flight < self.max_in_flight:
                 return self._task_from_ticket(self.tickets.pop(members[0]))
         others = [k for k, t in self.tickets.items() if not (t.train and t.is_member(0, self.me))]
         if others and (in_flight < self.max_in_flight or not self.tickets[others[0]].train):
             return self._task_from_ticket(self.tickets.pop(others[0]))
         return None
+
+    def _settle_before(self, lane: int, base: int) -> bool:
+        """Head, behind its lane: the lane's validator has seen every step before ``base`` complete. It
+        counts a micro-batch done on the head's receipt, which a head sends after its backward, so the
+        forwards this head still holds for those steps are attempts completed through another head
+        (a reroute after a failure here): their backward will not come, and waiting for it stalled the
+        lane until the tickets' deadline. They are dropped (window slots, stored activations). What
+        this head did accumulate of its current inner step, micro-batches counted done through it,
+        is applied rather than thrown away: returns True when that partial inner step is due (the
+        caller runs it; the next admission skips the rest of the way to ``base``)."""
+        w = self.worker
+        for mb, p in list(self.pending.items()):
+            o = p.ticket
+            if o.train and o.lane == lane and o.step < base:
+                self.pending.pop(mb, None)
+                self.worker.drop(self._key(o))
+                self.steps.release(o)
+                self.counts["settled"] += 1
+                logger.info(f"stage 0: lane {lane} step {o.step} completed through another head; dropped "
+                            f"{o.microbatch_id} (its backward will not come here)")
+        done = self.steps.done.get((lane, w.inner_step))
+        if done and not self.steps.claims.get((lane, w.inner_step)):
+            logger.warning(f"stage 0: lane {lane} has completed steps before {base}; this head accumulated "
+                           f"{len(done)} of step {w.inner_step}'s micro-batches (the rest went through other "
+                           f"heads): applying them as its inner step {w.inner_step}")
+            return True
+        return False
 
     def _task_from_ticket(self, t: Ticket) -> _Task:
         return _Task((1, t.step, t.index, t.attempt), next(self._seq), "forward", t, [], received=self.clock())
@@ -368,6 +398,8 @@ class DataPlane:
             try:
                 if task.kind == "forward":
                     await self._forward(task)
+                elif task.kind == "step":           # a partial inner step (see _settle_before)
+                    await self._step(task.ticket.lane, self.worker.inner_step)
                 else:
                     await self._backward(task)
             except asyncio.CancelledError:
@@ -457,7 +489,7 @@ class DataPlane:
             receipt = dict(fin=task.in_sha, loss=loss, compute_s=dt, weights=weights, accumulated=accumulate,
                            prev=path[-2:-1])
             if stepped:
-                await self._step(t)
+                await self._step(t.lane, t.step)
             if wire is not None:
                 self._queue_send((0,), lambda: self._send_backward(t, path[:-1], wire, loss, receipt))
             else:
@@ -507,7 +539,7 @@ class DataPlane:
                        accumulated=pend.accumulate,
                        prev=pend.path[-2:-1], next_=pend.sent_to, unreachable=pend.unreachable)
         if stepped:
-            await self._step(t)
+            await self._step(t.lane, t.step)
         if wire is not None:
             self._queue_send((0,), lambda: self._send_backward(t, pend.path[:-1], wire, task.loss, receipt))
         else:
@@ -527,15 +559,16 @@ class DataPlane:
         self.hops.record_forward(t.microbatch_id, wire_format=t.wire_dtype, x=x, version=weights, targets=targets,
                                  wire=tensors)
 
-    async def _step(self, t: Ticket) -> None:
-        """Every index of lane step ``t.step`` is accumulated here: take the inner step."""
+    async def _step(self, lane: int, step: int) -> None:
+        """Every index of lane step ``step`` is accumulated here (or the lane completed the rest
+        elsewhere, see :meth:`_settle_before`): take the inner step."""
         w = self.worker
         t0 = time.perf_counter()
         await self.compute(w.step)
         self.busy_s += time.perf_counter() - t0
-        self.steps.forget(t.lane, t.step)
+        self.steps.forget(lane, step)
         self.counts["steps"] += 1
-        logger.debug(f"stage {self.stage}: lane {t.lane} step {t.step} done -> inner step {w.inner_step}")
+        logger.debug(f"stage {self.stage}: lane {lane} step {step} done -> inner step {w.inner_step}")
         self._wake.set()
 
     # ------------------------------------------------------------------ outbound

@@ -1,0 +1,132 @@
+"""The head's scheduler when its lane completed steps through another head (found in the churn
+benchmark, 2026-12-02): a head held forwards of lane step 1 whose backward never came (the validator
+had re-issued them through another head after a partition here, and counted them done there), so it
+never took inner step 1 and left every later ticket of its lane queued: the lane stalled until the
+tickets' deadline (80 minutes), while the other lanes went on.
+
+A real stage-0 ``StageWorker`` behind a real ``DataPlane``; the next stage is a recorder that accepts
+forwards and sends back only the backwards the test decides."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from iota_subnet.config import load_config
+from iota_subnet.miner.dataplane import DataPlane
+from iota_subnet.miner.stage_worker import StageWorker
+from iota_subnet.protocol import Hop, HopAck
+from iota_subnet.protocol.ticket import Ticket
+from iota_subnet.protocol.wire import from_wire, to_wire
+from dataplane_net import OVR
+
+pytestmark = pytest.mark.timeout(120)
+
+HEAD, OTHER_HEAD, S1, S2, VALI = "5Head", "5OtherHead", "5Stage1", "5Stage2", "5Vali"
+
+
+class Stage1Recorder:
+    """Stage 1 as the head sees it: takes every forward, answers none by itself."""
+
+    def __init__(self):
+        self.forwards: list[Hop] = []
+
+    async def send(self, hotkey: str, hop: Hop) -> HopAck:
+        if hop.direction == "forward":
+            self.forwards.append(hop)
+        return HopAck(run_id=hop.run_id, stage=hop.stage, microbatch_id=hop.microbatch_id, status="accepted")
+
+
+def ticket(cfg, step: int, index: int, attempt: int = 0, *, head: str = HEAD) -> Ticket:
+    now = time.time()
+    return Ticket(run_id="head-test", validator=VALI, lane=0, step=step, index=index,
+                  microbatch_id=f"l0-k{step}-m{index}-a{attempt}", split="train", seed=1, start=4 * step + 2 * index,
+                  rows=cfg.train.micro_batch, seq_len=cfg.data.seq_len, width=64, wire_dtype="bf16", train=True,
+                  micro_per_step=2, route=(head, S1, S2), attempt=attempt, issued_at=now, deadline=now + 3600)
+
+
+async def until(cond, timeout_s=30.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.02)
+
+
+async def head_setup():
+    cfg = load_config("configs/tiny.yaml", OVR)
+    worker = StageWorker(cfg, 0, seed=0, total_steps=20)
+    nxt, receipts = Stage1Recorder(), []
+
+    async def post(validator, batch):
+        receipts.extend(batch)
+
+    def rows(split, seed, start, n):
+        g = torch.Generator().manual_seed(seed * 1000 + start)
+        return torch.randint(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), generator=g)
+
+    dp = DataPlane(worker, me=HEAD, n_stages=3, compute=lambda fn: asyncio.to_thread(fn), send=nxt.send,
+                   post_receipts=post, rows=rows, receipt_interval_s=0.05)
+    dp.start()
+    return cfg, worker, dp, nxt, receipts
+
+
+def backward_for(fwd: Hop) -> tuple[Hop, Ticket]:
+    """The backward stage 1 would send for ``fwd`` (a small random activation gradient)."""
+    t = Ticket.from_json(fwd.ticket)
+    g = torch.randn(from_wire(fwd.data, fwd.scales).shape) * 1e-3
+    data, scales = to_wire(g, t.wire_dtype)
+    return Hop(run_id=fwd.run_id, stage=0, microbatch_id=fwd.microbatch_id, ticket=fwd.ticket, direction="backward",
+               path=[HEAD, S1, S2], data=data, scales=scales, info={"loss": 5.0}), t
+
+
+def test_a_head_whose_lane_completed_a_step_elsewhere_drops_its_forwards_and_goes_on():
+    """Lane step 0 done here; both forwards of step 1 never get their backward (completed through another
+    head). Tickets of step 2 saying steps < 2 are complete: the head drops the two forwards and starts
+    step 2 at once (the old code waited for the tickets' deadline)."""
+    async def main():
+        cfg, worker, dp, nxt, receipts = await head_setup()
+        try:
+            dp.accept_tickets([ticket(cfg, 0, 0), ticket(cfg, 0, 1)], base_steps={0: 0})
+            await until(lambda: len(nxt.forwards) == 2)
+            for fwd in nxt.forwards[:2]:
+                hop, t = backward_for(fwd)
+                dp.accept_hop(hop, t, in_sha="x")
+            await until(lambda: worker.inner_step == 1)
+            dp.accept_tickets([ticket(cfg, 1, 0), ticket(cfg, 1, 1)], base_steps={0: 1})
+            await until(lambda: len(nxt.forwards) == 4)
+            assert len(dp.pending) == 2 and dp.steps.busy(0, 1)
+            # the validator re-issued step 1 through another head and counted it done there
+            dp.accept_tickets([ticket(cfg, 2, 0), ticket(cfg, 2, 1)], base_steps={0: 2})
+            await until(lambda: len(nxt.forwards) == 6, timeout_s=10.0)
+            assert [Ticket.from_json(h.ticket).step for h in nxt.forwards[4:]] == [2, 2]
+            assert worker.inner_step == 2 and dp.counts["settled"] == 2
+            assert {p.ticket.step for p in dp.pending.values()} == {2}
+        finally:
+            await dp.stop()
+    asyncio.run(main())
+
+
+def test_what_a_head_accumulated_of_a_step_completed_elsewhere_is_applied_not_dropped():
+    """Of step 1, micro-batch 0 came back here (accumulated), micro-batch 1 went through another head.
+    Tickets of step 2 (steps < 2 complete): the head takes inner step 1 with the gradient it holds (the
+    weights change), then starts step 2."""
+    async def main():
+        cfg, worker, dp, nxt, receipts = await head_setup()
+        try:
+            worker.skip_to(1)
+            dp.accept_tickets([ticket(cfg, 1, 0), ticket(cfg, 1, 1)], base_steps={0: 1})
+            await until(lambda: len(nxt.forwards) == 2)
+            hop, t = backward_for(nxt.forwards[0])
+            dp.accept_hop(hop, t, in_sha="x")
+            await until(lambda: dp.steps.done.get((0, 1)) == {0})
+            before = [p.detach().clone() for p in worker.module.parameters()]
+            dp.accept_tickets([ticket(cfg, 2, 0), ticket(cfg, 2, 1)], base_steps={0: 2})
+            await until(lambda: len(nxt.forwards) == 4, timeout_s=10.0)
+            assert worker.inner_step == 2 and dp.counts["steps"] == 1 and dp.counts["settled"] == 1
+            assert any(not torch.equal(a, b.detach()) for a, b in zip(before, worker.module.parameters()))
+        finally:
+            await dp.stop()
+    asyncio.run(main())
