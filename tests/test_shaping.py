@@ -284,3 +284,34 @@ def test_localnet_children_get_their_link_flags(tmp_path):
         a = (miner_parser() if c.kind == "miner" else validator_parser()).parse_args(argv)
         assert a.link == LinkSpec(20e6, 0.1) and a.time_scale == 2.0
         assert a.link_control == str(c.out / "link-control.json")
+
+
+def test_a_slow_event_slows_a_miners_compute_even_on_an_unshaped_link(tmp_path, tmp_home):
+    """Chaos ``slow`` on a localnet (loopback, no ``--link``): the link has nothing to slow, so the
+    miner's compute thread stays busy ``factor`` times as long (it was a no-op counted as an event)."""
+    import time
+
+    from iota_subnet.config import load_config
+    from iota_subnet.miner.service import MinerService
+    from iota_subnet.transport.shaping import CONTROL_POLL_S, compute_slowdown, configure_process_link
+    from iota_subnet.wallets import create_wallet
+    ctl = tmp_path / "link-control.json"
+    configure_process_link(parse_link("loopback"), control_path=ctl)
+    try:
+        m = MinerService(load_config("configs/tiny.yaml"), create_wallet("m", "default", tmp_path / "w"), None,
+                         netuid=9, run_id="slow", stage=0, out_dir=tmp_path / "m")
+
+        async def busy(seconds):
+            t0 = time.perf_counter()
+            await m._compute(time.sleep, seconds)
+            return time.perf_counter() - t0
+        assert compute_slowdown() == 1.0
+        ctl.write_text('{"slow": 3}')
+        time.sleep(CONTROL_POLL_S)
+        assert compute_slowdown() == 3.0
+        assert asyncio.run(busy(0.1)) >= 0.3                          # 0.1 s of work, 3 x as long
+        ctl.write_text("{}")
+        time.sleep(CONTROL_POLL_S)
+        assert compute_slowdown() == 1.0                              # healed: no sleep added
+    finally:
+        configure_process_link(None)

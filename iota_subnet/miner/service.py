@@ -66,6 +66,7 @@ from iota_subnet.protocol.commitment import (MINER, VALIDATOR, Fingerprints, Run
                                              merge_weights_from_commitments)
 from iota_subnet.train.checkpoint import CheckpointError, read_checkpoint, sweep_stray_temporaries, tensors_bytes
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
+from iota_subnet.transport.shaping import compute_slowdown
 from iota_subnet.utils.atomic import atomic_write_bytes, atomic_write_json
 from iota_subnet.utils.run_folder import hand_over
 
@@ -779,7 +780,16 @@ class MinerService:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
 
     async def _compute(self, fn, *args, **kw):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+        """Run ``fn`` on the compute thread. Under a chaos ``slow`` event (``--link-control``) the
+        thread stays busy ``factor`` times as long, as a slower accelerator would."""
+        def run():
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            factor = compute_slowdown()
+            if factor > 1.0:
+                time.sleep((factor - 1.0) * (time.perf_counter() - t0))
+            return out
+        return await asyncio.get_running_loop().run_in_executor(self.pool, run)
 
     async def _merge_gate(self) -> None:
         """The data plane's gate before each compute: waits for a running merge unless ``merge.overlap``."""

@@ -13,7 +13,8 @@ fewest live replicas an event may leave a stage with; default 1), e.g.
 ``join``                a new miner registers mid-run on the stage with the fewest running replicas
 ``partition``           a miner's links drop for ``partition_s`` (every send fails; see
                         :mod:`iota_subnet.transport.shaping`)
-``slow``                a miner's uplink slows by ``slow_factor`` for ``slow_s``
+``slow``                a miner slows by ``slow_factor`` for ``slow_s``: its uplink (when shaped,
+                        ``--link``) and its compute (every forward, backward and step)
 ``validator-kill``      SIGKILL a validator; restarted after ``restart_s`` (it resumes from its state)
 ======================= =======================================================================
 

@@ -26,7 +26,9 @@ Fault injection (``--link-control FILE``, written by ``localnet --chaos``): the 
 JSON file at most every :data:`CONTROL_POLL_S` seconds while it sends. ``{"down": true}``: the link is
 partitioned, every send fails with :class:`LinkDown` (an ``OSError``: clients retry, then raise
 ``TransportError``; a server drops the connection instead of answering); ``{"slow": f}``: the rate is
-divided by f and the delay multiplied by f; ``{}`` (or no file) heals.
+divided by f and the delay multiplied by f, and the neuron's compute takes f times as long
+(:func:`compute_slowdown`, read by the miner's compute thread: on an unshaped loopback link that is
+the only effect); ``{}`` (or no file) heals.
 """
 from __future__ import annotations
 
@@ -212,8 +214,13 @@ class UplinkShaper:
         if (down, slow) != (self.down, self.slow):
             logger.info(f"EMULATED LINK {'partitioned' if down else f'slowed x{slow:g}' if slow > 1 else 'healed'}")
             if slow > 1 and self._rate is None and self.link.delay_s == 0:
-                logger.warning("a slow-down has no effect on an unshaped link: give the neurons --link RATE:DELAY")
+                logger.info("the link is unshaped (no --link RATE:DELAY): the slow-down slows the compute only")
         self.down, self.slow = down, slow
+
+    def slow_factor(self) -> float:
+        """The control file's slow-down factor now (1.0: none); re-reads the file when due."""
+        self._poll_control()
+        return self.slow
 
     def _reserve(self, nbytes: int) -> float:
         """Book ``nbytes`` on the link; seconds until they have left."""
@@ -290,3 +297,11 @@ def configure_process_link(link: Optional[LinkSpec], time_scale: float = 1.0,
 def process_shaper() -> Optional[UplinkShaper]:
     """The uplink installed by :func:`configure_process_link`, or None."""
     return _process_shaper
+
+
+def compute_slowdown() -> float:
+    """How many times longer this process's compute should take now (the ``slow`` of its
+    ``--link-control`` file; 1.0 without one). The chaos harness's ``slow`` event: a slower link and
+    a slower accelerator."""
+    sh = _process_shaper
+    return sh.slow_factor() if sh is not None else 1.0
