@@ -376,11 +376,15 @@ class ControlPlane:
         await self._deliver([new])
         return True
 
+    def _others_steps(self, first: int, upto: int) -> list[int]:
+        """The lane steps in ``[first, upto)`` other coordinating validators drive."""
+        mine = set(steps_of(self.validator_index, self.n_validators, first, upto))
+        return [k for k in range(first, upto) if k not in mine]
+
     async def _take_over(self, lane: int, first: int, upto: int) -> None:
         """Another validator stopped driving its steps of ``lane`` (the head has waited at step ``first``
         for ``turn_timeout_s``): issue its steps ``first .. upto - 1`` so the lane goes on."""
-        mine = set(steps_of(self.validator_index, self.n_validators, first, upto))
-        theirs = [k for k in range(first, upto) if k not in mine]
+        theirs = self._others_steps(first, upto)
         if theirs:
             logger.warning("lane {}: the head waited {:.0f} s at step {}; driving steps {} of the other validators",
                            lane, self.turn_timeout_s, first, theirs)
@@ -431,9 +435,13 @@ class ControlPlane:
                                    latest.ticket.attempt + 1, "; ".join(latest.errors)[:300])
             if self.clock() - last_progress > self.stall_timeout():
                 cur = await self._head_step(lane)
-                if cur is not None and cur < step and self.clock() - last_progress < self.turn_timeout_s:
-                    pass    # the head is still on earlier steps (another validator's): not stalled
-                elif cur is not None and cur < step:
+                # the head is still on earlier steps of other validators: wait for their turn (not for
+                # steps of this validator's own, which are complete: then the head is stuck, and only
+                # re-issuing, with the steps done named in the tickets, moves it on)
+                theirs = cur is not None and cur < step and bool(self._others_steps(cur, step))
+                if theirs and self.clock() - last_progress < self.turn_timeout_s:
+                    pass
+                elif theirs:
                     await self._take_over(lane, cur, step)
                     last_progress = self.clock()
                 else:

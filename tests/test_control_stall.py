@@ -1,0 +1,86 @@
+"""The validator's control plane when a lane's head is behind the step it follows (found in the churn
+benchmark, 2026-12-02): with one validator, every step before the followed one is this validator's
+own and complete, so a head still on an earlier step is stuck (it merged, was paused, or lost its
+part of a step to a reroute), not waiting for another validator's turn. The old code waited the
+turn timeout (120 s) without re-issuing anything, again and again: lane steps of 100-130 s.
+
+A real :class:`ControlPlane`, :class:`Router` and :class:`Ledger`; the head is a scripted client that
+queues tickets, reports an inner step, and never sends a receipt."""
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from bittensor.sp_core import Keypair
+
+from iota_subnet.config import load_config
+from iota_subnet.protocol import Health, Ticket, TicketAck
+from iota_subnet.validator.control import ControlPlane
+from iota_subnet.validator.routing import Replica, Router
+from iota_subnet.validator.scoring import Ledger
+from dataplane_net import OVR
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class StuckHead:
+    """Every miner of the lane, as the validator sees them: tickets are queued, nothing completes;
+    the head reports inner step ``head_step``."""
+
+    def __init__(self, head_step: int):
+        self.head_step = head_step
+        self.batches: list[tuple[list[Ticket], dict]] = []
+
+    async def call(self, endpoint, hotkey, path, msg, resp_type, **kw):
+        if path == "/tickets":
+            self.batches.append(([Ticket.from_json(t) for t in msg.tickets], dict(msg.base_steps)))
+            return TicketAck(run_id=msg.run_id, accepted=len(msg.tickets))
+        if path == "/health":
+            return Health(run_id=msg.run_id, stage=msg.stage, inner_step=self.head_step)
+        raise AssertionError(f"unexpected call {path}")
+
+
+def control(head: StuckHead, *, validator_index: int = 0, n_validators: int = 1) -> ControlPlane:
+    cfg = load_config("configs/tiny.yaml", OVR)
+    router = Router(cfg.pipeline.stages)
+    router.update({s: [Replica(uid=s + 1, hotkey=Keypair.create_from_uri(f"//m{s}").ss58_address,
+                               endpoint=f"127.0.0.1:{9000 + s}", stage=s)] for s in range(cfg.pipeline.stages)})
+    cp = ControlPlane(cfg, run_id="stall", router=router, client=head, keypair=Keypair.create_from_uri("//vali"),
+                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0, 1.0, 1.0]), n_lanes=1,
+                      validator_index=validator_index, n_validators=n_validators, stall_s=0.5, min_stall_s=0.5,
+                      turn_timeout_s=60.0, max_attempts=4)
+    cp.reissue_backoff_s = 0.01
+    return cp
+
+
+def test_a_lone_validator_reissues_at_once_when_the_head_is_stuck_behind_its_own_steps():
+    head = StuckHead(head_step=1)
+    cp = control(head)
+
+    async def main():
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(cp.run_lane_step(0, 3), timeout=30.0)
+        return res, time.monotonic() - t0
+    res, took = asyncio.run(main())
+    attempts = sorted({(t.index, t.attempt) for ts, _ in head.batches for t in ts})
+    assert attempts == [(m, a) for m in range(2) for a in range(4)]       # every attempt, not one in 60 s
+    reissued = [base for ts, base in head.batches if ts[0].attempt > 0]
+    assert len(reissued) == 6 and all(base == {"0": 3} for base in reissued)   # each: steps < 3 are done
+    assert took < 30.0 and not any(r.ok for r in res.microbatches)
+
+
+def test_with_two_validators_a_head_on_the_others_step_is_waited_for():
+    """Validator 0 of 2 follows its step 4; the head is on step 3 (validator 1's): that is a turn, not a
+    stall, so nothing is re-issued before the turn timeout."""
+    head = StuckHead(head_step=3)
+    cp = control(head, validator_index=0, n_validators=2)
+
+    async def main():
+        task = asyncio.create_task(cp.run_lane_step(0, 4))
+        await asyncio.sleep(4.0)                 # 8 stall timeouts
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    assert sorted({t.attempt for ts, _ in head.batches for t in ts}) == [0]
