@@ -85,7 +85,9 @@ def train_locally(svc, k):
 
 
 async def merge_epoch(svcs, epoch):
+    """Merge ``epoch`` on every replica, as at the inner step that closes it ((epoch + 1) x H)."""
     for s in svcs:
+        s.worker.inner_step = max(s.worker.inner_step, (epoch + 1) * s.cfg.merge.every_steps)
         s._start_merge(epoch)
     await asyncio.gather(*(s._merge_task for s in svcs))
     return [s.merge.history[-1] for s in svcs]

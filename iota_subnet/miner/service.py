@@ -571,9 +571,12 @@ class MinerService:
                 def apply():
                     with self.worker.lock:
                         self.merge.set_state(anchor, mom, man["merged_epoch"])
-                        H = self.cfg.merge.every_steps
-                        if H and self.worker.auto_step:     # no lane drives it yet; in a lane, the lane's step stays
-                            self.worker.inner_step = max(self.worker.inner_step, (man["merged_epoch"] + 1) * H)
+                        # no lane drives it yet: start at the donors' inner step (in a lane, the lane's step
+                        # stays). Not (merged_epoch + 1) x H: epochs are labels the replicas agree on and run
+                        # ahead of the steps under churn (a joiner came up at inner step 65 while the lanes
+                        # were at 41-52, and the validator then counted its lane's steps 51-64 as done)
+                        if self.worker.auto_step:
+                            self.worker.inner_step = max(self.worker.inner_step, int(man.get("step", 0)))
                         self.worker.opt.zero_grad(set_to_none=True)
                         self.worker.pending = 0
                 await self._compute(apply)
