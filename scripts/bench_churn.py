@@ -12,7 +12,8 @@ replicas), then prints (``--json``: one JSON object):
 * ``relative_gap``: (disturbed - undisturbed) / undisturbed of the means; ``per_seed_gap``: each
   disturbed run against the undisturbed mean;
 * ``microbatches_lost``, ``samples_repeated``, ``samples_skipped``: per disturbed run (from the
-  validators' micro-batch log, see ``LocalNet._sample_accounting``);
+  validators' micro-batch log, see ``LocalNet._sample_accounting``); ``samples_unconfirmed``: of the
+  samples counted trained, those counted on a head's word after a validator restart (no receipts);
 * ``plot``: a PNG with every run's training loss curve.
 
 Issue 13's acceptance: >= 40 events of >= 4 kinds per disturbed run, ``relative_gap <= 0.02``, every
@@ -116,6 +117,7 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
             "microbatches_lost": chaos_summary.get("microbatches_lost"),
             "samples_repeated": chaos_summary.get("samples_repeated"),
             "samples_skipped": chaos_summary.get("samples_skipped"),
+            "samples_unconfirmed": chaos_summary.get("samples_unconfirmed"),
             "merges_applied": (summary.get("merge") or {}).get("merges_applied"),
             "mismatch_reports": (summary.get("merge") or {}).get("mismatch_reports"),
             # hop and update audits under churn: an honest miner that was only killed, paused or cut off
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "microbatches_lost": {r["name"]: r["microbatches_lost"] for r in dis},
         "samples_repeated": {r["name"]: r["samples_repeated"] for r in dis},
         "samples_skipped": {r["name"]: r["samples_skipped"] for r in dis},
+        "samples_unconfirmed": {r["name"]: r.get("samples_unconfirmed") for r in dis},
         "skipped_by_kind": {r["name"]: r["skipped_by_kind"] for r in dis},
         "unrecovered": {r["name"]: r["unrecovered"] for r in dis},
         "merges_applied": {r["name"]: r["merges_applied"] for r in runs},

@@ -84,3 +84,25 @@ def test_with_two_validators_a_head_on_the_others_step_is_waited_for():
         await asyncio.gather(task, return_exceptions=True)
     asyncio.run(main())
     assert sorted({t.attempt for ts, _ in head.batches for t in ts}) == [0]
+
+
+def test_a_resumed_validator_counts_only_steps_it_may_have_ticketed_as_trained_and_the_rest_as_skipped():
+    """Resumed at lane step 10 (its previous process issued tickets up to 8 steps ahead), the head is at
+    inner step 30 (it synced to a later state): steps 10-17 were trained with the old tickets (counted,
+    receipts lost), steps 18-29 were never issued, so never trained in this lane: reported lost, and the
+    run's accounting counts their samples skipped (the old code counted all of them trained)."""
+    head = StuckHead(head_step=30)
+    cp = control(head)
+    got: list = []
+    stop = asyncio.Event()
+
+    def on_step(res, next_step):
+        got.append(res)
+        if res.step == 29:
+            stop.set()
+
+    asyncio.run(asyncio.wait_for(cp.run_lane(0, 10, 150, on_step=on_step, stop=stop), timeout=30.0))
+    assert [r.step for r in got] == list(range(10, 30))
+    assert all(r.ok_count == 2 and r.microbatches[0].phase == "trained while away" for r in got[:8])
+    assert all(r.ok_count == 0 and r.microbatches[0].phase.startswith("skipped") for r in got[8:])
+    assert not head.batches                                          # nothing was issued for those steps

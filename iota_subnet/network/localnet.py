@@ -593,10 +593,12 @@ class LocalNet:
     def _sample_accounting(self) -> dict:
         """From the validators' state: micro-batches lost, and samples (rows of ``(lane, step, index)``)
         trained more than once or never, over the steps driven (each lane's ``steps_done``; the whole
-        ``--steps`` when the run finished)."""
+        ``--steps`` when the run finished). ``samples_unconfirmed``: samples counted trained on the
+        head's word (its inner step was past them when a restarted validator resumed: trained with that
+        validator's earlier tickets, whose receipts were lost), not by receipts."""
         from iota_subnet.validator.state import ValidatorState
         seen: dict[tuple, int] = {}
-        lost = 0
+        lost = unconfirmed = 0
         for c in self.children:
             if c.kind != "validator" or not (c.out / "validator.sqlite").exists():
                 continue
@@ -606,6 +608,7 @@ class LocalNet:
                     key = (row["lane"], row["step"], row["idx"])
                     if row["ok"]:
                         seen[key] = seen.get(key, 0) + 1
+                        unconfirmed += not row["microbatch_id"]      # no ticket of its own: no receipts
                     else:
                         lost += 1
             finally:
@@ -621,7 +624,8 @@ class LocalNet:
                     for m in range(micro)}
         return {"microbatches_lost": lost,
                 "samples_repeated": sum(n - 1 for n in seen.values() if n > 1) * self.cfg.train.micro_batch,
-                "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch}
+                "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch,
+                "samples_unconfirmed": unconfirmed * self.cfg.train.micro_batch}
 
 
 def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], gpu_mem: Optional[float],

@@ -114,6 +114,10 @@ class ControlPlane:
         self.attempts: dict[tuple[int, int, int], list[str]] = {}
         #: per lane, the step being followed now (tickets tell heads that earlier steps are complete)
         self._lane_step: dict[int, int] = {}
+        #: per lane, the first step a previous process of this validator cannot have issued tickets for
+        #: (it issued at most ``lookahead`` steps beyond where it stopped): a head past an earlier step
+        #: may have trained it with those tickets; past a later one it skipped it
+        self._ticketed_before: dict[int, int] = {}
         self.reissue_backoff_s = 0.5
         #: stall detection adapts to the pace of the lanes: no progress for 5 x the mean lane-step time
         #: (at least ``min_stall_s``, at most ``stall_s``) re-issues what is missing
@@ -529,20 +533,28 @@ class ControlPlane:
         """Drive this validator's lane steps of ``lane`` in ``[start_step, total_steps)``; tickets for the
         next ``lookahead`` of them are at the head before they are needed. Returns the next step to drive."""
         todo = steps_of(self.validator_index, self.n_validators, start_step, total_steps)
+        self._ticketed_before[lane] = start_step + self.lookahead if start_step > 0 else 0
         i = 0
         next_step = todo[0] if todo else max(start_step, total_steps)
         # resuming: the head may have trained past our last committed step with tickets we issued ahead
         cur = await self._head_step(lane) if todo else None
         if cur is not None and cur > todo[0]:
             past = [k for k in todo if k < cur]
-            logger.warning("lane {}: its first-stage miner is at inner step {}; steps {}..{} were trained while this "
-                           "validator was away (their receipts are lost: counted, not credited)", lane, cur,
-                           past[0], past[-1])
+            away = [k for k in past if k < self._ticketed_before[lane]]
+            if away:
+                logger.warning("lane {}: its first-stage miner is at inner step {}; steps {}..{} were trained while "
+                               "this validator was away (their receipts are lost: counted, not credited)", lane, cur,
+                               away[0], away[-1])
+            if len(away) < len(past):
+                logger.warning("lane {}: its first-stage miner is at inner step {}, past steps {}..{} that this "
+                               "validator never issued: they were skipped (reported as lost)", lane, cur,
+                               past[len(away)], past[-1])
             for k in past:
                 i += 1
                 next_step = todo[i] if i < len(todo) else total_steps
                 if on_step is not None:
-                    out = on_step(self._trained_while_away(lane, k), next_step)
+                    out = on_step(self._trained_while_away(lane, k) if k in away else self._skipped(lane, k),
+                                  next_step)
                     if asyncio.iscoroutine(out):
                         await out
         while i < len(todo):
@@ -558,9 +570,11 @@ class ControlPlane:
                 logger.info("lane {} step {}: stopped with {} / {} micro-batches done; resumes there", lane, k,
                             res.ok_count, len(res.microbatches))
                 break
+            settled = None      # the head is past this step: trained with earlier tickets, or skipped
             if res.ok_count == 0 and not (stop is not None and stop.is_set()):
-                res = await self._completed_elsewhere(lane, k) or res
-            if res.ok_count == 0:
+                settled = await self._completed_elsewhere(lane, k)
+                res = settled or res
+            if res.ok_count == 0 and settled is None:
                 if stop is not None and stop.is_set():
                     break
                 logger.warning("lane {} step {}: no micro-batch completed; retrying", lane, k)
@@ -585,6 +599,14 @@ class ControlPlane:
                                 phase="trained while away") for m in range(self.micro_per_step)]
         return LaneStepResult(lane, step, mbs, 0.0)
 
+    def _skipped(self, lane: int, step: int) -> LaneStepResult:
+        """Lane step ``step`` that the lane's head went past without training it in this lane (it synced
+        or skipped to a later inner step before any ticket of it arrived): its rows were never trained
+        here, so its micro-batches are reported lost (the run's accounting counts its samples skipped)."""
+        mbs = [MicrobatchResult(lane, step, m, "", True, self.mb * self.cfg.data.seq_len, ok=False,
+                                phase="skipped: the head went past it") for m in range(self.micro_per_step)]
+        return LaneStepResult(lane, step, mbs, 0.0)
+
     async def _completed_elsewhere(self, lane: int, step: int) -> Optional[LaneStepResult]:
         """A lane step none of whose micro-batches completed under this validator's tickets while the
         lane's head is past it: the head completed it with the tickets this validator sent before a
@@ -593,6 +615,11 @@ class ControlPlane:
         cur = await self._head_step(lane)
         if cur is None or cur <= step:
             return None
+        flights = [f for m in range(self.micro_per_step) for f in self._flights_of(lane, step, m)]
+        if step >= self._ticketed_before.get(lane, 0) and flights and all(f.stale for f in flights):
+            logger.warning("lane {} step {}: its first-stage miner is at inner step {} and answered every ticket of "
+                           "it stale: the step was skipped in this lane (reported as lost)", lane, step, cur)
+            return self._skipped(lane, step)
         logger.warning("lane {} step {}: its first-stage miner is at inner step {}: the step was trained with tickets "
                        "issued before this validator restarted (receipts lost: counted, not credited)", lane, step, cur)
         return self._trained_while_away(lane, step)
