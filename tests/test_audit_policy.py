@@ -163,3 +163,42 @@ def test_killed_miner_audits_before_its_restart_are_excused():
     other = (5, "hk5")
     p.note_hop(other, True, c.t)
     assert p.record(*other, 1, "hop", "timeout", at=at, detail="connection refused") == "timed_out"
+
+
+def test_a_miner_unreachable_at_its_audit_is_down_one_that_answers_health_but_not_audits_is_not():
+    """Found in the churn benchmark (2026-12-02): partitions of 5-15 s fell between a miner's training
+    hops, so nothing showed it down; its unanswered audits counted, 2 of 10 flagged it, and a flagged
+    replica merges with weight 0: 6 of 20 honest miners were flagged and the stages stopped merging.
+    The validator now probes ``/health`` after an unanswered audit: unreachable too is down."""
+    c = Clock()
+    p = AuditPolicy(clock=c, down_window_s=60.0, probe_contradict_s=5.0)
+    for _ in range(3):
+        c.t += 10
+        p.note_hop(K, True, c.t)                # trained fine just before each fault
+        assert p.record(*K, 1, "hop", "passed") == "passed"
+    for _ in range(2):                          # partitioned at two audits: the probe after each fails too
+        c.t += 10
+        p.note_unreachable(K, c.t)
+        assert p.record(*K, 1, "hop", "timeout") == "excused"
+    s = p.stats[K]
+    assert not s.flagged and s.excused == 2 and "unreachable" in s.recent[-1]["why"]
+    # the dodger: its health probe is answered (nothing noted), its audits are not
+    D = (5, "hk5")
+    for i in range(2):
+        c.t += 10
+        p.note_hop(D, True, c.t)
+        assert p.record(*D, 1, "hop", "timeout") == "timed_out"
+    assert p.stats[D].flagged
+
+
+def test_an_unanswered_probe_contradicted_by_training_is_not_an_excuse():
+    """A miner that drops the validator's probes while it serves training hops at that very time is not
+    unreachable: no excuse."""
+    c = Clock()
+    p = AuditPolicy(clock=c, probe_contradict_s=5.0)
+    for _ in range(2):
+        c.t += 10
+        p.note_unreachable(K, c.t)
+        p.note_hop(K, True, c.t + 2)            # a training hop succeeded 2 s after the probe failed
+        assert p.record(*K, 1, "hop", "timeout") == "timed_out"
+    assert p.stats[K].flagged

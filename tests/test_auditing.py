@@ -11,7 +11,7 @@ import random
 import pytest
 
 from iota_subnet.config import load_config
-from iota_subnet.protocol import Outcome, ProtocolError, Ticket
+from iota_subnet.protocol import Health, Outcome, ProtocolError, Ticket
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 from iota_subnet.validator.audit_policy import AuditPolicy
@@ -33,15 +33,22 @@ class Clock:
 
 
 class Refusing:
-    """A verification client whose calls fail the way ``exc`` says; counts bytes like the real one."""
+    """A verification client whose audit calls fail the way ``exc`` says; ``/health`` probes are
+    answered (the miner is up: it dodges) unless ``reachable`` is False; counts bytes like the real one."""
 
     total_bytes = 0
 
-    def __init__(self, exc):
-        self.exc = exc
+    def __init__(self, exc, reachable: bool = True):
+        self.exc, self.reachable = exc, reachable
         self.calls = 0
+        self.probes = 0
 
-    async def call(self, *a, **kw):
+    async def call(self, endpoint, hotkey, path, msg, typ, **kw):
+        if path == "/health":
+            self.probes += 1
+            if self.reachable:
+                return Health(run_id=msg.run_id, stage=msg.stage)
+            raise TransportError(endpoint, "connection refused")
         self.calls += 1
         raise self.exc
 
@@ -116,6 +123,21 @@ def test_a_restart_announced_after_the_audit_excuses_it():
     clock.t += 5                          # the new process's first receipt: it restarted at 1003
     sch.on_receipt(ticket(0), receipt(0, t=clock.t, boot=1003.0), HK)
     assert rec.final == "excused" and not policy.flagged()
+
+
+def test_an_unanswered_audit_of_a_miner_unreachable_altogether_is_excused_as_down():
+    """After a timed-out audit the scheduler probes ``/health``: unanswered too means the miner is down
+    (partitioned, paused, dying), an honest fault; answered means it dodged the audit (above)."""
+    client = Refusing(TransportError("x", "down"), reachable=False)
+    sch, rep, policy, clock = make(client, updates=False)
+    recs = []
+    for k in range(2):
+        sch.on_receipt(ticket(3 + k), receipt(3 + k, t=clock.t), HK)
+        recs.append(asyncio.run(sch.audit_hop(rep, k)))
+        clock.t += sch.settle_s + 1
+        asyncio.run(sch.round(k + 1))
+    assert [r.final for r in recs] == ["excused", "excused"] and client.probes == 2 and not policy.flagged()
+    assert "unreachable" in policy.stats[rep.key].recent[-1]["why"]
 
 
 def test_unanswered_audits_settle_after_a_while_without_receipts():

@@ -13,8 +13,12 @@ turns it into the outcome that counts:
 
   - *down*: the miner was also missing its training hops: at least one of its training hops
     failed (timeout, refusal, unreachable) and none succeeded within ``down_window_s`` seconds
-    of the audit (:meth:`AuditPolicy.note_hop` feeds that record). A miner that serves training
-    but not audits is not down;
+    of the audit (:meth:`AuditPolicy.note_hop` feeds that record); or it was unreachable
+    altogether: a health probe sent right after the unanswered audit went unanswered too
+    (:meth:`AuditPolicy.note_unreachable`), and no training hop of it succeeded within
+    ``probe_contradict_s`` of that probe (a partitioned, paused or dying miner; under churn a
+    partition often falls between two of its training hops, which alone did not show it). A miner
+    that serves training or health probes but not audits is not down;
   - *restart*: the audited work is from before a restart the miner announced
     (:meth:`AuditPolicy.announce_restart`: its first receipts after a restart carry a new boot
     time; what its audit store held is gone), or the audit went unanswered shortly (120 s) before
@@ -83,17 +87,19 @@ class AuditPolicy:
 
     def __init__(self, *, window: int = 10, unanswered_threshold: int = 2, excuse_window: int = 20,
                  max_excuse_fraction: float = 0.5, min_excuses: int = 3, down_window_s: float = 60.0,
-                 clock=time.time):
+                 probe_contradict_s: float = 5.0, clock=time.time):
         self.window = max(1, int(window))
         self.unanswered_threshold = max(1, int(unanswered_threshold))
         self.excuse_window = max(1, int(excuse_window))
         self.max_excuse_fraction = min(1.0, max(0.0, float(max_excuse_fraction)))
         self.min_excuses = max(0, int(min_excuses))
         self.down_window_s = float(down_window_s)
+        self.probe_contradict_s = float(probe_contradict_s)
         self.clock = clock
         self.stats: dict[Key, AuditStats] = {}
         self._hops: dict[Key, deque] = {}           # (time, ok) of training hops
         self._restarts: dict[Key, list[float]] = {}  # announced restart times, accepted
+        self._unreachable: dict[Key, deque] = {}    # times of health probes it did not answer
         self._last: dict[Key, deque] = {}           # final outcomes of the last audits
 
     # ---- inputs besides audits ------------------------------------------------------------------
@@ -109,6 +115,20 @@ class AuditPolicy:
         """A training hop of the miner ``key`` succeeded (``ok``) or failed at ``at`` (unix s)."""
         d = self._hops.setdefault((int(key[0]), str(key[1])), deque(maxlen=256))
         d.append((self.clock() if at is None else float(at), bool(ok)))
+
+    def note_unreachable(self, key: Key, at: Optional[float] = None) -> None:
+        """A health probe of miner ``key`` sent at ``at`` (unix s), right after an unanswered audit,
+        went unanswered too."""
+        d = self._unreachable.setdefault((int(key[0]), str(key[1])), deque(maxlen=64))
+        d.append(self.clock() if at is None else float(at))
+
+    def was_unreachable(self, key: Key, at: float) -> bool:
+        """A health probe within ``down_window_s`` after the audit at ``at`` went unanswered, and no
+        training hop of the miner succeeded within ``probe_contradict_s`` of that probe."""
+        served = [t for t, ok in self._hops.get(key, ()) if ok]
+        return any(at - 1.0 <= p <= at + self.down_window_s
+                   and not any(abs(t - p) <= self.probe_contradict_s for t in served)
+                   for p in self._unreachable.get(key, ()))
 
     def announce_restart(self, key: Key, at: float) -> bool:
         """The miner announced it restarted at ``at`` (unix s). Returns True when this is a restart
@@ -157,6 +177,8 @@ class AuditPolicy:
         if raw in ("refused", "timeout"):
             final = "refused" if raw == "refused" else "timed_out"
             reason = ("down (its training hops failed too)" if self.was_down(key, at) else
+                      "down (unreachable: it did not answer a health probe either)"
+                      if self.was_unreachable(key, at) else
                       "work from before its announced restart" if self.restarted_since(key, work_at, at) else
                       "down (it announced a restart right after)" if self.restarted_soon_after(key, at) else "")
             if reason:

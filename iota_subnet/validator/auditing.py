@@ -55,8 +55,8 @@ from iota_subnet.audit.challenge import SamplingParams
 from iota_subnet.audit.check import Tolerances
 from iota_subnet.audit.layout import BACKWARD, FORWARD, LayoutError, TraceLayout
 from iota_subnet.config import RunConfig
-from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommit, AuditTraceRequest, ProtocolError,
-                                  Ticket, UpdateCommit, encode)
+from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommit, AuditTraceRequest, Health,
+                                  ProtocolError, Ticket, UpdateCommit, encode)
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 
@@ -152,6 +152,8 @@ class AuditScheduler:
         self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
         self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
         self.concurrency = max(1, int(concurrency))
+        #: seconds a miner has to answer the health probe after an unanswered audit (see _probe_health)
+        self.probe_timeout_s = 5.0
         #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
         self.unsettled: list[tuple[AuditRecord, Optional[float], float]] = []
         self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
@@ -412,6 +414,7 @@ class AuditScheduler:
             rec.raw, rec.detail, rec.code = "refused", f"{e.outcome.value}: {e.message}"[:200], e.outcome.value
         except (TransportError, asyncio.TimeoutError) as e:
             rec.raw, rec.detail = "timeout", f"{type(e).__name__}: {e}"[:200]
+            await self._probe_health(rep)
         except AuditFailure as e:
             rec.raw, rec.detail = "failed", str(e)[:200]
         rec.bytes = sum(sizes) + HTTP_HEADER_BYTES * len(sizes)
@@ -463,6 +466,17 @@ class AuditScheduler:
                         f"weights version {list(v)} its receipts named ({named[0][:12]})")
         return ""
 
+    async def _probe_health(self, rep: Replica) -> None:
+        """An audit of ``rep`` went unanswered: is the miner unreachable altogether? A ``/health``
+        probe that goes unanswered too is noted (:meth:`AuditPolicy.note_unreachable`): an honest
+        fault (partitioned, paused, dying), excused within the policy's bound. A miner that answers
+        the probe but not the audit is dodging it."""
+        try:
+            await self.client.call(rep.endpoint, rep.hotkey, "/health", Health(run_id=self.run_id, stage=rep.stage),
+                                   Health, timeout_s=self.probe_timeout_s, retries=0)
+        except (ProtocolError, TransportError, asyncio.TimeoutError):
+            self.policy.note_unreachable(rep.key, self.clock())
+
     async def audit_update(self, rep: Replica, tempo: int) -> Optional[AuditRecord]:
         commit = self.pick_commit(rep.hotkey)
         if commit is None:
@@ -478,6 +492,8 @@ class AuditScheduler:
                                               timeout_s=self.timeout_s)
         rec.cpu_s = res.cpu_s
         rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
+        if res.outcome == "timeout":
+            await self._probe_health(rep)
         rec.code = res.detail.split(":", 1)[0] if res.outcome == "refused" else ""
         rec.bytes = res.bytes
         return self._finish(rec, commit.at or None)
