@@ -295,3 +295,21 @@ def test_hop_store_reuses_the_update_stores_commitment_of_the_same_weights():
     assert fresh.commitment(v2, timeout_s=10).root == weights_root(w.module.state_dict()) != wc.root
     # a version the update store does not hold (another merge count) is hashed by the hop store
     assert w.updates.weights_version((2, 1)) is None and w.updates.weights_version((9, 0)) is None
+
+
+def test_a_skip_to_the_lanes_step_is_committed_as_a_skipped_step_that_passes_its_audit():
+    """A lane member that jumps inner steps (``skip_to``: its lane completed them elsewhere) commits the
+    last step jumped over as skipped, weights unchanged: validators flagged honest miners that skipped
+    one step at a time under churn as ``stale`` cheats (same weights root over inner steps it claims)."""
+    c = cfg()
+    w = StageWorker(c, 1, seed=0, total_steps=c.train.total_steps, audit_window=4)
+    train(w, 2)
+    last = commits_of(w, 1)[0]
+    assert w.skip_to(w.inner_step + 3) == 3
+    s = w.updates.commitment(w.inner_step - 1, timeout_s=10)
+    assert s is not None and s.skipped and s.step == last.step + 3
+    assert s.roots["w0"] == s.roots["w1"] == last.roots["w1"]            # nothing changed the weights
+    chk, _, _ = audit_in_process(UpdateAuditor(c, run_id="r", total_steps=c.train.total_steps, rows=3,
+                                               rng=random.Random(1)), w, s)
+    assert chk.ok, chk.reason
+    assert w.skip_to(w.inner_step) == 0 and w.updates.steps()[-1] == s.step     # no jump: nothing committed

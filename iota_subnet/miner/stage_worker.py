@@ -251,6 +251,13 @@ class StageWorker:
             if skipped:
                 self.opt.zero_grad(set_to_none=True)
                 self.pending = 0
+                if self.updates is not None:
+                    # say so in an update commitment (skipped, weights unchanged) of the last inner step
+                    # jumped over: validators flag a weights root that stays the same over inner steps
+                    # nothing explains (the ``stale`` cheat); a lane that skips one step at a time
+                    # under churn looked exactly like that
+                    pending = self.updates.begin(int(step) - 1, self.merges)
+                    self.updates.finish(pending, lr=0.0, grad_norm=0.0, clip_coef=0.0, skipped=True)
                 self.inner_step = int(step)
                 self.version += 1
             return skipped
