@@ -4,23 +4,15 @@ match, from ``OUT/NAME/bench_run.json`` or from the committed ``--keep`` folder,
 computed over the runs finished so far."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from script_support import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_churn", REPO / "scripts" / "bench_churn.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_churn"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_churn")
 
 
 def _result(bench, argv, name, chaos, val_loss, events=0):

@@ -2,12 +2,11 @@
 (scripts/bench_wan.py; the runs themselves are the benchmark, not a test)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_support import load_script
 
 from iota_subnet.hardware import GPUS, parse_accelerator
 from iota_subnet.network.localnet import emulation_argv
@@ -20,11 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_wan", REPO / "scripts" / "bench_wan.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_wan"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_wan")
 
 
 def test_rows_are_the_issues_table(bench):
