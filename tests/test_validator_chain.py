@@ -96,6 +96,11 @@ def test_weights_are_recorded_only_once_the_chain_shows_them(tmp_path, tmp_home)
             await svc.start()
             _credit(svc, 1, net.hk("m1"), 1)
             _credit(svc, 2, net.hk("m2"), 2)
+            # past the registrations' block: a swallowed set in the very block of the validator's last
+            # update (its registration) cannot be told from a landed one by last_update (a fast machine
+            # did everything above within one 0.1 s block, and the test failed)
+            while await net.chain.block() <= await net.chain.last_update(net.hk("vali"), NETUID):
+                await asyncio.sleep(0.05)
             net.sub.swallow = 1                     # "success", but not included
             assert await svc.maybe_set_weights() is False
             assert svc.weights_blocks == [] and svc.state.weights_blocks() == []
