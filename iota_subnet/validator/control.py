@@ -533,7 +533,7 @@ class ControlPlane:
         """Drive this validator's lane steps of ``lane`` in ``[start_step, total_steps)``; tickets for the
         next ``lookahead`` of them are at the head before they are needed. Returns the next step to drive."""
         todo = steps_of(self.validator_index, self.n_validators, start_step, total_steps)
-        self._ticketed_before[lane] = start_step + self.lookahead if start_step > 0 else 0
+        self._ticketed_before[lane] = start_step + self.lookahead     # a resumed lane may be at step 0 still
         i = 0
         next_step = todo[0] if todo else max(start_step, total_steps)
         # resuming: the head may have trained past our last committed step with tickets we issued ahead
