@@ -443,12 +443,10 @@ class ControlPlane:
                 # steps of this validator's own, which are complete: then the head is stuck, and only
                 # re-issuing, with the steps done named in the tickets, moves it on)
                 theirs = cur is not None and cur < step and bool(self._others_steps(cur, step))
-                if theirs and self.clock() - last_progress < self.turn_timeout_s:
-                    pass
-                elif theirs:
+                if theirs and self.clock() - last_progress >= self.turn_timeout_s:
                     await self._take_over(lane, cur, step)
                     last_progress = self.clock()
-                else:
+                elif not theirs:
                     for m, st in enumerate(state):
                         if st == "running":
                             f = self._flights_of(lane, step, m)[-1]
