@@ -166,3 +166,39 @@ def test_restarted_replica_uses_its_merge_state_while_its_peer_is_stopped(tmp_pa
     assert ok and wall < 20, wall
     assert b2.merge.in_sync and b2.merge.merged_epoch == 0
     assert torch.equal(flat(b2), merged) and torch.equal(b2.merge.anchor, merged)
+
+
+def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_its_peer(tmp_path, tmp_home):
+    """Issue 13 (CI, 2026-12-02): a SIGKILLed miner resumed behind its lane and jumped to the lane's step
+    over a boundary whose epoch its peer had merged without it. It proposed a merge at once, labelled
+    a later epoch (labels never repeat), and paused its lane 26-30 s for a peer not there yet; the
+    peer's own lane then waited at its boundary for this one: no reroute, both lanes stalled."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        try:
+            a, b = net.svcs
+            H = net.cfg.merge.every_steps
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
+            history = len(b.merge.history)
+            # b resumed at step H while its lane is at 2H + 3: the data plane jumps it there
+            assert b.worker.skip_to(2 * H + 3) == H + 3
+            b._maybe_merge()
+            proposed = not b._merge_task.done() or b.merge.ready_epoch != -1 or len(b.merge.history) != history
+            # both train on to the next boundary: one merge, together
+            nxt = ((2 * H + 3) // H + 1) * H
+            for k, s in enumerate(net.svcs):
+                train_locally(s, 10 + k)
+                s.worker.inner_step = nxt
+                s._maybe_merge()
+            await asyncio.gather(*(s._merge_task for s in net.svcs))
+            return proposed, [s.merge.history[-1] for s in net.svcs], a, b
+        finally:
+            await net.close()
+    proposed, reports, a, b = asyncio.run(main())
+    assert not proposed
+    assert [r.status for r in reports] == ["merged", "merged"], [(r.epoch, r.status, r.reason, r.participants, r.wall_s) for r in reports]
+    assert all(len(r.participants) == 2 for r in reports)
+    assert a.merge.merged_epoch == b.merge.merged_epoch and torch.equal(flat(a), flat(b))

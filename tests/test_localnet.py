@@ -66,7 +66,7 @@ def _dead(pid: int) -> bool:
 def test_localnet_trains_survives_a_killed_miner_and_pays(tmp_path, tmp_home, wikitext_path, monkeypatch):
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     net = LocalNet(stages=3, replicas=2, validators=1, config=_config(tmp_path), data=str(wikitext_path), steps=300,
-                   out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, restart_delay_s=1.0,
+                   out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, restart_delay_s=3.0,
                    timeout_s=420)
     result: dict = {}
     th = threading.Thread(target=lambda: result.update(summary=net.run()), daemon=True)

@@ -178,6 +178,7 @@ class EmulatedStageWorker:
         self.total_steps = int(total_steps or cfg.train.total_steps)
         self.inner_step = 0
         self.version = 0
+        self.last_skip: tuple[int, int] = (0, 0)     # as StageWorker.last_skip
         self.recomputes = 0
         self.pending = 0
         self.forwards = self.backwards = 0
@@ -313,6 +314,7 @@ class EmulatedStageWorker:
             skipped = max(0, int(step) - self.inner_step)
             if skipped:
                 self.pending = 0
+                self.last_skip = (self.inner_step, int(step))
                 self.inner_step = int(step)
                 self.version += 1
             return skipped

@@ -81,6 +81,9 @@ class StageWorker:
         self.total_steps = total_steps if total_steps is not None else cfg.train.total_steps  # None: open-ended
         self.inner_step = 0
         self.version = 0                    # bumped by every optimizer step (see _recompute_backward)
+        #: (from, to) inner steps of the last :meth:`skip_to` jump ((0, 0): none): merge boundaries in
+        #: (from, to] were jumped over, not trained to
+        self.last_skip: tuple[int, int] = (0, 0)
         self.recomputes = 0
         self.pending = 0                    # backward passes accumulated since the last inner step
         self.forwards = self.backwards = 0
@@ -258,6 +261,7 @@ class StageWorker:
                     # under churn looked exactly like that
                     pending = self.updates.begin(int(step) - 1, self.merges)
                     self.updates.finish(pending, lr=0.0, grad_norm=0.0, clip_coef=0.0, skipped=True)
+                self.last_skip = (self.inner_step, int(step))
                 self.inner_step = int(step)
                 self.version += 1
             return skipped

@@ -39,6 +39,7 @@ from iota_subnet.protocol.receipt import MAX_RECEIPTS_PER_BATCH, Receipt, parse_
 from iota_subnet.transport import TransportError
 
 from .driver import LaneStepResult, MicrobatchResult, sample_start, steps_of
+from .pacing import LanePacer
 from .routing import Replica, Router
 from .scoring import Ledger
 
@@ -77,6 +78,10 @@ class ControlPlane:
     Same driving interface as the relay :class:`~.driver.PipelineDriver`: :meth:`run`, :meth:`evaluate`,
     :meth:`clasp_round`, :meth:`probe`, and the counters ``tokens``, ``reroutes``, ``failures``,
     ``microbatches_ok``, ``microbatches_failed``.
+
+    ``pace_every``: the merge window the lanes are paced by (default ``merge.every_steps``; 0: no
+    pacing): the step closing a window waits until every live lane is there; ``pace_stall_s``: seconds
+    without progress after which a lane no longer holds the others back (:mod:`~.pacing`).
     """
 
     #: lane steps whose flights are kept after completion (receipts arrive in batches, a little late)
@@ -87,6 +92,7 @@ class ControlPlane:
                  seed: Optional[int] = None, tag: str = "", lookahead: int = 8, ticket_ttl_s: float = 600.0,
                  stall_s: float = 30.0, min_stall_s: float = 3.0, max_attempts: int = 6, wire_dtype: str = "bf16", n_alternates: int = 2,
                  empty_step_wait_s: float = 1.0, turn_timeout_s: float = 120.0, eval_timeout_s: float = 120.0,
+                 pace_every: Optional[int] = None, pace_stall_s: float = 120.0,
                  clock: Callable[[], float] = time.time,
                  on_receipt: Optional[Callable[[Ticket, Receipt, str], None]] = None,
                  on_hop: Optional[Callable[[tuple[int, str], bool], None]] = None):
@@ -125,6 +131,8 @@ class ControlPlane:
         self._step_time: Optional[float] = None
         self._issued_steps: dict[int, set[int]] = {}
         self._lane_events: dict[int, asyncio.Event] = {}
+        #: holds the step closing a merge window until every live lane is there (replicas merge together)
+        self.pacer = LanePacer(cfg.merge.every_steps if pace_every is None else pace_every, pace_stall_s)
         self._probe_lock = asyncio.Lock()
         self.probe_client = client
         self.tokens = 0
@@ -555,13 +563,27 @@ class ControlPlane:
                                   next_step)
                     if asyncio.iscoroutine(out):
                         await out
+        self.pacer.at(lane, next_step)
+        try:
+            return await self._drive_lane(lane, todo, i, next_step, total_steps, on_step, stop)
+        finally:
+            self.pacer.finish(lane)
+
+    async def _drive_lane(self, lane: int, todo: list[int], i: int, next_step: int, total_steps: int,
+                          on_step: Optional[Callable[[LaneStepResult, int], Awaitable[None] | None]],
+                          stop: Optional[asyncio.Event]) -> int:
         while i < len(todo):
             if stop is not None and stop.is_set():
                 break
             await self.probe()
             for ahead, k in enumerate(todo[i:i + self.lookahead]):
+                if not self.pacer.allows(lane, k):
+                    break       # a head trains every ticket it holds: a held step gets none yet
                 await self._issue_step(lane, k, ahead)
             k = todo[i]
+            if not self.pacer.allows(lane, k):
+                await self.pacer.wait(lane, k, stop)
+                continue
             res = await self.run_lane_step(lane, k, stop)
             if stop is not None and stop.is_set() and res.ok_count < len(res.microbatches):
                 # stopped inside the step: not counted now; on resume the head says whether it finished it
@@ -581,6 +603,7 @@ class ControlPlane:
                 continue
             i += 1
             next_step = todo[i] if i < len(todo) else total_steps
+            self.pacer.at(lane, next_step)
             if on_step is not None:
                 out = on_step(res, next_step)
                 if asyncio.iscoroutine(out):

@@ -1,0 +1,94 @@
+"""Lane pacing: the validator keeps its lanes within one merge window of each other.
+
+Replica ``r`` of every stage trains in lane ``r``, and the replicas of a stage merge when their inner
+step crosses a multiple of ``merge.every_steps`` (H). Lanes that drift apart reach a boundary at
+different times: the first waits ``merge.join_timeout_s`` for its peers, then merges alone, and the
+stage's replicas train different models until the next boundary they meet at. In the first full
+chaos run of the churn benchmark (2026-12-02, ``docs/BENCHMARKS.md``) the lanes drifted 30-40 steps
+apart and 88 of 145 merges ran alone.
+
+:class:`LanePacer` holds back the lane step that closes a merge window (the step after which the
+lane's replicas merge) until every other live lane has reached that step too: the replicas of a
+stage then reach the boundary within about one lane step of each other, far inside the join
+timeout. Steps inside a window are not held, so lanes drift at most one window apart. The slowest
+live lane is never held, so pacing cannot deadlock; a lane that made no progress for ``stall_s``
+seconds (its head is dead, the validator is re-routing) stops holding the others back until it
+moves again. Tickets are what pace a lane: a head trains every ticket it holds, so the validator
+neither issues nor follows a held step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Optional
+
+from loguru import logger
+
+
+class LanePacer:
+    """Per-lane next steps of one validator and the steps they hold back.
+
+    ``every``: merge window in lane steps (``merge.every_steps``; 0: no pacing); lane step ``k``
+    closes a window when ``(k + 1) % every == 0``. ``stall_s``: seconds without progress after which a
+    lane no longer holds the others back.
+    """
+
+    def __init__(self, every: int, stall_s: float, clock: Callable[[], float] = time.monotonic):
+        if every < 0 or stall_s <= 0:
+            raise ValueError(f"lane pacing needs every >= 0 and stall_s > 0, got {every!r}, {stall_s!r}")
+        self.every, self.stall_s, self.clock = int(every), float(stall_s), clock
+        self._next: dict[int, int] = {}          # lane -> the next lane step it will drive
+        self._moved: dict[int, float] = {}       # lane -> when it last progressed (or was held)
+        self._changed = asyncio.Event()
+        #: seconds each lane spent held back, for status output
+        self.held_s: dict[int, float] = {}
+
+    def at(self, lane: int, next_step: int) -> None:
+        """``lane`` will drive ``next_step`` next (it started there, or settled the step before)."""
+        self._next[lane] = int(next_step)
+        self._moved[lane] = self.clock()
+        self._changed.set()
+
+    def finish(self, lane: int) -> None:
+        """``lane`` has no steps left to drive: it no longer holds the others back."""
+        self._next.pop(lane, None)
+        self._moved.pop(lane, None)
+        self._changed.set()
+
+    def slowest(self, lane: int) -> Optional[tuple[int, int]]:
+        """(lane, next step) of the slowest live lane other than ``lane``, or None."""
+        now = self.clock()
+        live = [(k, l) for l, k in self._next.items() if l != lane and now - self._moved[l] < self.stall_s]
+        if not live:
+            return None
+        k, l = min(live)
+        return l, k
+
+    def allows(self, lane: int, step: int) -> bool:
+        """May ``lane`` start (be issued tickets for) lane step ``step`` now?"""
+        if self.every <= 0 or (step + 1) % self.every:
+            return True
+        slow = self.slowest(lane)
+        return slow is None or slow[1] >= step
+
+    async def wait(self, lane: int, step: int, stop: Optional[asyncio.Event] = None) -> float:
+        """Until ``lane`` may start ``step`` (or ``stop`` is set). Returns the seconds waited."""
+        t0 = self.clock()
+        logged = False
+        while not self.allows(lane, step) and not (stop is not None and stop.is_set()):
+            if not logged:
+                slow = self.slowest(lane)
+                logger.info("lane {} holds step {} (it closes a merge window) until lane {} gets there (at step {}): "
+                            "the replicas of each stage then reach the merge together", lane, step,
+                            *(slow if slow else ("-", "-")))
+                logged = True
+            self._moved[lane] = self.clock()     # held, not stalled: it still holds back the lanes behind it
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+        waited = self.clock() - t0
+        if waited > 0:
+            self.held_s[lane] = self.held_s.get(lane, 0.0) + waited
+        return waited
