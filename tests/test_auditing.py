@@ -6,12 +6,14 @@ typed refusals are refusals. The audits over real HTTP: tests/test_audit_wire.py
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
 
 from iota_subnet.config import load_config
-from iota_subnet.protocol import Health, Outcome, ProtocolError, Ticket
+from iota_subnet.protocol import Health, Outcome, ProtocolError, Ticket, UpdateCommit
+from iota_subnet.protocol.audit import UPDATE_KINDS
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 from iota_subnet.validator.audit_policy import AuditPolicy
@@ -163,6 +165,36 @@ def test_receipts_prove_missing_commitments_and_weights_that_never_change():
     out = asyncio.run(sch.round(0))
     assert [(r.kind, r.raw, r.final) for r in out] == [("update", "failed", "failed")], [vars(r) for r in out]
     assert policy.flagged() == {rep.key}
+
+
+def _skipped_commit(step: int):
+    return UpdateCommit(step=step, merges=0, adam_step=step, lr=0.0, grad_norm=0.0, clip_coef=0.0, skipped=True,
+                        roots={k: "2" * 64 for k in UPDATE_KINDS}, at=0.0).to_dict()
+
+
+@pytest.mark.parametrize("trained", [0, 1, STALE_STEPS])
+def test_updates_called_skipped_excuse_unchanged_weights_only_for_steps_it_did_not_train(trained):
+    """An honest lane member that jumps to its lane's step commits the jumped-over step as skipped
+    (weights unchanged); under churn a lane can skip one step at a time, so its weights root stays
+    the same over several inner steps it names (as an alternate, in an evaluation, or with a step it
+    had begun and dropped). A ``stale`` miner that trains every micro-batch and calls each update
+    skipped looked the same (a gap noted on 2026-12-02): the receipts say which steps it trained
+    whole. One such step is allowed (a non-finite gradient)."""
+    sch, rep, policy, clock = make()
+    for k in range(STALE_STEPS + 1):
+        whole = k >= STALE_STEPS - trained              # the last `trained` skipped steps: both micro-batches
+        sch.on_receipt(ticket(k), receipt(k, root="2" * 64), HK)                  # micro-batch 0, as the member
+        alt = dataclasses.replace(ticket(k, 1), trains=() if whole else (True, False, True))
+        sch.on_receipt(alt, receipt(k, 1, root="2" * 64), HK)                     # 1: as the member or not
+    assert sch.on_updates(HK, [_skipped_commit(k) for k in range(STALE_STEPS)]) == STALE_STEPS
+    clock.t += sch.commit_grace_s + 1
+    out = asyncio.run(sch.round(0))
+    if trained <= 1:
+        assert out == [] and policy.flagged() == set(), [vars(r) for r in out]
+    else:
+        assert [(r.kind, r.raw) for r in out] == [("update", "failed")], [vars(r) for r in out]
+        assert "skipped, yet it reported training" in out[0].detail
+        assert policy.flagged() == {rep.key}
 
 
 def test_work_from_before_a_restart_is_not_picked():

@@ -290,7 +290,6 @@ async def _sync_snapshot(peers: list[str], transport: Any, *, run_id: str, stage
             await asyncio.gather(*(worker(p) for p in list(alive)))
     if len(have) != len(hashes):
         missing = sorted(set(range(len(hashes))) - set(have))
-        why = {p: sum(1 for i in missing if refusals.get((i, p), 0) >= chunk_tries) for p in donors}
         raise SyncError(f"snapshot {sid}: chunks {missing[:20]}{' ...' if len(missing) > 20 else ''} "
                         f"({len(missing)} of {len(hashes)}) missing: refused {chunk_tries} times by each donor "
                         f"that still serves ({[p[:10] for p in alive]}), dropped donors "

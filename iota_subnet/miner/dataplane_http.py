@@ -14,7 +14,6 @@ import asyncio
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import torch
-from loguru import logger
 
 from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptAck, ReceiptBatch,
                                   Ticket, TicketAck, TicketBatch, hop_contract)

@@ -36,7 +36,7 @@ from iota_subnet.config import RunConfig
 from iota_subnet.miner.activation_cache import ActivationCache, SavedTensorMeter
 from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.model import PipelineStage
-from iota_subnet.train.checkpoint import (CheckpointError, checkpoint_bytes, config_fingerprint, read_checkpoint,
+from iota_subnet.train.checkpoint import (checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
 from iota_subnet.train.colocated import autocast_ctx
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr

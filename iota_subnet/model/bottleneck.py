@@ -25,7 +25,6 @@ Initialisation: W_e ~ N(0, 1/d) (so z_enc has unit RMS), W_d ~ N(0, init_std^2).
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn as nn

@@ -14,7 +14,6 @@ frequency scaling, grouped-query attention (Ainslie et al. 2023, arXiv 2305.1324
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn

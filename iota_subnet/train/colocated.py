@@ -9,7 +9,6 @@ automatically when present), ``config.json``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import signal

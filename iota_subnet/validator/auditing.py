@@ -120,6 +120,10 @@ class _MinerView:
     #: weights version -> (root hex, first seen)
     roots: dict = field(default_factory=dict)
     checked_steps: set = field(default_factory=set)
+    #: lane step -> indices of its micro-batches it reported training (the route's own miner, forward
+    #: and backward); ``trained``: the steps it reported training every micro-batch of
+    backwards: dict = field(default_factory=dict)
+    trained: set = field(default_factory=set)
 
 
 def _thread_timed(fn: Callable, *args) -> tuple[Any, float]:
@@ -205,6 +209,15 @@ class AuditScheduler:
                     del view.roots[min(view.roots)]
         if receipt.status == "ok" and ticket.train:
             view.candidates.append(HopCandidate(ticket, receipt, hotkey, now))
+            if receipt.bout and receipt.stage < ticket.n_stages and ticket.is_member(receipt.stage, hotkey):
+                done = view.backwards.setdefault(receipt.step, set())
+                done.add(receipt.index)
+                if len(done) >= ticket.micro_per_step:
+                    view.trained.add(receipt.step)
+                if len(view.backwards) > 1024:
+                    del view.backwards[min(view.backwards)]
+                if len(view.trained) > 1024:
+                    view.trained.discard(min(view.trained))
 
     def on_updates(self, hotkey: str, commits: list[dict]) -> int:
         """Update commitments from ``hotkey``'s receipt batch. Returns how many were well formed."""
@@ -508,7 +521,11 @@ class AuditScheduler:
         * its weights root stayed the same over ``STALE_STEPS`` consecutive inner steps it claims (no
           optimizer update applied: the ``stale`` cheat; an honest miner's weights change at every
           inner step but one skipped for a non-finite gradient, which its commitment says, or a
-          lone catch-up to its lane's step): a ``failed`` update audit.
+          lone catch-up to its lane's step): a ``failed`` update audit. Commitments marked skipped
+          excuse such a run only for steps it did not report training whole: a jump to its lane's
+          step skips steps it never saw or had only begun (their micro-batches are dropped), while a
+          miner that trains every micro-batch of its steps and calls every update skipped is the
+          ``stale`` cheat with an alibi (one such step is allowed: a non-finite gradient).
         """
         if self.update_auditor is None or self.done.get((tempo, "update-missing", rep.hotkey)):
             return []
@@ -524,10 +541,14 @@ class AuditScheduler:
             view.checked_steps.add((k, m))
             rec = None
             skipped = [have[(k - i - 1, m)] for i in range(STALE_STEPS) if (k - i - 1, m) in have]
-            if len(set(run)) == 1 and not all(skipped or [False]):
+            alibi = sorted(k - i - 1 for i in range(STALE_STEPS) if have.get((k - i - 1, m))
+                           and k - i - 1 in view.trained)
+            if len(set(run)) == 1 and (not all(skipped or [False]) or len(alibi) > 1):
+                why = (f"; its commitments call the updates of inner steps {alibi} skipped, yet it reported "
+                       f"training their micro-batches" if len(alibi) > 1 and all(skipped) else "")
                 rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "failed",
                                   detail=f"its weights root stayed {root[:12]} over inner steps {k - STALE_STEPS}.."
-                                         f"{k} it claims (no optimizer update applied)", tempo=tempo)
+                                         f"{k} it claims (no optimizer update applied){why}", tempo=tempo)
             elif root != view.roots[(k - 1, m)][0] and (k - 1, m) not in have \
                     and (k - 1, m) not in view.audited_commits:
                 rec = AuditRecord("update", rep.uid, rep.hotkey, rep.stage, "refused",
