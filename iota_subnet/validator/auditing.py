@@ -235,9 +235,10 @@ class AuditScheduler:
             n += 1
         return n
 
-    def on_hop(self, key: tuple[int, str], ok: bool) -> None:
-        """A training hop of miner ``key`` succeeded or failed (the policy's "down" excuse)."""
-        self.policy.note_hop(key, ok)
+    def on_hop(self, key: tuple[int, str], ok: bool, at: Optional[float] = None) -> None:
+        """A training hop of miner ``key`` succeeded or failed, as known at ``at`` (unix s; the arrival
+        of the miner's own receipt; default now): the policy's "down" excuse and its contradiction."""
+        self.policy.note_hop(key, ok, at)
 
     # ---- rounds ----------------------------------------------------------------------------------
     async def round(self, tempo: int, wait_s: Optional[float] = None) -> list[AuditRecord]:

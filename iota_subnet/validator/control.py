@@ -52,6 +52,7 @@ class Flight:
     issued: float
     receipts: dict[int, Receipt] = field(default_factory=dict)
     servers: dict[int, str] = field(default_factory=dict)      # stage -> hotkey that reported it
+    arrived: dict[int, float] = field(default_factory=dict)    # stage -> when its receipt arrived (clock)
     failed: bool = False
     errors: list[str] = field(default_factory=list)
     unreachable: set[str] = field(default_factory=set)
@@ -95,7 +96,7 @@ class ControlPlane:
                  pace_every: Optional[int] = None, pace_stall_s: float = 120.0,
                  clock: Callable[[], float] = time.time,
                  on_receipt: Optional[Callable[[Ticket, Receipt, str], None]] = None,
-                 on_hop: Optional[Callable[[tuple[int, str], bool], None]] = None):
+                 on_hop: Optional[Callable[[tuple[int, str], bool, Optional[float]], None]] = None):
         self.cfg, self.run_id, self.router, self.client = cfg, run_id, router, client
         self.keypair = getattr(keypair, "hotkey", keypair)
         self.hotkey: str = self.keypair.ss58_address
@@ -215,7 +216,7 @@ class ControlPlane:
                 self.ledger.fail(r.uid, r.hotkey, 0)
                 self.failures += 1
                 if self.on_hop is not None:
-                    self.on_hop(r.key, False)
+                    self.on_hop(r.key, False, None)
                 logger.warning("tickets to head {} failed: {}", r.short(), e)
                 for t in ts:
                     self._flight_failed(t.microbatch_id, f"tickets refused by {r.short()}: {e}", unreachable=[r.hotkey])
@@ -243,6 +244,7 @@ class ControlPlane:
             accepted += 1
             fl.receipts[r.stage] = r
             fl.servers[r.stage] = caller
+            fl.arrived[r.stage] = self.clock()
             if self.on_receipt is not None:
                 self.on_receipt(fl.ticket, r, caller)
             touched.add(fl.ticket.lane)
@@ -270,7 +272,7 @@ class ControlPlane:
                 self.ledger.fail(rep.uid, rep.hotkey, rep.stage)
                 self.failures += 1
                 if self.on_hop is not None:
-                    self.on_hop(rep.key, False)
+                    self.on_hop(rep.key, False, None)
 
     def _on_failure(self, fl: Flight, r: Receipt) -> None:
         self._note_unreachable(r)
@@ -339,7 +341,9 @@ class ControlPlane:
             self.ledger.forward_ok(rep.uid, rep.hotkey, s)
             self.ledger.credit(rep.uid, rep.hotkey, s, t.tokens)
             if self.on_hop is not None:
-                self.on_hop(rep.key, True)
+                # when its own receipt arrived, not now: a neighbour's receipt that completes the credit
+                # may come while this miner is partitioned, and read as "it served a hop just then"
+                self.on_hop(rep.key, True, fl.arrived.get(s))
             if hk != t.route[s] or (t.trains and not t.trains[s]):
                 self.ledger.reroute(rep.uid, rep.hotkey, s)
                 self.reroutes += 1
