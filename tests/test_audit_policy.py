@@ -193,12 +193,22 @@ def test_a_miner_unreachable_at_its_audit_is_down_one_that_answers_health_but_no
 
 def test_an_unanswered_probe_contradicted_by_training_is_not_an_excuse():
     """A miner that drops the validator's probes while it serves training hops at that very time is not
-    unreachable: no excuse."""
+    unreachable: no excuse. Receipts that arrive only after the probe failed are the burst a healed
+    partition releases (churn benchmark, 2026-12-02: an honest miner was flagged for them)."""
     c = Clock()
     p = AuditPolicy(clock=c, probe_contradict_s=5.0)
     for _ in range(2):
         c.t += 10
+        for dt in (-4.0, -1.5, 2.0):             # its receipts keep arriving around the failed probe
+            p.note_hop(K, True, c.t + dt)
         p.note_unreachable(K, c.t)
-        p.note_hop(K, True, c.t + 2)            # a training hop succeeded 2 s after the probe failed
         assert p.record(*K, 1, "hop", "timeout") == "timed_out"
     assert p.stats[K].flagged
+    H = (6, "hk6")                               # partitioned: nothing arrives until it heals, 2 s later
+    for _ in range(2):
+        c.t += 10
+        p.note_hop(H, True, c.t - 12.0)          # before the partition (the audit waited 10 s, the probe 2)
+        p.note_unreachable(H, c.t)
+        p.note_hop(H, True, c.t + 2.0)           # the burst of held-back receipts once it heals
+        assert p.record(*H, 1, "hop", "timeout") == "excused"
+    assert not p.stats[H].flagged

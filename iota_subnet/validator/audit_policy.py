@@ -15,10 +15,11 @@ turns it into the outcome that counts:
     failed (timeout, refusal, unreachable) and none succeeded within ``down_window_s`` seconds
     of the audit (:meth:`AuditPolicy.note_hop` feeds that record); or it was unreachable
     altogether: a health probe sent right after the unanswered audit went unanswered too
-    (:meth:`AuditPolicy.note_unreachable`), and no training hop of it succeeded within
-    ``probe_contradict_s`` of that probe (a partitioned, paused or dying miner; under churn a
-    partition often falls between two of its training hops, which alone did not show it). A miner
-    that serves training or health probes but not audits is not down;
+    (:meth:`AuditPolicy.note_unreachable`), and no receipt of a training hop of it arrived in the
+    ``probe_contradict_s`` before that probe failed (a partitioned, paused or dying miner; under
+    churn a partition often falls between two of its training hops, which alone did not show it;
+    its receipts held back by the partition arrive in a burst once it heals, after the probe, and
+    do not contradict it). A miner that serves training or health probes but not audits is not down;
   - *restart*: the audited work is from before a restart the miner announced
     (:meth:`AuditPolicy.announce_restart`: its first receipts after a restart carry a new boot
     time; what its audit store held is gone), or the audit went unanswered shortly (120 s) before
@@ -124,10 +125,12 @@ class AuditPolicy:
 
     def was_unreachable(self, key: Key, at: float) -> bool:
         """A health probe within ``down_window_s`` after the audit at ``at`` went unanswered, and no
-        training hop of the miner succeeded within ``probe_contradict_s`` of that probe."""
+        receipt of a successful training hop of the miner arrived in the ``probe_contradict_s``
+        before that probe failed (or within 0.5 s after: clocks of one process, a margin for the order
+        of events)."""
         served = [t for t, ok in self._hops.get(key, ()) if ok]
         return any(at - 1.0 <= p <= at + self.down_window_s
-                   and not any(abs(t - p) <= self.probe_contradict_s for t in served)
+                   and not any(p - self.probe_contradict_s <= t <= p + 0.5 for t in served)
                    for p in self._unreachable.get(key, ()))
 
     def announce_restart(self, key: Key, at: float) -> bool:
