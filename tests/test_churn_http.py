@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from iota_subnet.merge.sync import SnapshotDonor
+from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.shaping import LinkSpec, UplinkShaper
@@ -151,7 +152,6 @@ def test_restarted_replica_uses_its_merge_state_while_its_peer_is_stopped(tmp_pa
                 await resumed.wait()
                 return await a.authorize(hotkey, route)
             a.server.authorizer = stopped
-            from iota_subnet.miner.service import MinerService
             t0 = time.monotonic()
             b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
                               host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
@@ -202,3 +202,37 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
     assert [r.status for r in reports] == ["merged", "merged"], [(r.epoch, r.status, r.reason, r.participants, r.wall_s) for r in reports]
     assert all(len(r.participants) == 2 for r in reports)
     assert a.merge.merged_epoch == b.merge.merged_epoch and torch.equal(flat(a), flat(b))
+
+
+def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_the_merged_weights(tmp_path, tmp_home):
+    """Issue 13 (chaos run, 2026-12-02): a replica killed at step 23 resumed its step-10 checkpoint
+    beside the merged state of step 20; its catch-up found it "current" (merged epoch 3, like its
+    peers), so it trained on weights 10 steps stale and its lane's loss went from 6.7 back to 8.0."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        try:
+            a, b = net.svcs
+            H = net.cfg.merge.every_steps
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
+            await b.checkpoint(wait=True)                                            # b's checkpoint: step H
+            old = flat(b).clone()
+            for k, s in enumerate(net.svcs):
+                train_locally(s, 10 + k)
+            assert all(r.applied for r in await merge_epoch(net.svcs, 1))          # merged at 2H
+            merged, step = flat(b).clone(), b.worker.inner_step
+            await b.server.stop()                                                    # killed: no shutdown checkpoint
+            b.server = None
+            b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
+                              host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
+            net.svcs[1] = b2
+            await asyncio.wait_for(b2.start(), 30)
+            return old, merged, step, b2
+        finally:
+            await net.close()
+    old, merged, step, b2 = asyncio.run(main())
+    assert b2.resumed_from_checkpoint and not torch.equal(old, merged)
+    assert torch.equal(flat(b2), merged) and b2.worker.inner_step == step
+    assert b2.merge.merged_epoch == 1

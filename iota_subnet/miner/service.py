@@ -517,11 +517,18 @@ class MinerService:
             return
         try:
             tensors, meta = read_checkpoint(p)
-            own = not self.resumed_from_checkpoint     # no checkpoint: the merged weights are the newest it has
+            merged_at = int(meta.get("step", 0))
+            # the merged weights are the newest it has without a checkpoint, or with one older than the
+            # merge (checkpoints come every checkpoint_every steps, merges every H: a replica killed at
+            # step 23 resumed its step-10 checkpoint beside the merged state of step 20, trained on those
+            # stale weights as "in sync", and its lane's loss went from 6.7 back to 8.0 in a chaos run)
+            own = not self.resumed_from_checkpoint or merged_at > self.worker.inner_step
             self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=own)
             if own:
-                self.worker.inner_step = max(self.worker.inner_step, int(meta.get("step", 0)))
-                logger.info(f"stage {self.stage}: no checkpoint; resuming from the merge state of epoch "
+                why = (f"its checkpoint (inner step {self.worker.inner_step}) is older than its merge state"
+                       if self.resumed_from_checkpoint else "no checkpoint")
+                self.worker.inner_step = max(self.worker.inner_step, merged_at)
+                logger.info(f"stage {self.stage}: {why}; resuming from the merged weights of epoch "
                             f"{self.merge.merged_epoch} at inner step {self.worker.inner_step}")
             self.merge.work_base = min(float(meta.get("work_base", self.merge.work_base)),
                                        float(self.worker.trained_tokens))
