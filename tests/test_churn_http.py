@@ -213,7 +213,6 @@ def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_th
         await net.start(2)
         try:
             a, b = net.svcs
-            H = net.cfg.merge.every_steps
             for k, s in enumerate(net.svcs):
                 train_locally(s, k)
             assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
