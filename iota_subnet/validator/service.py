@@ -31,7 +31,8 @@ After the steps and the evaluation, weights keep being set every tempo until SIG
 
 status.json fields: ``hotkey, uid, run_id, netuid, lanes, lane_members, steps_done (per lane),
 next_step (per lane), total_steps, validator_index, n_validators, tokens, tokens_per_s, loss (mean of
-the last step of each lane), losses (per lane), reroutes, failures, microbatches_ok,
+the last step of each lane), losses (per lane), reroutes, failures, lane_held_s (p2p: seconds each
+lane waited at a merge window's last step for the slowest lane, :mod:`.pacing`), microbatches_ok,
 microbatches_failed, live_miners, stage_replicas, replicas (per replica: uid, hotkey, stage, endpoint,
 lane, available, throughput, successes, failures), miners (per uid: hotkey, stage, work, tokens,
 completed, failures, reroutes), probe_loss (latest CLASP round: round, loss, paths), dashboard (its
@@ -452,6 +453,9 @@ class ValidatorService:
             "loss": sum(losses) / len(losses) if losses else None,
             "losses": {str(k): v for k, v in sorted(self.lane_loss.items())},
             "reroutes": d.reroutes if d else 0, "failures": d.failures if d else 0,
+            # seconds each lane was held at a merge window's last step for the slowest lane (pacing)
+            "lane_held_s": {str(k): round(v, 1) for k, v in sorted(d.pacer.held_s.items())}
+            if isinstance(d, ControlPlane) else {},
             "microbatches_ok": d.microbatches_ok if d else 0, "microbatches_failed": d.microbatches_failed if d else 0,
             "live_miners": sum(1 for r in self.router.live_replicas() if self.router.is_available(r)) if self.router else 0,
             "stage_replicas": self.router.stage_counts() if self.router else [],
