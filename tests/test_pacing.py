@@ -2,15 +2,24 @@
 replicas of a stage reach their merge boundaries together instead of merging alone.
 
 First :class:`LanePacer` alone on a scripted clock, then a whole in-process p2p network (real miners
-on 127.0.0.1, a real validator) in which one lane's stage-1 miner computes slowly."""
+on 127.0.0.1, a real validator) in which one lane's stage-1 miner computes slowly, then the control
+plane's start-up with a scripted head."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from bittensor.sp_core import Keypair
+
+from iota_subnet.config import load_config
+from iota_subnet.validator.control import ControlPlane
 from iota_subnet.validator.pacing import LanePacer
-from dataplane_net import P2PNet, run
+from iota_subnet.validator.routing import Replica, Router
+from iota_subnet.validator.scoring import Ledger
+from dataplane_net import OVR, P2PNet, run
+from test_control_stall import StuckHead
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,3 +115,27 @@ def test_lanes_of_a_network_with_one_slow_miner_stay_within_a_merge_window_and_m
         assert len(applied) == steps // H, (key, [(h.epoch, h.status, h.reason) for h in hist])
         assert all(len(h.participants) == 2 for h in applied), key
     assert st["lane_held_s"].get("0", 0.0) > 0.0, st["lane_held_s"]     # the fast lane was held back
+
+
+def test_a_lane_started_first_does_not_ticket_past_a_lane_not_started_yet():
+    """A restarted validator starts its lanes one after the other; the first one used to see no other
+    lane and ticketed its look-ahead through the merge window's last step (chaos run, 2026-12-02:
+    after validator restarts, lanes reached a merge boundary up to two minutes apart)."""
+    cfg = load_config("configs/tiny.yaml", {**OVR, "merge": {"every_steps": 5}})
+    router = Router(cfg.pipeline.stages)
+    router.update({s: [Replica(uid=10 * s + r, hotkey=Keypair.create_from_uri(f"//m{s}{r}").ss58_address,
+                               endpoint=f"127.0.0.1:{9000 + 10 * s + r}", stage=s) for r in range(2)]
+                   for s in range(cfg.pipeline.stages)})
+    head = StuckHead(head_step=0)
+    cp = ControlPlane(cfg, run_id="pace", router=router, client=head, keypair=Keypair.create_from_uri("//vali"),
+                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0] * 6), n_lanes=2, stall_s=60.0)
+
+    async def main():
+        try:
+            await asyncio.wait_for(cp.run({0: 2, 1: 0}, total_steps=20), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+    asyncio.run(main())
+    ticketed = {(t.lane, t.step) for ts, _ in head.batches for t in ts}
+    assert {(0, 2), (0, 3), (1, 0), (1, 3)} <= ticketed
+    assert (0, 4) not in ticketed and (1, 4) not in ticketed     # 4 closes the window: lane 1 is at 0

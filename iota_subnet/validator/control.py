@@ -653,6 +653,8 @@ class ControlPlane:
                   on_step: Optional[Callable[[LaneStepResult, int], Awaitable[None] | None]] = None,
                   stop: Optional[asyncio.Event] = None) -> dict[int, int]:
         lanes = list(range(self.n_lanes))
+        for l in lanes:          # every lane bounds the others from the start (not once it got going)
+            self.pacer.at(l, start_steps.get(l, 0))
         nxt = await asyncio.gather(*(self.run_lane(l, start_steps.get(l, 0), total_steps, on_step, stop)
                                      for l in lanes))
         return dict(zip(lanes, nxt))
