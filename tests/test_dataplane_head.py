@@ -9,6 +9,7 @@ forwards and sends back only the backwards the test decides."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -130,3 +131,26 @@ def test_what_a_head_accumulated_of_a_step_completed_elsewhere_is_applied_not_dr
         finally:
             await dp.stop()
     asyncio.run(main())
+
+
+def test_a_restarted_validators_ticket_replaces_the_one_its_previous_process_queued():
+    """Chaos run, 2026-12-02: after every validator restart the head refused the new process's tickets
+    for the look-ahead steps as DUPLICATE of those the old process had queued (whose receipts would go
+    to nobody): 10-20 s lost per step until re-issued as a higher attempt."""
+    async def main():
+        cfg, worker, dp, nxt, receipts = await head_setup()
+        try:
+            dp.accept_tickets([ticket(cfg, 0, 0), ticket(cfg, 0, 1), ticket(cfg, 1, 0)], base_steps={0: 0})
+            await until(lambda: len(nxt.forwards) == 2)          # step 0 started; step 1 queued
+            queued = dp.tickets[(0, 1, 0)]
+            again = dataclasses.replace(queued, microbatch_id="restarted-l0-k1-m0-a0", issued_at=queued.issued_at + 5)
+            stale = dataclasses.replace(queued, microbatch_id="older-l0-k1-m0-a0", issued_at=queued.issued_at - 5)
+            other = dataclasses.replace(queued, microbatch_id="other-l0-k1-m0-a0", validator="5OtherVali",
+                                        issued_at=queued.issued_at + 9)
+            return dp.accept_tickets([again]), dp.accept_tickets([stale]), dp.accept_tickets([other]), dp.tickets[(0, 1, 0)]
+        finally:
+            await dp.stop()
+    again, stale, other, now = asyncio.run(main())
+    assert again == (1, []) and now.microbatch_id == "restarted-l0-k1-m0-a0"
+    assert stale[0] == 0 and stale[1][0]["outcome"] == "DUPLICATE"        # an older one does not
+    assert other[0] == 0 and other[1][0]["outcome"] == "DUPLICATE"        # nor another validator's

@@ -243,7 +243,9 @@ class DataPlane:
     def accept_tickets(self, tickets: list[Ticket], base_steps: Optional[dict[int, int]] = None
                        ) -> tuple[int, list[dict]]:
         """Queue tickets at the head. Returns (accepted, refused ``{microbatch_id, outcome, message}``).
-        A ticket already queued or started (same micro-batch id) is accepted again without effect.
+        A ticket already queued or started (same micro-batch id) is accepted again without effect; one
+        for a queued (lane, step, index) replaces it when it is a later attempt, or the same attempt
+        issued later by the same validator (after its restart), else it is refused ``DUPLICATE``.
         ``base_steps``: lane -> first step the validator has not seen complete (see :class:`TicketBatch`)."""
         self.worker.auto_step = False           # this stage now steps when a lane step is complete
         for lane, k in (base_steps or {}).items():
@@ -254,7 +256,13 @@ class DataPlane:
                 accepted += 1
                 continue
             old = self.tickets.get(t.key) if t.train else None
-            if old is not None and t.attempt <= old.attempt:
+            # a queued (not started) ticket gives way to a higher attempt, or to the same attempt issued
+            # later by the same validator: it restarted and does not know what its previous process
+            # queued here (it was refused DUPLICATE once per look-ahead step, 10-20 s a step, and the
+            # queued ticket's receipts went to a process that no longer exists)
+            newer = old is not None and (t.attempt > old.attempt or (
+                t.attempt == old.attempt and t.validator == old.validator and t.issued_at > old.issued_at))
+            if old is not None and not newer:
                 refused.append({"microbatch_id": t.microbatch_id, "outcome": "DUPLICATE",
                                 "message": f"(lane, step, index) {t.key} already queued as {old.microbatch_id}"})
                 continue
