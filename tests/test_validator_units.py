@@ -122,6 +122,32 @@ def test_reroute_cooldown_backoff_and_probe():
     assert snap[a.uid]["lane"] == 0 and snap[a.uid]["available"]
 
 
+def test_a_lane_member_down_for_long_gives_its_lane_to_an_available_spare():
+    """Churn benchmark, 2026-12-02: members that left for good kept their lanes (their registration
+    and axon stay on chain), so those lanes' hops went to alternates, which do not train, for the rest
+    of the run, while every miner that joined sat in a lane nobody drives and never merged."""
+    clock = Clock()
+    r = Router(2, vacate_after_s=120.0, clock=clock)
+    r.update(topo([3, 4]))                                  # lanes 0-1 driven; uid 3, 6 and 7 are spares
+    gone, back = r.lane_member(0, 0), r.lane_member(1, 1)
+    r.record_failure(gone, "connection refused")
+    r.record_failure(back, "timeout")
+    r.record_failure(r.get((6, "hk6")), "timeout")         # one spare of stage 1 is down too
+    clock.t += 119.0
+    assert r.reassign_vacant(2) == []                      # not for long enough yet
+    r.mark_healthy(back)                                   # it came back within the time
+    clock.t += 2.0
+    swaps = r.reassign_vacant(2)
+    assert swaps == [(0, 0, gone.key, (3, "hk3"))]
+    assert r.lane_member(0, 0).uid == 3 and r.lane_member(1, 1).key == back.key
+    assert r.lane_member(2, 0).key == gone.key             # the departed member is a spare now
+    r.record_failure(r.lane_member(1, 1), "timeout")       # uid 5 goes down for long: not the down spare 6, but 7
+    clock.t += 121.0
+    assert r.reassign_vacant(2) == [(1, 1, (5, "hk5"), (7, "hk7"))]
+    r.update(topo([3, 4]))                                 # a metagraph sync keeps the new assignment
+    assert [[x.uid for x in lane] for lane in r.lanes()][:2] == [[3, 4], [2, 7]]
+
+
 def test_swarm_choice_is_proportional_to_throughput_ema():
     r = Router(1, ema_alpha=0.5, rng=random.Random(42))
     r.update(topo([3]))

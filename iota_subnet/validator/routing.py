@@ -12,7 +12,9 @@ Lanes
     fixed lane keeps each replica's optimizer on one consistent stream. Lane membership is sticky:
     once assigned, a replica keeps its slot while it stays registered with the same hotkey; a
     freed slot goes to the lowest unassigned uid, else to the replica of the stage's highest slot. ``n_lanes`` is the smallest replica count over
-    the stages (extra replicas are spares that only take rerouted hops).
+    the stages (extra replicas are spares that only take rerouted hops). A member unavailable for
+    ``vacate_after_s`` (120 s) although still registered swaps slots with an available spare
+    (:meth:`Router.reassign_vacant`): a lane is not left to alternates, which do not train.
 
 Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
     When a hop fails (timeout, refusal, bad reply), the hop is re-sent to another replica of the
@@ -105,6 +107,7 @@ class ReplicaHealth:
     cooldown_until: float = 0.0
     needs_probe: bool = False  # failed; back only after a good /health
     last_error: str = ""
+    down_since: Optional[float] = None  # clock time it became unavailable (None: available)
 
 
 @dataclass
@@ -118,6 +121,8 @@ class Router:
     ema_alpha: float = 0.3
     cooldown_base_s: float = 2.0
     cooldown_max_s: float = 60.0
+    #: a lane member unavailable this long gives its lane to an available spare (:meth:`reassign_vacant`)
+    vacate_after_s: float = 120.0
     default_throughput: Optional[float] = None  # prior for replicas never measured (None: mean of measured, else 1)
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
@@ -156,6 +161,28 @@ class Router:
             while slots and slots[-1] is None:
                 slots.pop()
             self._slots[s] = slots
+
+    def reassign_vacant(self, lanes: int) -> list[tuple[int, int, Key, Key]]:
+        """Give the lane of a member unavailable for ``vacate_after_s`` to an available spare of its
+        stage (slot ``>= lanes``: the validator drives lanes ``0 .. lanes - 1``); the two swap slots.
+        Without this a lane whose member left for good (its registration and axon stay on chain) was
+        served by alternates, which do not train, for the rest of the run, while the miners that
+        joined sat in lanes nobody drives and never merged (churn benchmark, 2026-12-02). Returns
+        ``(stage, lane, old key, new key)`` per swap."""
+        now = self.clock()
+        out = []
+        for s in range(self.n_stages):
+            slots = self._slots.get(s, [])
+            for i in range(min(lanes, len(slots))):
+                h = self.health.get(slots[i]) if slots[i] is not None else None
+                if h is None or h.down_since is None or now - h.down_since < self.vacate_after_s:
+                    continue
+                spare = next((j for j in range(lanes, len(slots)) if slots[j] is not None
+                              and not (self.health.get(slots[j]) or ReplicaHealth()).needs_probe), None)
+                if spare is not None:
+                    out.append((s, i, slots[i], slots[spare]))
+                    slots[i], slots[spare] = slots[spare], slots[i]
+        return out
 
     @property
     def n_lanes(self) -> int:
@@ -215,6 +242,8 @@ class Router:
             return h.cooldown_until - now
         h.consecutive_failures += 1
         h.needs_probe = True
+        if h.down_since is None:
+            h.down_since = now
         cd = self.cooldown_s(h.consecutive_failures)
         h.cooldown_until = now + cd
         return cd
@@ -245,6 +274,7 @@ class Router:
         h = self._h(r.key)
         h.needs_probe = False
         h.cooldown_until = 0.0
+        h.down_since = None
 
     def probe_failed(self, r: Replica, error: str = "") -> float:
         """A /health probe failed: a longer cooldown."""

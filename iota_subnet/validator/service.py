@@ -367,6 +367,9 @@ class ValidatorService:
         commits = {n.hotkey: n.commitment.value for n in graph.neurons
                    if n.commitment is not None and n.commitment.value is not None}
         self.router.update(discover(graph.neurons, commits, o.run_id, self.cfg.pipeline.stages, o.run_epoch))
+        for stage, lane, old, new in self.router.reassign_vacant(self.n_lanes):
+            logger.warning("lane {} stage {}: uid {} has been unavailable for {:.0f} s; spare uid {} takes its place "
+                           "in the lane", lane, stage, old[0], self.router.vacate_after_s, new[0])
         others: dict[str, int] = {}
         for raw in commits.values():
             c = RunCommitment.decode(raw)
