@@ -74,11 +74,11 @@ def ticket(step: int, index: int = 0) -> Ticket:
 
 
 def receipt(step: int, index: int = 0, *, stage: int = 1, ws=None, root: str = "", boot: float = 1.0, t: float = 0.0,
-            backward=True) -> Receipt:
+            backward=True, accumulated=True) -> Receipt:
     h = "1" * 64
     return Receipt(id=f"mb-{step}-{index}", lane=0, step=step, index=index, attempt=0, stage=stage, status="ok",
                    fin=h, fout=h, bin=h if backward else "", bout=h if backward else "", ws=step if ws is None else ws,
-                   wm=0, wroot=root or f"{step:064x}", boot=boot, t=t)
+                   wm=0, wroot=root or f"{step:064x}", boot=boot, t=t, accumulated=accumulated)
 
 
 def test_picks_a_recent_hop_of_the_two_latest_weights_versions():
@@ -177,15 +177,19 @@ def test_updates_called_skipped_excuse_unchanged_weights_only_for_steps_it_did_n
     """An honest lane member that jumps to its lane's step commits the jumped-over step as skipped
     (weights unchanged); under churn a lane can skip one step at a time, so its weights root stays
     the same over several inner steps it names (as an alternate, in an evaluation, or with a step it
-    had begun and dropped). A ``stale`` miner that trains every micro-batch and calls each update
-    skipped looked the same (a gap noted on 2026-12-02): the receipts say which steps it trained
-    whole. One such step is allowed (a non-finite gradient)."""
+    had begun and left: the late micro-batches of that step are computed, not accumulated). A
+    ``stale`` miner that trains every micro-batch and calls each update skipped looked the same (a
+    gap noted on 2026-12-02): the receipts say which steps it accumulated whole. One such step is
+    allowed (a non-finite gradient)."""
     sch, rep, policy, clock = make()
     for k in range(STALE_STEPS + 1):
         whole = k >= STALE_STEPS - trained              # the last `trained` skipped steps: both micro-batches
-        sch.on_receipt(ticket(k), receipt(k, root="2" * 64), HK)                  # micro-batch 0, as the member
-        alt = dataclasses.replace(ticket(k, 1), trains=() if whole else (True, False, True))
-        sch.on_receipt(alt, receipt(k, 1, root="2" * 64), HK)                     # 1: as the member or not
+        sch.on_receipt(ticket(k), receipt(k, root="2" * 64), HK)                  # micro-batch 0, accumulated
+        if k % 2:                                       # 1: accumulated, or computed after it left the step
+            sch.on_receipt(ticket(k, 1), receipt(k, 1, root="2" * 64, accumulated=whole), HK)
+        else:                                           # ... or accumulated, or served as an alternate
+            alt = dataclasses.replace(ticket(k, 1), trains=() if whole else (True, False, True))
+            sch.on_receipt(alt, receipt(k, 1, root="2" * 64), HK)
     assert sch.on_updates(HK, [_skipped_commit(k) for k in range(STALE_STEPS)]) == STALE_STEPS
     clock.t += sch.commit_grace_s + 1
     out = asyncio.run(sch.round(0))

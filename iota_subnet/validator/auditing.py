@@ -120,8 +120,8 @@ class _MinerView:
     #: weights version -> (root hex, first seen)
     roots: dict = field(default_factory=dict)
     checked_steps: set = field(default_factory=set)
-    #: lane step -> indices of its micro-batches it reported training (the route's own miner, forward
-    #: and backward); ``trained``: the steps it reported training every micro-batch of
+    #: lane step -> indices of its micro-batches it reported accumulating (the route's own miner);
+    #: ``trained``: the steps it reported accumulating every micro-batch of
     backwards: dict = field(default_factory=dict)
     trained: set = field(default_factory=set)
 
@@ -209,7 +209,10 @@ class AuditScheduler:
                     del view.roots[min(view.roots)]
         if receipt.status == "ok" and ticket.train:
             view.candidates.append(HopCandidate(ticket, receipt, hotkey, now))
-            if receipt.bout and receipt.stage < ticket.n_stages and ticket.is_member(receipt.stage, hotkey):
+            # ``accumulated``, not merely a backward: a member that jumped to its lane's next step still
+            # computes the late micro-batches of the step it left, without accumulating them (an honest
+            # miner was flagged in the chaos run on its backwards of steps it had left incomplete)
+            if receipt.accumulated and receipt.stage < ticket.n_stages and ticket.is_member(receipt.stage, hotkey):
                 done = view.backwards.setdefault(receipt.step, set())
                 done.add(receipt.index)
                 if len(done) >= ticket.micro_per_step:
