@@ -68,7 +68,11 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
             audited = {r.hotkey for r in hop}
             miners = {m.hotkey for m in net.miners.values()}
             assert audited == miners, (len(audited), [(r.uid, r.raw, r.detail) for r in hop])
-            assert all(r.raw == "passed" for r in recs), [(r.kind, r.uid, r.raw, r.detail) for r in recs if r.raw != "passed"]
+            # a LATE refusal of a version older than the window a miner must keep is its right, and not
+            # counted (on a fast machine a miner went 4 inner steps past a picked hop before its audit)
+            assert all(r.raw == "passed" or r.final == "outside window" for r in recs), \
+                [(r.kind, r.uid, r.raw, r.final, r.detail) for r in recs if r.raw != "passed"]
+            assert sum(r.raw == "passed" for r in recs) >= 0.9 * len(recs)
             assert {r.direction for r in hop if r.stage == 0} == {"forward"}
             assert {r.direction for r in hop if r.stage > 0} == {"backward"}
             assert {r.hotkey for r in upd} == miners, [(r.uid, r.raw) for r in upd]
