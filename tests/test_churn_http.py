@@ -204,10 +204,14 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
     assert a.merge.merged_epoch == b.merge.merged_epoch and torch.equal(flat(a), flat(b))
 
 
-def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_the_merged_weights(tmp_path, tmp_home):
+@pytest.mark.parametrize("at_boundary", [False, True])
+def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_the_merged_weights(
+        tmp_path, tmp_home, at_boundary):
     """Issue 13 (chaos run, 2026-12-02): a replica killed at step 23 resumed its step-10 checkpoint
     beside the merged state of step 20; its catch-up found it "current" (merged epoch 3, like its
-    peers), so it trained on weights 10 steps stale and its lane's loss went from 6.7 back to 8.0."""
+    peers), so it trained on weights 10 steps stale and its lane's loss went from 6.7 back to 8.0.
+    ``at_boundary``: the checkpoint was due at the boundary step itself, taken while the lane waited
+    at the merge gate, before the merge applied (same inner step as the merge state)."""
     async def main():
         net = Net(tmp_path)
         await net.start(2)
@@ -216,10 +220,15 @@ def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_th
             for k, s in enumerate(net.svcs):
                 train_locally(s, k)
             assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
-            await b.checkpoint(wait=True)                                            # b's checkpoint: step H
+            if not at_boundary:
+                await b.checkpoint(wait=True)                                        # b's checkpoint: step H
             old = flat(b).clone()
             for k, s in enumerate(net.svcs):
                 train_locally(s, 10 + k)
+            if at_boundary:
+                b.worker.inner_step = 2 * net.cfg.merge.every_steps
+                await b.checkpoint(wait=True)                                        # step 2H, before the merge
+                old = flat(b).clone()
             assert all(r.applied for r in await merge_epoch(net.svcs, 1))          # merged at 2H
             merged, step = flat(b).clone(), b.worker.inner_step
             await b.server.stop()                                                    # killed: no shutdown checkpoint

@@ -522,7 +522,9 @@ class MinerService:
             # merge (checkpoints come every checkpoint_every steps, merges every H: a replica killed at
             # step 23 resumed its step-10 checkpoint beside the merged state of step 20, trained on those
             # stale weights as "in sync", and its lane's loss went from 6.7 back to 8.0 in a chaos run)
-            own = not self.resumed_from_checkpoint or merged_at > self.worker.inner_step
+            # (>=: a checkpoint due at the boundary step is taken while the lane waits at the merge
+            # gate, before the merge applies; the merge state of that step holds the merged weights)
+            own = not self.resumed_from_checkpoint or merged_at >= self.worker.inner_step
             self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=own)
             if own:
                 why = (f"its checkpoint (inner step {self.worker.inner_step}) is older than its merge state"
