@@ -73,6 +73,26 @@ def test_a_held_lane_waits_as_long_as_the_slow_one_is_live_and_goes_when_it_gets
     assert 1.0 < waited < 4.0 and held_s == waited
 
 
+def test_no_lane_is_held_longer_than_max_hold_s_however_live_the_slow_one():
+    """A lane member slow enough (or slowed on purpose) to finish each step just inside the stall time
+    would otherwise set the pace of every lane; held for max_hold_s, a lane goes on (and merges without
+    the slow one, as it did before pacing after the merge join's timeout)."""
+    async def main():
+        p = LanePacer(every=4, stall_s=60.0, max_hold_s=1.0)
+        p.at(0, 0)
+        p.at(1, 3)
+        held = asyncio.create_task(p.wait(1, 3))
+        for _ in range(15):
+            await asyncio.sleep(0.2)
+            p.at(0, 0)                           # live all along, never gets there
+            if held.done():
+                break
+        return held.done(), await asyncio.wait_for(held, 5.0), p.allows(1, 3), p.allows(1, 7)
+    done, waited, now, later = asyncio.run(main())
+    assert done and 1.0 <= waited < 2.5
+    assert now and not later                     # released for that step only
+
+
 def test_lanes_of_a_network_with_one_slow_miner_stay_within_a_merge_window_and_merge_together(
         tmp_home, tmp_path, wikitext_path, cache_dir):
     """Lane 1's stage-1 miner takes 0.15 s more per compute (about 0.7 s more per lane step). Unpaced,

@@ -81,8 +81,9 @@ class ControlPlane:
     ``microbatches_ok``, ``microbatches_failed``.
 
     ``pace_every``: the merge window the lanes are paced by (default ``merge.every_steps``; 0: no
-    pacing): the step closing a window waits until every live lane is there; ``pace_stall_s``: seconds
-    without progress after which a lane no longer holds the others back (:mod:`~.pacing`).
+    pacing): the step closing a window waits until every live lane is there, at most twice
+    ``merge.join_timeout_s``; ``pace_stall_s``: seconds without progress after which a lane no longer
+    holds the others back (:mod:`~.pacing`).
     """
 
     #: lane steps whose flights are kept after completion (receipts arrive in batches, a little late)
@@ -133,7 +134,8 @@ class ControlPlane:
         self._issued_steps: dict[int, set[int]] = {}
         self._lane_events: dict[int, asyncio.Event] = {}
         #: holds the step closing a merge window until every live lane is there (replicas merge together)
-        self.pacer = LanePacer(cfg.merge.every_steps if pace_every is None else pace_every, pace_stall_s)
+        self.pacer = LanePacer(cfg.merge.every_steps if pace_every is None else pace_every, pace_stall_s,
+                               max_hold_s=2 * cfg.merge.join_timeout_s)
         self._probe_lock = asyncio.Lock()
         self.probe_client = client
         self.tokens = 0

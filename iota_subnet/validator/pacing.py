@@ -13,7 +13,9 @@ stage then reach the boundary within about one lane step of each other, far insi
 timeout. Steps inside a window are not held, so lanes drift at most one window apart. The slowest
 live lane is never held, so pacing cannot deadlock; a lane that made no progress for ``stall_s``
 seconds (its head is dead, the validator is re-routing) stops holding the others back until it
-moves again. Tickets are what pace a lane: a head trains every ticket it holds, so the validator
+moves again, and no lane is held longer than ``max_hold_s`` at one step (a lane slowed by a slow or
+failing miner then costs the others at most that per window, as the merge join's timeout did
+before pacing). Tickets are what pace a lane: a head trains every ticket it holds, so the validator
 neither issues nor follows a held step.
 """
 from __future__ import annotations
@@ -30,13 +32,15 @@ class LanePacer:
 
     ``every``: merge window in lane steps (``merge.every_steps``; 0: no pacing); lane step ``k``
     closes a window when ``(k + 1) % every == 0``. ``stall_s``: seconds without progress after which a
-    lane no longer holds the others back.
+    lane no longer holds the others back; ``max_hold_s``: the longest a lane is held at one step.
     """
 
-    def __init__(self, every: int, stall_s: float, clock: Callable[[], float] = time.monotonic):
-        if every < 0 or stall_s <= 0:
-            raise ValueError(f"lane pacing needs every >= 0 and stall_s > 0, got {every!r}, {stall_s!r}")
-        self.every, self.stall_s, self.clock = int(every), float(stall_s), clock
+    def __init__(self, every: int, stall_s: float, max_hold_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        if every < 0 or stall_s <= 0 or max_hold_s <= 0:
+            raise ValueError(f"lane pacing needs every >= 0, stall_s > 0 and max_hold_s > 0, got {every!r}, "
+                             f"{stall_s!r}, {max_hold_s!r}")
+        self.every, self.stall_s, self.max_hold_s, self.clock = int(every), float(stall_s), float(max_hold_s), clock
+        self._released: set[tuple[int, int]] = set()    # (lane, step) held for max_hold_s: it goes
         self._next: dict[int, int] = {}          # lane -> the next lane step it will drive
         self._moved: dict[int, float] = {}       # lane -> when it last progressed (or was held)
         self._changed = asyncio.Event()
@@ -66,7 +70,7 @@ class LanePacer:
 
     def allows(self, lane: int, step: int) -> bool:
         """May ``lane`` start (be issued tickets for) lane step ``step`` now?"""
-        if self.every <= 0 or (step + 1) % self.every:
+        if self.every <= 0 or (step + 1) % self.every or (lane, step) in self._released:
             return True
         slow = self.slowest(lane)
         return slow is None or slow[1] >= step
@@ -83,6 +87,13 @@ class LanePacer:
                             *(slow if slow else ("-", "-")))
                 logged = True
             self._moved[lane] = self.clock()     # held, not stalled: it still holds back the lanes behind it
+            if self.clock() - t0 >= self.max_hold_s:
+                logger.warning("lane {} goes on to step {} after {:.0f} s held: the slowest lane is too slow to wait for "
+                               "(its replicas will merge without it)", lane, step, self.clock() - t0)
+                self._released.add((lane, step))
+                if len(self._released) > 1024:
+                    self._released.discard(min(self._released))
+                break
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=1.0)
