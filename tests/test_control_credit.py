@@ -21,14 +21,7 @@ from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger
 from dataplane_net import OVR
 from test_control_stall import StuckHead
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
+from test_pacing import Clock
 
 
 def test_a_hop_counts_as_served_when_its_own_receipt_arrived_not_when_its_credit_completes():
