@@ -7,6 +7,7 @@ plane's start-up with a scripted head."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -151,10 +152,8 @@ def test_a_lane_started_first_does_not_ticket_past_a_lane_not_started_yet():
                       dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0] * 6), n_lanes=2, stall_s=60.0)
 
     async def main():
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):      # the scripted head never completes a step
             await asyncio.wait_for(cp.run({0: 2, 1: 0}, total_steps=20), timeout=1.0)
-        except asyncio.TimeoutError:
-            pass
     asyncio.run(main())
     ticketed = {(t.lane, t.step) for ts, _ in head.batches for t in ts}
     assert {(0, 2), (0, 3), (1, 0), (1, 3)} <= ticketed

@@ -21,6 +21,7 @@ neither issues nor follows a held step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Callable, Optional
 
@@ -95,10 +96,8 @@ class LanePacer:
                     self._released.discard(min(self._released))
                 break
             self._changed.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):      # re-check at least every second
                 await asyncio.wait_for(self._changed.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
         waited = self.clock() - t0
         if waited > 0:
             self.held_s[lane] = self.held_s.get(lane, 0.0) + waited
