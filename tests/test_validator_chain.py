@@ -10,6 +10,7 @@ import json
 
 import bittensor as bt
 import pytest
+from bittensor.sp_core import Keypair
 from bittensor.balance import Balance
 from bittensor.result import ExtrinsicResult
 
@@ -246,3 +247,46 @@ def test_a_new_run_epoch_hands_the_state_folder_over(tmp_path, tmp_home):
     old = list((tmp_path / "vali" / "previous").glob("run1-e0-*"))
     assert len(old) == 1 and (old[0] / "validator.sqlite").exists()
     assert json.loads((tmp_path / "vali" / "run.json").read_text()) == {"run_id": "run1", "run_epoch": 1}
+
+
+def test_a_restarted_validator_keeps_the_lanes_it_handed_to_spares(tmp_path, tmp_home):
+    """Issue 13 (churn benchmark, 2026-12-02): a lane member that left for good (still registered,
+    axon still on chain) gives its lane to a spare after ``vacate_after_s``; the swap lived only in the
+    validator process's router, so each validator restart handed the lane back to the departed member
+    and the lane ran on non-training alternates for another 120 s. The assignment is kept in the
+    validator's state and restored at start."""
+    net = Net(tmp_path, tmp_home)
+
+    async def main():
+        await net.setup()
+        rows = [{"hotkey": Keypair.create_from_uri(f"//lane-m{i}").ss58_address,
+                 "coldkey": Keypair.create_from_uri(f"//lane-c{i}").ss58_address,
+                 "commitment": RunCommitment("run1", MINER, stage=i % 3).encode(),
+                 "axon": f"127.0.0.1:{20000 + i}"} for i in range(7)]     # 3 stages x 2 lanes + a spare of stage 0
+        uids = seed_neurons(net.db, NETUID, rows)
+        try:
+            svc = net.validator()
+            await svc.start()
+            svc.n_lanes = 2
+            first = svc.router.lane_member(0, 0)
+            assert first.uid == uids[0] and svc.router.lane_member(2, 0).uid == uids[6]
+            svc.router.vacate_after_s = 0.0
+            svc.router.record_failure(first, "connection refused")       # it left for good
+            await svc.sync()
+            assert svc.router.lane_member(0, 0).uid == uids[6]           # the spare took the lane
+            await svc.close()
+            svc = net.validator()                                        # restarted, same state folder
+            await svc.start()
+            assert svc.router.lane_member(0, 0).uid == uids[6], "the lane went back to the departed member"
+            assert svc.router.lane_member(2, 0).uid == uids[0]
+            assert [[r.uid for r in lane] for lane in svc.router.lanes()] == [[uids[6], uids[1], uids[2]],
+                                                                             [uids[3], uids[4], uids[5]]]
+            svc.state.set_meta("lane_slots", "{not json")                 # unreadable: the uid order, no crash
+            await svc.close()
+            svc = net.validator()
+            await svc.start()
+            assert svc.router.lane_member(0, 0).uid == uids[0]
+            await svc.close()
+        finally:
+            await net.chain.close()
+    run(main())

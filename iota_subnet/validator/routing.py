@@ -14,7 +14,9 @@ Lanes
     freed slot goes to the lowest unassigned uid, else to the replica of the stage's highest slot. ``n_lanes`` is the smallest replica count over
     the stages (extra replicas are spares that only take rerouted hops). A member unavailable for
     ``vacate_after_s`` (120 s) although still registered swaps slots with an available spare
-    (:meth:`Router.reassign_vacant`): a lane is not left to alternates, which do not train.
+    (:meth:`Router.reassign_vacant`): a lane is not left to alternates, which do not train. The
+    validator keeps the assignment in its state (:meth:`Router.slot_table`), so a swap outlives a
+    restart of the validator.
 
 Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
     When a hop fails (timeout, refusal, bad reply), the hop is re-sent to another replica of the
@@ -183,6 +185,35 @@ class Router:
                     out.append((s, i, slots[i], slots[spare]))
                     slots[i], slots[spare] = slots[spare], slots[i]
         return out
+
+    def slot_table(self) -> dict[str, list[Optional[list]]]:
+        """The lane assignment, JSON-ready: ``{stage: [[uid, hotkey] or None per slot]}``. A
+        restarted validator loads it back (:meth:`load_slot_table`) so that the swaps of
+        :meth:`reassign_vacant` outlive the process."""
+        return {str(s): [list(k) if k is not None else None for k in slots] for s, slots in self._slots.items()}
+
+    def load_slot_table(self, table: Mapping[str, Sequence[Optional[Sequence]]]) -> None:
+        """Restore a :meth:`slot_table` before the first :meth:`update`: members still registered
+        keep their slots; departed ones leave holes that :meth:`update` fills as usual. Without it a
+        restarted validator handed each vacated lane back to its departed member, which took another
+        ``vacate_after_s`` of non-training alternates to undo (churn benchmark, 2026-12-02).
+
+        Raises ``ValueError`` on a malformed table (the caller starts from the uid order)."""
+        slots: dict[int, list[Optional[Key]]] = {s: [] for s in range(self.n_stages)}
+        for s_raw, keys in table.items():
+            s = int(s_raw)
+            if not 0 <= s < self.n_stages:
+                continue
+            out: list[Optional[Key]] = []
+            for k in keys:
+                if k is None:
+                    out.append(None)
+                elif isinstance(k, (list, tuple)) and len(k) == 2:
+                    out.append((int(k[0]), str(k[1])))
+                else:
+                    raise ValueError(f"lane slot {k!r} of stage {s} is not [uid, hotkey] or null")
+            slots[s] = out
+        self._slots = slots
 
     @property
     def n_lanes(self) -> int:

@@ -209,6 +209,7 @@ class ValidatorService:
         self.hotkey: str = ""
         self.uid: Optional[int] = None
         self.router: Optional[Router] = None
+        self.saved_slots = ""   # the lane assignment as last written to the state (JSON)
         self.driver: Optional[PipelineDriver] = None
         self.state: Optional[ValidatorState] = None
         self.client: Optional[NeuronClient] = None
@@ -292,6 +293,7 @@ class ValidatorService:
         self.ledger = self.state.load_ledger(shares)
         self.weights_blocks = self.state.weights_blocks()
         self.router = Router(self.cfg.pipeline.stages)
+        self._load_lane_slots()
         self.client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)         # training hops
         self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # spot checks, CLASP
         if self.cfg.merge.enabled:
@@ -370,6 +372,7 @@ class ValidatorService:
         for stage, lane, old, new in self.router.reassign_vacant(self.n_lanes):
             logger.warning("lane {} stage {}: uid {} has been unavailable for {:.0f} s; spare uid {} takes its place "
                            "in the lane", lane, stage, old[0], self.router.vacate_after_s, new[0])
+        self._save_lane_slots()
         others: dict[str, int] = {}
         for raw in commits.values():
             c = RunCommitment.decode(raw)
@@ -735,6 +738,26 @@ class ValidatorService:
             return
         block = await self.chain.block()
         await self.auditing.round(block // max(1, self._tempo), wait_s=self.opts.audit_interval_s)
+
+    def _load_lane_slots(self) -> None:
+        """Restore the lane assignment of this validator's previous process (see
+        :meth:`Router.load_slot_table`); a malformed entry is logged and the uid order used."""
+        raw = self.state.get_meta("lane_slots")
+        if not raw:
+            return
+        try:
+            self.router.load_slot_table(json.loads(raw))
+        except (ValueError, TypeError, AttributeError) as e:
+            logger.warning("the saved lane assignment in {} is unreadable ({}); lanes start from the uid order",
+                           self.state.path, e)
+            return
+        self.saved_slots = raw
+
+    def _save_lane_slots(self) -> None:
+        raw = json.dumps(self.router.slot_table(), sort_keys=True)
+        if raw != self.saved_slots:
+            self.state.set_meta("lane_slots", raw)
+            self.saved_slots = raw
 
     def _load_verification(self) -> None:
         o = self.opts
