@@ -244,3 +244,38 @@ def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_th
     assert b2.resumed_from_checkpoint and not torch.equal(old, merged)
     assert torch.equal(flat(b2), merged) and b2.worker.inner_step == step
     assert b2.merge.merged_epoch == 1
+
+
+def test_a_replica_that_jumps_onto_a_merge_boundary_merges_there_with_its_peer(tmp_path, tmp_home):
+    """Issue 13 (chaos run, 2026-12-02): a lane member that missed the last inner step of a window
+    (its link was slowed, an alternate served the hop) jumped from step H - 1 to the boundary H and did
+    not merge ("jumped ... over the merge boundary"): its peer merged alone, and at the next boundary
+    it found the peer ahead and pulled, losing its work of two windows. Landing on the boundary, it
+    merges with the peer, weighing in with the steps it trained."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        try:
+            a, b = net.svcs
+            H = net.cfg.merge.every_steps
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
+            for k, s in enumerate(net.svcs):
+                train_locally(s, 10 + k)
+            a.worker.inner_step = 2 * H
+            b.worker.inner_step = 2 * H - 1
+            assert b.worker.skip_to(2 * H) == 1                                     # it missed step 2H - 1
+            before = [s._merge_task for s in net.svcs]
+            for s in net.svcs:
+                s._maybe_merge()
+            assert [s._merge_task is not t for s, t in zip(net.svcs, before)] == [True, True], \
+                "b did not propose the merge of the boundary it landed on"
+            await asyncio.gather(*(s._merge_task for s in net.svcs))
+            return [s.merge.history[-1] for s in net.svcs], a, b
+        finally:
+            await net.close()
+    reports, a, b = asyncio.run(main())
+    assert [(r.epoch, r.status, len(r.participants)) for r in reports] == [(1, "merged", 2)] * 2, \
+        [(r.epoch, r.status, r.reason, r.participants) for r in reports]
+    assert a.merge.merged_epoch == b.merge.merged_epoch == 1 and torch.equal(flat(a), flat(b))

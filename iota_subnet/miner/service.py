@@ -609,13 +609,15 @@ class MinerService:
             return
         jumped_from, jumped_to = self.worker.last_skip
         boundary = (epoch + 1) * self.cfg.merge.every_steps
-        if jumped_from < boundary <= jumped_to:
-            # it jumped to its lane's step over this boundary (restarted behind the lane, or a lane step
-            # went past it): its peers merged that epoch without it and it holds no window of its own to
-            # merge. Proposing one here made it ready for a *later* epoch (labels never repeat) at once,
-            # pausing its lane until the peers got there: 26-30 s stalls of both lanes in the localnet
-            # test after a SIGKILL. The next boundary it trains to merges as usual (a peer holding
-            # newer merged weights then says so, and it pulls them).
+        if jumped_from < boundary < jumped_to:
+            # it jumped to its lane's step past this boundary (restarted behind the lane, or a lane step
+            # went past it): its peers merged that epoch without it. Proposing one here made it ready
+            # for a *later* epoch (labels never repeat) at once, pausing its lane until the peers got
+            # there: 26-30 s stalls of both lanes in the localnet test after a SIGKILL. The next
+            # boundary it trains to merges as usual (a peer holding newer merged weights then says
+            # so, and it pulls them). A jump that lands *on* the boundary (it missed the window's last
+            # steps, e.g. a slow link) merges now: its peers are at this boundary too, and skipping
+            # it left the replica unmerged, merging alone, then pulling (chaos run, 2026-12-02).
             logger.info(f"stage {self.stage}: jumped from inner step {jumped_from} to {jumped_to} over the merge "
                         f"boundary of epoch {epoch} (step {boundary}); merging again at the next boundary")
             self._last_epoch = epoch
