@@ -95,6 +95,41 @@ def test_restarted_replica_whose_steps_lag_merges_again():
     assert torch.equal(a.engine.anchor, b2.engine.anchor)
 
 
+def test_a_replica_late_to_an_epoch_its_peer_closed_goes_on_and_meets_it_at_the_next_boundary():
+    """Issue 13 (chaos run, 2026-12-02): a replica reached a boundary after its peer had given up
+    waiting and merged alone. It moved to the peer's *next* label at once and waited there, its lane
+    paused, for a peer a whole merge window away (30-40 s per boundary with 17 s inner steps), then
+    went alone again, one label ahead of its peers' steps. Now it does not wait: it goes on alone and
+    its next merge is labelled above the closed epoch, where the two meet."""
+    cfg = MergeConfig(every_steps=2, join_timeout_s=4.0, phase_timeout_s=2.0, max_attempts=2)
+    net = InProcessTransport(timeout_s=3.0)
+    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
+    peers = [a.hk, b.hk]
+    for i, r in enumerate((a, b)):
+        train_step(r.mod, 10 + i)
+        r.work = 64.0
+
+    async def main():
+        first = await a.engine.merge(0, peers)                   # b's lane is late: a waits, then goes on
+        t0 = time.monotonic()
+        late = await b.engine.merge(0, peers)                    # b reaches the boundary afterwards
+        late_wall = time.monotonic() - t0
+        for i, r in enumerate((a, b)):
+            train_step(r.mod, 20 + i)
+            r.work += 64.0
+        nxt = await asyncio.gather(a.engine.merge(1, peers), b.engine.merge(1, peers))
+        return first, late, late_wall, nxt
+
+    first, late, late_wall, nxt = asyncio.run(main())
+    assert (first.epoch, first.status) == (0, "alone")
+    assert (late.epoch, late.status) == (0, "alone"), (late.epoch, late.status, late.reason)
+    assert "closed epoch 0" in late.reason and b.engine.label_floor == 1
+    assert late_wall < cfg.join_timeout_s / 2, late_wall        # it did not wait for a peer a window away
+    assert [(r.epoch, r.status, len(r.participants)) for r in nxt] == [(1, "merged", 2)] * 2, \
+        [(r.epoch, r.status, r.reason) for r in nxt]
+    assert torch.equal(a.engine.anchor, b.engine.anchor)
+
+
 def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
     """Issue 13: a replica SIGSTOPped mid-merge; every later epoch still waited ~31 s at the boundary
     for it. Now only the epoch it stalled in waits; later epochs probe it briefly and go ahead; when it

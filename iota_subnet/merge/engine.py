@@ -207,7 +207,8 @@ class _JoinResult:
     """What a join found: the participants (incl. this replica) and their work, or a reason to do
     something else: ``ahead`` (peers with newer merged state: pull), ``relabel`` (the epoch the
     stage's replicas are at instead), ``jump`` (the attempt they moved to); ``gone``: peers that
-    could not be reached, ``not_ready``: reachable peers that never became ready."""
+    could not be reached, ``not_ready``: reachable peers that never became ready; ``closed``: the
+    highest epoch a peer with the same merged state closed without merging (-1: none)."""
 
     participants: list[str] = field(default_factory=list)
     works: dict[str, float] = field(default_factory=dict)
@@ -216,6 +217,7 @@ class _JoinResult:
     jump: int = -1
     gone: set[str] = field(default_factory=set)
     not_ready: set[str] = field(default_factory=set)
+    closed: int = -1
 
 
 class _Session:
@@ -277,6 +279,9 @@ class MergeEngine:
         self.in_sync = True
         self.sessions: dict[tuple[int, int, str], _Session] = {}
         self.closed_epochs: dict[int, int] = {}      # epoch -> highest attempt closed
+        #: the lowest label the next merge may use: one above the highest epoch a peer (same merged
+        #: state) was found to have closed without merging (see :meth:`_join`)
+        self.label_floor = -1
         self.reports: list[dict] = []                # mismatch evidence, for validators
         self.history: list[MergeReport] = []
         self._bytes = [0, 0]
@@ -308,8 +313,9 @@ class MergeEngine:
 
     def next_epoch(self, epoch: int) -> int:
         """The epoch label a merge proposed at ``epoch`` runs at: never one this replica merged or
-        closed already (its inner steps may lag the labels after a restart or a relabel)."""
-        return max(int(epoch), self.merged_epoch + 1, max(self.closed_epochs, default=-1) + 1)
+        closed already, nor one its peers closed (its inner steps may lag the labels after a restart
+        or a relabel)."""
+        return max(int(epoch), self.merged_epoch + 1, max(self.closed_epochs, default=-1) + 1, self.label_floor)
 
     def status(self) -> dict:
         return {"merged_epoch": self.merged_epoch, "ready_epoch": self.ready_epoch, "in_sync": self.in_sync,
@@ -538,9 +544,13 @@ class MergeEngine:
         (:class:`~iota_subnet.merge.liveness.PeerLiveness`) are probed briefly, not waited for.
 
         Epochs are labels the replicas agree on, not clocks: a peer with the same merged state that
-        waits at a later epoch, or that already closed this one without merging (it went on alone
-        while this replica was away or its lane was behind), moves this replica to that later epoch
-        (``relabel``), so two live replicas whose inner steps drifted apart find a common epoch again."""
+        waits at a later epoch moves this replica to that epoch (``relabel``). A peer that already
+        closed this one without merging (it went on alone while this replica was away or its lane
+        was behind) is not waited for, and the next merge is labelled above the epoch it closed
+        (``closed``, :attr:`label_floor`), so two live replicas whose inner steps drifted apart find
+        a common epoch again at their next boundary. (Moving to the peer's next label at once, as
+        before, paused the lane until the join deadline for a peer a whole merge window away: with
+        inner steps of seconds, 30-40 s waits that ended alone anyway; chaos run, 2026-12-02.)"""
         started = time.monotonic()
         if deadline is None:
             deadline = started + (self.cfg.join_timeout_s if attempt == 0
@@ -593,9 +603,8 @@ class MergeEngine:
             if later > epoch:
                 out.relabel = later
                 return out
-            if closed_at and not ready and attempt == 0:
-                out.relabel = max(closed_at.values()) + 1
-                return out
+            if closed_at:
+                out.closed = max(out.closed, *closed_at.values())
             if jump > attempt and jump < self.cfg.max_attempts:
                 out.jump = jump
                 return out
@@ -670,6 +679,8 @@ class MergeEngine:
                         exclude.clear()
                         attempt = -1
                         continue
+                    if joined.closed >= epoch:          # peers went past this epoch: meet them above it next time
+                        self.label_floor = max(self.label_floor, joined.closed + 1)
                     if joined.jump > attempt:           # the peers gave up on this attempt: follow them
                         self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
                         attempt = joined.jump - 1
@@ -687,6 +698,9 @@ class MergeEngine:
                         return rep
                     if len(participants) < 2:
                         rep.status, rep.reason = "alone", "no other replica ready"
+                        if joined.closed >= epoch:
+                            rep.reason += (f" (the others closed epoch {joined.closed} without merging; the next "
+                                           f"merge is labelled {self.label_floor} or later)")
                         return rep
                     works = cap_work({p: works.get(p, 0.0) for p in participants})
                     contrib = {p: weights[p] * works[p] for p in participants}
