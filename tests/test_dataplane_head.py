@@ -154,3 +154,36 @@ def test_a_restarted_validators_ticket_replaces_the_one_its_previous_process_que
     assert again == (1, []) and now.microbatch_id == "restarted-l0-k1-m0-a0"
     assert stale[0] == 0 and stale[1][0]["outcome"] == "DUPLICATE"        # an older one does not
     assert other[0] == 0 and other[1][0]["outcome"] == "DUPLICATE"        # nor another validator's
+
+
+def test_a_stand_in_head_runs_a_lanes_steps_one_after_the_other():
+    """Chaos run (2026-12-02): the lane's own head was killed, so the validator sent the lane's
+    look-ahead tickets (steps 0-3) to a stand-in head, which does not train on them; it ran them all
+    at once, the later stages' lane members received step 3 while step 0 was in flight, skipped their
+    inner steps to it and lost the micro-batches of the steps between. A stand-in head keeps the
+    lane's order: step k starts when its forwards of step k - 1 came back, or when the validator
+    says the earlier steps are complete."""
+    async def main():
+        cfg, worker, dp, nxt, receipts = await head_setup()
+        try:
+            stand_in = [dataclasses.replace(ticket(cfg, k, m), trains=(False, True, True))
+                        for k in range(4) for m in range(2)]
+            dp.accept_tickets(stand_in, base_steps={0: 0})
+            await until(lambda: len(nxt.forwards) == 2)
+            await asyncio.sleep(0.5)
+            sent = [Ticket.from_json(h.ticket).step for h in nxt.forwards]
+            assert sent == [0, 0], sent                                   # step 1 waits for step 0's backwards
+            for fwd in nxt.forwards[:2]:
+                hop, t = backward_for(fwd)
+                dp.accept_hop(hop, t, in_sha="x")
+            await until(lambda: len(nxt.forwards) == 4)
+            await asyncio.sleep(0.3)
+            assert [Ticket.from_json(h.ticket).step for h in nxt.forwards] == [0, 0, 1, 1]
+            assert worker.inner_step == 0                                 # a stand-in does not train
+            # step 1 went through another head: the validator's next batch says steps < 3 are complete
+            dp.accept_tickets([dataclasses.replace(ticket(cfg, 4, 0), trains=(False, True, True))], base_steps={0: 3})
+            await until(lambda: len(nxt.forwards) == 6)
+            assert [Ticket.from_json(h.ticket).step for h in nxt.forwards[4:]] == [3, 3]
+        finally:
+            await dp.stop()
+    asyncio.run(main())

@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -135,6 +137,51 @@ def test_localnet_with_two_validators(tmp_path, tmp_home, wikitext_path, monkeyp
     assert all(v["weights_set_blocks"] for v in s["validators_detail"])
     assert all(m["incentive"] > 0 for m in s["miners"] if m["work"] > 0)
     assert s["final_loss"] is not None and s["tokens"] == 16 * 2 * 8 * 32
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def test_a_terminated_localnet_stops_every_neuron_and_writes_its_summary(tmp_path, tmp_home, wikitext_path):
+    """``kill <pid of iota-subnet localnet>`` (SIGTERM) ended the localnet at once and left its
+    devnet's miners and validator running, orphaned (found when a churn benchmark was stopped,
+    2026-12-02). Now it stops every neuron and writes its summary, as at the end of a run."""
+    out = tmp_path / "ln"
+    env = dict(os.environ, IOTA_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from iota_subnet.cli import main; sys.exit(main())",
+                             "localnet", "--stages", "2", "--replicas", "1", "--config", _config(tmp_path),
+                             "--data", str(wikitext_path), "--steps", "1000", "--out", str(out),
+                             "--block-time", "0.5", "--tempo", "10"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        kids: list[int] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            kids = _children(proc.pid)
+            serving = [p for p in out.glob("miners/*/status.json") if _status(p).get("port")]
+            if len(kids) >= 3 and len(serving) >= 2:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None and len(kids) >= 3, f"the localnet did not come up: {proc.stdout.read()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert all(_dead(k) for k in kids), [k for k in kids if not _dead(k)]
+    assert "signal SIGTERM: stopping every neuron" in text, text[-3000:]
+    assert (out / "summary.json").exists()
 
 
 def test_a_resumed_run_ignores_the_previous_processes_status(tmp_path):

@@ -250,6 +250,7 @@ class DataPlane:
         self.worker.auto_step = False           # this stage now steps when a lane step is complete
         for lane, k in (base_steps or {}).items():
             self.base_steps[lane] = max(self.base_steps.get(lane, 0), int(k))
+            self._drop_completed_stand_in(lane, self.base_steps[lane])
         accepted, refused = 0, []
         for t in tickets:
             if (t.microbatch_id, "ticket") in self.seen:
@@ -351,10 +352,45 @@ class DataPlane:
                                    f"{base - skipped}: skipped {skipped} inner step(s)")
             if step == w.inner_step and in_flight < self.max_in_flight:
                 return self._task_from_ticket(self.tickets.pop(members[0]))
-        others = [k for k, t in self.tickets.items() if not (t.train and t.is_member(0, self.me))]
-        if others and (in_flight < self.max_in_flight or not self.tickets[others[0]].train):
-            return self._task_from_ticket(self.tickets.pop(others[0]))
+        for k in sorted(k for k, t in self.tickets.items() if not (t.train and t.is_member(0, self.me))):
+            t = self.tickets[k]
+            if not t.train:
+                return self._task_from_ticket(self.tickets.pop(k))
+            if in_flight < self.max_in_flight and self._alternate_may_start(t):
+                return self._task_from_ticket(self.tickets.pop(k))
         return None
+
+    def _drop_completed_stand_in(self, lane: int, base: int) -> None:
+        """Head standing in for ``lane``'s own first-stage miner: its tickets and forwards of steps the
+        validator has seen complete (``< base``) went through another head; drop them (a ``stale``
+        receipt for each ticket) so that they neither run again nor hold window slots."""
+        for k, t in list(self.tickets.items()):
+            if t.train and t.lane == lane and t.step < base and not t.is_member(0, self.me):
+                self.tickets.pop(k)
+                self._receipt(t, status="stale", error=f"lane {lane} completed steps before {base} elsewhere")
+        for mb, p in list(self.pending.items()):
+            o = p.ticket
+            if o.train and o.lane == lane and o.step < base and not p.accumulate:
+                self.pending.pop(mb, None)
+                self.worker.drop(self._key(o))
+                self.steps.release(o)
+                self.counts["settled"] += 1
+
+    def _alternate_may_start(self, t: Ticket) -> bool:
+        """Head standing in for a lane's own first-stage miner (it does not train on ``t``, the lane
+        members of later stages do): start lane step ``k`` only once this head's forwards of the
+        lane's earlier steps have come back, as the lane's own head does (a flush per lane step).
+        Steps the validator has seen complete (``base_steps``) do not hold it. Without this a stand-in
+        head ran every look-ahead ticket at once: the later stages' lane members received step k + 4
+        while step k was in flight, skipped their inner steps to it and lost the micro-batches of the
+        steps between (chaos run, 2026-12-02: lane 0 lost 7 of its first 8 steps that way)."""
+        base = self.base_steps.get(t.lane, 0)
+        if t.step <= base:
+            return True
+        if any(o.train and o.lane == t.lane and base <= o.step < t.step for o in self.tickets.values()):
+            return False
+        return not any(p.ticket.train and p.ticket.lane == t.lane and base <= p.ticket.step < t.step
+                       for p in self.pending.values())
 
     def _settle_before(self, lane: int, base: int) -> bool:
         """Head, behind its lane: the lane's validator has seen every step before ``base`` complete. It

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 from loguru import logger
@@ -344,6 +344,7 @@ class LocalNet:
         logger.info(f"devnet {self.chain_db}: {self.n_validators} validator(s), "
                     f"{self.stages} stages x {self.replicas} replicas; logs in {self.out / 'logs'}")
         bar = startup = None
+        restore = self._stop_on_signals()
         try:
             for c in self.children:
                 self.start(c)
@@ -403,6 +404,7 @@ class LocalNet:
             self._halt_chain()
             if self.chaos is not None:
                 self.chaos.log.close()
+            restore()
         return summary
 
     def _start_chaos(self) -> None:
@@ -432,6 +434,26 @@ class LocalNet:
     def request_stop(self) -> None:
         """Ask a running :meth:`run` (in another thread) to stop early: it summarises and stops every process."""
         self._stop_requested.set()
+
+    def _stop_on_signals(self) -> Callable[[], None]:
+        """In the main thread, SIGTERM and SIGHUP (``kill``, a closed terminal) stop the run as
+        :meth:`request_stop` does: every neuron is stopped and the summary written. Before, they ended
+        this process at once and left every miner and validator running, orphaned. A second signal
+        stops at once (still stopping the neurons). Returns the function that restores the handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum, _frame):
+            if self._stop_requested.is_set():
+                raise KeyboardInterrupt(f"signal {signum} again")
+            logger.warning(f"signal {signal.Signals(signum).name}: stopping every neuron (again: at once)")
+            self._stop_requested.set()
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
 
     def _announce_dashboards(self, st: list[dict]) -> None:
         """Print each validator's dashboard address once it serves one (``--dashboard-port 0``)."""
