@@ -279,3 +279,37 @@ def test_a_replica_that_jumps_onto_a_merge_boundary_merges_there_with_its_peer(t
     assert [(r.epoch, r.status, len(r.participants)) for r in reports] == [(1, "merged", 2)] * 2, \
         [(r.epoch, r.status, r.reason, r.participants) for r in reports]
     assert a.merge.merged_epoch == b.merge.merged_epoch == 1 and torch.equal(flat(a), flat(b))
+
+
+def test_a_checkpoint_newer_than_the_last_merge_is_resumed_not_the_older_merged_weights(tmp_path, tmp_home):
+    """Chaos run (2026-12-02): every checkpoint also rewrote the merge-state file, with the inner step of
+    the checkpoint as the merge's step; a replica killed after its checkpoint at step 20, whose last
+    merge applied at step 5, resumed the merged weights of step 5 ("its checkpoint is older than its
+    merge state") and lost 15 steps of training. The merge state names the step its merge applied at."""
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        try:
+            a, b = net.svcs
+            H = net.cfg.merge.every_steps
+            for k, s in enumerate(net.svcs):
+                train_locally(s, k)
+            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # merged at step H
+            merged = flat(b).clone()
+            train_locally(b, 20)
+            b.worker.inner_step = H + 3
+            await b.checkpoint(wait=True)                                            # step H + 3
+            trained = flat(b).clone()
+            await b.server.stop()                                                    # killed
+            b.server = None
+            b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
+                              host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
+            net.svcs[1] = b2
+            await asyncio.wait_for(b2.start(), 30)
+            return merged, trained, flat(b2).clone(), b2.worker.inner_step, b2.merge.merged_epoch, H
+        finally:
+            await net.close()
+    merged, trained, resumed, step, epoch, H = asyncio.run(main())
+    assert not torch.equal(trained, merged)
+    assert torch.equal(resumed, trained), "resumed the older merged weights instead of its checkpoint"
+    assert step == H + 3 and epoch == 0

@@ -191,6 +191,9 @@ class MinerService:
         self._last_ckpt_step = 0
         #: weights came from this miner's own checkpoint at start (else its merge-state file, a peer, or the seed)
         self.resumed_from_checkpoint = False
+        #: inner step at which the merge engine's anchor (the merged weights) was set: by a merge, a
+        #: state sync or the merge-state file (saved with it: which of checkpoint and merge state is newer)
+        self.anchor_step = 0
         self.started_at = time.time()
         #: Prometheus metrics (GET /metrics): served requests, merges, and this miner's status()
         self.metrics = NeuronMetrics("miner")
@@ -517,7 +520,8 @@ class MinerService:
             return
         try:
             tensors, meta = read_checkpoint(p)
-            merged_at = int(meta.get("step", 0))
+            # files written before 2026-12-02 (11:00) hold the step of the save, not of the merge
+            merged_at = int(meta.get("anchor_step", 0))
             # the merged weights are the newest it has without a checkpoint, or with one older than the
             # merge (checkpoints come every checkpoint_every steps, merges every H: a replica killed at
             # step 23 resumed its step-10 checkpoint beside the merged state of step 20, trained on those
@@ -526,6 +530,7 @@ class MinerService:
             # gate, before the merge applies; the merge state of that step holds the merged weights)
             own = not self.resumed_from_checkpoint or merged_at >= self.worker.inner_step
             self.merge.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=own)
+            self.anchor_step = merged_at
             if own:
                 why = (f"its checkpoint (inner step {self.worker.inner_step}) is older than its merge state"
                        if self.resumed_from_checkpoint else "no checkpoint")
@@ -540,11 +545,12 @@ class MinerService:
     def _save_merge_state(self) -> None:
         data = tensors_bytes({"anchor": self.merge.anchor.contiguous().cpu(),
                               "momentum": self.merge.momentum.contiguous().cpu()},
-                             {"merged_epoch": self.merge.merged_epoch, "step": self.worker.inner_step,
+                             {"merged_epoch": self.merge.merged_epoch, "step": self.anchor_step, "anchor_step": self.anchor_step,
                               "work_base": self.merge.work_base})
         atomic_write_bytes(self.merge_state_path, data)
 
     async def _on_merged(self, rep) -> None:
+        self.anchor_step = self.worker.inner_step
         self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch, self.worker.inner_step)
         await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
         logger.info(f"stage {self.stage}: merge epoch {rep.epoch} applied with {len(rep.participants)} replicas "
@@ -588,6 +594,7 @@ class MinerService:
                             self.worker.inner_step = max(self.worker.inner_step, int(man.get("step", 0)))
                         self.worker.opt.zero_grad(set_to_none=True)
                         self.worker.pending = 0
+                        self.anchor_step = self.worker.inner_step
                 await self._compute(apply)
                 self._last_epoch = max(self._last_epoch, man["merged_epoch"])
                 self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch,
