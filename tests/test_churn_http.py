@@ -78,6 +78,27 @@ def test_donor_cap_covers_the_send_to_slow_joiners(tmp_home):
 from test_merge_http import Net, flat, merge_epoch, train_locally          # noqa: E402
 
 
+async def merged_pair(net) -> tuple[MinerService, MinerService, int]:
+    """Two replicas of stage 1 that trained differently and merged epoch 0 together (both at step H)."""
+    await net.start(2)
+    a, b = net.svcs
+    for k, s in enumerate(net.svcs):
+        train_locally(s, k)
+    assert all(r.applied for r in await merge_epoch(net.svcs, 0))
+    return a, b, net.cfg.merge.every_steps
+
+
+async def kill_and_restart(net, b: MinerService) -> MinerService:
+    """``b`` killed (no shutdown checkpoint: what is on disk is all it has) and started again."""
+    await b.server.stop()
+    b.server = None
+    b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
+                      host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
+    net.svcs[1] = b2
+    await asyncio.wait_for(b2.start(), 30)
+    return b2
+
+
 async def wait_for(cond, timeout_s):
     t0 = time.monotonic()
     while not cond():
@@ -175,13 +196,8 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
     peer's own lane then waited at its boundary for this one: no reroute, both lanes stalled."""
     async def main():
         net = Net(tmp_path)
-        await net.start(2)
         try:
-            a, b = net.svcs
-            H = net.cfg.merge.every_steps
-            for k, s in enumerate(net.svcs):
-                train_locally(s, k)
-            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
+            a, b, H = await merged_pair(net)                                         # both at step H
             history = len(b.merge.history)
             # b resumed at step H while its lane is at 2H + 3: the data plane jumps it there
             assert b.worker.skip_to(2 * H + 3) == H + 3
@@ -214,29 +230,20 @@ def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_th
     at the merge gate, before the merge applied (same inner step as the merge state)."""
     async def main():
         net = Net(tmp_path)
-        await net.start(2)
         try:
-            a, b = net.svcs
-            for k, s in enumerate(net.svcs):
-                train_locally(s, k)
-            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
+            a, b, H = await merged_pair(net)                                         # both at step H
             if not at_boundary:
                 await b.checkpoint(wait=True)                                        # b's checkpoint: step H
             old = flat(b).clone()
             for k, s in enumerate(net.svcs):
                 train_locally(s, 10 + k)
             if at_boundary:
-                b.worker.inner_step = 2 * net.cfg.merge.every_steps
+                b.worker.inner_step = 2 * H
                 await b.checkpoint(wait=True)                                        # step 2H, before the merge
                 old = flat(b).clone()
             assert all(r.applied for r in await merge_epoch(net.svcs, 1))          # merged at 2H
             merged, step = flat(b).clone(), b.worker.inner_step
-            await b.server.stop()                                                    # killed: no shutdown checkpoint
-            b.server = None
-            b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
-                              host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
-            net.svcs[1] = b2
-            await asyncio.wait_for(b2.start(), 30)
+            b2 = await kill_and_restart(net, b)
             return old, merged, step, b2
         finally:
             await net.close()
@@ -254,13 +261,8 @@ def test_a_replica_that_jumps_onto_a_merge_boundary_merges_there_with_its_peer(t
     merges with the peer, weighing in with the steps it trained."""
     async def main():
         net = Net(tmp_path)
-        await net.start(2)
         try:
-            a, b = net.svcs
-            H = net.cfg.merge.every_steps
-            for k, s in enumerate(net.svcs):
-                train_locally(s, k)
-            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # both at step H
+            a, b, H = await merged_pair(net)                                         # both at step H
             for k, s in enumerate(net.svcs):
                 train_locally(s, 10 + k)
             a.worker.inner_step = 2 * H
@@ -288,24 +290,14 @@ def test_a_checkpoint_newer_than_the_last_merge_is_resumed_not_the_older_merged_
     merge state") and lost 15 steps of training. The merge state names the step its merge applied at."""
     async def main():
         net = Net(tmp_path)
-        await net.start(2)
         try:
-            a, b = net.svcs
-            H = net.cfg.merge.every_steps
-            for k, s in enumerate(net.svcs):
-                train_locally(s, k)
-            assert all(r.applied for r in await merge_epoch(net.svcs, 0))          # merged at step H
+            a, b, H = await merged_pair(net)                                         # merged at step H
             merged = flat(b).clone()
             train_locally(b, 20)
             b.worker.inner_step = H + 3
             await b.checkpoint(wait=True)                                            # step H + 3
             trained = flat(b).clone()
-            await b.server.stop()                                                    # killed
-            b.server = None
-            b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
-                              host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
-            net.svcs[1] = b2
-            await asyncio.wait_for(b2.start(), 30)
+            b2 = await kill_and_restart(net, b)
             return merged, trained, flat(b2).clone(), b2.worker.inner_step, b2.merge.merged_epoch, H
         finally:
             await net.close()
