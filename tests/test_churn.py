@@ -130,6 +130,38 @@ def test_a_replica_late_to_an_epoch_its_peer_closed_goes_on_and_meets_it_at_the_
     assert torch.equal(a.engine.anchor, b.engine.anchor)
 
 
+def test_a_replica_whose_peer_closed_later_epochs_labels_its_next_merge_above_them():
+    """The peer went on alone through epochs 0 and 1 while this replica was away; arriving at epoch 0
+    it goes on alone, and its next merge (proposed at epoch 1 by its inner steps, and before the
+    peer is ready) is labelled 2, where it waits for the peer and they merge. Labelled 1, it found the
+    peer had closed 1, went on alone at once, and the peer then waited at 2 for nobody."""
+    cfg = MergeConfig(every_steps=2, join_timeout_s=4.0, phase_timeout_s=2.0, max_attempts=2)
+    net = InProcessTransport(timeout_s=3.0)
+    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
+    peers = [a.hk, b.hk]
+    for i, r in enumerate((a, b)):
+        train_step(r.mod, 30 + i)
+        r.work = 64.0
+
+    async def main():
+        net.kill(b.hk)
+        assert [(await a.engine.merge(e, peers)).status for e in (0, 1)] == ["alone", "alone"]
+        net.dead.discard(b.hk)                                      # back
+        late = await b.engine.merge(0, peers)
+        for i, r in enumerate((a, b)):
+            train_step(r.mod, 40 + i)
+            r.work += 64.0
+        first = asyncio.create_task(b.engine.merge(1, peers))       # b's lane reaches the boundary first
+        await asyncio.sleep(0.5)
+        second = await a.engine.merge(2, peers)
+        return late, await first, second
+
+    late, rb, ra = asyncio.run(main())
+    assert (late.epoch, late.status) == (0, "alone") and b.engine.label_floor == 2, (late.epoch, late.reason)
+    assert [(r.epoch, r.status, len(r.participants)) for r in (rb, ra)] == [(2, "merged", 2)] * 2, \
+        [(r.epoch, r.status, r.reason) for r in (rb, ra)]
+
+
 def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
     """Issue 13: a replica SIGSTOPped mid-merge; every later epoch still waited ~31 s at the boundary
     for it. Now only the epoch it stalled in waits; later epochs probe it briefly and go ahead; when it

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from iota_subnet.config import load_config
+from iota_subnet.miner import dataplane
 from iota_subnet.miner.dataplane import DataPlane
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.protocol import Hop, HopAck
@@ -180,10 +181,23 @@ def test_a_stand_in_head_runs_a_lanes_steps_one_after_the_other():
             await asyncio.sleep(0.3)
             assert [Ticket.from_json(h.ticket).step for h in nxt.forwards] == [0, 0, 1, 1]
             assert worker.inner_step == 0                                 # a stand-in does not train
-            # step 1 went through another head: the validator's next batch says steps < 3 are complete
-            dp.accept_tickets([dataclasses.replace(ticket(cfg, 4, 0), trains=(False, True, True))], base_steps={0: 3})
-            await until(lambda: len(nxt.forwards) == 6)
+            # step 1 went through another head: the validator's next batch says steps < 3 are complete;
+            # the queued tickets of step 2, and one of step 1 in that very batch, never run
+            late = dataclasses.replace(ticket(cfg, 1, 1, attempt=1), trains=(False, True, True))
+            dp.accept_tickets([late, dataclasses.replace(ticket(cfg, 4, 0), trains=(False, True, True))],
+                              base_steps={0: 3})
+            await until(lambda: len(nxt.forwards) >= 6)
+            await asyncio.sleep(0.3)
             assert [Ticket.from_json(h.ticket).step for h in nxt.forwards[4:]] == [3, 3]
+            await until(lambda: sum(r["status"] == "stale" for r in receipts) == 3)
+            assert sorted((r["step"], r["index"]) for r in receipts if r["status"] == "stale") == [(1, 1), (2, 0), (2, 1)]
+            assert not dp.pending.keys() & {"l0-k1-m0-a0", "l0-k1-m1-a0"}     # step 1's forwards dropped too
+            # a step-3 backward that never comes holds step 4 only for STAND_IN_HOLD_S
+            for p in dp.pending.values():
+                p.started -= dataplane.STAND_IN_HOLD_S + 1
+            dp._wake.set()
+            await until(lambda: len(nxt.forwards) == 7)
+            assert Ticket.from_json(nxt.forwards[6].ticket).step == 4
         finally:
             await dp.stop()
     asyncio.run(main())

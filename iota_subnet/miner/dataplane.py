@@ -58,6 +58,10 @@ from .hop_store import HopStore, wire_pair, wire_values
 
 #: Hop ids remembered for de-duplication (a retried hop must not be applied twice).
 SEEN_HOPS = 20_000
+#: Seconds a stand-in head's forward without its backward holds the lane's later steps (see
+#: :meth:`DataPlane._alternate_may_start`); after that the backward is taken as lost (a miner down the
+#: route died without an abort, or another validator re-issued it elsewhere and has not said so yet).
+STAND_IN_HOLD_S = 60.0
 #: Wire tensors above this many bytes are committed (hashed) on a worker thread.
 OFFLOAD_BYTES = 256 << 10
 
@@ -250,7 +254,6 @@ class DataPlane:
         self.worker.auto_step = False           # this stage now steps when a lane step is complete
         for lane, k in (base_steps or {}).items():
             self.base_steps[lane] = max(self.base_steps.get(lane, 0), int(k))
-            self._drop_completed_stand_in(lane, self.base_steps[lane])
         accepted, refused = 0, []
         for t in tickets:
             if (t.microbatch_id, "ticket") in self.seen:
@@ -273,6 +276,8 @@ class DataPlane:
             self._fit_cache_ttl(t)
             self.tickets[t.key if t.train else (t.lane, -2, next(self._seq))] = t
             accepted += 1
+        for lane, base in self.base_steps.items():
+            self._drop_completed_stand_in(lane, base)
         self.counts["tickets"] += accepted
         self._wake.set()
         return accepted, refused
@@ -389,8 +394,9 @@ class DataPlane:
             return True
         if any(o.train and o.lane == t.lane and base <= o.step < t.step for o in self.tickets.values()):
             return False
+        held_since = self.clock() - STAND_IN_HOLD_S
         return not any(p.ticket.train and p.ticket.lane == t.lane and base <= p.ticket.step < t.step
-                       for p in self.pending.values())
+                       and p.started >= held_since for p in self.pending.values())
 
     def _settle_before(self, lane: int, base: int) -> bool:
         """Head, behind its lane: the lane's validator has seen every step before ``base`` complete. It

@@ -397,14 +397,16 @@ class LocalNet:
                 bar.close()
             if startup is not None:
                 startup.close()
-            for c in self.children:          # nothing stays stopped (SIGSTOP) or held back
-                if c.alive():
-                    c.proc.send_signal(signal.SIGCONT)
-            self.stop_all()
-            self._halt_chain()
-            if self.chaos is not None:
-                self.chaos.log.close()
-            restore()
+            try:
+                for c in self.children:          # nothing stays stopped (SIGSTOP) or held back
+                    if c.alive():
+                        c.proc.send_signal(signal.SIGCONT)
+                self.stop_all()
+                self._halt_chain()
+                if self.chaos is not None:
+                    self.chaos.log.close()
+            finally:
+                restore()
         return summary
 
     def _start_chaos(self) -> None:
@@ -437,16 +439,19 @@ class LocalNet:
 
     def _stop_on_signals(self) -> Callable[[], None]:
         """In the main thread, SIGTERM and SIGHUP (``kill``, a closed terminal) stop the run as
-        :meth:`request_stop` does: every neuron is stopped and the summary written. Before, they ended
-        this process at once and left every miner and validator running, orphaned. A second signal
-        stops at once (still stopping the neurons). Returns the function that restores the handlers."""
+        :meth:`request_stop` does: every neuron is stopped (SIGTERM, then SIGKILL after 15 s) and the
+        summary written. Before, they ended this process at once and left every miner and validator
+        running, orphaned. Later signals change nothing (the stop is under way; raising here could cut
+        the clean-up short). Returns the function that restores the handlers."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
         def on_signal(signum, _frame):
+            name = signal.Signals(signum).name
             if self._stop_requested.is_set():
-                raise KeyboardInterrupt(f"signal {signum} again")
-            logger.warning(f"signal {signal.Signals(signum).name}: stopping every neuron (again: at once)")
+                logger.warning(f"signal {name}: already stopping every neuron")
+                return
+            logger.warning(f"signal {name}: stopping every neuron")
             self._stop_requested.set()
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
