@@ -48,7 +48,7 @@ class Replica:
         self.mod = module()
         self.work = 0.0
         self.engine = MergeEngine(self.hk, cfg, ModuleParams(self.mod), net.view(self.hk), run_id="churn", stage=0,
-                                  work_fn=lambda: self.work)
+                                  work_fn=lambda: self.work, step_fn=lambda: self.step)
         net.register(self.hk, self.engine.handle)
         self.step = 0
         self.reports = []
@@ -160,6 +160,40 @@ def test_a_replica_whose_peer_closed_later_epochs_labels_its_next_merge_above_th
     assert (late.epoch, late.status) == (0, "alone") and b.engine.label_floor == 2, (late.epoch, late.reason)
     assert [(r.epoch, r.status, len(r.participants)) for r in (rb, ra)] == [(2, "merged", 2)] * 2, \
         [(r.epoch, r.status, r.reason) for r in (rb, ra)]
+
+
+def test_a_suspect_peer_one_step_from_the_boundary_is_waited_for_and_one_far_behind_is_not():
+    """Chaos run (2026-12-02): a replica once found gone stays suspect until it takes part in a merge,
+    and a suspect was waited for only a quarter of the join timeout; lanes paced by the validator reach
+    a boundary up to a step apart (10-17 s on 2 cores), so such a replica's peers went on alone at
+    every later boundary, and it never merged again (pairs of "alone" 2-9 s apart in the logs). A
+    suspect that says it is one inner step from the boundary is waited for; a spare far behind is not."""
+    cfg = MergeConfig(every_steps=2, join_timeout_s=8.0, phase_timeout_s=2.0, max_attempts=2)   # grace 2 s
+    net = InProcessTransport(timeout_s=3.0)
+    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
+    peers = [a.hk, b.hk]
+    for i, r in enumerate((a, b)):
+        train_step(r.mod, 60 + i)
+        r.work = 64.0
+    a.step, b.step = 2, 1                                        # b's lane runs the window's last step
+    a.engine.liveness.suspect([b.hk], "unreachable at a merge join")
+
+    async def main():
+        first = asyncio.create_task(a.engine.merge(0, peers))
+        await asyncio.sleep(3.5)                                 # past the suspects' grace
+        b.step = 2
+        rb = await b.engine.merge(0, peers)
+        ra = await first
+        a.step, b.step = 4, 2                                    # now b is a spare, far behind
+        a.engine.liveness.suspect([b.hk], "not ready by the join deadline")
+        t0 = time.monotonic()
+        alone = await a.engine.merge(1, peers)
+        return ra, rb, alone, time.monotonic() - t0
+
+    ra, rb, alone, wall = asyncio.run(main())
+    assert [(r.epoch, r.status, len(r.participants)) for r in (ra, rb)] == [(0, "merged", 2)] * 2, \
+        [(r.epoch, r.status, r.reason) for r in (ra, rb)]
+    assert alone.status == "alone" and wall < cfg.join_timeout_s / 2, (alone.status, wall)
 
 
 def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():

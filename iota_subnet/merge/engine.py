@@ -254,6 +254,7 @@ class MergeEngine:
     ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read the merge
     weights from the chain. ``observer``: signs and checks merge claims
     (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
+    ``step_fn() -> int``: this replica's inner step (said in join answers; see :meth:`_join`).
     """
 
     def __init__(self, me: str, cfg: MergeConfig, params: ModuleParams, transport: Optional[PeerTransport] = None, *,
@@ -262,8 +263,10 @@ class MergeEngine:
                  work_fn: Optional[Callable[[], float]] = None,
                  on_applied: Optional[Callable[[MergeReport], Any]] = None,
                  tamper: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-                 before_attempt: Optional[Callable[[], Any]] = None, observer: Any = None):
+                 before_attempt: Optional[Callable[[], Any]] = None, observer: Any = None,
+                 step_fn: Optional[Callable[[], int]] = None):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
+        self.step_fn = step_fn
         self.observer = observer
         self.run_id, self.stage = run_id, stage
         self.weights_fn, self.work_fn, self.on_applied, self.tamper = weights_fn, work_fn, on_applied, tamper
@@ -360,7 +363,11 @@ class MergeEngine:
                          ready_epoch=self.ready_epoch, merged_epoch=self.merged_epoch,
                          closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
                                                                  if a >= self.cfg.max_attempts]),
-                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync, work=self.ready_work)
+                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync, work=self.ready_work,
+                         inner_step=self._inner_step())
+
+    def _inner_step(self) -> int:
+        return int(self.step_fn()) if self.step_fn is not None else -1
 
     def _late(self, epoch: int, attempt: int) -> bool:
         return epoch <= self.merged_epoch or self.closed_epochs.get(epoch, -1) >= attempt
@@ -548,7 +555,12 @@ class MergeEngine:
         closed this one without merging (it went on alone while this replica was away or its lane
         was behind) is not waited for, and the next merge is labelled above the epoch it closed
         (``closed``, :attr:`label_floor`), so two live replicas whose inner steps drifted apart find
-        a common epoch again at their next boundary. (Moving to the peer's next label at once, as
+        a common epoch again at their next boundary. A suspect peer whose answer puts it within one
+        inner step of this replica's boundary (its lane is running the window's last step) is waited
+        for like a trusted one: lanes paced by the validator reach a boundary up to a step apart, and
+        the short grace for suspects (a quarter of the join timeout) made a replica once found gone
+        merge alone at every later boundary, since it never took part in a merge again (chaos run,
+        2026-12-02). (Moving to the peer's next label at once, as
         before, paused the lane until the join deadline for a peer a whole merge window away: with
         inner steps of seconds, 30-40 s waits that ended alone anyway; chaos run, 2026-12-02.)"""
         started = time.monotonic()
@@ -560,6 +572,8 @@ class MergeEngine:
         out = _JoinResult(works={self.me: self.ready_work})
         ready: set[str] = set()
         closed_at: dict[str, int] = {}
+        my_step = self._inner_step()
+        near: set[str] = set()                  # answered within one inner step of this boundary
         first = True
         while True:
             # excluded peers are still asked once: one of them may have completed this epoch (then we are late)
@@ -578,6 +592,10 @@ class MergeEngine:
             for p, r in await asyncio.gather(*(ask(p) for p in todo)):
                 if isinstance(r, MergeJoin):
                     same_state = r.in_sync and r.merged_epoch == self.merged_epoch
+                    if my_step >= 0 and my_step - 1 <= r.inner_step <= my_step:
+                        near.add(p)
+                    else:
+                        near.discard(p)
                     if r.merged_epoch > self.merged_epoch:
                         out.ahead.append(p)       # it holds newer merged weights: this replica is late
                     elif r.merged_epoch < self.merged_epoch or not r.in_sync:
@@ -609,7 +627,8 @@ class MergeEngine:
                 out.jump = jump
                 return out
             now = time.monotonic()
-            late_peers = [p for p in want if p not in ready and now >= self.liveness.wait_deadline(p, started)]
+            late_peers = [p for p in want if p not in ready and p not in near
+                          and now >= self.liveness.wait_deadline(p, started)]
             for p in late_peers:                  # a suspect that answers but is not ready: short grace only
                 want.remove(p)
                 out.not_ready.add(p)

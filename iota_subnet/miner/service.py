@@ -461,7 +461,8 @@ class MinerService:
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
                                  work_fn=lambda: float(self.worker.trained_tokens), on_applied=self._on_merged,
-                                 before_attempt=lambda: self.refresh(force=True), observer=self.claims)
+                                 before_attempt=lambda: self.refresh(force=True), observer=self.claims,
+                                 step_fn=lambda: self.worker.inner_step)
         self.server.add_route("/audit/merge", MergeAuditRoute(self.claims), MergeAuditRequest, None)
         self.merge.in_sync = False
         self._load_merge_state()

@@ -158,6 +158,9 @@ class MergeJoin(Message):
     #: work this replica did in the merge window it is ready to merge (tokens trained since its last
     #: merge); its weight in the mean is proportional to it
     work: float = 0.0
+    #: the replica's inner step when it answered (-1: not said): one within a step of the asker's
+    #: boundary is about to be ready and is waited for, even when it was found gone before
+    inner_step: int = -1
 
 
 @dataclass(kw_only=True)
