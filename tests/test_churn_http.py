@@ -203,6 +203,13 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
             assert b.worker.skip_to(2 * H + 3) == H + 3
             b._maybe_merge()
             proposed = not b._merge_task.done() or b.merge.ready_epoch != -1 or len(b.merge.history) != history
+            # a reaches that boundary afterwards: b says the epoch is closed, so a does not wait for it
+            a.worker.inner_step = 2 * H
+            t0 = time.monotonic()
+            a._maybe_merge()
+            await a._merge_task
+            a_wall = time.monotonic() - t0
+            a_report = a.merge.history[-1]
             # both train on to the next boundary: one merge, together
             nxt = ((2 * H + 3) // H + 1) * H
             for k, s in enumerate(net.svcs):
@@ -210,11 +217,13 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
                 s.worker.inner_step = nxt
                 s._maybe_merge()
             await asyncio.gather(*(s._merge_task for s in net.svcs))
-            return proposed, [s.merge.history[-1] for s in net.svcs], a, b
+            return proposed, [s.merge.history[-1] for s in net.svcs], a, b, a_report, a_wall
         finally:
             await net.close()
-    proposed, reports, a, b = asyncio.run(main())
+    proposed, reports, a, b, a_report, a_wall = asyncio.run(main())
     assert not proposed
+    assert (a_report.epoch, a_report.status) == (1, "alone") and "closed epoch 2" in a_report.reason, a_report
+    assert a_wall < a.cfg.merge.join_timeout_s / 2, a_wall
     assert [r.status for r in reports] == ["merged", "merged"], [(r.epoch, r.status, r.reason, r.participants, r.wall_s) for r in reports]
     assert all(len(r.participants) == 2 for r in reports)
     assert a.merge.merged_epoch == b.merge.merged_epoch and torch.equal(flat(a), flat(b))

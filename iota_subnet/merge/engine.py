@@ -314,6 +314,11 @@ class MergeEngine:
         self.anchor, self.momentum = anchor, momentum
         self.merged_epoch = int(merged_epoch)
 
+    def skip(self, epoch: int) -> None:
+        """This replica will not merge ``epoch`` (its lane jumped it past that boundary): its join
+        answers say the epoch is closed, so peers at the boundary do not wait for it."""
+        self.closed_epochs[int(epoch)] = max(self.closed_epochs.get(int(epoch), -1), self.cfg.max_attempts)
+
     def next_epoch(self, epoch: int) -> int:
         """The epoch label a merge proposed at ``epoch`` runs at: never one this replica merged or
         closed already, nor one its peers closed (its inner steps may lag the labels after a restart

@@ -616,19 +616,25 @@ class MinerService:
         if epoch <= self._last_epoch:
             return
         jumped_from, jumped_to = self.worker.last_skip
-        boundary = (epoch + 1) * self.cfg.merge.every_steps
-        if jumped_from < boundary < jumped_to:
+        H = self.cfg.merge.every_steps
+        boundary = (epoch + 1) * H
+        if jumped_from < boundary < jumped_to or (jumped_to == boundary and boundary - jumped_from > H // 2):
             # it jumped to its lane's step past this boundary (restarted behind the lane, or a lane step
             # went past it): its peers merged that epoch without it. Proposing one here made it ready
             # for a *later* epoch (labels never repeat) at once, pausing its lane until the peers got
             # there: 26-30 s stalls of both lanes in the localnet test after a SIGKILL. The next
             # boundary it trains to merges as usual (a peer holding newer merged weights then says
-            # so, and it pulls them). A jump that lands *on* the boundary (it missed the window's last
-            # steps, e.g. a slow link) merges now: its peers are at this boundary too, and skipping
-            # it left the replica unmerged, merging alone, then pulling (chaos run, 2026-12-02).
+            # so, and it pulls them). A short jump that lands *on* the boundary (it trained at least
+            # half the window and missed its last steps, e.g. a slow link) merges now: its peers are
+            # at this boundary too, and skipping it left the replica unmerged, merging alone, then
+            # pulling (chaos run, 2026-12-02). A long one does not: a replica restarted from an old
+            # checkpoint and jumped 8 steps onto the boundary held its peer 30 s in a failed attempt
+            # (plan mismatch) in the localnet killed-miner test. Either way the epoch is closed here,
+            # so peers at that boundary do not wait for this replica.
             logger.info(f"stage {self.stage}: jumped from inner step {jumped_from} to {jumped_to} over the merge "
                         f"boundary of epoch {epoch} (step {boundary}); merging again at the next boundary")
             self._last_epoch = epoch
+            self.merge.skip(self.merge.next_epoch(epoch))     # the label a merge here would have used
             return
         self._start_merge(epoch)
 
