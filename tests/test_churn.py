@@ -63,6 +63,17 @@ class Replica:
                 self.reports.append(await self.engine.merge(self.step // self.H - 1, peers))
 
 
+def trained_pair(join_timeout_s: float, seed: int) -> tuple[InProcessTransport, "Replica", "Replica", list[str]]:
+    """Two replicas (H = 2) over an in-process transport, each with one window of its own work."""
+    cfg = MergeConfig(every_steps=2, join_timeout_s=join_timeout_s, phase_timeout_s=2.0, max_attempts=2)
+    net = InProcessTransport(timeout_s=3.0)
+    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
+    for i, r in enumerate((a, b)):
+        train_step(r.mod, seed + i)
+        r.work = 64.0
+    return net, a, b, [a.hk, b.hk]
+
+
 def test_restarted_replica_whose_steps_lag_merges_again():
     """Issue 13: one replica killed mid-epoch and restarted (its lane resumes steps behind) while the
     other ran on: both used to merge "alone" every epoch from then on and drift apart."""
@@ -101,13 +112,7 @@ def test_a_replica_late_to_an_epoch_its_peer_closed_goes_on_and_meets_it_at_the_
     paused, for a peer a whole merge window away (30-40 s per boundary with 17 s inner steps), then
     went alone again, one label ahead of its peers' steps. Now it does not wait: it goes on alone and
     its next merge is labelled above the closed epoch, where the two meet."""
-    cfg = MergeConfig(every_steps=2, join_timeout_s=4.0, phase_timeout_s=2.0, max_attempts=2)
-    net = InProcessTransport(timeout_s=3.0)
-    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
-    peers = [a.hk, b.hk]
-    for i, r in enumerate((a, b)):
-        train_step(r.mod, 10 + i)
-        r.work = 64.0
+    net, a, b, peers = trained_pair(4.0, 10)
 
     async def main():
         first = await a.engine.merge(0, peers)                   # b's lane is late: a waits, then goes on
@@ -124,7 +129,7 @@ def test_a_replica_late_to_an_epoch_its_peer_closed_goes_on_and_meets_it_at_the_
     assert (first.epoch, first.status) == (0, "alone")
     assert (late.epoch, late.status) == (0, "alone"), (late.epoch, late.status, late.reason)
     assert "closed epoch 0" in late.reason and b.engine.label_floor == 1
-    assert late_wall < cfg.join_timeout_s / 2, late_wall        # it did not wait for a peer a window away
+    assert late_wall < a.engine.cfg.join_timeout_s / 2, late_wall        # it did not wait for a peer a window away
     assert [(r.epoch, r.status, len(r.participants)) for r in nxt] == [(1, "merged", 2)] * 2, \
         [(r.epoch, r.status, r.reason) for r in nxt]
     assert torch.equal(a.engine.anchor, b.engine.anchor)
@@ -135,13 +140,7 @@ def test_a_replica_whose_peer_closed_later_epochs_labels_its_next_merge_above_th
     it goes on alone, and its next merge (proposed at epoch 1 by its inner steps, and before the
     peer is ready) is labelled 2, where it waits for the peer and they merge. Labelled 1, it found the
     peer had closed 1, went on alone at once, and the peer then waited at 2 for nobody."""
-    cfg = MergeConfig(every_steps=2, join_timeout_s=4.0, phase_timeout_s=2.0, max_attempts=2)
-    net = InProcessTransport(timeout_s=3.0)
-    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
-    peers = [a.hk, b.hk]
-    for i, r in enumerate((a, b)):
-        train_step(r.mod, 30 + i)
-        r.work = 64.0
+    net, a, b, peers = trained_pair(4.0, 30)
 
     async def main():
         net.kill(b.hk)
@@ -168,13 +167,7 @@ def test_a_suspect_peer_one_step_from_the_boundary_is_waited_for_and_one_far_beh
     a boundary up to a step apart (10-17 s on 2 cores), so such a replica's peers went on alone at
     every later boundary, and it never merged again (pairs of "alone" 2-9 s apart in the logs). A
     suspect that says it is one inner step from the boundary is waited for; a spare far behind is not."""
-    cfg = MergeConfig(every_steps=2, join_timeout_s=8.0, phase_timeout_s=2.0, max_attempts=2)   # grace 2 s
-    net = InProcessTransport(timeout_s=3.0)
-    a, b = Replica(net, 0, cfg), Replica(net, 1, cfg)
-    peers = [a.hk, b.hk]
-    for i, r in enumerate((a, b)):
-        train_step(r.mod, 60 + i)
-        r.work = 64.0
+    net, a, b, peers = trained_pair(8.0, 60)   # grace 2 s
     a.step, b.step = 2, 1                                        # b's lane runs the window's last step
     a.engine.liveness.suspect([b.hk], "unreachable at a merge join")
 
@@ -193,7 +186,7 @@ def test_a_suspect_peer_one_step_from_the_boundary_is_waited_for_and_one_far_beh
     ra, rb, alone, wall = asyncio.run(main())
     assert [(r.epoch, r.status, len(r.participants)) for r in (ra, rb)] == [(0, "merged", 2)] * 2, \
         [(r.epoch, r.status, r.reason) for r in (ra, rb)]
-    assert alone.status == "alone" and wall < cfg.join_timeout_s / 2, (alone.status, wall)
+    assert alone.status == "alone" and wall < a.engine.cfg.join_timeout_s / 2, (alone.status, wall)
 
 
 def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
