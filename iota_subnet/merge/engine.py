@@ -560,14 +560,15 @@ class MergeEngine:
         closed this one without merging (it went on alone while this replica was away or its lane
         was behind) is not waited for, and the next merge is labelled above the epoch it closed
         (``closed``, :attr:`label_floor`), so two live replicas whose inner steps drifted apart find
-        a common epoch again at their next boundary. A suspect peer whose answer puts it within one
-        inner step of this replica's boundary (its lane is running the window's last step) is waited
-        for like a trusted one: lanes paced by the validator reach a boundary up to a step apart, and
-        the short grace for suspects (a quarter of the join timeout) made a replica once found gone
-        merge alone at every later boundary, since it never took part in a merge again (chaos run,
-        2026-12-02). (Moving to the peer's next label at once, as
+        a common epoch again at their next boundary. (Moving to the peer's next label at once, as
         before, paused the lane until the join deadline for a peer a whole merge window away: with
-        inner steps of seconds, 30-40 s waits that ended alone anyway; chaos run, 2026-12-02.)"""
+        inner steps of seconds, 30-40 s waits that ended alone anyway; chaos run, 2026-12-02.)
+
+        A suspect peer whose answer puts it within one inner step of this replica's boundary (its
+        lane is running the window's last step) is waited for like a trusted one: lanes paced by the
+        validator reach a boundary up to a step apart, and the short grace for suspects (a quarter of
+        the join timeout) made a replica once found gone merge alone at every later boundary, since
+        it never took part in a merge again (chaos run, 2026-12-02)."""
         started = time.monotonic()
         if deadline is None:
             deadline = started + (self.cfg.join_timeout_s if attempt == 0

@@ -357,12 +357,15 @@ class DataPlane:
                                    f"{base - skipped}: skipped {skipped} inner step(s)")
             if step == w.inner_step and in_flight < self.max_in_flight:
                 return self._task_from_ticket(self.tickets.pop(members[0]))
+        open_steps: Optional[dict[int, int]] = None
         for k in sorted(k for k, t in self.tickets.items() if not (t.train and t.is_member(0, self.me))):
             t = self.tickets[k]
             if not t.train:
                 return self._task_from_ticket(self.tickets.pop(k))
-            if in_flight < self.max_in_flight and self._alternate_may_start(t):
-                return self._task_from_ticket(self.tickets.pop(k))
+            if in_flight < self.max_in_flight:
+                open_steps = self._stand_in_open_steps() if open_steps is None else open_steps
+                if self._alternate_may_start(t, open_steps):
+                    return self._task_from_ticket(self.tickets.pop(k))
         return None
 
     def _drop_completed_stand_in(self, lane: int, base: int) -> None:
@@ -373,15 +376,35 @@ class DataPlane:
             if t.train and t.lane == lane and t.step < base and not t.is_member(0, self.me):
                 self.tickets.pop(k)
                 self._receipt(t, status="stale", error=f"lane {lane} completed steps before {base} elsewhere")
-        for mb, p in list(self.pending.items()):
-            o = p.ticket
-            if o.train and o.lane == lane and o.step < base and not p.accumulate:
-                self.pending.pop(mb, None)
-                self.worker.drop(self._key(o))
-                self.steps.release(o)
-                self.counts["settled"] += 1
+        self._settle_pending(lambda p: p.ticket.train and p.ticket.lane == lane and p.ticket.step < base
+                             and not p.accumulate)
 
-    def _alternate_may_start(self, t: Ticket) -> bool:
+    def _settle_pending(self, completed: Callable[[Pending], bool]) -> list[Ticket]:
+        """Drop the forwards waiting here for a backward that will not come (their micro-batches
+        completed elsewhere): window slots, stored activations, step claims. Returns their tickets."""
+        out = []
+        for mb, p in list(self.pending.items()):
+            if completed(p):
+                self.pending.pop(mb, None)
+                self.worker.drop(self._key(p.ticket))
+                self.steps.release(p.ticket)
+                self.counts["settled"] += 1
+                out.append(p.ticket)
+        return out
+
+    def _stand_in_open_steps(self) -> dict[int, int]:
+        """Per lane, the lowest step at or above the validator's base that is still queued here or
+        whose forward (started within ``STAND_IN_HOLD_S``) waits for its backward: a stand-in head
+        may start no later step of that lane (see :meth:`_alternate_may_start`)."""
+        held_since = self.clock() - STAND_IN_HOLD_S
+        low: dict[int, int] = {}
+        for o, recent in itertools.chain(((o, True) for o in self.tickets.values()),
+                                         ((p.ticket, p.started >= held_since) for p in self.pending.values())):
+            if o.train and recent and o.step >= self.base_steps.get(o.lane, 0):
+                low[o.lane] = min(low.get(o.lane, o.step), o.step)
+        return low
+
+    def _alternate_may_start(self, t: Ticket, open_steps: dict[int, int]) -> bool:
         """Head standing in for a lane's own first-stage miner (it does not train on ``t``, the lane
         members of later stages do): start lane step ``k`` only once this head's forwards of the
         lane's earlier steps have come back, as the lane's own head does (a flush per lane step).
@@ -389,14 +412,7 @@ class DataPlane:
         head ran every look-ahead ticket at once: the later stages' lane members received step k + 4
         while step k was in flight, skipped their inner steps to it and lost the micro-batches of the
         steps between (chaos run, 2026-12-02: lane 0 lost 7 of its first 8 steps that way)."""
-        base = self.base_steps.get(t.lane, 0)
-        if t.step <= base:
-            return True
-        if any(o.train and o.lane == t.lane and base <= o.step < t.step for o in self.tickets.values()):
-            return False
-        held_since = self.clock() - STAND_IN_HOLD_S
-        return not any(p.ticket.train and p.ticket.lane == t.lane and base <= p.ticket.step < t.step
-                       and p.started >= held_since for p in self.pending.values())
+        return t.step <= self.base_steps.get(t.lane, 0) or t.step <= open_steps.get(t.lane, t.step)
 
     def _settle_before(self, lane: int, base: int) -> bool:
         """Head, behind its lane: the lane's validator has seen every step before ``base`` complete. It
@@ -408,15 +424,9 @@ class DataPlane:
         is applied rather than thrown away: returns True when that partial inner step is due (the
         caller runs it; the next admission skips the rest of the way to ``base``)."""
         w = self.worker
-        for mb, p in list(self.pending.items()):
-            o = p.ticket
-            if o.train and o.lane == lane and o.step < base:
-                self.pending.pop(mb, None)
-                self.worker.drop(self._key(o))
-                self.steps.release(o)
-                self.counts["settled"] += 1
-                logger.info(f"stage 0: lane {lane} step {o.step} completed through another head; dropped "
-                            f"{o.microbatch_id} (its backward will not come here)")
+        for o in self._settle_pending(lambda p: p.ticket.train and p.ticket.lane == lane and p.ticket.step < base):
+            logger.info(f"stage 0: lane {lane} step {o.step} completed through another head; dropped "
+                        f"{o.microbatch_id} (its backward will not come here)")
         done = self.steps.done.get((lane, w.inner_step))
         if done and not self.steps.claims.get((lane, w.inner_step)):
             logger.warning(f"stage 0: lane {lane} has completed steps before {base}; this head accumulated "
