@@ -190,7 +190,8 @@ def test_a_stand_in_head_runs_a_lanes_steps_one_after_the_other():
             await asyncio.sleep(0.3)
             assert [Ticket.from_json(h.ticket).step for h in nxt.forwards[4:]] == [3, 3]
             await until(lambda: sum(r["status"] == "stale" for r in receipts) == 3)
-            assert sorted((r["step"], r["index"]) for r in receipts if r["status"] == "stale") == [(1, 1), (2, 0), (2, 1)]
+            stale = sorted((r["step"], r["index"]) for r in receipts if r["status"] == "stale")
+            assert stale == [(1, 1), (2, 0), (2, 1)]
             assert not dp.pending.keys() & {"l0-k1-m0-a0", "l0-k1-m1-a0"}     # step 1's forwards dropped too
             # a step-3 backward that never comes holds step 4 only for STAND_IN_HOLD_S
             for p in dp.pending.values():

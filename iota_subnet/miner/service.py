@@ -546,8 +546,8 @@ class MinerService:
     def _save_merge_state(self) -> None:
         data = tensors_bytes({"anchor": self.merge.anchor.contiguous().cpu(),
                               "momentum": self.merge.momentum.contiguous().cpu()},
-                             {"merged_epoch": self.merge.merged_epoch, "step": self.anchor_step, "anchor_step": self.anchor_step,
-                              "work_base": self.merge.work_base})
+                             {"merged_epoch": self.merge.merged_epoch, "step": self.anchor_step,
+                              "anchor_step": self.anchor_step, "work_base": self.merge.work_base})
         atomic_write_bytes(self.merge_state_path, data)
 
     async def _on_merged(self, rep) -> None:
