@@ -21,8 +21,8 @@ Issue 13's acceptance: >= 40 events of >= 4 kinds per disturbed run, ``relative_
 workstation with the defaults; on 2 cores a run alone takes 30-100 minutes.
 
 Resumable: each finished run leaves ``OUT/NAME/bench_run.json``; the same command again reuses the
-finished runs whose parameters match and redoes only the others (a run killed half-way is started
-over: its folder is cleared). ``--max-runs N`` stops after N new runs, so the five runs can be
+finished runs whose parameters and code (``code_version``) match and redoes only the others (a run
+killed half-way is started over: its folder is cleared). ``--max-runs N`` stops after N new runs, so the five runs can be
 spread over several sittings; the figures are printed over the runs finished so far, with
 ``runs_left`` saying what is missing (``--fresh``: ignore earlier results). ``--keep DIR`` also
 keeps each result as ``DIR/NAME.json`` (the repository keeps them in ``docs/bench_churn``, so that
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,8 @@ from iota_subnet.network.localnet import LocalNet  # noqa: E402
 from iota_subnet.utils.atomic import atomic_write_json  # noqa: E402
 
 RESULT = "bench_run.json"
+ROOT = Path(__file__).resolve().parents[1]
+CODE_PATHS = ("iota_subnet", "neurons", "configs")     # what the runs execute (docs and tests do not count)
 
 DEFAULT_CHAOS = "kill=1/min,pause=0.8/min,partition=0.8/min,slow=0.8/min,validator-kill=0.3/min,join=0.2/min,leave=0.1/min"
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
@@ -68,9 +71,24 @@ def read_curve(out: Path) -> list[tuple[int, float]]:
     return rows
 
 
+def code_version() -> str:
+    """The git tree ids of the code the runs execute (``CODE_PATHS``), joined: runs made at two commits that
+    differ only in docs, tests or scripts share it, so that they add up; with uncommitted changes to that
+    code it ends in ``+dirty`` (such a run is kept but says so); ``unknown`` outside a git checkout."""
+    try:
+        ids = [subprocess.run(["git", "rev-parse", f"HEAD:{p}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()[:12] for p in CODE_PATHS]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE_PATHS], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return "-".join(ids) + ("+dirty" if dirty else "")
+
+
 def run_params(a: argparse.Namespace, chaos: str | None) -> dict:
-    """What makes two runs the same run (a finished run is reused only when these match)."""
-    return {"config": a.config, "data": a.data, "stages": a.stages, "replicas": a.replicas,
+    """What makes two runs the same run (a finished run is reused only when these match, the code included:
+    the acceptance compares runs of one code version)."""
+    return {"code": code_version(), "config": a.config, "data": a.data, "stages": a.stages, "replicas": a.replicas,
             "validators": a.validators, "steps": a.steps, "merge_every": a.merge_every, "chaos": chaos,
             "chaos_duration_s": a.chaos_duration, "hop_timeout_s": a.hop_timeout, "stall_s": a.stall,
             "block_time": a.block_time, "tempo": a.tempo, "set": sorted(a.set)}
@@ -220,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     dis = [r for r in runs if r["chaos"]]
     vu, vd = mean([r["val_loss"] for r in und]), mean([r["val_loss"] for r in dis])
     res = {
-        "config": a.config, "stages": a.stages, "replicas": a.replicas, "steps": a.steps, "merge_every": a.merge_every,
+        "code": code_version(), "config": a.config, "stages": a.stages, "replicas": a.replicas, "steps": a.steps, "merge_every": a.merge_every,
         "chaos": a.chaos, "seeds": seeds, "hop_timeout_s": a.hop_timeout, "stall_s": a.stall,
         "events": min((r["events"] for r in dis), default=0),
         "events_by_kind": {r["name"]: r["events_by_kind"] for r in dis},

@@ -60,3 +60,26 @@ def test_a_timed_out_or_unreadable_result_is_run_again(bench, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["runs_left"] == ["undisturbed0", "undisturbed1"] and res["val_loss_undisturbed"] is None
     assert res["plot"] is None                                          # nothing finished: nothing to draw
+
+
+def test_a_run_of_other_code_is_not_reused(bench, tmp_path, capsys, monkeypatch):
+    """The acceptance compares runs of one code version: a kept run made on other code (another tree of
+    iota_subnet, neurons or configs) is listed as left, not added up."""
+    keep = tmp_path / "keep"
+    argv = ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", "2", "--seeds", "",
+            "--max-runs", "0", "--json"]
+    keep.mkdir()
+    (keep / "undisturbed0.json").write_text(json.dumps(_result(bench, argv, "undisturbed0", None, 5.5)))
+    monkeypatch.setattr(bench, "code_version", lambda: "0123456789ab-other-code")
+    (keep / "undisturbed1.json").write_text(json.dumps(_result(bench, argv, "undisturbed1", None, 5.6)))
+    assert bench.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["code"] == "0123456789ab-other-code"
+    assert res["runs_left"] == ["undisturbed0"] and res["val_loss_per_run"] == {"undisturbed1": 5.6}
+
+
+def test_the_code_version_names_the_trees_the_runs_execute(bench):
+    if not (bench.ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ids = bench.code_version().removesuffix("+dirty").split("-")
+    assert len(ids) == len(bench.CODE_PATHS) and all(len(i) == 12 and int(i, 16) >= 0 for i in ids)
