@@ -160,6 +160,9 @@ class TrainConfig:
     ``activation_cache_mib`` / ``activation_cache_entries`` / ``activation_cache_ttl_s``: a miner's
     bound on the memory its cached forwards hold (measured, see :mod:`iota_subnet.miner.activation_cache`),
     on their number and on their age.
+    ``rewarm_steps``: inner steps over which a replica whose AdamW state is younger than the run (a
+    joiner or a replica synced without its own optimizer state) ramps its learning rate up to the
+    schedule's (:func:`iota_subnet.train.optim.rewarm_factor`); 0 turns it off.
     """
 
     batch_size: int = 8
@@ -180,6 +183,7 @@ class TrainConfig:
     decay_steps: int = 0
     activation_checkpointing: bool = False
     precision: str = "fp32"
+    rewarm_steps: int = 10
     compile: Optional[str] = None
     activation_cache_mib: int = 512
     activation_cache_entries: int = 64
@@ -341,6 +345,7 @@ def _check_ranges(cfg: "RunConfig") -> None:
                         ("train.decay_start", t.decay_start or 0, 0), ("train.decay_steps", t.decay_steps, 0),
                         ("train.eval_batches", t.eval_batches, 1),
                         ("train.warmup_steps", t.warmup_steps, 0), ("train.checkpoint_every", t.checkpoint_every, 0),
+                        ("train.rewarm_steps", t.rewarm_steps, 0),
                         ("data.seq_len", d.seq_len, 1), ("data.vocab_size", d.vocab_size, 2),
                         ("pipeline.stages", p.stages, 1), ("pipeline.compression_ratio", p.compression_ratio, 1)):
         if v < lo:

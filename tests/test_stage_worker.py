@@ -259,3 +259,15 @@ def test_input_gradient_only_names_the_weights_it_recomputed_with():
     xr = x.clone().requires_grad_(True)
     w.module(xr).backward(g)
     assert torch.allclose(gin, xr.grad, atol=1e-6)
+
+
+def test_the_rewarm_factor_ramps_only_a_state_younger_than_the_run():
+    from iota_subnet.config import ConfigError, load_config
+    from iota_subnet.train.optim import rewarm_factor
+    # a state that took every step since step 0 (the schedule's warmup applies): no extra factor
+    assert [rewarm_factor(k, k + 1, 10) for k in (0, 5, 149)] == [1.0, 1.0, 1.0]
+    # a joiner's fresh moments at step 90: 1/10, 5/10, then the schedule's rate from 10 updates on
+    assert [rewarm_factor(90, a, 10) for a in (1, 5, 10, 40)] == [0.1, 0.5, 1.0, 1.0]
+    assert rewarm_factor(90, 1, 0) == 1.0                     # rewarm_steps 0: off
+    with pytest.raises(ConfigError, match="rewarm_steps"):
+        load_config("configs/tiny.yaml", {"train": {"rewarm_steps": -1}})

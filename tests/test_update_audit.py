@@ -152,7 +152,7 @@ def test_noisy_update_fails_and_lr_or_clip_lies_fail():
     lie = UpdateCommit.from_dict({**commit.to_dict(), "clip_coef": commit.clip_coef * 0.5})
     resp.commit = lie.to_dict()
     chk = check_update_opening(lie, [tuple(r) for r in req.rows], resp, auditor.layout(1), auditor.hp,
-                               expected_lr=auditor.expected_lr(commit.step))
+                               expected_lr=auditor.expected_lr(commit.step, commit.adam_step))
     assert not chk.ok and "clip factor" in chk.reason
 
 
@@ -313,3 +313,37 @@ def test_a_skip_to_the_lanes_step_is_committed_as_a_skipped_step_that_passes_its
                                                rng=random.Random(1)), w, s)
     assert chk.ok, chk.reason
     assert w.skip_to(w.inner_step) == 0 and w.updates.steps()[-1] == s.step     # no jump: nothing committed
+
+
+def test_a_joiner_re_warms_its_fresh_optimizer_and_its_updates_pass_audit():
+    """A replica that joins mid-run (AdamW moments younger than the run) ramps its learning rate over
+    ``train.rewarm_steps`` updates (fresh moments make the first updates sign-like at the schedule's
+    full mid-run rate); validators recompute the same rate from the committed AdamW step count, so
+    the honest joiner passes and one that skips the ramp fails."""
+    from iota_subnet.train.optim import lr_at
+    c = cfg()
+    W = c.train.rewarm_steps
+    total = c.train.total_steps
+    joiner = StageWorker(c, 1, seed=0, total_steps=total, audit_window=4)
+    joiner.skip_to(90)                                    # synced, then jumped to its lane's step
+    train(joiner, 3)
+    auditor = UpdateAuditor(c, run_id="r", total_steps=total, rows=2, rng=random.Random(0))
+    commits = [cm for cm in commits_of(joiner, 4) if not cm.skipped]
+    assert [cm.adam_step for cm in commits] == [1, 2, 3]
+    for cm in commits:
+        assert cm.lr == pytest.approx(lr_at(cm.step, total, c.train) * cm.adam_step / W, rel=1e-9)
+        chk, _, _ = audit_in_process(auditor, joiner, cm)
+        assert chk.ok, chk
+    # a replica that trained every step from the start is not re-warmed: the schedule's rate
+    veteran = StageWorker(c, 1, seed=0, total_steps=total, audit_window=2)
+    train(veteran, 2)
+    assert [cm.lr for cm in commits_of(veteran, 2)] == pytest.approx([lr_at(k, total, c.train) for k in (0, 1)])
+    # a joiner that skips the ramp (the schedule's full rate on fresh moments) fails the audit
+    rushed = StageWorker(c.__class__(**{**c.__dict__, "train": c.train.__class__(**{**c.train.__dict__,
+                                                                                     "rewarm_steps": 0})}),
+                         1, seed=0, total_steps=total, audit_window=2)
+    rushed.skip_to(90)
+    train(rushed, 1)
+    cm = [x for x in commits_of(rushed, 2) if not x.skipped][0]
+    chk, _, _ = audit_in_process(auditor, rushed, cm)
+    assert not chk.ok and "learning rate" in chk.reason

@@ -16,8 +16,9 @@ Checkpoints: :meth:`snapshot` copies weights and optimizer state to host memory 
 Gradient accumulation: one inner step = ``train.batch_size / train.micro_batch_size`` micro-batches
 (the same tokens as one co-located optimizer step). The tail divides each micro-batch loss by that
 count before ``backward``, so gradients arrive at every stage already scaled; each stage steps
-AdamW after that many backward passes, with the co-located trainer's schedule (:func:`lr_at`) and
-per-stage gradient clipping.
+AdamW after that many backward passes, with the co-located trainer's schedule (:func:`lr_at`; an
+optimizer state younger than the run, as after a join, re-warms: :func:`update_lr`) and per-stage
+gradient clipping.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from iota_subnet.model import PipelineStage
 from iota_subnet.train.checkpoint import (checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
 from iota_subnet.train.colocated import autocast_ctx
-from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
+from iota_subnet.train.optim import make_optimizer, next_adam_step, set_lr, update_lr
 from iota_subnet.train.snapshot import StateSnapshot
 from iota_subnet.utils.device import DeviceIO
 
@@ -293,7 +294,7 @@ class StageWorker:
         """One inner optimizer step over the accumulated gradients (committed for update audits when
         :attr:`updates` is on: the gradient before clipping, the state before and after)."""
         with self.lock, self._busy():
-            lr = lr_at(self.inner_step, self.total_steps, self.cfg.train)
+            lr = update_lr(self.inner_step, next_adam_step(self.opt), self.total_steps, self.cfg.train)
             set_lr(self.opt, lr)
             pending = self.updates.begin(self.inner_step, self.merges) if self.updates is not None else None
             gnorm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip))

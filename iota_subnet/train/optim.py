@@ -45,6 +45,38 @@ def lr_at(step: int, total_steps: Optional[int], tcfg: TrainConfig) -> float:
     return floor + 0.5 * (tcfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def rewarm_factor(step: int, adam_step: int, rewarm_steps: int) -> float:
+    """Learning-rate factor of an update at 0-based inner step ``step`` taken by an AdamW state whose
+    step count after the update is ``adam_step``: ``min(1, adam_step / rewarm_steps)`` when the
+    state is younger than the run (``adam_step < step + 1``: a replica that joined, or was synced,
+    at a later step with fresh moments), else 1 (a state that took every step of the run, whose
+    warmup the schedule already gives).
+
+    Why: fresh AdamW moments make the first updates sign-like (``m / sqrt(v) = +-1`` per value at
+    ``adam_step`` 1), full-size at the schedule's mid-run learning rate. Measured on ``tiny`` (3
+    replicas, 5 inner steps at the step-90 learning rate from a merged model, then averaged): val
+    loss 5.543 with three warm states, 5.587 with one fresh state, 5.543 with the fresh one
+    re-warmed over 10 steps (docs/BENCHMARKS.md, "Churn"). Validators recompute the same factor from
+    the committed ``adam_step`` (:mod:`iota_subnet.validator.update_audit`)."""
+    if rewarm_steps <= 0 or adam_step >= step + 1:
+        return 1.0
+    return min(1.0, max(1, int(adam_step)) / int(rewarm_steps))
+
+
+def update_lr(step: int, adam_step: int, total_steps: Optional[int], tcfg: TrainConfig) -> float:
+    """The learning rate of the inner update at ``step`` whose AdamW step count becomes ``adam_step``:
+    :func:`lr_at` times :func:`rewarm_factor`."""
+    return lr_at(step, total_steps, tcfg) * rewarm_factor(step, adam_step, tcfg.rewarm_steps)
+
+
+def next_adam_step(opt: torch.optim.Optimizer) -> int:
+    """AdamW's step count after its next update (the largest over the parameters, as committed in
+    update commitments; 1 for a state with no update yet)."""
+    steps = [int(st["step"]) for g in opt.param_groups for p in g["params"]
+             if (st := opt.state.get(p)) and "step" in st]
+    return (max(steps) if steps else 0) + 1
+
+
 def optimizer_kernel(params: list[torch.Tensor]) -> dict:
     """AdamW implementation flags for where ``params`` live: ``fused=True`` (one kernel for all
     parameters) when they are all on a CUDA device, else torch's default (``foreach`` where

@@ -33,7 +33,7 @@ from iota_subnet.audit.update import (UPDATE_TOL_UNITS, AdamHParams, ParamInfo, 
 from iota_subnet.config import RunConfig
 from iota_subnet.protocol import (UPDATE_KINDS, ProtocolError, UpdateAuditRequest, UpdateAuditResponse, UpdateCommit,
                                   encode, update_audit_contract)
-from iota_subnet.train.optim import lr_at
+from iota_subnet.train.optim import update_lr
 from iota_subnet.transport import TransportError
 
 #: A signed HTTP request or response's headers, allowed per message when counting an audit's bytes.
@@ -85,8 +85,10 @@ class UpdateAuditor:
             lay = self._layouts[stage] = param_layout(m, self.cfg.train.weight_decay)
         return lay
 
-    def expected_lr(self, step: int) -> Optional[float]:
-        return None if self.total_steps is None else lr_at(step, self.total_steps, self.cfg.train)
+    def expected_lr(self, step: int, adam_step: int) -> Optional[float]:
+        """The learning rate an honest update at inner ``step`` with AdamW step count ``adam_step``
+        used: the schedule's, re-warmed for a state younger than the run (:func:`update_lr`)."""
+        return None if self.total_steps is None else update_lr(step, adam_step, self.total_steps, self.cfg.train)
 
     def plan(self, stage: int, commit: UpdateCommit) -> UpdateAuditRequest:
         rows = sample_rows(self.layout(stage), self.rows, self.rng)
@@ -104,7 +106,7 @@ class UpdateAuditor:
             return UpdateCheck(False, f"answered for another commitment of step {commit.step} than the one committed "
                                       f"(roots differ: {[k for k in UPDATE_KINDS if served.roots.get(k) != commit.roots[k]]})")
         return check_update_opening(commit, [(str(n), int(r)) for n, r in req.rows], resp, self.layout(stage), self.hp,
-                                    expected_lr=self.expected_lr(commit.step), tol_units=self.tol_units)
+                                    expected_lr=self.expected_lr(commit.step, commit.adam_step), tol_units=self.tol_units)
 
     async def audit(self, client: Any, endpoint: str, hotkey: str, stage: int, commit: UpdateCommit, *,
                     timeout_s: float = 10.0) -> AuditResult:
