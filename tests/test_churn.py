@@ -309,3 +309,39 @@ def test_state_sync_follows_donors_to_their_newer_snapshot(tmp_path):
     a, m = net.publish(2)
     assert man["merged_epoch"] == 2 and torch.equal(anchor, a) and torch.equal(momentum, m)
     assert len(set(seen)) == 2
+
+
+def test_a_suspect_peer_steps_behind_whose_lane_advances_is_waited_for_and_a_still_one_is_not():
+    """Chaos run at 832facd: lanes can reach a merge boundary more than a step apart (a validator
+    restart, a reroute); the first replica gave up on its (suspect) peer after the grace, and the
+    peer, arriving seconds later, found the epoch closed and merged alone too (18 of 41 "alone"
+    merges were the second of such a pair). A suspect at most half a window behind (here 3 steps)
+    whose inner step advances while it is waited for is training toward the boundary: it is waited
+    for. One that does not advance is not."""
+    cfg = MergeConfig(every_steps=6, join_timeout_s=8.0, phase_timeout_s=2.0, max_attempts=2)   # grace 2 s
+    net = InProcessTransport(timeout_s=3.0)
+    a, b = Replica(net, 0, cfg, H=6), Replica(net, 1, cfg, H=6)
+    for i, r in enumerate((a, b)):
+        train_step(r.mod, 70 + i)
+        r.work = 64.0
+    peers = [a.hk, b.hk]
+    a.step, b.step = 6, 3                                        # b's lane is three steps from the boundary
+    a.engine.liveness.suspect([b.hk], "unreachable at a merge join")
+
+    async def main():
+        first = asyncio.create_task(a.engine.merge(0, peers))
+        for _ in range(3):                                       # one step every 1.5 s: past the 2 s grace
+            await asyncio.sleep(1.5)
+            b.step += 1
+        rb = await b.engine.merge(0, peers)
+        ra = await first
+        a.step, b.step = 12, 10                                  # two steps behind again, but not advancing
+        a.engine.liveness.suspect([b.hk], "not ready by the join deadline")
+        t0 = time.monotonic()
+        alone = await a.engine.merge(1, peers)
+        return ra, rb, alone, time.monotonic() - t0
+
+    ra, rb, alone, wall = asyncio.run(main())
+    assert [(r.epoch, r.status, len(r.participants)) for r in (ra, rb)] == [(0, "merged", 2)] * 2, \
+        [(r.epoch, r.status, r.reason) for r in (ra, rb)]
+    assert alone.status == "alone" and wall < cfg.join_timeout_s / 2, (alone.status, wall)

@@ -568,7 +568,13 @@ class MergeEngine:
         lane is running the window's last step) is waited for like a trusted one: lanes paced by the
         validator reach a boundary up to a step apart, and the short grace for suspects (a quarter of
         the join timeout) made a replica once found gone merge alone at every later boundary, since
-        it never took part in a merge again (chaos run, 2026-12-02)."""
+        it never took part in a merge again (chaos run, 2026-12-02). So is a suspect whose inner step
+        advances while this replica waits and is at most half a window (``every_steps // 2``, at least
+        one step) behind: its lane is training toward the boundary. Lanes can reach a boundary more
+        than a step apart (a validator restart, a reroute): the first replica gave up on its peer
+        after the grace, and the peer, arriving seconds later, found the epoch closed and went alone
+        too (18 of the 41 "alone" merges of the chaos run at 832facd were the second of such a
+        pair). A peer that does not advance (a spare) is still given up after the grace."""
         started = time.monotonic()
         if deadline is None:
             deadline = started + (self.cfg.join_timeout_s if attempt == 0
@@ -580,6 +586,8 @@ class MergeEngine:
         closed_at: dict[str, int] = {}
         my_step = self._inner_step()
         near: set[str] = set()                  # answered within one inner step of this boundary
+        first_step: dict[str, int] = {}         # each peer's inner step at its first answer in this join
+        behind_ok = max(1, int(self.cfg.every_steps) // 2)
         first = True
         while True:
             # excluded peers are still asked once: one of them may have completed this epoch (then we are late)
@@ -598,7 +606,9 @@ class MergeEngine:
             for p, r in await asyncio.gather(*(ask(p) for p in todo)):
                 if isinstance(r, MergeJoin):
                     same_state = r.in_sync and r.merged_epoch == self.merged_epoch
-                    if my_step >= 0 and my_step - 1 <= r.inner_step <= my_step:
+                    first_step.setdefault(p, r.inner_step)
+                    advancing = first_step[p] < r.inner_step and my_step - behind_ok <= r.inner_step <= my_step
+                    if my_step >= 0 and (my_step - 1 <= r.inner_step <= my_step or advancing):
                         near.add(p)
                     else:
                         near.discard(p)
