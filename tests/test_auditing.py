@@ -6,6 +6,7 @@ typed refusals are refusals. The audits over real HTTP: tests/test_audit_wire.py
 from __future__ import annotations
 
 import asyncio
+import json
 import dataclasses
 import random
 
@@ -246,3 +247,24 @@ def test_a_late_refusal_outside_the_required_window_is_not_counted():
     clock.t += 1
     sch.on_receipt(ticket(4 + REQUIRED_VERSIONS), receipt(4 + REQUIRED_VERSIONS, t=clock.t), HK)
     assert rec2.final == "refused"
+
+
+def test_a_restarted_validator_counts_the_audits_of_its_earlier_processes():
+    """Chaos run at 832facd: the validator was restarted 27 s before the end and the run's summary said
+    5 audits (those of its last process). The counters are kept in the validator's state and handed
+    to the next process's scheduler; an unreadable entry counts from 0."""
+    sch, rep, policy, clock = make(Refusing(TransportError("x", "down")), updates=False)
+    sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
+    asyncio.run(sch.audit_hop(rep, 0))
+    clock.t += 1
+    sch.on_receipt(ticket(4), receipt(4, t=clock.t), HK)                # settles it: one audit counted
+    kept = json.loads(json.dumps(sch.totals()))                          # through the state's JSON
+    assert kept["audits"] == 1
+    cfg = load_config("configs/tiny.yaml", OVR)
+    again = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
+                           lookup=lambda hk: None, totals=kept)
+    assert again.status()["audits"] == 1 and again.totals() == kept
+    for bad in ({"audits": "many", "failed": -3, "bytes": float("nan")}, ["not", "a", "dict"], None):
+        fresh = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
+                               lookup=lambda hk: None, totals=bad)
+        assert fresh.totals() == {"audits": 0, "failed": 0, "bytes": 0, "cpu_s": 0.0}

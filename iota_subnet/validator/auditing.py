@@ -39,6 +39,7 @@ Validator CPU: 0.03-0.2 s a hop audit (checks on a worker thread).
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 import uuid
@@ -132,6 +133,15 @@ def _thread_timed(fn: Callable, *args) -> tuple[Any, float]:
     return out, time.thread_time() - t0
 
 
+def _count(v: Any, kind: type = int) -> float:
+    """A kept counter: a non-negative finite number of ``kind``, else 0 (an unreadable state entry)."""
+    try:
+        x = kind(v)
+    except (TypeError, ValueError):
+        return 0
+    return x if x >= 0 and math.isfinite(x) else 0
+
+
 class AuditScheduler:
     """Chooses and runs the audits of one validator (see the module docstring).
 
@@ -140,6 +150,8 @@ class AuditScheduler:
     the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
     ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
     ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once.
+    ``totals``: the counters of this validator's earlier processes (:meth:`totals`, kept in its
+    state), so that a restarted validator reports every audit of the run, not those since its start.
     """
 
     def __init__(self, cfg: RunConfig, *, run_id: str, client: Any, policy: AuditPolicy,
@@ -147,7 +159,7 @@ class AuditScheduler:
                  update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
                  timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
                  commit_grace_s: float = 10.0, settle_s: float = 120.0, concurrency: int = 4,
-                 rng: Optional[random.Random] = None,
+                 rng: Optional[random.Random] = None, totals: Optional[dict] = None,
                  clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
@@ -169,10 +181,11 @@ class AuditScheduler:
         #: (tempo, kind, hotkey) -> audits run
         self.done: dict[tuple[int, str, str], int] = defaultdict(int)
         self.records: deque[AuditRecord] = deque(maxlen=512)
-        self.audits = 0
-        self.failed = 0
-        self.bytes = 0
-        self.cpu_s = 0.0
+        t = totals if isinstance(totals, dict) else {}
+        self.audits = _count(t.get("audits"))
+        self.failed = _count(t.get("failed"))
+        self.bytes = _count(t.get("bytes"))
+        self.cpu_s = float(_count(t.get("cpu_s"), float))
         self._layouts: dict[tuple, TraceLayout] = {}
         #: (hotkey, kind) -> its audit of that kind still running (see :meth:`round`)
         self._inflight: dict[tuple[str, str], asyncio.Task] = {}
@@ -571,6 +584,10 @@ class AuditScheduler:
             if k == kind:
                 out[tempo][hk] = n
         return dict(out)
+
+    def totals(self) -> dict:
+        """The counters to keep across restarts (``totals`` of the next process)."""
+        return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3)}
 
     def status(self) -> dict:
         return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3),

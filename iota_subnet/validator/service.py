@@ -731,7 +731,7 @@ class ValidatorService:
                               update_auditor=UpdateAuditor(self.cfg, run_id=self.opts.run_id,
                                                            total_steps=self.cfg.train.total_steps),
                               timeout_s=self.opts.audit_timeout_s, hops_per_tempo=self.opts.audits_per_tempo,
-                              updates_per_tempo=self.opts.audits_per_tempo)
+                              updates_per_tempo=self.opts.audits_per_tempo, totals=self._load_audit_totals())
 
     async def _audit_round(self) -> None:
         if self.auditing is None:
@@ -780,12 +780,23 @@ class ValidatorService:
         if raw:
             self.explained = json.loads(raw)
 
+    def _load_audit_totals(self) -> dict:
+        """The audit counters of this validator's earlier processes ({} when none or unreadable)."""
+        try:
+            raw = json.loads(self.state.get_meta("audit_totals") or "{}")
+        except ValueError:
+            logger.warning("validator state: unreadable audit totals; counting audits from 0")
+            return {}
+        return raw if isinstance(raw, dict) else {}
+
     def _save_verification(self) -> None:
         self.state.set_meta("spot_checks", json.dumps(self.checker.to_dict()))
         self.state.set_meta("scoreboard", json.dumps(self.board.to_dict()))
         self.state.set_meta("audits", json.dumps(self.audits.to_dict()))
         self.state.set_meta("clasp_probes", json.dumps(self.probes[-self.opts.clasp_window:]))
         self.state.set_meta("scores", json.dumps(self.explained))
+        if self.auditing is not None:
+            self.state.set_meta("audit_totals", json.dumps(self.auditing.totals()))
 
     def update_scores(self, block: Optional[int] = None) -> dict[int, float]:
         """One tempo's scoring: CLASP attribution, quality factors, Scoreboard update, weights
@@ -910,6 +921,8 @@ class ValidatorService:
             self.server = None
         if self.state is not None:
             try:
+                if self.auditing is not None:
+                    self.state.set_meta("audit_totals", json.dumps(self.auditing.totals()))
                 self.state.set_meta("elapsed_s", self.elapsed_s())
                 self.state.save_ledger(self.ledger)
                 self.write_status()
