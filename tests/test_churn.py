@@ -175,18 +175,28 @@ def test_a_suspect_peer_one_step_from_the_boundary_is_waited_for_and_one_far_beh
         first = asyncio.create_task(a.engine.merge(0, peers))
         await asyncio.sleep(3.5)                                 # past the suspects' grace
         b.step = 2
-        rb = await b.engine.merge(0, peers)
-        ra = await first
-        a.step, b.step = 4, 2                                    # now b is a spare, far behind
-        a.engine.liveness.suspect([b.hk], "not ready by the join deadline")
-        t0 = time.monotonic()
-        alone = await a.engine.merge(1, peers)
-        return ra, rb, alone, time.monotonic() - t0
+        return await merged_then_alone_with_a_spare(a, b, peers, first, (4, 2))    # now b is a spare, far behind
 
-    ra, rb, alone, wall = asyncio.run(main())
+    merged_pair_then_alone(*asyncio.run(main()), a.engine.cfg.join_timeout_s)
+
+
+async def merged_then_alone_with_a_spare(a, b, peers, first, steps):
+    """``b`` merges epoch 0 with ``a`` (whose merge is the task ``first``); then ``b`` sits at
+    ``steps[1]``, not advancing, suspect to ``a`` at ``steps[0]``, and ``a`` merges epoch 1.
+    Returns both epoch-0 reports, the epoch-1 report and its wall time (s)."""
+    rb = await b.engine.merge(0, peers)
+    ra = await first
+    a.step, b.step = steps
+    a.engine.liveness.suspect([b.hk], "not ready by the join deadline")
+    t0 = time.monotonic()
+    alone = await a.engine.merge(1, peers)
+    return ra, rb, alone, time.monotonic() - t0
+
+
+def merged_pair_then_alone(ra, rb, alone, wall, join_timeout_s):
     assert [(r.epoch, r.status, len(r.participants)) for r in (ra, rb)] == [(0, "merged", 2)] * 2, \
         [(r.epoch, r.status, r.reason) for r in (ra, rb)]
-    assert alone.status == "alone" and wall < a.engine.cfg.join_timeout_s / 2, (alone.status, wall)
+    assert alone.status == "alone" and wall < join_timeout_s / 2, (alone.status, wall)
 
 
 def test_stalled_replica_costs_one_epoch_then_is_late_and_pulls():
@@ -333,15 +343,6 @@ def test_a_suspect_peer_steps_behind_whose_lane_advances_is_waited_for_and_a_sti
         for _ in range(3):                                       # one step every 1.5 s: past the 2 s grace
             await asyncio.sleep(1.5)
             b.step += 1
-        rb = await b.engine.merge(0, peers)
-        ra = await first
-        a.step, b.step = 12, 10                                  # two steps behind again, but not advancing
-        a.engine.liveness.suspect([b.hk], "not ready by the join deadline")
-        t0 = time.monotonic()
-        alone = await a.engine.merge(1, peers)
-        return ra, rb, alone, time.monotonic() - t0
+        return await merged_then_alone_with_a_spare(a, b, peers, first, (12, 10))  # 2 behind, not advancing
 
-    ra, rb, alone, wall = asyncio.run(main())
-    assert [(r.epoch, r.status, len(r.participants)) for r in (ra, rb)] == [(0, "merged", 2)] * 2, \
-        [(r.epoch, r.status, r.reason) for r in (ra, rb)]
-    assert alone.status == "alone" and wall < cfg.join_timeout_s / 2, (alone.status, wall)
+    merged_pair_then_alone(*asyncio.run(main()), cfg.join_timeout_s)
