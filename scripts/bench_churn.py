@@ -36,6 +36,7 @@ script itself:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -74,15 +75,17 @@ def read_curve(out: Path) -> list[tuple[int, float]]:
 def code_version() -> str:
     """The git tree ids of the code the runs execute (``CODE_PATHS``), joined: runs made at two commits that
     differ only in docs, tests or scripts share it, so that they add up; with uncommitted changes to that
-    code it ends in ``+dirty`` (such a run is kept but says so); ``unknown`` outside a git checkout."""
+    code it ends in ``+dirty-<hash of the changes>``; ``unknown`` outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     try:
-        ids = [subprocess.run(["git", "rev-parse", f"HEAD:{p}"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()[:12] for p in CODE_PATHS]
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE_PATHS], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        ids = [git("rev-parse", f"HEAD:{p}").strip()[:12] for p in CODE_PATHS]
+        dirty = git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
+        diff = git("diff", "HEAD", "--", *CODE_PATHS) if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return "-".join(ids) + ("+dirty" if dirty else "")
+    # uncommitted changes: named by a hash of the diff and of the untracked files' names
+    return "-".join(ids) + (f"+dirty-{hashlib.sha256((diff + dirty).encode()).hexdigest()[:8]}" if dirty else "")
 
 
 def run_params(a: argparse.Namespace, chaos: str | None) -> dict:
@@ -103,7 +106,8 @@ def finished_run(name: str, a: argparse.Namespace, chaos: str | None) -> dict | 
             r = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(r, dict) and r.get("params") == run_params(a, chaos) and not r.get("timed_out"):
+        if (isinstance(r, dict) and r.get("params") == run_params(a, chaos) and not r.get("timed_out")
+                and not r.get("code_changed_during_run")):
             return r
     return None
 
@@ -115,6 +119,7 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
     ovr = parse_sets(a.set)
     ovr.setdefault("merge", {})["every_steps"] = a.merge_every
     t0 = time.monotonic()
+    params = run_params(a, chaos)       # the code on disk when the run starts (neurons restarted later import it again)
     net = LocalNet(stages=a.stages, replicas=a.replicas, validators=a.validators, config=a.config,
                    data=a.data, steps=a.steps, out=out, block_time=a.block_time, tempo=a.tempo, progress=False,
                    overrides=ovr, chaos=chaos, chaos_duration_s=a.chaos_duration,
@@ -126,7 +131,12 @@ def run_one(name: str, a: argparse.Namespace, chaos: str | None) -> dict:
         print(f"{name}: {e}", file=sys.stderr)
         summary = {"timed_out": True}
     chaos_summary = summary.get("chaos") or {}
-    result = {"name": name, "params": run_params(a, chaos), "chaos": chaos, "timed_out": bool(summary.get("timed_out")),
+    changed = run_params(a, chaos) != params
+    if changed:                         # a commit or an edit during the run: neurons may have run either code
+        print(f"{name}: the code changed during the run ({params['code']} -> {code_version()}); "
+              f"the result is kept but not reused", file=sys.stderr)
+    result = {"name": name, "params": params, "chaos": chaos, "timed_out": bool(summary.get("timed_out")),
+              "code_changed_during_run": changed,
             "val_loss": summary.get("val_loss"), "final_loss": summary.get("final_loss"),
             "wall_s": round(time.monotonic() - t0, 1), "events": chaos_summary.get("events", 0),
             "events_by_kind": chaos_summary.get("events_by_kind", {}),

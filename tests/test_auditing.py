@@ -264,7 +264,8 @@ def test_a_restarted_validator_counts_the_audits_of_its_earlier_processes():
     again = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
                            lookup=lambda hk: None, totals=kept)
     assert again.status()["audits"] == 1 and again.totals() == kept
-    for bad in ({"audits": "many", "failed": -3, "bytes": float("nan")}, ["not", "a", "dict"], None):
+    for bad in ({"audits": "many", "failed": -3, "bytes": float("nan")}, ["not", "a", "dict"], None,
+                {"audits": float("inf"), "failed": 10 ** 400, "cpu_s": "1e999"}):
         fresh = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
                                lookup=lambda hk: None, totals=bad)
         assert fresh.totals() == {"audits": 0, "failed": 0, "bytes": 0, "cpu_s": 0.0}

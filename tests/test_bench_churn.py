@@ -81,5 +81,16 @@ def test_a_run_of_other_code_is_not_reused(bench, tmp_path, capsys, monkeypatch)
 def test_the_code_version_names_the_trees_the_runs_execute(bench):
     if not (bench.ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    ids = bench.code_version().removesuffix("+dirty").split("-")
+    ids = bench.code_version().split("+")[0].split("-")
     assert len(ids) == len(bench.CODE_PATHS) and all(len(i) == 12 and int(i, 16) >= 0 for i in ids)
+
+
+def test_a_run_whose_code_changed_while_it_ran_is_not_reused(bench, tmp_path, capsys):
+    keep = tmp_path / "keep"
+    argv = ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", "1", "--seeds", "",
+            "--max-runs", "0", "--json"]
+    keep.mkdir()
+    mixed = {**_result(bench, argv, "undisturbed0", None, 5.5), "code_changed_during_run": True}
+    (keep / "undisturbed0.json").write_text(json.dumps(mixed))
+    assert bench.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["runs_left"] == ["undisturbed0"]

@@ -271,3 +271,24 @@ def test_the_rewarm_factor_ramps_only_a_state_younger_than_the_run():
     assert rewarm_factor(90, 1, 0) == 1.0                     # rewarm_steps 0: off
     with pytest.raises(ConfigError, match="rewarm_steps"):
         load_config("configs/tiny.yaml", {"train": {"rewarm_steps": -1}})
+
+
+def test_the_predicted_adam_step_count_is_the_one_committed_after_the_update():
+    """The worker sets the update's rate from the count AdamW will have after it; validators read the
+    count committed after it (the largest over the parameters): a parameter without a gradient keeps
+    its count, so the two agree when only some parameters have gradients."""
+    from iota_subnet.train.optim import next_adam_step
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    assert next_adam_step(opt) == 0                              # no state, no gradient: nothing to step
+
+    def update(params):
+        opt.zero_grad(set_to_none=True)
+        sum(p.sum() for p in params).backward()
+        want = next_adam_step(opt)
+        opt.step()
+        got = max(int(st["step"]) for st in opt.state.values())
+        assert want == got, (want, got)
+    update(list(m.parameters()))                                 # 1 everywhere
+    update(list(m[0].parameters()))                              # m[0] at 2, m[1] stays at 1
+    update(list(m[1].parameters()))                              # m[1] at 2: the largest is still 2

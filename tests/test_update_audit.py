@@ -347,3 +347,27 @@ def test_a_joiner_re_warms_its_fresh_optimizer_and_its_updates_pass_audit():
     cm = [x for x in commits_of(rushed, 2) if not x.skipped][0]
     chk, _, _ = audit_in_process(auditor, rushed, cm)
     assert not chk.ok and "learning rate" in chk.reason
+
+
+def test_an_adam_step_count_that_buys_a_lower_rate_fails():
+    """The re-warm factor follows the committed AdamW step count, which the miner reports: a count
+    above the inner steps taken, or a fresh state's count (1) on moments that are not empty, fails."""
+    from iota_subnet.train.optim import update_lr
+    c = cfg()
+    total = c.train.total_steps
+    h = StageWorker(c, 1, seed=0, total_steps=total, audit_window=2)
+    h.skip_to(60)
+    train(h, 3)                                             # a joiner: counts 1, 2, 3 at steps 60-62
+    commit = commits_of(h, 1)[0]
+    assert (commit.step, commit.adam_step) == (62, 3)
+    auditor = UpdateAuditor(c, run_id="r", total_steps=total, rows=1, rng=random.Random(0))
+    assert audit_in_process(auditor, h, commit)[0].ok
+    req = auditor.plan(1, commit)
+    for adam_step, why in ((1, "fresh state"), (64, "exceeds")):
+        lie = UpdateCommit.from_dict({**commit.to_dict(), "adam_step": adam_step,
+                                      "lr": update_lr(commit.step, adam_step, total, c.train)})
+        resp = h.updates.open(req.inner_step, req.merges, req.rows, req.kinds)
+        resp.commit = lie.to_dict()
+        chk = check_update_opening(lie, [tuple(r) for r in req.rows], resp, auditor.layout(1), auditor.hp,
+                                   expected_lr=auditor.expected_lr(lie.step, lie.adam_step))
+        assert not chk.ok and why in chk.reason, chk

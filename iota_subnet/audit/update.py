@@ -213,6 +213,11 @@ def check_update_opening(commit: UpdateCommit, rows: Iterable[tuple[str, int]], 
     if not commit.skipped:
         if commit.adam_step < 1:
             return _fail(f"applied step with AdamW step count {commit.adam_step}")
+        if commit.adam_step > commit.step + 1:
+            # every applied update is an inner step: the count can never run ahead of the steps (it sets
+            # the learning rate's re-warm factor, :func:`iota_subnet.train.optim.rewarm_factor`)
+            return _fail(f"AdamW step count {commit.adam_step} exceeds the {commit.step + 1} inner steps "
+                         f"up to step {commit.step}")
         want_c = clip_coef(commit.grad_norm, hp.grad_clip)
         if abs(commit.clip_coef - want_c) > 1e-6 * max(1.0, abs(want_c)):
             return _fail(f"clip factor {commit.clip_coef:.6g} does not follow from the committed norm "
@@ -248,6 +253,10 @@ def check_update_opening(commit: UpdateCommit, rows: Iterable[tuple[str, int]], 
             continue
         if not bool(torch.isfinite(vals["g"]).all()):
             return _fail(f"{name}[{r}]: non-finite gradient on an applied step")
+        if commit.adam_step == 1 and (bool(vals["m0"].any()) or bool(vals["v0"].any())):
+            # a first update starts from empty moments; claiming one on old moments would buy a
+            # re-warmed (lower) learning rate the miner is not entitled to
+            return _fail(f"{name}[{r}]: AdamW step count 1 (a fresh state) on non-zero moments")
         gsq += float(vals["g"].double().pow(2).sum())
         w1, m1, v1 = adamw_reference(vals["w0"], vals["m0"], vals["v0"], vals["g"], lr=commit.lr, beta1=hp.beta1,
                                      beta2=hp.beta2, eps=hp.eps, weight_decay=p.weight_decay, step=commit.adam_step,

@@ -570,11 +570,12 @@ class MergeEngine:
         the join timeout) made a replica once found gone merge alone at every later boundary, since
         it never took part in a merge again (chaos run, 2026-12-02). So is a suspect whose inner step
         advances while this replica waits and is at most half a window (``every_steps // 2``, at least
-        one step) behind: its lane is training toward the boundary. Lanes can reach a boundary more
-        than a step apart (a validator restart, a reroute): the first replica gave up on its peer
-        after the grace, and the peer, arriving seconds later, found the epoch closed and went alone
-        too (18 of the 41 "alone" merges of the chaos run at 832facd were the second of such a
-        pair). A peer that does not advance (a spare) is still given up after the grace."""
+        one step) behind, its last step within a grace period: its lane is training toward the
+        boundary. Lanes can reach a boundary more than a step apart (a validator restart, a
+        reroute): the first replica gave up on its peer after the grace, and the peer, arriving
+        seconds later, found the epoch closed and went alone too (18 of the 41 "alone" merges of
+        the chaos run at 832facd were the second of such a pair). A peer that does not advance (a
+        spare), or stopped advancing a grace period ago, is still given up."""
         started = time.monotonic()
         if deadline is None:
             deadline = started + (self.cfg.join_timeout_s if attempt == 0
@@ -587,6 +588,7 @@ class MergeEngine:
         my_step = self._inner_step()
         near: set[str] = set()                  # answered within one inner step of this boundary
         first_step: dict[str, int] = {}         # each peer's inner step at its first answer in this join
+        moved: dict[str, tuple[int, float]] = {}  # each peer's latest inner step and when it got there
         behind_ok = max(1, int(self.cfg.every_steps) // 2)
         first = True
         while True:
@@ -607,7 +609,11 @@ class MergeEngine:
                 if isinstance(r, MergeJoin):
                     same_state = r.in_sync and r.merged_epoch == self.merged_epoch
                     first_step.setdefault(p, r.inner_step)
-                    advancing = first_step[p] < r.inner_step and my_step - behind_ok <= r.inner_step <= my_step
+                    if r.inner_step > moved.get(p, (r.inner_step - 1, 0.0))[0]:
+                        moved[p] = (r.inner_step, time.monotonic())
+                    # advancing: it took a step during this join, the last one within a grace period
+                    advancing = (first_step[p] < r.inner_step and my_step - behind_ok <= r.inner_step <= my_step
+                                 and time.monotonic() - moved[p][1] <= self.liveness.grace_s)
                     if my_step >= 0 and (my_step - 1 <= r.inner_step <= my_step or advancing):
                         near.add(p)
                     else:

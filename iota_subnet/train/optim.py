@@ -70,11 +70,16 @@ def update_lr(step: int, adam_step: int, total_steps: Optional[int], tcfg: Train
 
 
 def next_adam_step(opt: torch.optim.Optimizer) -> int:
-    """AdamW's step count after its next update (the largest over the parameters, as committed in
-    update commitments; 1 for a state with no update yet)."""
-    steps = [int(st["step"]) for g in opt.param_groups for p in g["params"]
-             if (st := opt.state.get(p)) and "step" in st]
-    return (max(steps) if steps else 0) + 1
+    """AdamW's step count after its next update, as update commitments report it: the largest over
+    the parameters, where a parameter with a gradient advances by one and one without keeps its
+    count (AdamW skips it). 0 when no parameter has a state or a gradient."""
+    out = 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state.get(p)
+            n = int(st["step"]) if st and "step" in st else 0
+            out = max(out, n + 1 if p.grad is not None else n)
+    return out
 
 
 def optimizer_kernel(params: list[torch.Tensor]) -> dict:

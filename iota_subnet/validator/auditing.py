@@ -137,9 +137,9 @@ def _count(v: Any, kind: type = int) -> float:
     """A kept counter: a non-negative finite number of ``kind``, else 0 (an unreadable state entry)."""
     try:
         x = kind(v)
-    except (TypeError, ValueError):
+        return x if math.isfinite(x) and x >= 0 else 0
+    except (TypeError, ValueError, OverflowError):      # int(inf), float of a 400-digit integer
         return 0
-    return x if x >= 0 and math.isfinite(x) else 0
 
 
 class AuditScheduler:
