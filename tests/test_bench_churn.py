@@ -26,6 +26,14 @@ def _result(bench, argv, name, chaos, val_loss, events=0):
             "audits": {"audits": 5, "audits_failed": 0, "flagged": []}, "curve": [[0, 9.0], [1, val_loss]]}
 
 
+def undisturbed_only(tmp_path, n: int) -> tuple:
+    """A ``--keep`` folder (created) and the arguments of a plan of ``n`` undisturbed runs, starting none."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    return keep, ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", str(n), "--seeds", "",
+                  "--max-runs", "0", "--json"]
+
+
 def test_kept_results_add_up_and_only_matching_parameters_are_reused(bench, tmp_path, capsys):
     keep, out = tmp_path / "keep", tmp_path / "out"
     argv = ["--out", str(out), "--keep", str(keep), "--seeds", "1,2", "--max-runs", "0", "--json"]
@@ -49,10 +57,7 @@ def test_kept_results_add_up_and_only_matching_parameters_are_reused(bench, tmp_
 
 
 def test_a_timed_out_or_unreadable_result_is_run_again(bench, tmp_path, capsys):
-    keep = tmp_path / "keep"
-    argv = ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", "2", "--seeds", "",
-            "--max-runs", "0", "--json"]
-    keep.mkdir()
+    keep, argv = undisturbed_only(tmp_path, 2)
     timed_out = {**_result(bench, argv, "undisturbed0", None, 5.5), "timed_out": True}
     (keep / "undisturbed0.json").write_text(json.dumps(timed_out))
     (keep / "undisturbed1.json").write_text("{not json")
@@ -65,10 +70,7 @@ def test_a_timed_out_or_unreadable_result_is_run_again(bench, tmp_path, capsys):
 def test_a_run_of_other_code_is_not_reused(bench, tmp_path, capsys, monkeypatch):
     """The acceptance compares runs of one code version: a kept run made on other code (another tree of
     iota_subnet, neurons or configs) is listed as left, not added up."""
-    keep = tmp_path / "keep"
-    argv = ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", "2", "--seeds", "",
-            "--max-runs", "0", "--json"]
-    keep.mkdir()
+    keep, argv = undisturbed_only(tmp_path, 2)
     (keep / "undisturbed0.json").write_text(json.dumps(_result(bench, argv, "undisturbed0", None, 5.5)))
     monkeypatch.setattr(bench, "code_version", lambda: "0123456789ab-other-code")
     (keep / "undisturbed1.json").write_text(json.dumps(_result(bench, argv, "undisturbed1", None, 5.6)))
@@ -86,10 +88,7 @@ def test_the_code_version_names_the_trees_the_runs_execute(bench):
 
 
 def test_a_run_whose_code_changed_while_it_ran_is_not_reused(bench, tmp_path, capsys):
-    keep = tmp_path / "keep"
-    argv = ["--out", str(tmp_path / "out"), "--keep", str(keep), "--undisturbed", "1", "--seeds", "",
-            "--max-runs", "0", "--json"]
-    keep.mkdir()
+    keep, argv = undisturbed_only(tmp_path, 1)
     mixed = {**_result(bench, argv, "undisturbed0", None, 5.5), "code_changed_during_run": True}
     (keep / "undisturbed0.json").write_text(json.dumps(mixed))
     assert bench.main(argv) == 0
