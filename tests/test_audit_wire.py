@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(400)
 async def typed_refusals(net, vali):
     """Bad audit requests get typed 4xx refusals over signed HTTP, and the miner keeps serving; a
     validator's abandoned sessions never fill its slots."""
-    from iota_subnet.protocol import (AuditProjection, AuditProjectRequest, AuditTraceCommit, Outcome, ProtocolError)
+    from iota_subnet.audit import codec
+    from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditProjectRequest, AuditTraceCommit, Outcome,
+                                      ProtocolError, encode)
     from iota_subnet.transport import NeuronClient
     m = net.miners[(1, 0)]
     c = vali.auditing.miners[m.hotkey].candidates[-1]
@@ -47,6 +49,23 @@ async def typed_refusals(net, vali):
             assert [k for k, x in m.hop_routes.sessions.items() if x.caller == net.vals[0].hotkey.ss58_address] \
                 == [f"again{i}"]
         assert m.hop_routes.superseded >= m.hop_routes.max_per_caller + 1
+        # a round-3 request sent again (its answer was lost on the way) gets the same answer; a
+        # round-3 request for other rows of a finished audit is refused
+        aud, req = vali.auditing.hop_auditor(c, "backward")
+        lay = aud.layout
+        commit = await client.call(ep, m.hotkey, "/audit/trace", req, AuditTraceCommit, retries=0,
+                                   response_contract=codec.commit_contract(lay))
+        seed = aud.on_commit(*codec.read_commit(commit))
+        proj = await client.call(ep, m.hotkey, "/audit/project", codec.project_request(req, seed, aud.blocks),
+                                 AuditProjection, retries=0, response_contract=codec.projection_contract(aud.round2))
+        rows = aud.on_projection(*codec.read_projection(proj, aud.round2))
+        oreq = codec.open_request(req, rows, aud.whole)
+        contract = codec.opening_contract(lay, rows, weights_dtype=aud.weights_dtype, whole=aud.whole)
+        first, again = [await client.call(ep, m.hotkey, "/audit/open", oreq, AuditOpening, retries=0,
+                                          response_contract=contract) for _ in range(2)]
+        assert encode(again) == encode(first) and aud.check(codec.read_opening(again, lay, rows, aud.whole)).ok
+        other = dataclasses.replace(oreq, rows={k: v[:1] for k, v in oreq.rows.items()})
+        assert await refused(client, other, "/audit/open", AuditOpening) == Outcome.MALFORMED
     async with NeuronClient(net.miner_wallets[(0, 0)]) as client:       # a miner is no validator
         assert await refused(client, dataclasses.replace(req, audit_id="x1")) == Outcome.FORBIDDEN
 
@@ -87,6 +106,90 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
                 assert len(m.hop_routes.sessions) <= m.hop_routes.max_per_caller
                 assert len(m.hops.versions()) <= m.audit_window
             await typed_refusals(net, vali)
+        finally:
+            await net.close()
+
+    run(main(), timeout=380)
+
+
+class FlakyLink:
+    """The validator's verification client over links that drop: the first request of each audit
+    path to each miner is lost, before the miner sees it (rounds 1-2) or after it answered (round 3,
+    update audits: the answer is lost); every audit request to the miner ``cut`` is lost, while its
+    ``/health`` and everything else go through (it drops its audits)."""
+
+    def __init__(self, inner, cut: str):
+        self.inner, self.cut = inner, cut
+        self.lost: dict[str, int] = {}           # path -> requests lost
+        self.seen: set[tuple[str, str]] = set()
+        self.lost_answers: set[tuple] = set()    # (path, audit id or step) whose answer was lost
+        self.answered_again: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _drop(self, endpoint, path):
+        from iota_subnet.transport import TransportError
+        self.lost[path] = self.lost.get(path, 0) + 1
+        return TransportError(endpoint, "ServerDisconnectedError: injected by the test")
+
+    async def call(self, endpoint, hotkey, path, msg, typ, **kw):
+        if path not in ("/audit/trace", "/audit/project", "/audit/open", "/audit/update"):
+            return await self.inner.call(endpoint, hotkey, path, msg, typ, **kw)
+        if hotkey == self.cut:
+            raise self._drop(endpoint, path)
+        first = (hotkey, path) not in self.seen
+        self.seen.add((hotkey, path))
+        if first and path in ("/audit/trace", "/audit/project"):
+            raise self._drop(endpoint, path)
+        resp = await self.inner.call(endpoint, hotkey, path, msg, typ, **kw)
+        which = (path, getattr(msg, "audit_id", None) or (hotkey, msg.inner_step))
+        if first:
+            self.lost_answers.add(which)
+            raise self._drop(endpoint, path)
+        if which in self.lost_answers:
+            self.answered_again[path] = self.answered_again.get(path, 0) + 1
+        return resp
+
+
+def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_path, cache_dir):
+    """A dropped connection is not an unanswered audit: each round of a hop audit and each update
+    audit whose request or answer was lost is asked again, after a delay, and honest miners pass,
+    none flagged (two honest miners were flagged in a churn run for audits cut by a few-second
+    partition). A round-3 answer lost on the way is served again by the miner from what it kept. A
+    miner whose every audit is lost, while it answers health probes, is still flagged."""
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start()
+        try:
+            cut = net.miners[(2, 1)]
+            vali = net.validator(steps=40, audit_interval_s=0.5, exit_when_done=False)
+            task = asyncio.create_task(vali.run())
+            while vali.auditing is None:
+                await asyncio.sleep(0.05)
+            link = vali.auditing.client = FlakyLink(vali.auditing.client, cut.hotkey)
+            honest = {m.hotkey for k, m in net.miners.items() if k != (2, 1)}
+            for _ in range(1200):
+                await asyncio.sleep(0.25)
+                done = {r.hotkey for r in vali.auditing.records if r.kind == "hop" and r.final == "passed"}
+                st = vali.audits.stats.get((cut.uid, cut.hotkey))
+                if done >= honest and st is not None and st.flagged and link.answered_again.get("/audit/open"):
+                    break
+            vali.request_stop()
+            await asyncio.wait_for(task, 120)
+            recs = [r for r in vali.auditing.records if r.hotkey in honest]
+            assert all(r.final in ("passed", "outside window") for r in recs), \
+                [(r.kind, r.uid, r.raw, r.final, r.detail) for r in recs if r.final != "passed"]
+            assert {r.hotkey for r in recs if r.kind == "hop" and r.final == "passed"} == honest
+            assert {k[1] for k in vali.audits.flagged()} == {cut.hotkey}, vali.audits.flagged()
+            st = vali.audits.stats[(cut.uid, cut.hotkey)]
+            assert st.timed_out >= 2 and st.passed == 0 and "unanswered" in " ".join(st.reasons), st.to_dict()
+            # every kind of loss happened and was asked again; a lost round-3 answer came again
+            assert set(link.lost) == {"/audit/trace", "/audit/project", "/audit/open", "/audit/update"}, link.lost
+            assert link.answered_again.get("/audit/open", 0) >= 1 and link.answered_again.get("/audit/update", 0) >= 1
+            assert any(r.reasks for r in recs if r.final == "passed")
+            assert vali.auditing.reasked_answered >= len(honest)
+            assert sum(m.hop_routes.served for m in net.miners.values()) >= len(honest)
         finally:
             await net.close()
 

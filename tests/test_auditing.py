@@ -64,7 +64,7 @@ def make(client=None, clock=None, stage=1, updates=True):
     sch = AuditScheduler(cfg, run_id="r", client=client or Refusing(TransportError("x", "down")), policy=policy,
                          rows=lambda t: None, lookup=lambda hk: rep if hk == HK else None,
                          update_auditor=UpdateAuditor(cfg, run_id="r") if updates else None,
-                         rng=random.Random(0), clock=clock)
+                         retry_delays_s=(0.0, 0.0), rng=random.Random(0), clock=clock)
     return sch, rep, policy, clock
 
 
@@ -105,10 +105,13 @@ def test_direction_follows_the_stage():
                                      (asyncio.TimeoutError(), "timeout"),
                                      (ProtocolError(Outcome.LATE, "not in the window"), "refused")])
 def test_unanswered_audits_count_once_the_miner_reports_again(exc, raw):
-    sch, rep, policy, clock = make(Refusing(exc), updates=False)
+    client = Refusing(exc)
+    sch, rep, policy, clock = make(client, updates=False)
     sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
     rec = asyncio.run(sch.audit_hop(rep, 0))
     assert rec.raw == raw and rec.final == "" and not policy.stats      # waits for the miner's next receipt
+    # a transport failure is asked again (twice here) before it counts; a typed refusal is an answer
+    assert (client.calls, rec.reasks) == ((3, 2) if raw == "timeout" else (1, 0))
     clock.t += 1
     sch.on_receipt(ticket(4), receipt(4, t=clock.t), HK)                # same process (boot), after the audit
     assert rec.final == ("timed_out" if raw == "timeout" else "refused")
@@ -139,8 +142,28 @@ def test_an_unanswered_audit_of_a_miner_unreachable_altogether_is_excused_as_dow
         recs.append(asyncio.run(sch.audit_hop(rep, k)))
         clock.t += sch.settle_s + 1
         asyncio.run(sch.round(k + 1))
-    assert [r.final for r in recs] == ["excused", "excused"] and client.probes == 2 and not policy.flagged()
+    # probed after each of its 3 attempts
+    assert [r.final for r in recs] == ["excused", "excused"] and client.probes == 6 and not policy.flagged()
     assert "unreachable" in policy.stats[rep.key].recent[-1]["why"]
+
+
+def test_a_miner_unreachable_at_the_first_ask_and_back_by_the_last_is_excused():
+    """A miner paused or partitioned when its audit is first asked may answer health probes again by
+    the last re-ask (yet have lost the audit: a dropped trace, a restart that has not announced itself):
+    the probe after the first failed attempt found it down, which excuses the audit; a miner that
+    answered every probe dodged (:func:`test_unanswered_audits_count_once_the_miner_reports_again`)."""
+    class BackLater(Refusing):
+        async def call(self, endpoint, hotkey, path, msg, typ, **kw):
+            if path == "/health":
+                self.reachable = self.probes >= 1          # the first probe goes unanswered
+            return await super().call(endpoint, hotkey, path, msg, typ, **kw)
+    client = BackLater(TransportError("x", "ServerDisconnectedError"))
+    sch, rep, policy, clock = make(client, updates=False)
+    sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
+    rec = asyncio.run(sch.audit_hop(rep, 0))
+    clock.t += sch.settle_s + 1
+    asyncio.run(sch.round(1))
+    assert (rec.raw, rec.final, client.probes) == ("timeout", "excused", 3) and not policy.flagged()
 
 
 def test_unanswered_audits_settle_after_a_while_without_receipts():
@@ -230,6 +253,30 @@ def test_a_restarted_process_is_bound_by_the_roots_it_names_not_by_its_old_proce
                             roots={"w0": w0, "w1": w1}, at=clock.t)
     assert sch._bound(HK, commit(f"{2:063x}b", f"{3:063x}b")) == ""
     assert "is not the weights version [3, 0]" in sch._bound(HK, commit(f"{2:063x}b", f"{3:063x}a"))
+
+
+def test_an_update_audit_is_asked_again_with_the_same_rows_and_a_dropper_still_fails():
+    """An update audit whose connection dropped is sent again unchanged (new rows would be a second
+    challenge); one dropped every time is unanswered, and the miner, answering health probes, dodges."""
+    class Drops(Refusing):
+        def __init__(self, answer_at: int):
+            super().__init__(TransportError("m", "ServerDisconnectedError"))
+            self.answer_at, self.asked = answer_at, []
+
+        async def call(self, endpoint, hotkey, path, msg, typ, **kw):
+            if path == "/audit/update":
+                self.asked.append(msg)
+                if len(self.asked) == self.answer_at:
+                    raise ProtocolError(Outcome.LATE, "that step is gone")
+            return await super().call(endpoint, hotkey, path, msg, typ, **kw)
+    for answer_at, raw in ((2, "refused"), (0, "timeout")):
+        client = Drops(answer_at)
+        sch, rep, policy, clock = make(client)
+        sch.on_updates(HK, [_skipped_commit(4)])
+        rec = asyncio.run(sch.audit_update(rep, 0))
+        assert rec.raw == raw and len(client.asked) == (2 if answer_at else 3)
+        assert all(m == client.asked[0] for m in client.asked)          # the same rows every time
+        assert client.probes == len(client.asked) - (raw == "refused")        # after each failed attempt
 
 
 def test_a_late_refusal_outside_the_required_window_is_not_counted():

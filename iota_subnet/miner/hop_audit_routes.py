@@ -6,6 +6,11 @@
 * ``/audit/project`` AuditProjectRequest -> AuditProjection: the projections for the validator's seed;
 * ``/audit/open``    AuditOpenRequest -> AuditOpening: the requested rows with proofs (ends the session).
 
+A validator whose connection dropped asks a round again (:mod:`iota_subnet.validator.auditing`):
+round 2 is answered again from the open session, and round 3's answer is kept for
+``session_ttl_s`` (the newest ``max_sessions`` answers, the openings only, never a trace) so the
+same request gets it again; a different round-3 request for a finished session is refused.
+
 Refusals are typed 4xx: ``LATE`` (410) for a hop or weights version outside the window,
 ``HASH_MISMATCH`` for a weights root other than the one kept for that version, ``MALFORMED`` for a
 bad request, ``UNKNOWN_MICROBATCH`` for a session that does not exist (expired or never opened),
@@ -59,6 +64,8 @@ class HopAuditRoutes:
         self.session_ttl_s, self.commit_wait_s = float(session_ttl_s), float(commit_wait_s)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.sessions: dict[str, _Session] = {}
+        #: audit_id -> (caller, request, answer, time) of the latest finished sessions (round 3 asked again)
+        self.opened: dict[str, tuple[str, AuditOpenRequest, AuditOpening, float]] = {}
         #: caller -> traces running for it; caller -> number of its latest round-1 request
         self.tracing: dict[str, int] = {}
         self.latest: dict[str, int] = {}
@@ -80,6 +87,8 @@ class HopAuditRoutes:
         now = time.monotonic()
         for k in [k for k, s in self.sessions.items() if now - s.opened_at > self.session_ttl_s]:
             del self.sessions[k]
+        for k in [k for k, o in self.opened.items() if now - o[3] > self.session_ttl_s]:
+            del self.opened[k]
 
     def _session(self, audit_id: str, caller: str) -> _Session:
         self._sweep()
@@ -164,6 +173,11 @@ class HopAuditRoutes:
     # ---- round 3 ---------------------------------------------------------------------------------
     async def open(self, msg: AuditOpenRequest, ctx: Any) -> AuditOpening:
         self._check(msg)
+        done = self.opened.get(msg.audit_id)
+        if done is not None and msg.audit_id not in self.sessions and done[0] == ctx.caller_hotkey:
+            if done[1] != msg:
+                raise ProtocolError(Outcome.MALFORMED, f"audit {msg.audit_id[:40]!r} was opened already, for other rows")
+            return done[2]                    # its answer was lost on the way: the same again
         s = self._session(msg.audit_id, ctx.caller_hotkey)
         request = codec.read_open_request(msg, s.layout)
         async with s.lock:
@@ -175,7 +189,11 @@ class HopAuditRoutes:
                 raise ProtocolError(Outcome.MALFORMED, str(e)) from None
         self.sessions.pop(msg.audit_id, None)
         self.served += 1
-        return codec.opening_message(msg, s.layout, opened)
+        answer = codec.opening_message(msg, s.layout, opened)
+        self.opened[msg.audit_id] = (ctx.caller_hotkey, msg, answer, time.monotonic())
+        while len(self.opened) > self.max_sessions:
+            del self.opened[next(iter(self.opened))]
+        return answer
 
     def status(self) -> dict:
         return {"open": len(self.sessions), "served": self.served, "refused": self.refused,

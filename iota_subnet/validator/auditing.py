@@ -26,7 +26,17 @@ Outcomes (:class:`~.audit_policy.AuditPolicy`)
     are failures unless the policy excuses them (down, restarted); to give a miner that restarted
     the chance to announce it (its first receipts after the restart carry its new boot time), an
     unanswered audit is settled only once a receipt from the miner arrived after it, or after
-    ``settle_s`` seconds (then the "down" excuse may apply). A miner whose receipts show it
+    ``settle_s`` seconds (then the "down" excuse may apply). A request of an audit that fails on the
+    transport (a dropped connection, no answer in ``timeout_s``) is asked again after each of
+    ``retry_delays_s`` (default 5 s, then 15 s), before it counts as unanswered: a link that drops for
+    a few seconds must not make an honest miner's audit a failure (two such audits flagged honest
+    miners in the churn benchmark), and a miner that drops every audit still fails after the last
+    re-ask. A re-ask reveals nothing new: a round-1 request (only the hop, no challenge yet) is
+    asked again as a new audit; a round-2 or round-3 request and an update audit are sent again
+    unchanged, the same seed and rows (the miner answers them again, :mod:`~iota_subnet.miner.hop_audit_routes`),
+    so a dropped connection never buys a miner a second challenge. The miner's ``/health`` is probed
+    after every failed attempt (the "down" excuse: a miner paused or partitioned at the first attempt
+    may be back by the last), and the audit counts as made when it started. A miner whose receipts show it
     took inner step k (its weights changed from version ``(k, m)`` to ``(k + 1, m)``) but whose
     commitment of step k never came within ``commit_grace_s`` gets an update audit counted
     ``refused``; one whose weights root stayed the same over :data:`STALE_STEPS` inner steps it
@@ -106,6 +116,7 @@ class AuditRecord:
     tempo: int = 0
     version: Optional[tuple[int, int]] = None      # the weights version the audited work used / produced
     code: str = ""                                  # a refusal's outcome (e.g. LATE)
+    reasks: int = 0                                 # requests asked again after a transport failure
 
 
 @dataclass
@@ -125,6 +136,18 @@ class _MinerView:
     #: ``trained``: the steps it reported accumulating every micro-batch of
     backwards: dict = field(default_factory=dict)
     trained: set = field(default_factory=set)
+
+
+class _Round1Unanswered(Exception):
+    """Round 1 of a hop audit failed on the transport (``cause``): no challenge was sent yet."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _thread_timed(fn: Callable, *args) -> tuple[Any, float]:
@@ -149,7 +172,9 @@ class AuditScheduler:
     its byte counters are the verification traffic); ``policy``: where outcomes go; ``rows(ticket)``:
     the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
     ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
-    ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once.
+    ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once;
+    ``retry_delays_s``: seconds before each re-ask of a request that failed on the transport (per
+    request: a hop audit's three rounds each have them; ``()``: none).
     ``totals``: the counters of this validator's earlier processes (:meth:`totals`, kept in its
     state), so that a restarted validator reports every audit of the run, not those since its start.
     """
@@ -159,8 +184,8 @@ class AuditScheduler:
                  update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
                  timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
                  commit_grace_s: float = 10.0, settle_s: float = 120.0, concurrency: int = 4,
-                 rng: Optional[random.Random] = None, totals: Optional[dict] = None,
-                 clock: Callable[[], float] = time.time):
+                 retry_delays_s: tuple[float, ...] = (5.0, 15.0), rng: Optional[random.Random] = None,
+                 totals: Optional[dict] = None, clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
         self.sampling = sampling.validate()
@@ -168,6 +193,11 @@ class AuditScheduler:
         self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
         self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
         self.concurrency = max(1, int(concurrency))
+        #: seconds to wait before each re-ask of an audit request that failed on the transport
+        self.retry_delays_s = tuple(max(0.0, float(d)) for d in retry_delays_s)
+        #: re-asks made; of those, the ones answered
+        self.reasked = 0
+        self.reasked_answered = 0
         #: seconds a miner has to answer the health probe after an unanswered audit (see _probe_health)
         self.probe_timeout_s = 5.0
         #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
@@ -436,10 +466,20 @@ class AuditScheduler:
         except (ValueError, LayoutError) as e:
             rec.raw, rec.detail = "refused", f"unauditable hop {c.ticket.microbatch_id[:40]}: {e}"
             return self._finish(rec, c.receipt.t)
-        t0 = time.monotonic()
+        t0, started = time.monotonic(), self.clock()
         sizes: list[int] = []
+        delays = deque(self.retry_delays_s)
         try:
-            rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes)
+            while True:
+                try:
+                    rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes, rec)
+                    break
+                except _Round1Unanswered as e:
+                    if not delays:
+                        raise e.cause from None
+                    # nothing was revealed yet (no challenge): ask again as a new audit of the same hop
+                    await self._before_reask(rep, rec, "round 1", _why(e.cause), delays)
+                    aud, req = self.hop_auditor(c, direction)
         except ProtocolError as e:
             rec.raw, rec.detail, rec.code = "refused", f"{e.outcome.value}: {e.message}"[:200], e.outcome.value
         except (TransportError, asyncio.TimeoutError) as e:
@@ -447,20 +487,47 @@ class AuditScheduler:
             await self._probe_health(rep)
         except AuditFailure as e:
             rec.raw, rec.detail = "failed", str(e)[:200]
+        self._count_reasks(rec)
         rec.bytes = sum(sizes) + HTTP_HEADER_BYTES * len(sizes)
         rec.wall_s = time.monotonic() - t0
         rec.detail = f"{c.ticket.microbatch_id[:32]}: {rec.detail}"
-        return self._finish(rec, c.receipt.t)
+        return self._finish(rec, c.receipt.t, at=started)
 
-    async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest, sizes: list[int]
-                          ) -> tuple[str, str, float]:
-        """The three rounds; ``sizes`` gets the encoded body size of every message sent and received."""
+    def _count_reasks(self, rec: AuditRecord) -> None:
+        if rec.reasks and rec.raw != "timeout":
+            self.reasked_answered += 1
+
+    async def _before_reask(self, rep: Replica, rec: AuditRecord, what: str, why: str, delays: deque) -> None:
+        """Wait the next of ``delays`` (consumed) before asking ``what`` of ``rep``'s audit ``rec`` again."""
+        await self._probe_health(rep)      # noted if unreachable now: it may be back by the last re-ask
+        delay = delays.popleft()
+        self.reasked += 1
+        rec.reasks += 1
+        logger.info("{} audit of uid {}: {} unanswered ({}); asking again in {:.0f} s ({} re-ask(s) left)",
+                    rec.kind, rep.uid, what, why[:160], delay, len(delays))
+        await asyncio.sleep(delay)
+
+    async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest, sizes: list[int],
+                          rec: AuditRecord) -> tuple[str, str, float]:
+        """The three rounds; ``sizes`` gets the encoded body size of every message sent and received.
+        A round-2 or round-3 request that fails on the transport is sent again unchanged after each of
+        ``retry_delays_s``; a round-1 one raises :class:`_Round1Unanswered`."""
         lay = aud.layout
         kw = dict(timeout_s=self.timeout_s, retries=0)
 
         async def call(ep, hk, path, msg, typ, **kw2):
-            sizes.append(len(encode(msg)))
-            resp = await self.client.call(ep, hk, path, msg, typ, **kw2)
+            delays = deque(self.retry_delays_s)
+            while True:
+                sizes.append(len(encode(msg)))
+                try:
+                    resp = await self.client.call(ep, hk, path, msg, typ, **kw2)
+                    break
+                except (TransportError, asyncio.TimeoutError) as e:
+                    if path == "/audit/trace":
+                        raise _Round1Unanswered(e) from None
+                    if not delays:
+                        raise
+                    await self._before_reask(rep, rec, path, _why(e), delays)
             sizes.append(len(await asyncio.to_thread(encode, resp)))
             return resp
         commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
@@ -518,15 +585,23 @@ class AuditScheduler:
         if wrong:
             rec.raw, rec.detail = "failed", wrong
             return self._finish(rec, commit.at or None)
-        res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
-                                              timeout_s=self.timeout_s)
+        delays, sent, started = deque(self.retry_delays_s), 0, self.clock()
+        req = self.update_auditor.plan(rep.stage, commit)
+        while True:      # the same request again after a transport failure: same rows, nothing new revealed
+            res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
+                                                  timeout_s=self.timeout_s, req=req)
+            if res.outcome != "timeout" or not delays:
+                break
+            sent += res.bytes
+            await self._before_reask(rep, rec, f"step {commit.step}", res.detail, delays)
         rec.cpu_s = res.cpu_s
         rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
+        self._count_reasks(rec)
         if res.outcome == "timeout":
             await self._probe_health(rep)
         rec.code = res.detail.split(":", 1)[0] if res.outcome == "refused" else ""
-        rec.bytes = res.bytes
-        return self._finish(rec, commit.at or None)
+        rec.bytes = res.bytes + sent
+        return self._finish(rec, commit.at or None, at=started)
 
     def _missing_commitments(self, rep: Replica, tempo: int) -> list[AuditRecord]:
         """What the miner's receipts show of its inner steps, without asking it (at most one record
@@ -591,4 +666,5 @@ class AuditScheduler:
 
     def status(self) -> dict:
         return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3),
+                "reasked": self.reasked, "reasked_answered": self.reasked_answered,
                 "recent": [vars(r) for r in list(self.records)[-8:]]}

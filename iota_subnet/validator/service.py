@@ -137,6 +137,9 @@ class ValidatorOptions:
     # seconds a miner has to answer each round of an audit (a trace recomputation, not a training hop:
     # independent of hop_timeout_s, which sets how fast a dead training hop is routed around)
     audit_timeout_s: float = 30.0
+    # seconds before each re-ask of an audit request whose connection dropped or timed out (a link
+    # that blips for a few seconds must not fail an honest miner's audit); () = none
+    audit_retry_s: tuple[float, ...] = (5.0, 15.0)
     snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
     clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
     clasp_paths: int = 6  # pathways per CLASP round
@@ -731,7 +734,8 @@ class ValidatorService:
                               update_auditor=UpdateAuditor(self.cfg, run_id=self.opts.run_id,
                                                            total_steps=self.cfg.train.total_steps),
                               timeout_s=self.opts.audit_timeout_s, hops_per_tempo=self.opts.audits_per_tempo,
-                              updates_per_tempo=self.opts.audits_per_tempo, totals=self._load_audit_totals())
+                              updates_per_tempo=self.opts.audits_per_tempo, retry_delays_s=self.opts.audit_retry_s,
+                              totals=self._load_audit_totals())
 
     async def _audit_round(self) -> None:
         if self.auditing is None:

@@ -109,9 +109,11 @@ class UpdateAuditor:
                                     expected_lr=self.expected_lr(commit.step, commit.adam_step), tol_units=self.tol_units)
 
     async def audit(self, client: Any, endpoint: str, hotkey: str, stage: int, commit: UpdateCommit, *,
-                    timeout_s: float = 10.0) -> AuditResult:
-        """Plan, ask, check. ``client``: a :class:`~iota_subnet.transport.NeuronClient`."""
-        req = self.plan(stage, commit)
+                    timeout_s: float = 10.0, req: Optional[UpdateAuditRequest] = None) -> AuditResult:
+        """Plan (unless ``req``, a plan of :meth:`plan`, is given: a request asked again after a
+        transport failure must not draw new rows), ask, check. ``client``: a
+        :class:`~iota_subnet.transport.NeuronClient`."""
+        req = self.plan(stage, commit) if req is None else req
         t0 = time.monotonic()
         n = len(encode(req)) + HTTP_HEADER_BYTES        # the answer's body and headers are added below
         try:
