@@ -114,9 +114,10 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
 
 class FlakyLink:
     """The validator's verification client over links that drop: the first request of each audit
-    path to each miner is lost, before the miner sees it (rounds 1-2) or after it answered (round 3,
-    update audits: the answer is lost); every audit request to the miner ``cut`` is lost, while its
-    ``/health`` and everything else go through (it drops its audits)."""
+    path to each miner is lost, before the miner sees it (round 2) or after it answered (rounds 1
+    and 3, update audits: the answer is lost); every audit request to the miner ``cut`` is lost,
+    while its ``/health`` and everything else go through (it drops its audits). ``sent``: every
+    audit request, by (path, audit id or step)."""
 
     def __init__(self, inner, cut: str):
         self.inner, self.cut = inner, cut
@@ -124,6 +125,7 @@ class FlakyLink:
         self.seen: set[tuple[str, str]] = set()
         self.lost_answers: set[tuple] = set()    # (path, audit id or step) whose answer was lost
         self.answered_again: dict[str, int] = {}
+        self.sent: dict[tuple, list] = {}
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -136,14 +138,15 @@ class FlakyLink:
     async def call(self, endpoint, hotkey, path, msg, typ, **kw):
         if path not in ("/audit/trace", "/audit/project", "/audit/open", "/audit/update"):
             return await self.inner.call(endpoint, hotkey, path, msg, typ, **kw)
+        which = (path, getattr(msg, "audit_id", None) or (hotkey, msg.inner_step))
+        self.sent.setdefault(which, []).append(msg)
         if hotkey == self.cut:
             raise self._drop(endpoint, path)
         first = (hotkey, path) not in self.seen
         self.seen.add((hotkey, path))
-        if first and path in ("/audit/trace", "/audit/project"):
+        if first and path == "/audit/project":
             raise self._drop(endpoint, path)
         resp = await self.inner.call(endpoint, hotkey, path, msg, typ, **kw)
-        which = (path, getattr(msg, "audit_id", None) or (hotkey, msg.inner_step))
         if first:
             self.lost_answers.add(which)
             raise self._drop(endpoint, path)
@@ -154,10 +157,11 @@ class FlakyLink:
 
 def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_path, cache_dir):
     """A dropped connection is not an unanswered audit: each round of a hop audit and each update
-    audit whose request or answer was lost is asked again, after a delay, and honest miners pass,
-    none flagged (two honest miners were flagged in a churn run for audits cut by a few-second
-    partition). A round-3 answer lost on the way is served again by the miner from what it kept. A
-    miner whose every audit is lost, while it answers health probes, is still flagged."""
+    audit whose request or answer was lost is asked again, unchanged, after a delay, and honest
+    miners pass, none flagged (two honest miners were flagged in a churn run for audits cut by a
+    few-second partition). A round-1 or round-3 answer lost on the way is served again by the miner
+    from what it kept. A miner whose every audit is lost, while it answers health probes, is still
+    flagged."""
     async def main():
         net = P2PNet(tmp_path, wikitext_path, cache_dir)
         await net.start()
@@ -173,7 +177,8 @@ def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_
                 await asyncio.sleep(0.25)
                 done = {r.hotkey for r in vali.auditing.records if r.kind == "hop" and r.final == "passed"}
                 st = vali.audits.stats.get((cut.uid, cut.hotkey))
-                if done >= honest and st is not None and st.flagged and link.answered_again.get("/audit/open"):
+                if done >= honest and st is not None and st.flagged and link.answered_again.get("/audit/open") \
+                        and link.answered_again.get("/audit/trace"):
                     break
             vali.request_stop()
             await asyncio.wait_for(task, 120)
@@ -186,7 +191,10 @@ def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_
             assert st.timed_out >= 2 and st.passed == 0 and "unanswered" in " ".join(st.reasons), st.to_dict()
             # every kind of loss happened and was asked again; a lost round-3 answer came again
             assert set(link.lost) == {"/audit/trace", "/audit/project", "/audit/open", "/audit/update"}, link.lost
-            assert link.answered_again.get("/audit/open", 0) >= 1 and link.answered_again.get("/audit/update", 0) >= 1
+            assert all(link.answered_again.get(p, 0) >= 1 for p in ("/audit/trace", "/audit/open", "/audit/update"))
+            # every request asked again was the same request: the same audit id, seed and rows
+            again = {k: v for k, v in link.sent.items() if len(v) > 1}
+            assert {k[0] for k in again} == set(link.lost) and all(m == v[0] for v in again.values() for m in v)
             assert any(r.reasks for r in recs if r.final == "passed")
             assert vali.auditing.reasked_answered >= len(honest)
             assert sum(m.hop_routes.served for m in net.miners.values()) >= len(honest)

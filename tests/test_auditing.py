@@ -255,6 +255,52 @@ def test_a_restarted_process_is_bound_by_the_roots_it_names_not_by_its_old_proce
     assert "is not the weights version [3, 0]" in sch._bound(HK, commit(f"{2:063x}b", f"{3:063x}a"))
 
 
+def test_an_audit_waiting_to_ask_again_holds_no_audit_slot():
+    """With one audit slot, a miner whose audits keep dropping (waiting 1 s before each re-ask) does
+    not hold up another miner's audit: the slot is free while it waits."""
+    hk2 = "5" + "b" * 47
+
+    class OneDrops(Refusing):
+        async def call(self, endpoint, hotkey, path, msg, typ, **kw):
+            if path != "/health" and hotkey == hk2:
+                raise ProtocolError(Outcome.LATE, "gone")            # answered at once
+            return await super().call(endpoint, hotkey, path, msg, typ, **kw)
+    class InOrder(random.Random):            # uid 7's audit takes the slot first
+        def shuffle(self, x):
+            pass
+    cfg = load_config("configs/tiny.yaml", OVR)
+    clock = Clock()
+    reps = {HK: Replica(7, HK, "127.0.0.1:1", 1), hk2: Replica(8, hk2, "127.0.0.1:2", 1)}
+
+    async def main():
+        sch = AuditScheduler(cfg, run_id="r", client=OneDrops(TransportError("x", "dropped")),
+                             policy=AuditPolicy(clock=clock), rows=lambda t: None, lookup=reps.get,
+                             concurrency=1, retry_delays_s=(1.0, 1.0), rng=InOrder(1), clock=clock)
+        for hk in reps:
+            sch.on_receipt(ticket(3), receipt(3, t=clock.t), hk)
+        out = await sch.round(0, wait_s=0.5)
+        assert [r.uid for r in out] == [8] and (HK, "hop") in sch._inflight      # uid 7 still waits
+        await sch.close()
+    asyncio.run(main())
+
+
+def test_an_unanswered_audit_is_judged_when_its_last_request_first_went_unanswered():
+    """A hop audit can run for minutes (three rounds, each asked up to three times). Its policy time is
+    when the request that finally failed first went unanswered, not its end (the probe that found
+    the miner down then lies outside the policy's window) nor its start (rounds 1-2 may have taken
+    a minute); it is settled from its end."""
+    from iota_subnet.validator.auditing import AuditRecord
+    sch, rep, policy, clock = make(updates=False)
+    lost_at = clock.t + 70                      # rounds 1-2 answered; round 3 first lost at +70 s
+    policy.note_unreachable(rep.key, lost_at + 3)          # the probe right after: down
+    clock.t += 200                              # the last re-ask failed too, at +200 s
+    rec = AuditRecord("hop", rep.uid, HK, rep.stage, "timeout", tempo=0, unanswered_since=lost_at)
+    sch._finish(rec, lost_at - 80)
+    assert rec.final == "" and not sch.settle()             # settled from its end: not yet
+    clock.t += sch.settle_s + 1
+    assert sch.settle() == [rec] and rec.final == "excused" and "unreachable" in policy.stats[rep.key].recent[-1]["why"]
+
+
 def test_an_update_audit_is_asked_again_with_the_same_rows_and_a_dropper_still_fails():
     """An update audit whose connection dropped is sent again unchanged (new rows would be a second
     challenge); one dropped every time is unanswered, and the miner, answering health probes, dodges."""
@@ -306,7 +352,7 @@ def test_a_restarted_validator_counts_the_audits_of_its_earlier_processes():
     clock.t += 1
     sch.on_receipt(ticket(4), receipt(4, t=clock.t), HK)                # settles it: one audit counted
     kept = json.loads(json.dumps(sch.totals()))                          # through the state's JSON
-    assert kept["audits"] == 1
+    assert kept["audits"] == 1 and kept["reasked"] == 2          # the dropped audit was asked twice more
     cfg = load_config("configs/tiny.yaml", OVR)
     again = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
                            lookup=lambda hk: None, totals=kept)
@@ -315,4 +361,5 @@ def test_a_restarted_validator_counts_the_audits_of_its_earlier_processes():
                 {"audits": float("inf"), "failed": 10 ** 400, "cpu_s": "1e999"}):
         fresh = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
                                lookup=lambda hk: None, totals=bad)
-        assert fresh.totals() == {"audits": 0, "failed": 0, "bytes": 0, "cpu_s": 0.0}
+        assert fresh.totals() == {"audits": 0, "failed": 0, "bytes": 0, "cpu_s": 0.0, "reasked": 0,
+                                  "reasked_answered": 0}

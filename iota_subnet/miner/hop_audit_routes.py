@@ -6,17 +6,20 @@
 * ``/audit/project`` AuditProjectRequest -> AuditProjection: the projections for the validator's seed;
 * ``/audit/open``    AuditOpenRequest -> AuditOpening: the requested rows with proofs (ends the session).
 
-A validator whose connection dropped asks a round again (:mod:`iota_subnet.validator.auditing`):
-round 2 is answered again from the open session, and round 3's answer is kept for
-``session_ttl_s`` (the newest ``max_sessions`` answers, the openings only, never a trace) so the
-same request gets it again; a different round-3 request for a finished session is refused.
+A validator whose connection dropped sends a round's request again, unchanged
+(:mod:`iota_subnet.validator.auditing`): a round-1 request asked again while its trace runs waits for
+that trace, and once it is done gets the same commitment; round 2 is answered again from the open
+session; round 3's answer is kept for ``session_ttl_s`` (a caller's newest two, at most
+``max_sessions`` in all: the openings only, never a trace) so the same request gets it again, and a
+different round-3 request for a finished session is refused. Every round refreshes its session's
+time to live.
 
 Refusals are typed 4xx: ``LATE`` (410) for a hop or weights version outside the window,
 ``HASH_MISMATCH`` for a weights root other than the one kept for that version, ``MALFORMED`` for a
 bad request, ``UNKNOWN_MICROBATCH`` for a session that does not exist (expired or never opened),
 ``BUSY`` (503) when ``max_sessions`` sessions are open or tracing, or ``max_per_caller`` of the
 caller's traces are still running (one validator cannot hold every slot and make the miner refuse
-the others). Sessions are dropped after round 3 or ``session_ttl_s`` seconds, and when their
+the others). Sessions are dropped after round 3, after ``session_ttl_s`` seconds without a round, and when their
 validator opens a new one: a validator audits a miner's hops one at a time
 (:class:`iota_subnet.validator.auditing.AuditScheduler`), so a new round 1 from it means it gave up
 on its older sessions (it timed out on them); a trace still running for a request it has since
@@ -48,8 +51,10 @@ class _Session:
     prover: HopProver
     layout: TraceLayout
     caller: str
-    opened_at: float
+    opened_at: float                 # time.monotonic() of its latest round (the time to live counts from it)
     lock: asyncio.Lock
+    request: AuditTraceRequest       # round 1, and its answer: the same request again gets the same answer
+    commit: AuditTraceCommit
 
 
 class HopAuditRoutes:
@@ -58,7 +63,7 @@ class HopAuditRoutes:
     ``max_per_caller`` of one validator."""
 
     def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, max_sessions: int = 8,
-                 max_per_caller: int = 2, session_ttl_s: float = 120.0, commit_wait_s: float = 30.0):
+                 max_per_caller: int = 2, session_ttl_s: float = 180.0, commit_wait_s: float = 30.0):
         self.store, self.cfg, self.run_id, self.stage = store, cfg, run_id, int(stage)
         self.max_sessions, self.max_per_caller = int(max_sessions), int(max_per_caller)
         self.session_ttl_s, self.commit_wait_s = float(session_ttl_s), float(commit_wait_s)
@@ -68,6 +73,8 @@ class HopAuditRoutes:
         self.opened: dict[str, tuple[str, AuditOpenRequest, AuditOpening, float]] = {}
         #: caller -> traces running for it; caller -> number of its latest round-1 request
         self.tracing: dict[str, int] = {}
+        #: audit_id -> (caller, round-1 request, its trace) while it runs
+        self.running: dict[str, tuple[str, AuditTraceRequest, asyncio.Task]] = {}
         self.latest: dict[str, int] = {}
         self.superseded = 0
         self.served = 0
@@ -96,15 +103,24 @@ class HopAuditRoutes:
         if s is None or s.caller != caller:
             raise ProtocolError(Outcome.UNKNOWN_MICROBATCH, f"no open audit session {audit_id[:40]!r} (expired, "
                                                             "finished or never opened)")
+        s.opened_at = time.monotonic()
         return s
 
     # ---- round 1 ---------------------------------------------------------------------------------
     async def trace(self, msg: AuditTraceRequest, ctx: Any) -> AuditTraceCommit:
         self._check(msg)
         self._sweep()
-        if not msg.audit_id or len(msg.audit_id) > 64 or msg.audit_id in self.sessions:
-            raise ProtocolError(Outcome.MALFORMED, "audit_id must be a fresh id of 1-64 characters")
         caller = ctx.caller_hotkey
+        s = self.sessions.get(msg.audit_id)
+        if s is not None and s.caller == caller and s.request == msg:     # its answer was lost on the way
+            s.opened_at = time.monotonic()
+            return s.commit
+        run = self.running.get(msg.audit_id)
+        if run is not None and run[0] == caller and run[1] == msg:        # asked again while it traces
+            return await asyncio.shield(run[2])
+        if not msg.audit_id or len(msg.audit_id) > 64 or msg.audit_id in self.sessions \
+                or msg.audit_id in self.running:
+            raise ProtocolError(Outcome.MALFORMED, "audit_id must be a fresh id of 1-64 characters")
         for k in [k for k, s in self.sessions.items() if s.caller == caller]:      # abandoned by their validator
             del self.sessions[k]
             self.superseded += 1
@@ -114,12 +130,19 @@ class HopAuditRoutes:
                                               f"tracing ({mine} of yours); retry shortly")
         self.latest[caller] = turn = self.latest.get(caller, 0) + 1
         self.tracing[caller] = mine + 1
-        try:
-            return await self._trace(msg, caller, turn)
-        finally:
+        # the trace outlives a dropped connection: the same request asked again waits for it
+        task = asyncio.ensure_future(self._trace(msg, caller, turn))
+        self.running[msg.audit_id] = (caller, msg, task)
+
+        def done(t: asyncio.Task, audit_id: str = msg.audit_id) -> None:
+            self.running.pop(audit_id, None)
             self.tracing[caller] -= 1
             if not self.tracing[caller]:
                 del self.tracing[caller]
+            if not t.cancelled():
+                t.exception()              # retrieved: an answer nobody waits for any more is no error
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
 
     async def _trace(self, msg: AuditTraceRequest, caller: str, turn: int) -> AuditTraceCommit:
         hop = self.store.hop(msg.microbatch_id)
@@ -157,8 +180,9 @@ class HopAuditRoutes:
         if self.latest.get(caller) != turn:        # its validator has opened a newer audit since: not kept
             self.superseded += 1
             raise ProtocolError(Outcome.LATE, "this audit was superseded by a newer one from you while it traced")
-        self.sessions[msg.audit_id] = _Session(prover, layout, caller, time.monotonic(), asyncio.Lock())
-        return codec.commit_message(msg, troots, wroots)
+        commit = codec.commit_message(msg, troots, wroots)
+        self.sessions[msg.audit_id] = _Session(prover, layout, caller, time.monotonic(), asyncio.Lock(), msg, commit)
+        return commit
 
     # ---- round 2 ---------------------------------------------------------------------------------
     async def project(self, msg: AuditProjectRequest, ctx: Any) -> AuditProjection:
@@ -173,6 +197,7 @@ class HopAuditRoutes:
     # ---- round 3 ---------------------------------------------------------------------------------
     async def open(self, msg: AuditOpenRequest, ctx: Any) -> AuditOpening:
         self._check(msg)
+        self._sweep()
         done = self.opened.get(msg.audit_id)
         if done is not None and msg.audit_id not in self.sessions and done[0] == ctx.caller_hotkey:
             if done[1] != msg:
@@ -191,6 +216,9 @@ class HopAuditRoutes:
         self.served += 1
         answer = codec.opening_message(msg, s.layout, opened)
         self.opened[msg.audit_id] = (ctx.caller_hotkey, msg, answer, time.monotonic())
+        mine = [k for k, o in self.opened.items() if o[0] == ctx.caller_hotkey]
+        for k in mine[:-2]:                    # a caller's newest two (it audits one hop at a time)
+            del self.opened[k]
         while len(self.opened) > self.max_sessions:
             del self.opened[next(iter(self.opened))]
         return answer

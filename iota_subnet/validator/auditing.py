@@ -31,12 +31,13 @@ Outcomes (:class:`~.audit_policy.AuditPolicy`)
     ``retry_delays_s`` (default 5 s, then 15 s), before it counts as unanswered: a link that drops for
     a few seconds must not make an honest miner's audit a failure (two such audits flagged honest
     miners in the churn benchmark), and a miner that drops every audit still fails after the last
-    re-ask. A re-ask reveals nothing new: a round-1 request (only the hop, no challenge yet) is
-    asked again as a new audit; a round-2 or round-3 request and an update audit are sent again
-    unchanged, the same seed and rows (the miner answers them again, :mod:`~iota_subnet.miner.hop_audit_routes`),
-    so a dropped connection never buys a miner a second challenge. The miner's ``/health`` is probed
-    after every failed attempt (the "down" excuse: a miner paused or partitioned at the first attempt
-    may be back by the last), and the audit counts as made when it started. A miner whose receipts show it
+    re-ask. A re-ask reveals nothing new: every request is sent again unchanged, the same audit id,
+    seed and rows (the miner answers them again, :mod:`~iota_subnet.miner.hop_audit_routes`), so a
+    dropped connection never buys a miner a second challenge; an audit gets no re-ask past
+    ``max_audit_s`` from its start, and holds no audit slot while it waits. The miner's ``/health``
+    is probed after every failed attempt (the "down" excuse: a miner paused or partitioned at the
+    first attempt may be back by the last), and the policy judges an unanswered audit at the time its
+    last request first went unanswered. A miner whose receipts show it
     took inner step k (its weights changed from version ``(k, m)`` to ``(k + 1, m)``) but whose
     commitment of step k never came within ``commit_grace_s`` gets an update audit counted
     ``refused``; one whose weights root stayed the same over :data:`STALE_STEPS` inner steps it
@@ -49,6 +50,7 @@ Validator CPU: 0.03-0.2 s a hop audit (checks on a worker thread).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import random
 import time
@@ -117,6 +119,9 @@ class AuditRecord:
     version: Optional[tuple[int, int]] = None      # the weights version the audited work used / produced
     code: str = ""                                  # a refusal's outcome (e.g. LATE)
     reasks: int = 0                                 # requests asked again after a transport failure
+    started: float = 0.0                            # time.monotonic() at its start
+    #: when its last request first went unanswered (unix s; None: answered): the policy's audit time
+    unanswered_since: Optional[float] = None
 
 
 @dataclass
@@ -138,12 +143,8 @@ class _MinerView:
     trained: set = field(default_factory=set)
 
 
-class _Round1Unanswered(Exception):
-    """Round 1 of a hop audit failed on the transport (``cause``): no challenge was sent yet."""
-
-    def __init__(self, cause: BaseException):
-        super().__init__(str(cause))
-        self.cause = cause
+#: set in an audit's task while it holds one of the scheduler's ``concurrency`` slots (:meth:`AuditScheduler.round`)
+_HOLDS_SLOT: contextvars.ContextVar[bool] = contextvars.ContextVar("holds_audit_slot", default=False)
 
 
 def _why(e: BaseException) -> str:
@@ -174,7 +175,8 @@ class AuditScheduler:
     ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
     ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once;
     ``retry_delays_s``: seconds before each re-ask of a request that failed on the transport (per
-    request: a hop audit's three rounds each have them; ``()``: none).
+    request: a hop audit's three rounds each have them; ``()``: none); ``max_audit_s``: no re-ask
+    after that many seconds from the audit's start.
     ``totals``: the counters of this validator's earlier processes (:meth:`totals`, kept in its
     state), so that a restarted validator reports every audit of the run, not those since its start.
     """
@@ -184,7 +186,8 @@ class AuditScheduler:
                  update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
                  timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
                  commit_grace_s: float = 10.0, settle_s: float = 120.0, concurrency: int = 4,
-                 retry_delays_s: tuple[float, ...] = (5.0, 15.0), rng: Optional[random.Random] = None,
+                 retry_delays_s: tuple[float, ...] = (5.0, 15.0), max_audit_s: float = 180.0,
+                 rng: Optional[random.Random] = None,
                  totals: Optional[dict] = None, clock: Callable[[], float] = time.time):
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
@@ -195,13 +198,11 @@ class AuditScheduler:
         self.concurrency = max(1, int(concurrency))
         #: seconds to wait before each re-ask of an audit request that failed on the transport
         self.retry_delays_s = tuple(max(0.0, float(d)) for d in retry_delays_s)
-        #: re-asks made; of those, the ones answered
-        self.reasked = 0
-        self.reasked_answered = 0
+        self.max_audit_s = float(max_audit_s)
         #: seconds a miner has to answer the health probe after an unanswered audit (see _probe_health)
         self.probe_timeout_s = 5.0
-        #: unanswered audits waiting for the miner's next receipt: (record, work_at, audit time)
-        self.unsettled: list[tuple[AuditRecord, Optional[float], float]] = []
+        #: unanswered audits waiting to be settled: (record, work_at, policy time, finished), unix s
+        self.unsettled: list[tuple[AuditRecord, Optional[float], float, float]] = []
         self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
         self.clock = clock
         self.tol = Tolerances.for_precision(cfg.train.precision)
@@ -216,6 +217,9 @@ class AuditScheduler:
         self.failed = _count(t.get("failed"))
         self.bytes = _count(t.get("bytes"))
         self.cpu_s = float(_count(t.get("cpu_s"), float))
+        #: re-asks made; audits answered after at least one re-ask
+        self.reasked = _count(t.get("reasked"))
+        self.reasked_answered = _count(t.get("reasked_answered"))
         self._layouts: dict[tuple, TraceLayout] = {}
         #: (hotkey, kind) -> its audit of that kind still running (see :meth:`round`)
         self._inflight: dict[tuple[str, str], asyncio.Task] = {}
@@ -243,7 +247,7 @@ class AuditScheduler:
             view.checked_steps.clear()
         if receipt.boot >= view.boot:
             view.latest = max(view.latest, (receipt.ws, receipt.wm), (receipt.bws, receipt.bwm))
-        if any(r.hotkey == hotkey for r, _, _ in self.unsettled):
+        if any(u[0].hotkey == hotkey for u in self.unsettled):
             self.settle(hotkey=hotkey, after=receipt.t)
         for ks, km, root in ((receipt.ws, receipt.wm, receipt.wroot), (receipt.bws, receipt.bwm, receipt.bwroot)):
             if root and ks >= 0 and (ks, km) not in view.roots:
@@ -303,6 +307,7 @@ class AuditScheduler:
 
         async def limited(fn, rep) -> list[AuditRecord]:
             async with sem:
+                _HOLDS_SLOT.set(True)        # this task's context: a re-ask frees the slot while it waits
                 r = await fn(rep, tempo)
             return [] if r is None else [r]
         started: dict[tuple[str, str], asyncio.Task] = {}
@@ -375,11 +380,14 @@ class AuditScheduler:
                                                          micro_per_step=self.micro_per_step, wire_format=t.wire_dtype)
         return lay
 
-    def _finish(self, rec: AuditRecord, work_at: Optional[float], at: Optional[float] = None) -> AuditRecord:
-        at = self.clock() if at is None else at
+    def _finish(self, rec: AuditRecord, work_at: Optional[float]) -> AuditRecord:
+        """``rec`` is done. A refused or unanswered one waits to be settled (:meth:`settle`, from now);
+        the policy judges an unanswered one at the time its last request first went unanswered."""
+        now = self.clock()
+        at = rec.unanswered_since if rec.raw == "timeout" and rec.unanswered_since is not None else now
         self.done[(rec.tempo, rec.kind, rec.hotkey)] += 1
-        if rec.raw in ("refused", "timeout") and at is not None and self.settle_s > 0:
-            self.unsettled.append((rec, work_at, at))
+        if rec.raw in ("refused", "timeout") and self.settle_s > 0:
+            self.unsettled.append((rec, work_at, at, now))
             return rec
         return self._record(rec, work_at, at)
 
@@ -388,11 +396,11 @@ class AuditScheduler:
         everyone's older than ``settle_s``."""
         now = self.clock()
         out, keep = [], []
-        for rec, work_at, at in self.unsettled:
-            if (hotkey == rec.hotkey and after is not None and after > at) or now - at > self.settle_s:
+        for rec, work_at, at, finished in self.unsettled:
+            if (hotkey == rec.hotkey and after is not None and after > finished) or now - finished > self.settle_s:
                 out.append(self._record(rec, work_at, at))
             else:
-                keep.append((rec, work_at, at))
+                keep.append((rec, work_at, at, finished))
         self.unsettled = keep
         return out
 
@@ -466,52 +474,58 @@ class AuditScheduler:
         except (ValueError, LayoutError) as e:
             rec.raw, rec.detail = "refused", f"unauditable hop {c.ticket.microbatch_id[:40]}: {e}"
             return self._finish(rec, c.receipt.t)
-        t0, started = time.monotonic(), self.clock()
+        rec.started = t0 = time.monotonic()
         sizes: list[int] = []
-        delays = deque(self.retry_delays_s)
         try:
-            while True:
-                try:
-                    rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes, rec)
-                    break
-                except _Round1Unanswered as e:
-                    if not delays:
-                        raise e.cause from None
-                    # nothing was revealed yet (no challenge): ask again as a new audit of the same hop
-                    await self._before_reask(rep, rec, "round 1", _why(e.cause), delays)
-                    aud, req = self.hop_auditor(c, direction)
+            rec.raw, rec.detail, rec.cpu_s = await self._hop_rounds(rep, aud, req, sizes, rec)
         except ProtocolError as e:
             rec.raw, rec.detail, rec.code = "refused", f"{e.outcome.value}: {e.message}"[:200], e.outcome.value
-        except (TransportError, asyncio.TimeoutError) as e:
+        except (TransportError, asyncio.TimeoutError) as e:       # health probed by _reask
             rec.raw, rec.detail = "timeout", f"{type(e).__name__}: {e}"[:200]
-            await self._probe_health(rep)
         except AuditFailure as e:
             rec.raw, rec.detail = "failed", str(e)[:200]
         self._count_reasks(rec)
         rec.bytes = sum(sizes) + HTTP_HEADER_BYTES * len(sizes)
         rec.wall_s = time.monotonic() - t0
         rec.detail = f"{c.ticket.microbatch_id[:32]}: {rec.detail}"
-        return self._finish(rec, c.receipt.t, at=started)
+        return self._finish(rec, c.receipt.t)
 
     def _count_reasks(self, rec: AuditRecord) -> None:
         if rec.reasks and rec.raw != "timeout":
             self.reasked_answered += 1
 
-    async def _before_reask(self, rep: Replica, rec: AuditRecord, what: str, why: str, delays: deque) -> None:
-        """Wait the next of ``delays`` (consumed) before asking ``what`` of ``rep``'s audit ``rec`` again."""
-        await self._probe_health(rep)      # noted if unreachable now: it may be back by the last re-ask
+    def _unanswered(self, rec: AuditRecord) -> None:
+        if rec.unanswered_since is None:
+            rec.unanswered_since = self.clock()
+
+    async def _reask(self, rep: Replica, rec: AuditRecord, what: str, why: str, delays: deque) -> bool:
+        """A request of ``rep``'s audit ``rec`` went unanswered: probe ``/health`` (noted if unreachable
+        now: it may be back by the last re-ask), then wait the next of ``delays`` (consumed; the audit
+        slot is free meanwhile). False when no re-ask is left (none in ``delays``, or past ``max_audit_s``)."""
+        self._unanswered(rec)
+        await self._probe_health(rep)
+        if not delays or time.monotonic() + delays[0] - rec.started > self.max_audit_s:
+            return False
         delay = delays.popleft()
         self.reasked += 1
         rec.reasks += 1
         logger.info("{} audit of uid {}: {} unanswered ({}); asking again in {:.0f} s ({} re-ask(s) left)",
                     rec.kind, rep.uid, what, why[:160], delay, len(delays))
-        await asyncio.sleep(delay)
+        held = _HOLDS_SLOT.get()
+        if held:
+            self._sem.release()
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            if held:
+                await self._sem.acquire()
+        return True
 
     async def _hop_rounds(self, rep: Replica, aud: HopAuditor, req: AuditTraceRequest, sizes: list[int],
                           rec: AuditRecord) -> tuple[str, str, float]:
         """The three rounds; ``sizes`` gets the encoded body size of every message sent and received.
-        A round-2 or round-3 request that fails on the transport is sent again unchanged after each of
-        ``retry_delays_s``; a round-1 one raises :class:`_Round1Unanswered`."""
+        A request that fails on the transport is sent again unchanged after each of ``retry_delays_s``
+        (:meth:`_reask`)."""
         lay = aud.layout
         kw = dict(timeout_s=self.timeout_s, retries=0)
 
@@ -523,11 +537,9 @@ class AuditScheduler:
                     resp = await self.client.call(ep, hk, path, msg, typ, **kw2)
                     break
                 except (TransportError, asyncio.TimeoutError) as e:
-                    if path == "/audit/trace":
-                        raise _Round1Unanswered(e) from None
-                    if not delays:
+                    if not await self._reask(rep, rec, path, _why(e), delays):
                         raise
-                    await self._before_reask(rep, rec, path, _why(e), delays)
+            rec.unanswered_since = None
             sizes.append(len(await asyncio.to_thread(encode, resp)))
             return resp
         commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
@@ -585,23 +597,24 @@ class AuditScheduler:
         if wrong:
             rec.raw, rec.detail = "failed", wrong
             return self._finish(rec, commit.at or None)
-        delays, sent, started = deque(self.retry_delays_s), 0, self.clock()
+        delays, sent = deque(self.retry_delays_s), 0
+        rec.started = time.monotonic()
         req = self.update_auditor.plan(rep.stage, commit)
         while True:      # the same request again after a transport failure: same rows, nothing new revealed
             res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
                                                   timeout_s=self.timeout_s, req=req)
-            if res.outcome != "timeout" or not delays:
+            if res.outcome != "timeout" or not await self._reask(rep, rec, f"step {commit.step}", res.detail, delays):
                 break
             sent += res.bytes
-            await self._before_reask(rep, rec, f"step {commit.step}", res.detail, delays)
+        if res.outcome != "timeout":
+            rec.unanswered_since = None
         rec.cpu_s = res.cpu_s
-        rec.raw, rec.detail, rec.wall_s = res.outcome, f"step {commit.step}: {res.detail}", res.wall_s
+        rec.raw, rec.detail = res.outcome, f"step {commit.step}: {res.detail}"
+        rec.wall_s = time.monotonic() - rec.started
         self._count_reasks(rec)
-        if res.outcome == "timeout":
-            await self._probe_health(rep)
         rec.code = res.detail.split(":", 1)[0] if res.outcome == "refused" else ""
         rec.bytes = res.bytes + sent
-        return self._finish(rec, commit.at or None, at=started)
+        return self._finish(rec, commit.at or None)
 
     def _missing_commitments(self, rep: Replica, tempo: int) -> list[AuditRecord]:
         """What the miner's receipts show of its inner steps, without asking it (at most one record
@@ -662,7 +675,8 @@ class AuditScheduler:
 
     def totals(self) -> dict:
         """The counters to keep across restarts (``totals`` of the next process)."""
-        return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3)}
+        return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3),
+                "reasked": self.reasked, "reasked_answered": self.reasked_answered}
 
     def status(self) -> dict:
         return {"audits": self.audits, "failed": self.failed, "bytes": self.bytes, "cpu_s": round(self.cpu_s, 3),
