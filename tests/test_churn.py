@@ -346,3 +346,44 @@ def test_a_suspect_peer_steps_behind_whose_lane_advances_is_waited_for_and_a_sti
         return await merged_then_alone_with_a_spare(a, b, peers, first, (12, 10))  # 2 behind, not advancing
 
     merged_pair_then_alone(*asyncio.run(main()), cfg.join_timeout_s)
+
+
+def test_a_replica_late_at_the_boundary_pulls_keeps_its_progress_and_merges_the_same_epoch():
+    """Chaos run at 4fbca7f: a replica that missed a merge (partitioned) was one merged epoch behind
+    at every later boundary. Each time it found its peers ahead, pulled their merged state (dropping
+    its window's work) while they merged without it: stage 2 merged with 2 of 3 replicas for the
+    whole run. Now its peers wait for a replica at their boundary while it pulls; it keeps its
+    progress since its old anchor on top of the pulled state and joins the same epoch."""
+    cfg = MergeConfig(every_steps=2, join_timeout_s=8.0, phase_timeout_s=2.0, max_attempts=2)
+    net = InProcessTransport(timeout_s=3.0)
+    reps = [Replica(net, i, cfg) for i in range(3)]
+    a, b, c = reps
+    for i, r in enumerate(reps):
+        train_step(r.mod, 90 + i)
+        r.work, r.step = 64.0, 2
+    peers = [r.hk for r in reps]
+
+    async def main():
+        first = await asyncio.gather(a.engine.merge(0, [a.hk, b.hk]), b.engine.merge(0, [a.hk, b.hk]))
+        assert [x.status for x in first] == ["merged", "merged"]       # c was away: still at merged epoch -1
+        for i, r in enumerate(reps):                                   # the next window, all at step 4
+            train_step(r.mod, 190 + i)
+            r.work, r.step = r.work + 64, 4
+        own = flat(c.mod) - c.engine.anchor                            # c's progress since its anchor
+
+        async def late_then_again():
+            late = await c.engine.merge(1, peers)
+            assert late.status == "late", (late.status, late.reason)
+            c.engine.in_sync = False                                   # the miner's state sync (a while)
+            await asyncio.sleep(0.5)
+            c.engine.set_state(a.engine.anchor, a.engine.momentum, a.engine.merged_epoch, keep_progress=True)
+            assert torch.allclose(flat(c.mod) - a.engine.anchor, own, atol=1e-6)
+            c.engine.in_sync = True
+            return await c.engine.merge(1, peers)
+        return await asyncio.gather(a.engine.merge(1, peers), b.engine.merge(1, peers), late_then_again())
+
+    res = asyncio.run(main())
+    assert all(x.status == "merged" and len(x.participants) == 3 for x in res), \
+        [(x.status, x.participants, x.reason) for x in res]
+    ws = [flat(r.mod) for r in reps]
+    assert all(torch.equal(ws[0], w) for w in ws[1:])

@@ -8,8 +8,11 @@ cross between the module's device and the host):
    replicas to report ``ready_epoch == e`` (``/merge/join``); each reports the work it did in the
    window (tokens trained since its last merge). Participants = the ready ones. A peer holding a
    later merged state (``merged_epoch`` above ``me``'s) means ``me`` is late: it returns
-   ``status="late"`` and the miner pulls the merged weights (:mod:`.sync`); a peer with an older
-   merged state is never a participant (it pulls first). Epochs are labels the replicas agree on:
+   ``status="late"`` and the miner pulls the merged weights (:mod:`.sync`), keeping its own progress
+   since its old anchor (:meth:`MergeEngine.set_state`, ``keep_progress``), and joins ``e`` again if
+   its peers have not merged it yet (else it closes ``e``: :meth:`MergeEngine.skip`); a peer with an
+   older merged state is never a participant before it has pulled, and one at the boundary is
+   waited for while it pulls. Epochs are labels the replicas agree on:
    a peer with the same merged state that waits at a later epoch, or already closed ``e`` without
    merging, moves ``me`` to that later epoch, so replicas whose inner steps drifted apart (one
    restarted, its lane behind) find a common epoch again. Peers found gone at an earlier boundary
@@ -301,14 +304,21 @@ class MergeEngine:
             return 1.0
         return max(0.0, self._work_total() - self.work_base)
 
-    def set_state(self, anchor: torch.Tensor, momentum: torch.Tensor, merged_epoch: int, *, write_params: bool = True
-                  ) -> None:
-        """Adopt a synced (or checkpointed) merge state all at once (tensors on any device; kept on the host)."""
+    def set_state(self, anchor: torch.Tensor, momentum: torch.Tensor, merged_epoch: int, *, write_params: bool = True,
+                  keep_progress: bool = False) -> None:
+        """Adopt a synced (or checkpointed) merge state all at once (tensors on any device; kept on the host).
+        ``keep_progress`` (a replica late to a merge, see :meth:`merge`): the weights become the new
+        anchor plus this replica's own progress since its old anchor, ``w = anchor + (w - old_anchor)``,
+        and its work since its last merge still counts; its next merge contributes that progress (a
+        pseudo-gradient applied one outer step late instead of dropped). Otherwise the weights become
+        the anchor (with ``write_params``) and the window's work starts from zero."""
         if anchor.numel() != self.params.numel or momentum.numel() != self.params.numel:
             raise ValueError(f"state of {anchor.numel()}/{momentum.numel()} values for {self.params.numel} parameters")
         anchor = anchor.detach().to("cpu", torch.float32).reshape(-1).clone()
         momentum = momentum.detach().to("cpu", torch.float32).reshape(-1).clone()
-        if write_params:
+        if keep_progress:
+            self.params.write(anchor, carry_from=self.anchor)
+        elif write_params:
             self.params.write(anchor)
             self.work_base = self._work_total()
         self.anchor, self.momentum = anchor, momentum
@@ -621,7 +631,13 @@ class MergeEngine:
                     if r.merged_epoch > self.merged_epoch:
                         out.ahead.append(p)       # it holds newer merged weights: this replica is late
                     elif r.merged_epoch < self.merged_epoch or not r.in_sync:
-                        if p in want:             # behind (it pulls first): never mix its state into this merge
+                        # behind: it pulls first, never mixing its old state into this merge. One at this
+                        # boundary that is pulling now, or has just proposed this epoch (it finds itself
+                        # late and pulls), is waited for: it joins again with the merged state and its
+                        # window's work (``keep_progress``). Dropping it made a replica late once late at
+                        # every boundary, its work discarded each time (chaos run at 4fbca7f: stage 2
+                        # merged with 2 of 3 replicas all run)
+                        if p in want and not (p in near and (not r.in_sync or r.ready_epoch == epoch)):
                             want.remove(p)
                     elif r.ready_epoch > epoch and same_state and p not in exclude:
                         later = max(later, r.ready_epoch)
@@ -781,7 +797,8 @@ class MergeEngine:
                 self.ready_epoch = -1
                 self.ready_work = 0.0
                 self.attempt_now = -1
-                self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), self.cfg.max_attempts)
+                if rep.status != "late":            # late: the caller pulls, then joins again or closes it (skip)
+                    self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), self.cfg.max_attempts)
                 self._prune()
                 rep.bytes_sent, rep.bytes_received = self._bytes[0] - b0[0], self._bytes[1] - b0[1]
                 rep.wall_s = round(time.monotonic() - t0, 4)

@@ -570,8 +570,10 @@ class MinerService:
         finally:
             self.merge.in_sync = True
 
-    async def pull_merged_state(self, min_epoch: int = -1) -> bool:
-        """State sync from every peer at once; applies all or nothing. Returns True when applied."""
+    async def pull_merged_state(self, min_epoch: int = -1, keep_progress: bool = False) -> bool:
+        """State sync from every peer at once; applies all or nothing. Returns True when applied.
+        ``keep_progress``: keep this replica's progress since its old anchor on top of the pulled one
+        (:meth:`~iota_subnet.merge.engine.MergeEngine.set_state`; a replica late to a merge)."""
         was_in_sync, self.merge.in_sync = self.merge.in_sync, False
         try:
             for attempt in range(3):
@@ -586,7 +588,7 @@ class MinerService:
 
                 def apply():
                     with self.worker.lock:
-                        self.merge.set_state(anchor, mom, man["merged_epoch"])
+                        self.merge.set_state(anchor, mom, man["merged_epoch"], keep_progress=keep_progress)
                         # no lane drives it yet: start at the donors' inner step (in a lane, the lane's step
                         # stays). Not (merged_epoch + 1) x H: epochs are labels the replicas agree on and run
                         # ahead of the steps under churn (a joiner came up at inner step 65 while the lanes
@@ -595,7 +597,8 @@ class MinerService:
                             self.worker.inner_step = max(self.worker.inner_step, int(man.get("step", 0)))
                         self.worker.opt.zero_grad(set_to_none=True)
                         self.worker.pending = 0
-                        self.anchor_step = self.worker.inner_step
+                        if not keep_progress:      # kept progress still dates from the old anchor's step
+                            self.anchor_step = self.worker.inner_step
                 await self._compute(apply)
                 self._last_epoch = max(self._last_epoch, man["merged_epoch"])
                 self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch,
@@ -648,13 +651,39 @@ class MinerService:
             rep = await self.merge.merge(epoch, self._peers)     # re-read after each attempt's refresh
             self.metrics.observe_merge(rep.status, rep.wall_s, rep.bytes_sent, rep.bytes_received)
             if rep.status == "late":        # a peer holds a newer merged state (not necessarily this epoch's)
-                await self.pull_merged_state(min_epoch=self.merge.merged_epoch + 1)
-            elif rep.status != "merged":
+                rep = await self._late_to_merge(rep)
+            if rep.status not in ("merged", "late"):
                 logger.info(f"stage {self.stage}: merge epoch {epoch} {rep.status}: {rep.reason}")
         except Exception:  # noqa: BLE001 - a merge failure must never stop serving
             logger.exception(f"merge epoch {epoch} failed")
         finally:
             self._gate.set()
+
+    async def _late_to_merge(self, rep):
+        """A peer merged a later epoch than this replica's merged state (``rep``: the late report of
+        epoch ``rep.epoch``). Pull the merged state; keep this replica's progress since its anchor when
+        that spans at most two merge windows and training goes on (never at the last step: replicas
+        end bit-identical), and join ``rep.epoch`` again when the peers have not merged it yet (they
+        wait for a replica at their boundary while it pulls: :meth:`MergeEngine._join`). Before,
+        the progress was dropped and the replica, one merged epoch behind at every later boundary,
+        was late again each time (chaos run at 4fbca7f). Otherwise the epoch is closed here (peers
+        stop waiting). Returns the report of the epoch's last merge."""
+        H = self.cfg.merge.every_steps
+        span = self.worker.inner_step - self.anchor_step
+        total = self.worker.total_steps
+        keep = H > 0 and 0 < span <= 2 * H and (total is None or self.worker.inner_step < total)
+        pulled = await self.pull_merged_state(min_epoch=self.merge.merged_epoch + 1, keep_progress=keep)
+        if not (pulled and keep and self.merge.merged_epoch < rep.epoch):
+            self.merge.skip(rep.epoch)
+            if pulled and keep:
+                logger.info(f"stage {self.stage}: late to merge epoch {rep.epoch}; its progress of inner steps "
+                            f"{self.anchor_step}-{self.worker.inner_step} goes into its next merge")
+            return rep
+        again = await self.merge.merge(rep.epoch, self._peers)
+        self.metrics.observe_merge(again.status, again.wall_s, again.bytes_sent, again.bytes_received)
+        if again.status == "late":          # merged meanwhile without it: the next merge takes its progress
+            self.merge.skip(again.epoch)
+        return again
 
     async def _load_weights(self) -> None:
         """Latest own checkpoint, else a replica of the same stage, else the run's seeded init."""
