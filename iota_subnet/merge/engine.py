@@ -632,12 +632,13 @@ class MergeEngine:
                         out.ahead.append(p)       # it holds newer merged weights: this replica is late
                     elif r.merged_epoch < self.merged_epoch or not r.in_sync:
                         # behind: it pulls first, never mixing its old state into this merge. One at this
-                        # boundary that is pulling now, or has just proposed this epoch (it finds itself
-                        # late and pulls), is waited for: it joins again with the merged state and its
-                        # window's work (``keep_progress``). Dropping it made a replica late once late at
-                        # every boundary, its work discarded each time (chaos run at 4fbca7f: stage 2
-                        # merged with 2 of 3 replicas all run)
-                        if p in want and not (p in near and (not r.in_sync or r.ready_epoch == epoch)):
+                        # boundary (near) is waited for, up to the join deadline: at the boundary it finds
+                        # itself late, pulls and joins again with the merged state and its window's work
+                        # (``keep_progress``). Whether it has proposed yet does not matter, so that every
+                        # peer decides the same way. Dropping it made a replica late once late at every
+                        # boundary, its work discarded each time (chaos run at 4fbca7f: stage 2 merged
+                        # with 2 of 3 replicas all run)
+                        if p in want and p not in near:
                             want.remove(p)
                     elif r.ready_epoch > epoch and same_state and p not in exclude:
                         later = max(later, r.ready_epoch)

@@ -597,8 +597,9 @@ class MinerService:
                             self.worker.inner_step = max(self.worker.inner_step, int(man.get("step", 0)))
                         self.worker.opt.zero_grad(set_to_none=True)
                         self.worker.pending = 0
-                        if not keep_progress:      # kept progress still dates from the old anchor's step
-                            self.anchor_step = self.worker.inner_step
+                        # also with kept progress: on a restart the merge state (this anchor) must not look
+                        # older than a checkpoint taken before this pull (its weights sit on the old anchor)
+                        self.anchor_step = self.worker.inner_step
                 await self._compute(apply)
                 self._last_epoch = max(self._last_epoch, man["merged_epoch"])
                 self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch,
@@ -669,7 +670,7 @@ class MinerService:
         was late again each time (chaos run at 4fbca7f). Otherwise the epoch is closed here (peers
         stop waiting). Returns the report of the epoch's last merge."""
         H = self.cfg.merge.every_steps
-        span = self.worker.inner_step - self.anchor_step
+        span = self.worker.inner_step - self.anchor_step      # since its last merge or pull
         total = self.worker.total_steps
         keep = H > 0 and 0 < span <= 2 * H and (total is None or self.worker.inner_step < total)
         pulled = await self.pull_merged_state(min_epoch=self.merge.merged_epoch + 1, keep_progress=keep)
