@@ -245,7 +245,8 @@ def assert_caught(vali, adv, honest, kind):
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in CAUGHT_BY])
 def test_cheater_caught_in_the_data_plane(tmp_home, tmp_path, wikitext_path, cache_dir, kind):
-    steps = 24 if kind == "dodge" else 14      # dodge: time for its timed-out audits to be settled
+    # dodge: time for its timed-out audits to be settled (each hung request is asked three times)
+    steps = 36 if kind == "dodge" else 14
     vali, adv, honest, _ = run(cheater_run(tmp_path, wikitext_path, cache_dir, kind, steps), timeout=380)
     assert_caught(vali, adv, honest, kind)
 
