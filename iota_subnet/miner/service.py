@@ -673,12 +673,13 @@ class MinerService:
         span = self.worker.inner_step - self.anchor_step      # since its last merge or pull
         total = self.worker.total_steps
         keep = H > 0 and 0 < span <= 2 * H and (total is None or self.worker.inner_step < total)
+        since = self.anchor_step
         pulled = await self.pull_merged_state(min_epoch=self.merge.merged_epoch + 1, keep_progress=keep)
         if not (pulled and keep and self.merge.merged_epoch < rep.epoch):
             self.merge.skip(rep.epoch)
             if pulled and keep:
                 logger.info(f"stage {self.stage}: late to merge epoch {rep.epoch}; its progress of inner steps "
-                            f"{self.anchor_step}-{self.worker.inner_step} goes into its next merge")
+                            f"{since}-{self.worker.inner_step} goes into its next merge")
             return rep
         again = await self.merge.merge(rep.epoch, self._peers)
         self.metrics.observe_merge(again.status, again.wall_s, again.bytes_sent, again.bytes_received)
