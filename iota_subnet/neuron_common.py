@@ -164,11 +164,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a neuron cleanly: SIGINT, SIGTERM, and SIGHUP unless it is ignored
+    (``nohup``: the neuron must outlive its terminal)."""
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hup)
+
+
 def install_stop(loop: asyncio.AbstractEventLoop, stop: Optional[asyncio.Event] = None) -> asyncio.Event:
-    """Map SIGINT / SIGTERM to ``stop`` (a new event by default). Install it first thing, before any
-    chain call: a stop request must be honoured during start-up too (see :func:`until_stopped`)."""
+    """Map SIGINT / SIGTERM / SIGHUP (Ctrl-C, ``kill``, a closed terminal) to ``stop`` (a new event
+    by default): the neuron stops as at the end of its run, checkpoint saved. SIGHUP stays ignored
+    where it was (``nohup``). Install it first thing, before any chain call: a stop request must be
+    honoured during start-up too (see :func:`until_stopped`)."""
     stop = stop or asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stop_signals():
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):   # not the main thread (tests)

@@ -50,6 +50,7 @@ def test_localnet_adversary(kind, tmp_path, tmp_home, wikitext_path, monkeypatch
     flagged = {m["uid"] for m in status["scores"] if (m["checks"] or {}).get("flagged") or (m["clasp"] or {}).get("flagged")
                or (m["audits"] or {}).get("flagged")}
     assert flagged <= set(adv), status["scores"]
+    assert {u for u, _ in status["barred"]} == set(adv), status["barred"]     # out of routing once flagged
     capsys.readouterr()
     assert cli_main(["scores", "--validator-state", str(vdir), "--uid", str(adv[0]), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["miners"][0]

@@ -79,19 +79,39 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
         net = P2PNet(tmp_path, wikitext_path, cache_dir)
         await net.start()
         try:
-            vali = net.validator(steps=8, audit_interval_s=0.5)
-            assert await vali.run() == 0
+            # it trains at least 8 steps and runs until every miner PASSED a hop and an update audit: in
+            # CI one of the 6 miners had no hop audit recorded when 8 steps were done (audits in flight
+            # at exit are cancelled), which says nothing about the miner; and on a loaded CI machine 4
+            # of 25 audits reached their miner after it had merged or gone 3 versions on (its right to
+            # refuse, not counted), so how many land in a fixed time says how busy the machine is
+            vali = net.validator(steps=60, audit_interval_s=0.5, exit_when_done=False)
+            task = asyncio.create_task(vali.run())
+            miners = {m.hotkey for m in net.miners.values()}
+            for _ in range(1200):
+                await asyncio.sleep(0.25)
+                if task.done():
+                    break
+                recs = _records(vali) if vali.auditing is not None else []
+                if min(vali.steps_done.values(), default=0) >= 8 and all(
+                        {r.hotkey for r in recs if r.kind == k and r.raw == "passed"} >= miners
+                        for k in ("hop", "update")):
+                    break
+            vali.request_stop()
+            assert await asyncio.wait_for(task, 120) == 0
             recs = _records(vali)
             hop = [r for r in recs if r.kind == "hop"]
             upd = [r for r in recs if r.kind == "update"]
             audited = {r.hotkey for r in hop}
-            miners = {m.hotkey for m in net.miners.values()}
             assert audited == miners, (len(audited), [(r.uid, r.raw, r.detail) for r in hop])
             # a LATE refusal of a version older than the window a miner must keep is its right, and not
             # counted (on a fast machine a miner went 4 inner steps past a picked hop before its audit)
             assert all(r.raw == "passed" or r.final == "outside window" for r in recs), \
                 [(r.kind, r.uid, r.raw, r.final, r.detail) for r in recs if r.raw != "passed"]
-            assert sum(r.raw == "passed" for r in recs) >= 0.9 * len(recs)
+            for k in ("hop", "update"):            # every miner passed both kinds (none only dodged the window)
+                assert {r.hotkey for r in recs if r.kind == k and r.raw == "passed"} == miners, \
+                    (k, [(r.kind, r.uid, r.raw, r.final) for r in recs])
+            late = [r for r in recs if r.final == "outside window"]
+            assert len(late) < len(recs) / 2, [(r.kind, r.uid, r.version, r.detail) for r in late]
             assert {r.direction for r in hop if r.stage == 0} == {"forward"}
             assert {r.direction for r in hop if r.stage > 0} == {"backward"}
             assert {r.hotkey for r in upd} == miners, [(r.uid, r.raw) for r in upd]
@@ -177,8 +197,8 @@ def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_
                 await asyncio.sleep(0.25)
                 done = {r.hotkey for r in vali.auditing.records if r.kind == "hop" and r.final == "passed"}
                 st = vali.audits.stats.get((cut.uid, cut.hotkey))
-                if done >= honest and st is not None and st.flagged and link.answered_again.get("/audit/open") \
-                        and link.answered_again.get("/audit/trace"):
+                if done >= honest and st is not None and st.flagged and len(link.lost) == 4 \
+                        and all(link.answered_again.get(p) for p in ("/audit/trace", "/audit/open", "/audit/update")):
                     break
             vali.request_stop()
             await asyncio.wait_for(task, 120)
@@ -232,7 +252,15 @@ def assert_caught(vali, adv, honest, kind):
     st = vali.audits.stats[(adv.uid, adv.hotkey)]
     reasons = " ".join(st.reasons)
     if kind == "dodge":           # its audits go unanswered (its garbage also leaves its weights unchanged)
-        assert st.refused + st.timed_out >= 2 and st.passed == 0, st.to_dict()
+        # an unanswered audit waits to be settled (the miner's next receipt, or ``settle_s``); those the
+        # validator still held when the run ended are settled here as its next round would. Its audits
+        # either go unanswered or fail on what its receipts show (the stale-weights check: in CI it
+        # flagged the dodger first, with 1 refusal settled and its hung audits still in flight); once
+        # flagged it is barred from routing and not audited again, so which came first decides the
+        # counts; none passes. That unanswered audits alone flag a miner over the wire is
+        # test_audits_asked_again_over_a_link_that_drops (its cut miner).
+        vali.auditing.settle(hotkey=adv.hotkey, after=float("inf"))
+        assert st.refused + st.timed_out + st.failed >= 1 and st.passed == 0, st.to_dict()
     else:
         want = {"hop": "hop audit failed", "update": "update audit"}[CAUGHT_BY[kind]]
         assert want in reasons, reasons
@@ -249,6 +277,57 @@ def test_cheater_caught_in_the_data_plane(tmp_home, tmp_path, wikitext_path, cac
     steps = 36 if kind == "dodge" else 14
     vali, adv, honest, _ = run(cheater_run(tmp_path, wikitext_path, cache_dir, kind, steps), timeout=380)
     assert_caught(vali, adv, honest, kind)
+
+
+def test_a_flagged_miner_gets_no_more_hops_and_training_goes_on(tmp_home, tmp_path, wikitext_path, cache_dir):
+    """A miner flagged as a cheater kept its lane: its lane's other stages trained on what it sent and
+    merged that into their stages. Once flagged it is barred from routing: after the tickets already
+    issued for it (the lookahead) it serves no hop, and every lane still trains (here with no spare:
+    its lane's hops of its stage go to the other replica). A restarted validator bars it again."""
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start(adversaries={ADV: "noisy-update"})
+        try:
+            adv = net.miners[ADV]
+            vali = net.validator(steps=80, audit_interval_s=0.5, exit_when_done=False)
+            task = asyncio.create_task(vali.run())
+
+            async def until(cond, what):
+                for _ in range(1600):
+                    if cond() or task.done():
+                        break
+                    await asyncio.sleep(0.25)
+                assert cond(), (what, vali.steps_done, vali.audits.to_dict() if vali.audits else None)
+
+            def served():
+                return adv.worker.forwards + adv.worker.backwards
+
+            def past(at: dict, n: int):
+                return all(vali.steps_done.get(lane, 0) >= k + n for lane, k in at.items())
+            await until(lambda: vali.router is not None and (adv.uid, adv.hotkey) in vali.router.barred, "barred")
+            assert not vali.router.is_available(vali.router.get((adv.uid, adv.hotkey)))
+            assert (adv.uid, adv.hotkey) in vali.audits.flagged()
+            at = dict(vali.steps_done)              # the tickets each lane was issued before it was barred are used
+            await until(lambda: past(at, vali.driver.lookahead + 2), "the lookahead trained")
+            before, at = served(), dict(vali.steps_done)
+            await until(lambda: past(at, 5), "5 more steps on every lane")
+            vali.request_stop()
+            assert await asyncio.wait_for(task, 120) == 0
+            assert served() == before, (before, served())
+            assert net.status()["barred"] == [[adv.uid, adv.hotkey]]
+            flagged = {k[0] for k in vali.audits.flagged()}
+            assert flagged == {adv.uid}, flagged
+            # a restarted validator bars it again from its saved flags, before it routes anything
+            vali = net.validator(steps=80, audit_interval_s=0.5, exit_when_done=False)
+            task = asyncio.create_task(vali.run())
+            await until(lambda: vali.router is not None and vali.steps_done, "the restarted validator drives lanes")
+            assert (adv.uid, adv.hotkey) in vali.router.barred, vali.router.barred
+            vali.request_stop()
+            assert await asyncio.wait_for(task, 120) == 0
+        finally:
+            await net.close()
+
+    run(main(), timeout=380)
 
 
 def test_restart_excuses_audits_of_work_from_before_it(tmp_home, tmp_path, wikitext_path, cache_dir):

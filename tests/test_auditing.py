@@ -325,6 +325,46 @@ def test_an_update_audit_is_asked_again_with_the_same_rows_and_a_dropper_still_f
         assert client.probes == len(client.asked) - (raw == "refused")        # after each failed attempt
 
 
+@pytest.mark.parametrize("boot", ["restart-between", "restart-before", "same-process", "no-receipt"])
+def test_an_update_audit_answered_by_the_process_that_redid_the_step_is_excused_only_after_a_restart(boot):
+    """Churn run of 2026-12-03 (chaos seed 1): uid 1 was killed right after committing inner step 0;
+    the validator asked its update audit again until the new process, which had started from the
+    seeded weights and done step 0 again, answered with its own commitment of step 0. That failed,
+    and flagged, an honest miner. A later commitment of the audited step now waits to be settled:
+    a restart announced by the miner's next receipt, between the two commitments, excuses it (work
+    from before the restart); a restart from before the commitment, none, or no receipt at all
+    until it is settled: it fails, as any answer for another commitment does."""
+    from iota_subnet.protocol import UpdateAuditResponse
+    old = UpdateCommit(step=0, merges=0, adam_step=1, lr=1e-3, grad_norm=1.0, clip_coef=1.0, skipped=False,
+                       roots={k: "0" * 64 for k in UPDATE_KINDS}, at=999.0)
+    redone = dataclasses.replace(old, roots={k: "3" * 64 for k in UPDATE_KINDS}, at=1003.0)
+
+    class NewProcess(Refusing):
+        async def call(self, endpoint, hotkey, path, msg, typ, **kw):
+            if path == "/audit/update":
+                return UpdateAuditResponse(commit=redone.to_dict())
+            return await super().call(endpoint, hotkey, path, msg, typ, **kw)
+    sch, rep, policy, clock = make(NewProcess(TransportError("x", "down")))
+    sch.on_receipt(ticket(0), receipt(0, t=clock.t, boot=900.0), HK)          # the old process, at 1000
+    assert sch.on_updates(HK, [old.to_dict()]) == 1
+    clock.t += 5
+    rec = asyncio.run(sch.audit_update(rep, 0))
+    assert (rec.raw, rec.code, rec.final) == ("refused", "SUPERSEDED", ""), vars(rec)
+    clock.t += 1
+    if boot == "no-receipt":                      # settled when settle_s has passed
+        clock.t += sch.settle_s + 1
+        assert sch.settle() == [rec]
+    else:                                         # its next receipt: a process started at 1002 or 950, or the old one
+        sch.on_receipt(ticket(1), receipt(1, t=clock.t, boot={"restart-between": 1002.0, "restart-before": 950.0,
+                                                              "same-process": 900.0}[boot]), HK)
+    if boot == "restart-between":
+        assert rec.final == "excused" and not policy.flagged()
+        assert "restart" in policy.stats[rep.key].recent[-1]["why"]
+    else:
+        assert (rec.raw, rec.final) == ("failed", "failed") and policy.flagged() == {rep.key}
+        assert rec.detail.endswith("no restart announced between the two")
+
+
 def test_a_late_refusal_outside_the_required_window_is_not_counted():
     """LATE for a version the miner may have dropped by the time it answered (its later receipts name
     versions >= REQUIRED_VERSIONS newer) is within its rights; inside that window it counts."""

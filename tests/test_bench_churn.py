@@ -56,14 +56,19 @@ def test_kept_results_add_up_and_only_matching_parameters_are_reused(bench, tmp_
     assert not (out / "undisturbed0").exists()                          # reused, not re-run
 
 
-def test_a_timed_out_or_unreadable_result_is_run_again(bench, tmp_path, capsys):
-    keep, argv = undisturbed_only(tmp_path, 2)
+def test_a_timed_out_stopped_or_unreadable_result_is_run_again(bench, tmp_path, capsys):
+    """Timed out, stopped before its final evaluation (the bench killed mid-run wrote a result with no
+    val loss, 2026-12-03), or unreadable: none is reused."""
+    keep, argv = undisturbed_only(tmp_path, 3)
     timed_out = {**_result(bench, argv, "undisturbed0", None, 5.5), "timed_out": True}
     (keep / "undisturbed0.json").write_text(json.dumps(timed_out))
     (keep / "undisturbed1.json").write_text("{not json")
+    stopped = {**_result(bench, argv, "undisturbed2", None, 5.5), "val_loss": None, "final_loss": None}
+    (tmp_path / "out" / "undisturbed2").mkdir(parents=True)
+    (tmp_path / "out" / "undisturbed2" / bench.RESULT).write_text(json.dumps(stopped))
     assert bench.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["runs_left"] == ["undisturbed0", "undisturbed1"] and res["val_loss_undisturbed"] is None
+    assert res["runs_left"] == ["undisturbed0", "undisturbed1", "undisturbed2"] and res["val_loss_undisturbed"] is None
     assert res["plot"] is None                                          # nothing finished: nothing to draw
 
 
@@ -93,3 +98,17 @@ def test_a_run_whose_code_changed_while_it_ran_is_not_reused(bench, tmp_path, ca
     (keep / "undisturbed0.json").write_text(json.dumps(mixed))
     assert bench.main(argv) == 0
     assert json.loads(capsys.readouterr().out)["runs_left"] == ["undisturbed0"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--chaos", "explode=1/min"], "unknown kind 'explode'"),
+    (["--seeds", "a,b"], "--seeds: a comma-separated list of integers"),
+    (["--replicas", "2", "--chaos", "kill=1/min"], "would never run"),     # min_live=2 of 2 replicas, no joins
+])
+def test_a_bad_chaos_spec_or_seed_list_is_told_before_any_run(bench, tmp_path, capsys, argv, msg):
+    """Before, a typo in --chaos surfaced as a traceback when the first chaos run started, after the
+    undisturbed runs (about 45 minutes on 2 cores)."""
+    with pytest.raises(SystemExit) as e:
+        bench.main([*argv, "--out", str(tmp_path / "runs")])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Optional
 import pytest
 
 from iota_subnet.config import ConfigError
-from iota_subnet.network.chaos import CHAOS_KINDS, ChaosInjector, ChaosLog, ChaosSpec
+from iota_subnet.network.chaos import CHAOS_KINDS, ChaosInjector, ChaosLog, ChaosSpec, checked_chaos
 
 
 def test_spec_parses_rates_and_refuses_what_it_cannot_read():
@@ -20,8 +21,11 @@ def test_spec_parses_rates_and_refuses_what_it_cannot_read():
     assert s.rates == {"kill": 2.0, "pause": 0.5, "join": 1.0} and s.seed == 7
     assert ChaosSpec.parse("slow=1/s").rates == {"slow": 60.0}
     assert ChaosSpec.parse("kill=1/min,min_live=2").min_live == 2 and ChaosSpec.parse("kill=1/min").min_live == 1
+    assert ChaosSpec.parse("kill=0/min,pause=1/min").rates == {"kill": 0.0, "pause": 1.0}    # 0 leaves a kind out
     for bad, msg in (("kill=2", "KIND=RATE/min"), ("explode=1/min", "unknown kind"), ("seed=x,kill=1/min", "seed"),
-                     ("seed=3", "no fault kinds"), ("kill=1/min,min_live=0", "min_live")):
+                     ("seed=3", "no fault kinds"), ("kill=1/min,min_live=0", "min_live"),
+                     ("kill=0/min,pause=0/s", "every rate is 0"), ("kill=1/min,pause=1/min,kill=3/min", "kill is given twice"),
+                     ("seed=1,kill=1/min,seed=2", "seed is given twice"), ("min_live=2,kill=1/min,min_live=3", "twice")):
         with pytest.raises(ConfigError, match=msg):
             ChaosSpec.parse(bad)
 
@@ -189,3 +193,29 @@ def test_joins_refill_the_emptiest_stage_and_spread_over_ties(tmp_path):
     finally:
         log.close()
         net.close()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--replicas", "1", "--chaos", "kill=20/min,pause=20/min,seed=1"], "kill, pause would never run"),
+    (["--replicas", "3", "--chaos", "kill=2/min,seed=1,min_live=5"], "use --replicas 6 or more"),
+    (["--replicas", "3", "--chaos", ""], "empty spec"),
+    (["--replicas", "3", "--chaos", "kill=2/min", "--chaos-duration", "0"], "--chaos-duration must be > 0"),
+])
+def test_localnet_refuses_chaos_that_could_never_run(tmp_path, argv, msg):
+    """A spec none of whose faults could hit a miner would run undisturbed while the run says it is
+    disturbed (a reviewer got exit 0 and 0 events): exit code 2, one line saying how to fix it, and
+    nothing started."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "iota_subnet.cli", "localnet", "--stages", "2", "--config",
+                        "configs/tiny.yaml", "--steps", "2", "--out", str(out), *argv],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_chaos_check_lets_joins_lift_a_stage_over_min_live():
+    assert checked_chaos("kill=2/min,join=1/min,seed=1,min_live=2", 2, None).min_live == 2
+    assert checked_chaos("validator-kill=1/min,seed=1", 1, None).rates == {"validator-kill": 1.0}
+    with pytest.raises(ConfigError, match="would never run"):
+        checked_chaos("kill=2/min,slow=1/min,seed=1,min_live=2", 2, None)

@@ -80,6 +80,14 @@ def test_validator_snapshot_from_status_and_metrics(tmp_path):
     cells = {c["uid"]: c for c in snap["pipeline"]["cells"]}
     assert cells[1]["state"] == "ok" and cells[1]["inner_step"] == 4 and cells[1]["weight"] == 0.7
     assert cells[2]["state"] == "flagged"
+    # flagged by audits only (barred from routing: unavailable) is "flagged" too, not "cooldown"
+    for extra in ({"audits": {"flagged": True}}, {"barred": True}):
+        score = {**STATUS["scores"][0], "checks": None, **({"audits": extra["audits"]} if "audits" in extra else {})}
+        reps = [STATUS["replicas"][0], {**STATUS["replicas"][1], **({"barred": True} if "barred" in extra else {})}]
+        src = ValidatorSource(status=lambda: {**STATUS, "scores": [score], "replicas": reps}, metrics_path=mp,
+                              health=health)
+        asyncio.run(src.sample())
+        assert {c["uid"]: c["state"] for c in src.snapshot()["pipeline"]["cells"]}[2] == "flagged", extra
     assert snap["merges"]["replicas"][0]["merges"] == 2.0
     assert snap["scores"]["miners"][0]["why"] == ["flagged by spot checks: x"]
     assert snap["pipeline"]["stages"] == 2

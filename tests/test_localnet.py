@@ -98,6 +98,7 @@ def test_localnet_trains_survives_a_killed_miner_and_pays(tmp_path, tmp_home, wi
     th.join(timeout=420)
     assert not th.is_alive()
     s = result["summary"]
+    assert s["ended"] == "done" and s["steps_done"] == 300, (s["ended"], s["steps_done"])
 
     rows = [json.loads(l) for l in (tmp_path / "ln" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(300))
@@ -153,17 +154,22 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_terminated_localnet_stops_every_neuron_and_writes_its_summary(tmp_path, tmp_home, wikitext_path):
+@pytest.mark.parametrize("how", ["kill", "terminal closed", "ctrl-c"])
+def test_a_terminated_localnet_stops_every_neuron_and_writes_its_summary(tmp_path, tmp_home, wikitext_path, how):
     """``kill <pid of iota-subnet localnet>`` (SIGTERM) ended the localnet at once and left its
     devnet's miners and validator running, orphaned (found when a churn benchmark was stopped,
-    2026-12-02). Now it stops every neuron and writes its summary, as at the end of a run."""
+    2026-12-02). Now it stops every neuron and writes its summary, as at the end of a run. A closed
+    terminal sends SIGHUP to the whole foreground process group: it killed every neuron at once (no
+    clean stop, no checkpoint); now each neuron has a session of its own, and the localnet stops
+    them in order."""
     out = tmp_path / "ln"
     env = dict(os.environ, IOTA_CACHE=str(tmp_path / "cache"))
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from iota_subnet.cli import main; sys.exit(main())",
                              "localnet", "--stages", "2", "--replicas", "1", "--config", _config(tmp_path),
                              "--data", str(wikitext_path), "--steps", "1000", "--out", str(out),
                              "--block-time", "0.5", "--tempo", "10"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)      # its own process group, as a terminal's job is
     try:
         deadline = time.monotonic() + 240
         kids: list[int] = []
@@ -174,14 +180,25 @@ def test_a_terminated_localnet_stops_every_neuron_and_writes_its_summary(tmp_pat
                 break
             time.sleep(0.5)
         assert proc.poll() is None and len(kids) >= 3, f"the localnet did not come up: {proc.stdout.read()[-3000:]}"
-        proc.send_signal(signal.SIGTERM)
+        if how == "kill":
+            proc.send_signal(signal.SIGTERM)
+        else:                                          # what the terminal sends its foreground job
+            os.killpg(proc.pid, signal.SIGHUP if how == "terminal closed" else signal.SIGINT)
         text, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert all(_dead(k) for k in kids), [k for k in kids if not _dead(k)]
-    assert "signal SIGTERM: stopping every neuron" in text, text[-3000:]
-    assert (out / "summary.json").exists()
+    sig = {"kill": "SIGTERM", "terminal closed": "SIGHUP", "ctrl-c": "SIGINT"}[how]
+    assert f"signal {sig}: stopping every neuron" in text, text[-3000:]
+    assert "killing it" not in text, text[-3000:]
+    logs = sorted(out.glob("logs/miner-*.log"))
+    assert len(logs) == 2, logs
+    for log in logs:                                # each miner stopped as at the end of a run
+        assert "miner stopped" in log.read_text(errors="replace"), (log.name, log.read_text(errors="replace")[-2000:])
+    summary = json.loads((out / "summary.json").read_text())     # it says it covers only part of the run
+    assert summary["ended"] == "stopped" and 0 <= summary["steps_done"] < 1000, {k: summary.get(k) for k in ("ended", "steps_done")}
+    assert f"stopped early, at step {summary['steps_done']} of 1000" in text, text[-3000:]
 
 
 def test_a_resumed_run_ignores_the_previous_processes_status(tmp_path):
@@ -207,3 +224,41 @@ def test_dashboard_addresses_go_to_stderr_so_json_on_stdout_stays_parseable(tmp_
     LocalNet._announce_dashboards(ns, [{"dashboard": "http://127.0.0.1:5/"}])
     out, err = capsys.readouterr()
     assert out == "" and "dashboard (validator0): http://127.0.0.1:5/" in err
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_neuron_stops_cleanly_on_sighup_unless_under_nohup(nohup):
+    """A closed terminal's SIGHUP stops a neuron as at the end of its run (it used to kill it with no
+    clean stop); one started with ``nohup`` ignores SIGHUP and must keep running."""
+    code = ("import asyncio, os, signal\n"
+            "from iota_subnet.neuron_common import install_stop\n"
+            "async def main():\n"
+            "    stop = install_stop(asyncio.get_running_loop())\n"
+            "    os.kill(os.getpid(), signal.SIGHUP)\n"
+            "    try:\n"
+            "        await asyncio.wait_for(stop.wait(), 2)\n"
+            "        print('stopped cleanly')\n"
+            "    except asyncio.TimeoutError:\n"
+            "        print('still running')\n"
+            "asyncio.run(main())\n")
+    argv = (["nohup"] if nohup else []) + [sys.executable, "-c", code]
+    # started from a terminal: SIGHUP at its default (this test may itself run under nohup, whose
+    # ignored SIGHUP every child inherits)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ("still running" if nohup else "stopped cleanly"), out
+
+
+@pytest.mark.parametrize("command", ["localnet", "miner"])
+def test_adversary_help_names_every_kind(command, capsys, monkeypatch):
+    """`--help` listed fewer cheater kinds than the README and the code accept."""
+    monkeypatch.setenv("COLUMNS", "2000")          # no wrapping inside a name (noisy-update)
+    from iota_subnet.cli import main as cli_main
+    from iota_subnet.miner.adversary import ADVERSARY_KINDS
+    with pytest.raises(SystemExit):
+        cli_main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.index("--adversary KIND ")      # the option's own help, not the usage line
+    help_text = text[start:start + 600]
+    assert [k for k in ADVERSARY_KINDS if k not in help_text] == [], help_text

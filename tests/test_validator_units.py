@@ -148,6 +148,32 @@ def test_a_lane_member_down_for_long_gives_its_lane_to_an_available_spare():
     assert [[x.uid for x in lane] for lane in r.lanes()][:2] == [[3, 4], [2, 7]]
 
 
+def test_a_barred_miner_gets_no_hop_and_its_lane_goes_to_a_spare():
+    """A miner flagged as a cheater kept its lane: its lane's other stages trained on what it sent
+    and merged that. Barred, it gets no hop, reroute, alternate or probe again; a spare takes its lane
+    at once; with no spare its lane's hops go to alternates. It keeps a slot (lanes stay as a
+    validator that has not flagged it sees them), and nobody is moved into two lanes."""
+    clock = Clock()
+    r = Router(2, rng=random.Random(0), clock=clock)
+    r.update(topo([3, 2]))                      # stage 0: uids 1-3 (uid 3 spare); stage 1: uids 4-5
+    cheat, other = r.lane_member(1, 0), r.lane_member(0, 1)
+    assert r.bar([cheat.key]) == [cheat.key] and r.bar([cheat.key]) == []
+    assert not r.is_available(cheat) and all(r.choose(0).key != cheat.key for _ in range(200))
+    assert r.reassign_vacant(2) == [(0, 1, cheat.key, (3, "hk3"))]          # at once, not after 120 s
+    assert cheat.uid == 2 and r.lane_member(1, 0).uid == 3 and r.lane_member(2, 0).key == cheat.key
+    r.record_failure(cheat, "timeout")
+    clock.t += 3600
+    assert r.probe_due() == [] and r.next_probe_in() is None               # never probed back
+    r.mark_healthy(cheat)
+    assert not r.is_available(cheat)
+    r.update(topo([3, 2]))                      # a metagraph sync lists it again: still barred
+    assert not r.is_available(r.get(cheat.key)) and r.lane_member(1, 0).uid == 3
+    r.bar([other.key])                          # no spare in stage 1: its lane's hops go to the other replica
+    assert r.reassign_vacant(2) == [] and r.n_lanes == 2 and r.lane_member(0, 1).key == other.key
+    assert all(r.route(0, 1).uid == 5 for _ in range(50)) and r.route(1, 1).uid == 5
+    assert {x["uid"]: x["barred"] for x in r.snapshot()} == {1: False, 2: True, 3: False, 4: True, 5: False}
+
+
 def test_swarm_choice_is_proportional_to_throughput_ema():
     r = Router(1, ema_alpha=0.5, rng=random.Random(42))
     r.update(topo([3]))

@@ -21,7 +21,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
-                        "noisy-update, precision, accuse; see iota_subnet/miner/adversary.py) so validators' "
+                        "noisy-update, precision, accuse, dodge; see iota_subnet/miner/adversary.py) so validators' "
                         "verification can be exercised")
     m.add_argument("--register", action="store_true",
                    help="register the hotkey if it is not (burns TAO from the coldkey; needs --max-burn)")

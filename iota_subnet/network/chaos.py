@@ -37,6 +37,8 @@ from typing import Optional
 from iota_subnet.config import ConfigError
 
 CHAOS_KINDS = ("kill", "pause", "leave", "join", "partition", "slow", "validator-kill")
+#: the kinds that hit a live miner of a stage above ``min_live`` live replicas (the others add a miner or hit a validator)
+MINER_FAULTS = ("kill", "pause", "leave", "partition", "slow")
 _RATE = re.compile(r"^\s*([a-z-]+)\s*=\s*([0-9]*\.?[0-9]+)\s*/\s*(min|m|s|sec)\s*$")
 
 
@@ -56,10 +58,16 @@ class ChaosSpec:
     @staticmethod
     def parse(text: str, *, min_live: int = 1) -> "ChaosSpec":
         """Parse ``kind=R/min,...,seed=N[,min_live=N]`` (``min_live`` in the text overrides the
-        argument); raises :class:`ConfigError` naming the bad part."""
+        argument; a rate of 0 leaves that kind out); raises :class:`ConfigError` naming the bad part,
+        a key given twice, or a spec whose rates are all 0."""
         rates: dict[str, float] = {}
         seed = 0
+        seen: set[str] = set()
         for part in (p for p in text.split(",") if p.strip()):
+            key = part.split("=", 1)[0].strip()
+            if "=" in part and key in seen:
+                raise ConfigError(f"--chaos: {key} is given twice ({text.strip()!r}); give each kind once")
+            seen.add(key)
             if part.strip().startswith("min_live="):
                 try:
                     min_live = int(part.strip()[9:])
@@ -82,8 +90,9 @@ class ChaosSpec:
             if kind not in CHAOS_KINDS:
                 raise ConfigError(f"--chaos: unknown kind {kind!r}; one of {', '.join(CHAOS_KINDS)}")
             rates[kind] = rate * (60.0 if unit in ("s", "sec") else 1.0)
-        if not rates:
-            raise ConfigError("--chaos: no fault kinds given; e.g. --chaos kill=2/min,pause=1/min,seed=7")
+        if not any(r > 0 for r in rates.values()):
+            raise ConfigError("--chaos: no fault kinds given" + (" (every rate is 0)" if rates else "")
+                              + "; e.g. --chaos kill=2/min,pause=1/min,seed=7")
         return ChaosSpec(rates=rates, seed=seed, min_live=min_live)
 
     def schedule(self, duration_s: float) -> list[tuple[float, str]]:
@@ -180,6 +189,24 @@ def served(status: dict) -> int:
     """Hops a miner completed (from its status.json): what recovery is measured with."""
     counts = (status.get("dataplane") or {}).get("counts") or {}
     return int(counts.get("receipts_ok", 0))
+
+
+def checked_chaos(text: str, replicas: int, duration_s: Optional[float]) -> ChaosSpec:
+    """``--chaos`` parsed (:meth:`ChaosSpec.parse`) and checked against the network it will hit: a
+    spec none of whose miner faults could ever run (every stage at or below ``min_live`` live
+    replicas and no joins to add one) would run undisturbed while saying it is disturbed. Raises
+    :class:`ConfigError` saying how to fix it."""
+    if not text.strip():
+        raise ConfigError("--chaos: empty spec; give e.g. --chaos kill=2/min,pause=1/min,seed=7, or leave --chaos out")
+    if duration_s is not None and not duration_s > 0:
+        raise ConfigError(f"--chaos-duration must be > 0 seconds, got {duration_s}")
+    spec = ChaosSpec.parse(text, min_live=1)
+    picked = sorted(k for k, r in spec.rates.items() if r > 0 and k in MINER_FAULTS)
+    if picked and spec.rates.get("join", 0) <= 0 and replicas <= spec.min_live:
+        raise ConfigError(f"--chaos: {', '.join(picked)} would never run: a miner fault hits only a stage with more "
+                          f"than min_live={spec.min_live} live replicas, and each stage has {replicas}; use --replicas "
+                          f"{spec.min_live + 1} or more (min_live defaults to 1), or add join=R/min")
+    return spec
 
 
 class ChaosInjector:

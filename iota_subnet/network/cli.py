@@ -37,6 +37,11 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
+    if summary["ended"] == "stopped":
+        print(f"stopped early, at step {summary['steps_done']} of {summary['steps']}: the figures above cover only that part")
+    elif summary["ended"] == "weights late":
+        print("trained every step, but the weights and incentive did not land on chain in time: the chain figures "
+              "may be missing")
     return 0
 
 
@@ -91,11 +96,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--set merge.quantization=int8")
     p.add_argument("--adversary", default=None, metavar="KIND",
                    help="one replica of the middle stage cheats this way (random, zero, lazy, replay, copy, stale, "
-                        "claim, poison: turns merging on); summary.json lists adversary_uids and each miner's weight")
+                        "claim, noisy-update, precision, dodge; poison (turns merging on) and accuse need merging "
+                        "and 3 or more replicas); summary.json lists adversary_uids and each miner's weight")
     p.add_argument("--chaos", default=None, metavar="SPEC",
-                   help="inject faults on a seeded schedule, e.g. kill=2/min,pause=1/min,join=0.5/min,seed=7 (kinds: "
-                        "kill, pause, leave, join, partition, slow, validator-kill); every event and recovery goes to "
-                        "OUT/chaos.jsonl and the summary")
+                   help="inject faults on a seeded schedule, e.g. kill=2/min,pause=1/min,join=0.5/min,seed=7,min_live=2 "
+                        "(kinds: kill, pause, leave, join, partition, slow, validator-kill; rates per minute, or /s; "
+                        "seed defaults to 0; a miner fault hits only a stage with more than min_live live replicas, "
+                        "default 1); every event and recovery goes to OUT/chaos.jsonl and the summary")
     p.add_argument("--chaos-duration", type=float, default=None,
                    help="seconds of run time the chaos schedule covers, from the end of start-up (default 3600; "
                         "faults stop when training ends)")

@@ -33,6 +33,7 @@ from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.train.metrics import write_summary
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
+from .chaos import ChaosInjector, ChaosLog, checked_chaos
 
 NETUID = 9
 
@@ -144,13 +145,16 @@ class LocalNet:
         self.children: list[Child] = []
         #: fault injection (:mod:`.chaos`): the spec, and the run time its schedule covers
         self.chaos_spec = None
-        if chaos:
-            from .chaos import ChaosSpec
-            self.chaos_spec = ChaosSpec.parse(chaos, min_live=1)
-        self.chaos_duration_s = chaos_duration_s or 3600.0
+        if chaos is not None:
+            self.chaos_spec = checked_chaos(chaos, replicas, chaos_duration_s)
+        self.chaos_duration_s = 3600.0 if chaos_duration_s is None else float(chaos_duration_s)
         self.chaos = None
         self.dashboards: dict[str, str] = {}   # validator name -> its dashboard URL, once it serves one
         self._stop_requested = threading.Event()
+        #: how the run ended, in the summary: "done" (every step trained, weights landed), "weights late"
+        #: (trained, weights did not land in time), "stopped" (a signal or request_stop before the end)
+        self.ended = "done"
+        self._cleaning_up = False       # run's final clean-up has begun: signals no longer interrupt it
         self.run_id = f"localnet-{self.cfg.model.name}"
         self.chain_db = self.out / "chain.db"
         self.config_path = self.out / "config.yaml"
@@ -237,8 +241,13 @@ class LocalNet:
     def start(self, child: Child) -> None:
         child.out.mkdir(parents=True, exist_ok=True)
         logf = open(child.log, "ab")
+        # a process group of its own: a terminal's SIGHUP (closed) or SIGINT (Ctrl-C) reaches only this
+        # process, which stops every neuron in order and writes the summary (before, a closed terminal's
+        # SIGHUP killed every neuron at once, with no checkpoint). Same session: if this process dies,
+        # a neuron paused by chaos (SIGSTOP) gets SIGHUP and SIGCONT from the kernel (its group is
+        # orphaned) and then its IOTA_DIE_WITH_PARENT SIGTERM; in a session of its own it stayed stopped
         child.proc = subprocess.Popen(child.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=self._env())
+                                      env=self._env(), process_group=0)
         logf.close()
         child.died_at = None
         child.started_at = time.monotonic()
@@ -383,9 +392,11 @@ class LocalNet:
                         break
                     if time.monotonic() - done_at > 6 * self.tempo * self.block_time + 60:
                         logger.warning("training done but weights/incentive did not land in time; summarising anyway")
+                        self.ended = "weights late"
                         break
                 if self._stop_requested.is_set():
-                    logger.info("stop requested: summarising and stopping every neuron")
+                    logger.info(f"stop requested at step {steps_done}/{self.steps}: summarising and stopping every neuron")
+                    self.ended = "weights late" if done_at else "stopped"     # every step trained: not early
                     break
                 if self.timeout_s and time.monotonic() - t0 > self.timeout_s:
                     raise TimeoutError(f"localnet did not finish within {self.timeout_s:.0f}s")
@@ -393,6 +404,7 @@ class LocalNet:
             self.stop_all()        # every neuron writes its final status (merges, steps) as it stops
             summary = self.summarize(wall_s)
         finally:
+            self._cleaning_up = True            # from here a Ctrl-C changes nothing (see _stop_on_signals)
             if bar is not None:
                 bar.close()
             if startup is not None:
@@ -410,7 +422,6 @@ class LocalNet:
         return summary
 
     def _start_chaos(self) -> None:
-        from .chaos import ChaosInjector, ChaosLog
         self.chaos = ChaosInjector(self, self.chaos_spec, ChaosLog(self.out / "chaos.jsonl"), self.chaos_duration_s)
         logger.info(f"chaos: {len(self.chaos.pending)} faults scheduled over the next {self.chaos_duration_s:.0f} s "
                     f"(seed {self.chaos_spec.seed}); log in {self.out / 'chaos.jsonl'}")
@@ -438,22 +449,27 @@ class LocalNet:
         self._stop_requested.set()
 
     def _stop_on_signals(self) -> Callable[[], None]:
-        """In the main thread, SIGTERM and SIGHUP (``kill``, a closed terminal) stop the run as
-        :meth:`request_stop` does: every neuron is stopped (SIGTERM, then SIGKILL after 15 s) and the
-        summary written. Before, they ended this process at once and left every miner and validator
-        running, orphaned. Later signals change nothing (the stop is under way; raising here could cut
-        the clean-up short). Returns the function that restores the handlers."""
+        """In the main thread, SIGTERM, SIGHUP and SIGINT (``kill``, a closed terminal, Ctrl-C) stop
+        the run as :meth:`request_stop` does: every neuron is stopped (SIGTERM, then SIGKILL after 15 s)
+        and the summary written. Before, they ended this process at once and left every miner and
+        validator running, orphaned. A second Ctrl-C skips the summary (the neurons are still
+        stopped, in ``run``'s clean-up); later signals, and any once that clean-up has begun, change
+        nothing (raising there could cut it short). Returns the function that restores the handlers."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
 
         def on_signal(signum, _frame):
             name = signal.Signals(signum).name
             if self._stop_requested.is_set():
+                if signum == signal.SIGINT and not self._cleaning_up:
+                    self._cleaning_up = True        # one KeyboardInterrupt: the next press is only logged
+                    raise KeyboardInterrupt
                 logger.warning(f"signal {name}: already stopping every neuron")
                 return
-            logger.warning(f"signal {name}: stopping every neuron")
+            logger.warning(f"signal {name}: stopping every neuron" + (
+                " and writing the summary (Ctrl-C again: stop them without it)" if signum == signal.SIGINT else ""))
             self._stop_requested.set()
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
 
         def restore() -> None:
             for sig, handler in previous.items():
@@ -586,6 +602,7 @@ class LocalNet:
         val_losses = [s["val_loss"] for s in st if s.get("val_loss") is not None]
         summary = {
             "stages": self.stages, "replicas": self.replicas, "validators": self.n_validators, "steps": self.steps,
+            "ended": self.ended, "steps_done": self._steps_done(st),
             "tokens": tokens, "tokens_per_s": tokens / train_s if train_s else None,
             "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
             "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,

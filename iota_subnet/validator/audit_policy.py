@@ -23,7 +23,10 @@ turns it into the outcome that counts:
   - *restart*: the audited work is from before a restart the miner announced
     (:meth:`AuditPolicy.announce_restart`: its first receipts after a restart carry a new boot
     time; what its audit store held is gone), or the audit went unanswered shortly (120 s) before
-    one (a killed process). Work done after the announced restart is not covered.
+    one (a killed process). Work done after the announced restart is not covered. An update audit
+    answered by the new process for its own, later commitment of the audited step reaches the policy
+    as ``refused`` only when such a restart lies between the two commitments; else it is ``failed``
+    (:data:`~iota_subnet.validator.update_audit.SUPERSEDED`).
 
 * **Bound on excuses**: among a miner's last ``excuse_window`` audits at most
   ``max(min_excuses, max_excuse_fraction x n)`` may be excused (default: 3, or half of the last 20

@@ -75,7 +75,7 @@ from iota_subnet.transport import TransportError
 
 from .audit_policy import AuditPolicy
 from .routing import Replica
-from .update_audit import HTTP_HEADER_BYTES, UpdateAuditor
+from .update_audit import HTTP_HEADER_BYTES, SUPERSEDED, UpdateAuditor
 
 #: Hop candidates kept per miner (the most recent receipts).
 MAX_CANDIDATES = 64
@@ -414,6 +414,9 @@ class AuditScheduler:
             logger.info("{} audit of uid {}: version {} is outside the window it must keep (newest named {}); "
                         "not counted", rec.kind, rec.uid, list(rec.version), list(latest))
             return rec
+        if rec.code == SUPERSEDED and not self.policy.restarted_since((rec.uid, rec.hotkey), work_at or at, at):
+            # two commitments of one step and no restart between them: the answer does not verify
+            rec.raw, rec.detail = "failed", f"{rec.detail}; no restart announced between the two"
         rec.final = self.policy.record(rec.uid, rec.hotkey, rec.stage, rec.kind, rec.raw, work_at=work_at, at=at,
                                        detail=rec.detail)
         self.records.append(rec)

@@ -16,7 +16,8 @@ Lanes
     ``vacate_after_s`` (120 s) although still registered swaps slots with an available spare
     (:meth:`Router.reassign_vacant`): a lane is not left to alternates, which do not train. The
     validator keeps the assignment in its state (:meth:`Router.slot_table`), so a swap outlives a
-    restart of the validator.
+    restart of the validator. A miner flagged as a cheater is barred (:meth:`Router.bar`): no hop
+    goes to it again, and a spare takes its lane at once.
 
 Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
     When a hop fails (timeout, refusal, bad reply), the hop is re-sent to another replica of the
@@ -133,6 +134,8 @@ class Router:
         self.replicas: dict[int, list[Replica]] = {s: [] for s in range(self.n_stages)}
         self.health: dict[Key, ReplicaHealth] = {}
         self._slots: dict[int, list[Optional[Key]]] = {s: [] for s in range(self.n_stages)}
+        #: miners flagged as cheaters (:meth:`bar`): never available again
+        self.barred: set[Key] = set()
 
     # ---------------------------------------------------------------- topology
     def update(self, replicas: Mapping[int, Sequence[Replica]]) -> None:
@@ -164,9 +167,25 @@ class Router:
                 slots.pop()
             self._slots[s] = slots
 
+    def bar(self, keys: Iterable[Key]) -> list[Key]:
+        """Take miners flagged as cheaters out of routing for good: no hop, reroute, alternate or
+        audit goes to them (:meth:`is_available` is False, no probe brings them back), and
+        :meth:`reassign_vacant` gives each one's lane to an available spare of its stage at once.
+        With no spare, that lane's hops of the stage go to alternates (the stage's other replicas,
+        which compute them but do not train on them). A barred miner keeps its slot: another
+        validator that has not flagged it (each flags on its own) still sees the same lanes, and no
+        miner is moved into two lanes. A flagged miner kept its lane before: its lane's other stages
+        trained on what it sent and merged that into their stages. Tickets already issued (the
+        validator's lookahead, 8 steps) still name it. Flags stay with the hotkey (a re-registered
+        uid is a new key). Returns the keys barred by this call."""
+        new = sorted(set(keys) - self.barred)
+        self.barred.update(new)
+        return new
+
     def reassign_vacant(self, lanes: int) -> list[tuple[int, int, Key, Key]]:
-        """Give the lane of a member unavailable for ``vacate_after_s`` to an available spare of its
-        stage (slot ``>= lanes``: the validator drives lanes ``0 .. lanes - 1``); the two swap slots.
+        """Give the lane of a member unavailable for ``vacate_after_s``, or barred (at once), to an
+        available spare of its stage (slot ``>= lanes``: the validator drives lanes ``0 .. lanes - 1``);
+        the two swap slots.
         Without this a lane whose member left for good (its registration and axon stay on chain) was
         served by alternates, which do not train, for the rest of the run, while the miners that
         joined sat in lanes nobody drives and never merged (churn benchmark, 2026-12-02). Returns
@@ -177,9 +196,12 @@ class Router:
             slots = self._slots.get(s, [])
             for i in range(min(lanes, len(slots))):
                 h = self.health.get(slots[i]) if slots[i] is not None else None
-                if h is None or h.down_since is None or now - h.down_since < self.vacate_after_s:
+                down = slots[i] in self.barred or (h is not None and h.down_since is not None
+                                                    and now - h.down_since >= self.vacate_after_s)
+                if not down:
                     continue
                 spare = next((j for j in range(lanes, len(slots)) if slots[j] is not None
+                              and slots[j] not in self.barred
                               and not (self.health.get(slots[j]) or ReplicaHealth()).needs_probe), None)
                 if spare is not None:
                     out.append((s, i, slots[i], slots[spare]))
@@ -254,7 +276,9 @@ class Router:
         return h
 
     def is_available(self, r: Replica) -> bool:
-        """Not cooling down and not waiting for a good /health probe."""
+        """Not barred (:meth:`bar`), not cooling down and not waiting for a good /health probe."""
+        if r.key in self.barred:
+            return False
         h = self.health.get(r.key)
         return h is None or not h.needs_probe
 
@@ -290,14 +314,14 @@ class Router:
     def probe_due(self) -> list[Replica]:
         """Failed replicas whose cooldown has run out: probe them with /health."""
         now = self.clock()
-        return [r for r in self.live_replicas()
-                if (h := self.health.get(r.key)) is not None and h.needs_probe and now >= h.cooldown_until]
+        return [r for r in self.live_replicas() if r.key not in self.barred
+                and (h := self.health.get(r.key)) is not None and h.needs_probe and now >= h.cooldown_until]
 
     def next_probe_in(self) -> Optional[float]:
         """Seconds until the next failed replica is due for a probe (0 if one is due), None if none failed."""
         now = self.clock()
         waits = [max(0.0, h.cooldown_until - now) for r in self.live_replicas()
-                 if (h := self.health.get(r.key)) is not None and h.needs_probe]
+                 if r.key not in self.barred and (h := self.health.get(r.key)) is not None and h.needs_probe]
         return min(waits) if waits else None
 
     def mark_healthy(self, r: Replica) -> None:
@@ -348,6 +372,7 @@ class Router:
             lane = next((i for i, k in enumerate(self._slots.get(r.stage, [])) if k == r.key), None)
             out.append({"uid": r.uid, "hotkey": r.hotkey, "stage": r.stage, "endpoint": r.endpoint,
                         "lane": lane if lane is not None and lane < self.n_lanes else None,
-                        "available": self.is_available(r), "throughput": h.throughput,
+                        "available": self.is_available(r), "barred": r.key in self.barred,
+                        "throughput": h.throughput,
                         "successes": h.successes, "failures": h.failures})
         return out

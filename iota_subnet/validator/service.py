@@ -64,6 +64,7 @@ from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_polle
 from iota_subnet.data import DataError, build_dataset, fingerprints
 from iota_subnet.doctor.probe import PeerProbe
 from iota_subnet.model import PipelineStage
+from iota_subnet.neuron_common import stop_signals
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.protocol import MergeAuditResponse, Outcome, ProtocolError, ReceiptBatch
 from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment
@@ -372,9 +373,12 @@ class ValidatorService:
         commits = {n.hotkey: n.commitment.value for n in graph.neurons
                    if n.commitment is not None and n.commitment.value is not None}
         self.router.update(discover(graph.neurons, commits, o.run_id, self.cfg.pipeline.stages, o.run_epoch))
+        self._bar_flagged()
         for stage, lane, old, new in self.router.reassign_vacant(self.n_lanes):
-            logger.warning("lane {} stage {}: uid {} has been unavailable for {:.0f} s; spare uid {} takes its place "
-                           "in the lane", lane, stage, old[0], self.router.vacate_after_s, new[0])
+            why = "is barred (flagged as a cheater)" if old in self.router.barred else \
+                f"has been unavailable for {self.router.vacate_after_s:.0f} s"
+            logger.warning("lane {} stage {}: uid {} {}; spare uid {} takes its place in the lane", lane, stage,
+                           old[0], why, new[0])
         self._save_lane_slots()
         others: dict[str, int] = {}
         for raw in commits.values():
@@ -469,6 +473,8 @@ class ValidatorService:
             "live_miners": sum(1 for r in self.router.live_replicas() if self.router.is_available(r)) if self.router else 0,
             "stage_replicas": self.router.stage_counts() if self.router else [],
             "replicas": self.router.snapshot() if self.router else [],
+            # miners flagged as cheaters, out of routing for good ([uid, hotkey])
+            "barred": sorted(list(k) for k in self.router.barred) if self.router else [],
             "probe_loss": self.last_probe, "dashboard": self.dashboard.url if self.dashboard else None,
             "val_loss": self.val_loss, "done": self.done, "weights_set_blocks": list(self.weights_blocks),
             "last_weights": {str(k): v for k, v in self.last_weights.items()},
@@ -572,14 +578,38 @@ class ValidatorService:
                                                                               init=False).parameters())
         return n
 
+    def _flagged(self) -> set[tuple[int, str]]:
+        """(uid, hotkey) of every miner flagged as a cheater by spot checks or audits."""
+        return (self.checker.flagged() if self.checker is not None else set()) | self.audits.flagged()
+
+    def _bar_flagged(self) -> None:
+        """Bar newly flagged miners from routing (:meth:`.routing.Router.bar`) and save the flags at
+        once, so that a restarted validator bars them again (before, flags were saved with the next
+        weights set only)."""
+        new = self.router.bar(self._flagged())
+        for uid, hk in new:
+            r = self.router.get((uid, hk))
+            others = [x for x in self.router.replicas.get(r.stage, []) if self.router.is_available(x)] if r else []
+            logger.warning("uid {} ({}) is flagged as a cheater: no hop goes to it again{}", uid, hk[:10],
+                           "" if r is None or others else
+                           f"; stage {r.stage} has no other available replica, its hops wait for one")
+        if new and self.state is not None:
+            self._save_flags()
+
+    def _save_flags(self) -> None:
+        """Save the spot-check and audit records (flags included), once they were loaded (a start-up
+        that failed before :meth:`_load_verification` must not overwrite them with empty ones)."""
+        if self.checker is not None:
+            self.state.set_meta("spot_checks", json.dumps(self.checker.to_dict()))
+            self.state.set_meta("audits", json.dumps(self.audits.to_dict()))
+
     async def _publish_merge_weights(self) -> None:
         """Publish each replica's weight in its stage's merge (commitment), when it changed."""
         mo = self.merge_oversight
         if mo is None:
             return
         uids = [uid for (uid, hk) in self.ledger.records if self.current.get(uid) == hk]
-        cheaters = {uid for uid, hk in (self.checker.flagged() if self.checker is not None else set())
-                    | self.audits.flagged() if self.current.get(uid) == hk}
+        cheaters = {uid for uid, hk in self._flagged() if self.current.get(uid) == hk}
         decided = mo.decided(uids, cheaters)
         if decided == self.merge_weights:
             return
@@ -794,9 +824,8 @@ class ValidatorService:
         return raw if isinstance(raw, dict) else {}
 
     def _save_verification(self) -> None:
-        self.state.set_meta("spot_checks", json.dumps(self.checker.to_dict()))
+        self._save_flags()
         self.state.set_meta("scoreboard", json.dumps(self.board.to_dict()))
-        self.state.set_meta("audits", json.dumps(self.audits.to_dict()))
         self.state.set_meta("clasp_probes", json.dumps(self.probes[-self.opts.clasp_window:]))
         self.state.set_meta("scores", json.dumps(self.explained))
         if self.auditing is not None:
@@ -927,6 +956,7 @@ class ValidatorService:
             try:
                 if self.auditing is not None:
                     self.state.set_meta("audit_totals", json.dumps(self.auditing.totals()))
+                self._save_flags()
                 self.state.set_meta("elapsed_s", self.elapsed_s())
                 self.state.save_ledger(self.ledger)
                 self.write_status()
@@ -946,10 +976,11 @@ class ValidatorService:
 
 
 async def run_validator(opts: ValidatorOptions) -> int:
-    """Run a validator with SIGTERM / SIGINT mapped to a clean shutdown."""
+    """Run a validator with SIGTERM / SIGINT / SIGHUP (a closed terminal; not under ``nohup``)
+    mapped to a clean shutdown."""
     svc = ValidatorService(opts)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         try:
             loop.add_signal_handler(sig, svc.request_stop)
         except (NotImplementedError, RuntimeError):

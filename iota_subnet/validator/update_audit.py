@@ -12,7 +12,9 @@ never from the miner.
 
 Outcomes (:class:`AuditResult.outcome`, see :mod:`.audit_policy`): ``passed``; ``failed`` (an
 answer that does not verify, or a commitment that differs from the one received); ``refused`` (a
-typed refusal, e.g. ``LATE`` for a step the miner no longer keeps); ``timeout`` (no answer).
+typed refusal, e.g. ``LATE`` for a step the miner no longer keeps; :data:`SUPERSEDED` for an answer
+that opens a *later* commitment of the same step, which the scheduler turns back into ``failed``
+unless the miner announced a restart in between); ``timeout`` (no answer).
 
 Cost per audit with ``rows`` rows of ``n`` values: ``7 x rows x n x 4`` bytes of rows, ``7 x rows x
 depth x 32`` bytes of proofs, ``7 x n_params x 32`` bytes of per-parameter roots, plus ~100 bytes
@@ -38,6 +40,20 @@ from iota_subnet.transport import TransportError
 
 #: A signed HTTP request or response's headers, allowed per message when counting an audit's bytes.
 HTTP_HEADER_BYTES = 1024
+
+#: The code of an update audit answered for a later commitment of the audited step (same inner step
+#: and merge count, other roots, a later ``at``): the miner did the step again. A killed miner
+#: whose new process resumed from before that step does exactly this (churn run of 2026-12-03: an
+#: audit asked of the old process was answered, at its last re-ask, by the new one). It is an
+#: answer that does not verify, so it counts as ``failed`` unless the miner announced a restart
+#: between the two commitments (then it is work from before the restart, excused within the policy's
+#: bound: :mod:`.audit_policy`).
+SUPERSEDED = "SUPERSEDED"
+
+
+def redone(commit: UpdateCommit, served: UpdateCommit) -> bool:
+    """``served`` is a later commitment of the step ``commit`` committed, with other contents."""
+    return (served.step, served.merges) == (commit.step, commit.merges) and served.at > commit.at and served != commit
 
 
 @dataclass
@@ -128,6 +144,15 @@ class UpdateAuditor:
             c0 = time.thread_time()
             return self.check(stage, commit, req, resp), time.thread_time() - c0
         chk, cpu = await asyncio.to_thread(timed)
+        if not chk.ok:
+            try:
+                served = UpdateCommit.from_dict(resp.commit)
+            except ProtocolError:
+                served = None
+            if served is not None and redone(commit, served):
+                return AuditResult("refused", f"{SUPERSEDED}: it answered for a commitment of step {commit.step} made "
+                                              f"{served.at - commit.at:.1f} s after the one committed (it did the step "
+                                              f"again)", n, chk, time.monotonic() - t0, cpu)
         return AuditResult("passed" if chk.ok else "failed", chk.reason or f"max {chk.worst:.3g} units on {chk.rows} rows",
                            n, chk, time.monotonic() - t0, cpu)
 
