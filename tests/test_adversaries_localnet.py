@@ -18,6 +18,13 @@ from iota_subnet.validator.state import ValidatorState
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CFG = SMALL_CFG
+#: Versions each miner keeps for audits. A step of this small model takes 0.1-0.3 s, so the default 4
+#: versions span about a second, less than an audit's round trip on 2 loaded cores: an audit then
+#: mostly finds its version gone ("outside window", not counted) and a run of a few tempos may end
+#: before one lands (CI, 2026-12-03: the noisy-update miner was never caught by an update audit in
+#: a 16 s run and kept its weight). A step at ``8b`` takes seconds, and 4 versions span far longer
+#: than a round trip; 16 here gives these runs that margin.
+AUDIT_WINDOW = ["--audit-window", "16"]
 
 
 @pytest.mark.parametrize("kind", ADVERSARY_KINDS)
@@ -27,7 +34,8 @@ def test_localnet_adversary(kind, tmp_path, tmp_home, wikitext_path, monkeypatch
     # poison is caught at the first merge: merge early so that it falls inside the first tempos
     cfg.write_text(yaml.safe_dump({**CFG, "merge": {"every_steps": 2}} if kind == "poison" else CFG))
     net = LocalNet(stages=3, replicas=3, validators=1, config=str(cfg), data=str(wikitext_path), steps=40,
-                   out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=600, adversary=kind)
+                   out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=600, adversary=kind,
+                   extra_miner_args=AUDIT_WINDOW)
     summary = net.run()
     adv = summary["adversary_uids"]
     assert len(adv) == 1 and summary["adversary"] == kind
