@@ -160,7 +160,7 @@ def test_a_terminated_localnet_stops_every_neuron_and_writes_its_summary(tmp_pat
     devnet's miners and validator running, orphaned (found when a churn benchmark was stopped,
     2026-12-02). Now it stops every neuron and writes its summary, as at the end of a run. A closed
     terminal sends SIGHUP to the whole foreground process group: it killed every neuron at once (no
-    clean stop, no checkpoint); now each neuron has a session of its own, and the localnet stops
+    clean stop, no checkpoint); now each neuron has a process group of its own, and the localnet stops
     them in order."""
     out = tmp_path / "ln"
     env = dict(os.environ, IOTA_CACHE=str(tmp_path / "cache"))
