@@ -33,7 +33,7 @@ from iota_subnet.protocol import UpdateAuditRequest
 from iota_subnet.validator.audit_policy import AuditPolicy, merge_quality
 from iota_subnet.validator.update_audit import UpdateAuditor
 from iota_subnet.validator.verification import SpotChecker
-from test_validator_driver import OVR, PatternData, make_wallet
+from support.common import OVR, PatternData, make_wallet
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import yaml
 from iota_subnet.cli import main as cli_main
 from iota_subnet.miner.adversary import ADVERSARY_KINDS
 from iota_subnet.network.localnet import LocalNet
-from localnet_support import SMALL_CFG
+from support.localnet import SMALL_CFG
 from iota_subnet.validator.state import ValidatorState
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

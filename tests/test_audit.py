@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from audit_support import (EVERY_BLOCK, WIRE, audit_many, auditor_for, forged_hop, forging_tracer, make_chain)
+from support.audit import (EVERY_BLOCK, WIRE, audit_many, auditor_for, forged_hop, forging_tracer, make_chain)
 from iota_subnet.audit import (AuditFailure, HopAuditor, HopProver, LayoutError, OpenRequestError, SamplingParams,
                                Tolerances, TraceLayout, Tracer, run_local_audit, weights_commitment, weights_root,
                                wire_root)
@@ -369,7 +369,7 @@ def test_the_output_tolerance_is_the_runs_precision(chain):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(hop.inputs.x.float())
     wire = dict(hop.inputs.wire, **{"wire.z": out.float().to(WIRE)})
-    from audit_support import Hop
+    from support.audit import Hop
     from iota_subnet.audit import HopInputs
     hb = Hop(1, HopInputs(hop.inputs.x, wire=wire), hop.weights)
     ok = audit_many(chain, hb, "forward", 3, tol=Tolerances.for_precision("bf16"))
@@ -386,7 +386,7 @@ def test_a_near_zero_gradient_row_is_measured_against_the_micro_batchs_gradient_
     itself (a check relative to the row alone flagged two honest tail miners in the
     issue-11 localnets). Measured against the median of the sampled scale rows it passes; a row
     forged by 1e-3 of the micro-batch's gradient scale still fails."""
-    from audit_support import confident_tail_hop, seed_sampling
+    from support.audit import confident_tail_hop, seed_sampling
     from iota_subnet.audit.check import half_ulp
     hop = confident_tail_hop(chain)
     lay = chain.layout(2, "backward")
@@ -402,7 +402,7 @@ def test_a_near_zero_gradient_row_is_measured_against_the_micro_batchs_gradient_
     v = audit_many(chain, hop, "backward", 1, seed0=seed)[0]
     assert v.ok, v.failures[:3]
     # a forgery of the sampled row well above fp32 noise, still small against a typical row, is caught
-    from audit_support import Hop
+    from support.audit import Hop
     from iota_subnet.audit import HopInputs
     n = sampled[0]
     forged = hop.inputs.wire["wire.dx"].clone().reshape(-1, b)
@@ -419,7 +419,7 @@ def test_non_finite_rows_of_the_sent_gradient_fail_the_opening(chain):
     would be inf and every sampled row would pass against it) fails at the opening: the message
     codec refuses non-finite tensors, and the auditor refuses an opened row that is not finite,
     whatever its proof."""
-    from audit_support import Hop, seed_sampling
+    from support.audit import Hop, seed_sampling
     from iota_subnet.audit import HopInputs
     hop = chain.hops[2]
     lay = chain.layout(2, "backward")
@@ -548,7 +548,7 @@ def test_int8_wire_rows_bind_their_scales(int8_chain):
     # a hop that sent other scales (values rescaled to match) fails; so does a hop sent in bf16 precision
     hop = ch.hops[1]
     q, s = hop.inputs.wire["wire.z"]
-    from audit_support import Hop
+    from support.audit import Hop
     from iota_subnet.audit import HopInputs
     for bad in ((q, s * 1.5), (torch.clamp((q.float() / 1.5).round(), -127, 127).to(torch.int8), s * 1.5)):
         h = Hop(1, HopInputs(hop.inputs.x, wire=dict(hop.inputs.wire, **{"wire.z": bad})), hop.weights)

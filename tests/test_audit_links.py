@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from audit_support import (EVERY_BLOCK, RescuingProver, Tracer, audit_many, forged_hop, forging_tracer, make_chain)
+from support.audit import (EVERY_BLOCK, RescuingProver, Tracer, audit_many, forged_hop, forging_tracer, make_chain)
 from iota_subnet.audit import HopProver, weights_commitment
 from iota_subnet.audit.check import LinkChecker
 from iota_subnet.audit.project import projections

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from dataplane_net import P2PNet, run
+from support.dataplane_net import P2PNet, run
 
 pytestmark = pytest.mark.timeout(400)
 

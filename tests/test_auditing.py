@@ -22,7 +22,7 @@ from iota_subnet.validator.auditing import STALE_STEPS, AuditScheduler
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.update_audit import UpdateAuditor
 
-from dataplane_net import OVR
+from support.dataplane_net import OVR
 
 HK = "5" + "a" * 47
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from script_support import load_script
+from support.scripts import load_script
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from script_support import load_script
+from support.scripts import load_script
 
 from iota_subnet.hardware import GPUS, parse_accelerator
 from iota_subnet.network.localnet import emulation_argv

@@ -27,7 +27,7 @@ from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, StateChu
 from iota_subnet.config import TrainConfig
 from iota_subnet.train.optim import make_optimizer
 from iota_subnet.transport import NeuronClient, NeuronServer
-from test_validator_driver import make_wallet
+from support.common import make_wallet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

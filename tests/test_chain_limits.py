@@ -25,7 +25,7 @@ from iota_subnet.miner.service import MinerService
 from iota_subnet.neuron_common import check_external_ip
 from iota_subnet.version import weights_version_key
 from iota_subnet.wallets import create_wallet
-from test_validator_driver import PatternData
+from support.common import PatternData
 
 pytestmark = pytest.mark.timeout(120)
 NETUID = 9

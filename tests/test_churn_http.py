@@ -15,7 +15,7 @@ from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.shaping import LinkSpec, UplinkShaper
-from test_validator_driver import make_wallet
+from support.common import make_wallet
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,7 +75,7 @@ def test_donor_cap_covers_the_send_to_slow_joiners(tmp_home):
 
 
 # ---------------------------------------------------------------------------------------- replicas
-from test_merge_http import Net, flat, merge_epoch, train_locally          # noqa: E402
+from support.merge_net import Net, flat, merge_epoch, train_locally          # noqa: E402
 
 
 async def merged_pair(net) -> tuple[MinerService, MinerService, int]:

@@ -17,7 +17,7 @@ import yaml
 
 from iota_subnet.network.chaos import CHAOS_KINDS, ChaosSpec
 from iota_subnet.network.localnet import LocalNet
-from localnet_support import SMALL_CFG
+from support.localnet import SMALL_CFG
 from iota_subnet.train.checkpoint import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dataplane_net import P2PNet, run
+from support.dataplane_net import P2PNet, run
 from iota_subnet.validator.state import ValidatorState
 
 pytestmark = pytest.mark.timeout(400)

@@ -19,9 +19,9 @@ from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.validator.control import ControlPlane
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger
-from dataplane_net import OVR
-from test_control_stall import StuckHead
-from test_pacing import Clock
+from support.dataplane_net import OVR
+from support.control import StuckHead
+from support.control import Clock
 
 
 def test_a_hop_counts_as_served_when_its_own_receipt_arrived_not_when_its_credit_completes():

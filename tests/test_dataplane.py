@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane_net import P2PNet, run
+from support.dataplane_net import P2PNet, run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +46,7 @@ from iota_subnet.protocol import Hop, HopAck, Outcome, ProtocolError, Ticket, Ti
 from iota_subnet.transport import NeuronClient  # noqa: E402
 from iota_subnet.wallets import create_wallet  # noqa: E402
 
-from dataplane_net import RUN  # noqa: E402
+from support.dataplane_net import RUN  # noqa: E402
 
 
 def ticket(net, lane=0, step=0, index=0, *, signer=None, route=None, attempt=0, mb_id=None, **kw) -> Ticket:

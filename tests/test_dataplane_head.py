@@ -22,7 +22,7 @@ from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.protocol import Hop, HopAck
 from iota_subnet.protocol.ticket import Ticket
 from iota_subnet.protocol.wire import from_wire, to_wire
-from dataplane_net import OVR
+from support.dataplane_net import OVR
 
 pytestmark = pytest.mark.timeout(120)
 

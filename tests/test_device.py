@@ -21,7 +21,7 @@ from iota_subnet.merge import MergeEngine, ModuleParams, outer_step
 from iota_subnet.merge.sync import SnapshotDonor, sync_state
 from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import MergePayload, decode, encode, tensor_sha256
-from shadow_device import MIXES, ShadowDevice, on_shadow
+from support.shadow_device import MIXES, ShadowDevice, on_shadow
 
 pytestmark = [pytest.mark.timeout(120),
               # load_state_dict warns for every parameter that reports the meta device (it still copies)

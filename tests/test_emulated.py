@@ -18,6 +18,7 @@ from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker, Emulation
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.plan import plan_stage, stage_flops
 from iota_subnet.protocol import Outcome, ProtocolError
+from support.dataplane_net import P2PNet, run
 
 REPO = Path(__file__).resolve().parents[1]
 T = 2048
@@ -256,11 +257,6 @@ def test_emulated_miners_run_the_p2p_data_plane(tmp_home, tmp_path, wikitext_pat
     """3 x 2 emulated miners (a 2 TFLOP/s, 4 GiB device) behind the real data plane and validator:
     the lanes finish their steps, the loss is ln(vocab) (nothing learns), busy time is counted, and
     every miner's status says it is emulation."""
-    sys_path = str(Path(__file__).resolve().parent)
-    import sys
-    if sys_path not in sys.path:
-        sys.path.insert(0, sys_path)
-    from dataplane_net import P2PNet, run
 
     async def main():
         net = P2PNet(tmp_path, wikitext_path, cache_dir)

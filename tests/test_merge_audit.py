@@ -28,7 +28,7 @@ from iota_subnet.validator.merge_weights import MergeOversight, penalised_from_e
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.scoring import Ledger, Scoreboard
 from iota_subnet.validator.update_audit import UpdateAuditor
-from test_merge_http import RUN, Net, merge_epoch, train_locally
+from support.merge_net import RUN, Net, merge_epoch, train_locally
 
 pytestmark = pytest.mark.timeout(180)
 

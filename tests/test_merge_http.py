@@ -8,89 +8,14 @@ import asyncio
 import pytest
 import torch
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
-from iota_subnet.config import load_config
 from iota_subnet.merge import outer_step
-from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol import (Forward, ForwardResult, Health, MergeEvidence, MergePayload, MergeAck, Outcome,
                                   ProtocolError,
                                   StateChunk, StateChunkRequest)
 from iota_subnet.transport import NeuronClient
-from iota_subnet.wallets import create_wallet
+from support.merge_net import OVR, RUN, Net, flat, merge_epoch, train_locally  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
-
-RUN = "merge-run"
-OVR = {"model": {"name": "tiny", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-                 "vocab_size": 256},
-       "data": {"seq_len": 16, "vocab_size": 256},
-       "pipeline": {"stages": 3, "compression_ratio": 4},
-       "train": {"batch_size": 4, "micro_batch_size": 2},
-       "merge": {"every_steps": 2, "join_timeout_s": 3.0, "phase_timeout_s": 3.0, "max_attempts": 2,
-                 "outer_lr": 0.7, "outer_momentum": 0.9,
-                 "sync_chunk_numel": 4096, "max_concurrent_transfers": 1}}
-
-
-def flat(svc):
-    return torch.cat([p.detach().reshape(-1) for p in svc.worker.module.parameters()])
-
-
-class Net:
-    def __init__(self, tmp, stage=1, ovr=OVR):
-        self.tmp, self.stage = tmp, stage
-        self.db = tmp / "chain.db"
-        create_devnet(self.db, 9, tempo=50, block_time=0.5, weights_rate_limit=1, max_validators=1)
-        self.cfg = load_config("configs/tiny.yaml", ovr)
-        self.svcs: list[MinerService] = []
-
-    async def start(self, n, adversary_last=None):
-        self.chain = await open_chain("devnet", self.db)
-        self.val = create_wallet("val", "default", self.tmp / "wallets")
-        await self.chain.register(self.val, 9)
-        add_stake(self.db, self.val.hotkey.ss58_address, self.val.coldkey.ss58_address, 100.0)
-        for i in range(n):
-            await self.add(adversary_last if i == n - 1 else None)
-
-    async def add(self, adversary=None):
-        i = len(self.svcs)
-        w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
-        await self.chain.register(w, 9)
-        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary, allow_data_fallback=True)
-        await svc.start()
-        self.svcs.append(svc)
-        for s in self.svcs:
-            await s.refresh(force=True) if s is svc else None
-            s._last_refresh = 0
-            await s.refresh()
-        return svc
-
-    async def close(self):
-        for s in self.svcs:
-            try:
-                await s.stop()
-            except Exception:  # noqa: BLE001 - already stopped
-                pass
-        await self.chain.close()
-
-
-def train_locally(svc, k):
-    """Stand-in for inner steps on different data: move every replica's weights differently (and
-    count the tokens such steps would have trained: a replica weighs in a merge by its work)."""
-    svc.worker.trained_tokens += 64
-    g = torch.Generator().manual_seed(10 + k)
-    with torch.no_grad():
-        for p in svc.worker.module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-
-
-async def merge_epoch(svcs, epoch):
-    """Merge ``epoch`` on every replica, as at the inner step that closes it ((epoch + 1) x H)."""
-    for s in svcs:
-        s.worker.inner_step = max(s.worker.inner_step, (epoch + 1) * s.cfg.merge.every_steps)
-        s._start_merge(epoch)
-    await asyncio.gather(*(s._merge_task for s in svcs))
-    return [s.merge.history[-1] for s in svcs]
 
 
 def test_merge_over_http_identical_tamper_kill_late(tmp_path, tmp_home):

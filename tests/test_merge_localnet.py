@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from iota_subnet.network.localnet import LocalNet
-from localnet_support import SMALL_CFG
+from support.localnet import SMALL_CFG
 from iota_subnet.train.checkpoint import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -22,7 +22,7 @@ from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol.commitment import VALIDATOR, RunCommitment
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
-from test_validator_driver import PatternData
+from support.common import PatternData
 
 pytestmark = pytest.mark.timeout(600)
 NETUID, RUN, STEPS, TEMPO, BLOCK_TIME = 9, "acceptance", 12, 20, 0.1

@@ -19,18 +19,10 @@ from iota_subnet.validator.control import ControlPlane
 from iota_subnet.validator.pacing import LanePacer
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger
-from dataplane_net import OVR, P2PNet, run
-from test_control_stall import StuckHead
+from support.dataplane_net import OVR, P2PNet, run
+from support.control import Clock, StuckHead
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_the_step_closing_a_merge_window_waits_for_every_live_lane():

@@ -17,7 +17,7 @@ from iota_subnet.config import load_config
 from iota_subnet.validator.scoring import Ledger, Scoreboard, balanced_weights
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from test_adversaries import ADV_REPLICA, ADV_STAGE, Miner
-from test_validator_driver import OVR, PatternData, make_wallet
+from support.common import OVR, PatternData, make_wallet
 
 pytestmark = pytest.mark.timeout(150)
 NETUID = 9

@@ -23,7 +23,7 @@ from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAu
                                   UpdateCommit, decode, encode, opening_key, update_audit_contract)
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.validator.update_audit import UpdateAuditor
-from test_validator_driver import OVR, make_wallet
+from support.common import OVR, make_wallet
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,7 @@ from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunC
 from iota_subnet.utils.sqlite_file import CorruptStateError
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
-from test_validator_driver import OVR, PatternData
+from support.common import OVR, PatternData
 
 pytestmark = pytest.mark.timeout(180)
 NETUID = 9

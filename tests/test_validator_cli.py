@@ -16,7 +16,7 @@ import yaml
 from iota_subnet.chain import add_stake, create_devnet, open_chain
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
-from test_validator_driver import OVR, make_wallet
+from support.common import OVR, make_wallet
 
 pytestmark = pytest.mark.timeout(180)
 NETUID = 9

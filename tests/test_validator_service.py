@@ -10,7 +10,8 @@ import pytest
 from iota_subnet.chain import add_stake, create_devnet, open_chain
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, ValidatorService
 from iota_subnet.validator.state import ValidatorState
-from test_validator_driver import OVR, PatternData, make_wallet, start_miners  # noqa: F401 (shared helpers)
+from support.common import OVR, PatternData, make_wallet  # noqa
+from test_validator_driver import start_miners  # noqa: F401 (relay helpers; go with the relay path)
 
 from iota_subnet.config import load_config
 

@@ -14,7 +14,7 @@ from iota_subnet.miner.adversary import install
 from iota_subnet.validator.clasp import attribute, quality_factors
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.verification import TOLERANCES, Snapshot, SpotChecker, rel_err
-from test_validator_driver import OVR
+from support.common import OVR
 
 
 def cfg():

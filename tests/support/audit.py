@@ -22,7 +22,7 @@ from iota_subnet.miner import StageWorker
 from iota_subnet.miner.adversary import install
 from iota_subnet.protocol import from_wire, to_wire
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
+WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
 WIRE = torch.bfloat16
 
 
