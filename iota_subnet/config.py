@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+from iota_subnet.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is wrong; the message names the value and the fix."""
 
 
@@ -116,6 +117,57 @@ class PipelineConfig:
     layer_split: Optional[list] = None
     compression_ratio: int = 1
     identity_rank: Optional[int] = None
+
+
+def split_layers(n_layers: int, stages: int, layer_split: Optional[list] = None) -> list[range]:
+    """Layer ranges, one per stage. ``layer_split``: explicit counts per stage (sum = n_layers);
+    ``None`` balances (earlier stages take the remainder; the tail also carries the LM head).
+
+    Raises ConfigError if the split does not fit the layer count.
+    """
+    if stages < 1:
+        raise ConfigError(f"pipeline.stages={stages} must be >= 1")
+    if layer_split is not None:
+        counts = [int(c) for c in layer_split]
+        if len(counts) != stages:
+            raise ConfigError(f"pipeline.layer_split has {len(counts)} entries but pipeline.stages={stages}; give one count per stage")
+        if sum(counts) != n_layers or min(counts) < 1:
+            raise ConfigError(
+                f"pipeline.layer_split={counts} must be positive counts summing to the model's {n_layers} layers")
+    else:
+        if stages > n_layers:
+            raise ConfigError(f"pipeline.stages={stages} exceeds the model's {n_layers} layers; use at most {n_layers} stages")
+        base, extra = divmod(n_layers, stages)
+        counts = [base + (1 if i < extra else 0) for i in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def bottleneck_dims(cfg: ModelConfig, pcfg: PipelineConfig) -> tuple[int, int]:
+    """(b, r): wire width and identity rank at every boundary. ``b == d`` when the bottleneck is off.
+
+    Raises ConfigError when d / compression_ratio is not a whole number >= 2, or r is out of [0, b].
+    """
+    d, ratio = cfg.dim, int(pcfg.compression_ratio)
+    if ratio < 1:
+        raise ConfigError(f"pipeline.compression_ratio={ratio} must be >= 1 (1 = no bottleneck)")
+    if ratio == 1:
+        return d, d
+    if d % ratio:
+        divisors = [k for k in (2, 4, 8, 16, 32, 64, 128, 256) if d % k == 0 and d // k >= 2]
+        raise ConfigError(
+            f"pipeline.compression_ratio={ratio} does not divide model width d={d}; "
+            f"choose one of {divisors}")
+    b = d // ratio
+    if b < 2:
+        raise ConfigError(f"pipeline.compression_ratio={ratio} leaves a bottleneck width of {b} (< 2); use at most {d // 2}")
+    r = pcfg.identity_rank if pcfg.identity_rank is not None else b // 2
+    if not 0 <= r <= b:
+        raise ConfigError(f"pipeline.identity_rank={r} must lie in [0, b={b}]")
+    return b, r
 
 
 @dataclass(frozen=True)
@@ -288,8 +340,6 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         self.model.validate()
         _check_ranges(self)
-        from iota_subnet.model.bottleneck import bottleneck_dims   # model imports config: import here
-        from iota_subnet.model.stages import split_layers
         split_layers(self.model.n_layers, self.pipeline.stages, self.pipeline.layer_split)
         bottleneck_dims(self.model, self.pipeline)
         if self.data.vocab_size != self.model.vocab_size:

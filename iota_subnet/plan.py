@@ -46,9 +46,10 @@ from torch.overrides import TorchFunctionMode
 
 from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
 from iota_subnet.hardware import GIB, Accelerator
-from iota_subnet.model.bottleneck import bottleneck_dims
+from iota_subnet.config import bottleneck_dims
 from iota_subnet.model.llama import block_flops_per_token
-from iota_subnet.model.stages import PipelineStage, split_layers
+from iota_subnet.config import split_layers
+from iota_subnet.model.stages import PipelineStage
 
 #: Bytes per parameter of a stage's training state: fp32 weights, gradients, AdamW exp_avg, exp_avg_sq.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8

@@ -60,7 +60,7 @@ from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResu
                                   StateChunkRequest, StateRequest, StateResponse, UpdateAuditRequest, backward_contract,
                                   forward_contract, merge_payload_contract)
 from iota_subnet.dashboard import DashboardServer, MinerSource
-from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.protocol.commitment import (MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError,
                                              merge_weights_from_commitments)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from loguru import logger
 
-from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
-from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder, bottleneck_dims
+from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, bottleneck_dims, split_layers
+from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder
 from iota_subnet.model.llama import Block, RMSNorm, block_flops_per_token, init_weights, rope_cos_sin
 
 
@@ -58,33 +58,6 @@ def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Te
                 else ce_sum(hc, tc))
         total = part if total is None else total + part
     return total / n
-
-
-def split_layers(n_layers: int, stages: int, layer_split: Optional[list] = None) -> list[range]:
-    """Layer ranges, one per stage. ``layer_split``: explicit counts per stage (sum = n_layers);
-    ``None`` balances (earlier stages take the remainder; the tail also carries the LM head).
-
-    Raises ConfigError if the split does not fit the layer count.
-    """
-    if stages < 1:
-        raise ConfigError(f"pipeline.stages={stages} must be >= 1")
-    if layer_split is not None:
-        counts = [int(c) for c in layer_split]
-        if len(counts) != stages:
-            raise ConfigError(f"pipeline.layer_split has {len(counts)} entries but pipeline.stages={stages}; give one count per stage")
-        if sum(counts) != n_layers or min(counts) < 1:
-            raise ConfigError(
-                f"pipeline.layer_split={counts} must be positive counts summing to the model's {n_layers} layers")
-    else:
-        if stages > n_layers:
-            raise ConfigError(f"pipeline.stages={stages} exceeds the model's {n_layers} layers; use at most {n_layers} stages")
-        base, extra = divmod(n_layers, stages)
-        counts = [base + (1 if i < extra else 0) for i in range(stages)]
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 @dataclass(frozen=True)

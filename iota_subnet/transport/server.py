@@ -48,6 +48,7 @@ from loguru import logger
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import MemoryNonceStore, SqliteNonceStore
 from .shaping import LinkDown, UplinkShaper, process_shaper, response_head_bytes
+from iota_subnet.errors import UserError
 
 #: bittensor.http_auth exception -> outcome.
 AUTH_OUTCOMES: dict[type[http_auth.AuthError], Outcome] = {
@@ -76,7 +77,7 @@ def response_sign_path(path: str, request_nonce: int | str) -> str:
 
 
 
-class PortInUseError(OSError):
+class PortInUseError(UserError, OSError):
     """A server could not listen on its address (another process holds the port, or the address is
     not this machine's). The message names the fix."""
 

@@ -29,12 +29,13 @@ Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
 """
 from __future__ import annotations
 
-from iota_subnet.protocol.commitment import MINER, RunCommitment
-
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from iota_subnet.chain.interface import served_endpoint
+from iota_subnet.protocol.commitment import MINER, RunCommitment
 
 
 Key = tuple[int, str]  # (uid, hotkey)
@@ -64,19 +65,6 @@ def parse_commitment(raw: Optional[str], run_id: str, n_stages: int, run_epoch: 
     if c is None or c.role != MINER or not c.same_run(str(run_id), run_epoch) or not 0 <= c.stage < n_stages:
         return None
     return c.stage
-
-
-def served_endpoint(axon: Any) -> Optional[str]:
-    """``"ip:port"`` of a served axon, else None (unserved: ip 0.0.0.0 or port 0)."""
-    if axon is None:
-        return None
-    if not isinstance(axon, str):  # an AxonInfo-like object
-        ip, port = getattr(axon, "ip", None), getattr(axon, "port", None)
-        axon = f"{ip}:{port}"
-    host, _, port = str(axon).rpartition(":")
-    if not host or host in ("0.0.0.0", "0", "::", "[::]", "None") or not port.isdigit() or int(port) == 0:
-        return None
-    return f"{host}:{port}"
 
 
 def discover(neurons: Iterable[Any], commitments: Mapping[str, str], run_id: str,

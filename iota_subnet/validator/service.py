@@ -62,7 +62,7 @@ from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
 from iota_subnet.data import DataError, build_dataset, fingerprints
-from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.model import PipelineStage
 from iota_subnet.neuron_common import stop_signals
 from iota_subnet.telemetry import NeuronMetrics
