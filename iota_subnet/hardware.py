@@ -9,7 +9,7 @@ is what ``torch.autocast(dtype=torch.bfloat16)`` matmuls use:
   accumulation, which autocast does not use), 24 GiB, 1.008 TB/s (Ada whitepaper, appendix A).
 
 Model FLOP utilisation (MFU): the share of the peak a training step achieves. :data:`DEFAULT_MFU`
-= 0.5 is the figure the issue and the scale notes design against (large dense transformers on
+= 0.5 is the figure the subnet's scale estimates design against (large dense transformers on
 A100/H100 reach 0.4-0.55 with FlashAttention; PaLM reported 0.46, Chowdhery et al. 2022, sec. 4.1).
 """
 from __future__ import annotations

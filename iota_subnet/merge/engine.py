@@ -570,21 +570,21 @@ class MergeEngine:
         closed this one without merging (it went on alone while this replica was away or its lane
         was behind) is not waited for, and the next merge is labelled above the epoch it closed
         (``closed``, :attr:`label_floor`), so two live replicas whose inner steps drifted apart find
-        a common epoch again at their next boundary. (Moving to the peer's next label at once, as
-        before, paused the lane until the join deadline for a peer a whole merge window away: with
-        inner steps of seconds, 30-40 s waits that ended alone anyway; chaos run, 2026-12-02.)
+        a common epoch again at their next boundary. (Moving to the peer's next label at once would
+        pause the lane until the join deadline for a peer a whole merge window away: with inner
+        steps of seconds, 30-40 s waits that end alone anyway.)
 
         A suspect peer whose answer puts it within one inner step of this replica's boundary (its
         lane is running the window's last step) is waited for like a trusted one: lanes paced by the
-        validator reach a boundary up to a step apart, and the short grace for suspects (a quarter of
-        the join timeout) made a replica once found gone merge alone at every later boundary, since
-        it never took part in a merge again (chaos run, 2026-12-02). So is a suspect whose inner step
+        validator reach a boundary up to a step apart, and with only the short grace for suspects (a
+        quarter of the join timeout) a replica once found gone would merge alone at every later
+        boundary, since it would never take part in a merge again. So is a suspect whose inner step
         advances while this replica waits and is at most half a window (``every_steps // 2``, at least
         one step) behind, its last step within a grace period: its lane is training toward the
         boundary. Lanes can reach a boundary more than a step apart (a validator restart, a
-        reroute): the first replica gave up on its peer after the grace, and the peer, arriving
-        seconds later, found the epoch closed and went alone too (18 of the 41 "alone" merges of
-        the chaos run at 832facd were the second of such a pair). A peer that does not advance (a
+        reroute): were the first replica to give up on its peer after the grace, the peer, arriving
+        seconds later, would find the epoch closed and go alone too (two "alone" merges instead of
+        one; ``docs/BENCHMARKS.md``, "Design notes moved from docstrings"). A peer that does not advance (a
         spare), or stopped advancing a grace period ago, is still given up."""
         started = time.monotonic()
         if deadline is None:
@@ -635,9 +635,9 @@ class MergeEngine:
                         # boundary (near) is waited for, up to the join deadline: at the boundary it finds
                         # itself late, pulls and joins again with the merged state and its window's work
                         # (``keep_progress``). Whether it has proposed yet does not matter, so that every
-                        # peer decides the same way. Dropping it made a replica late once late at every
-                        # boundary, its work discarded each time (chaos run at 4fbca7f: stage 2 merged
-                        # with 2 of 3 replicas all run)
+                        # peer decides the same way. Dropping it would keep a replica that is late once late
+                        # at every boundary, its work discarded each time (its stage then merges with
+                        # one replica fewer for the rest of the run)
                         if p in want and p not in near:
                             want.remove(p)
                     elif r.ready_epoch > epoch and same_state and p not in exclude:

@@ -262,8 +262,8 @@ class DataPlane:
             old = self.tickets.get(t.key) if t.train else None
             # a queued (not started) ticket gives way to a higher attempt, or to the same attempt issued
             # later by the same validator: it restarted and does not know what its previous process
-            # queued here (it was refused DUPLICATE once per look-ahead step, 10-20 s a step, and the
-            # queued ticket's receipts went to a process that no longer exists)
+            # queued here (refused DUPLICATE, it would lose 10-20 s per look-ahead step, and the
+            # queued ticket's receipts would go to a process that no longer exists)
             newer = old is not None and (t.attempt > old.attempt or (
                 t.attempt == old.attempt and t.validator == old.validator and t.issued_at > old.issued_at))
             if old is not None and not newer:
@@ -409,9 +409,9 @@ class DataPlane:
         members of later stages do): start lane step ``k`` only once this head's forwards of the
         lane's earlier steps have come back, as the lane's own head does (a flush per lane step).
         Steps the validator has seen complete (``base_steps``) do not hold it. Without this a stand-in
-        head ran every look-ahead ticket at once: the later stages' lane members received step k + 4
-        while step k was in flight, skipped their inner steps to it and lost the micro-batches of the
-        steps between (chaos run, 2026-12-02: lane 0 lost 7 of its first 8 steps that way)."""
+        head would run every look-ahead ticket at once: the later stages' lane members would receive
+        step k + 4 while step k is in flight, skip their inner steps to it and lose the micro-batches
+        of the steps between."""
         return t.step <= self.base_steps.get(t.lane, 0) or t.step <= open_steps.get(t.lane, t.step)
 
     def _settle_before(self, lane: int, base: int) -> bool:

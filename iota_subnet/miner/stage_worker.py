@@ -259,7 +259,7 @@ class StageWorker:
                     # say so in an update commitment (skipped, weights unchanged) of the last inner step
                     # jumped over: validators flag a weights root that stays the same over inner steps
                     # nothing explains (the ``stale`` cheat); a lane that skips one step at a time
-                    # under churn looked exactly like that
+                    # under churn looks exactly like that
                     pending = self.updates.begin(int(step) - 1, self.merges)
                     self.updates.finish(pending, lr=0.0, grad_norm=0.0, clip_coef=0.0, skipped=True)
                 self.last_skip = (self.inner_step, int(step))

@@ -242,10 +242,11 @@ class LocalNet:
         child.out.mkdir(parents=True, exist_ok=True)
         logf = open(child.log, "ab")
         # a process group of its own: a terminal's SIGHUP (closed) or SIGINT (Ctrl-C) reaches only this
-        # process, which stops every neuron in order and writes the summary (before, a closed terminal's
-        # SIGHUP killed every neuron at once, with no checkpoint). Same session: if this process dies,
-        # a neuron paused by chaos (SIGSTOP) gets SIGHUP and SIGCONT from the kernel (its group is
-        # orphaned) and then its IOTA_DIE_WITH_PARENT SIGTERM; in a session of its own it stayed stopped
+        # process, which stops every neuron in order and writes the summary (in the terminal's group, a
+        # closed terminal's SIGHUP would kill every neuron at once, with no checkpoint). Same session:
+        # if this process dies, a neuron paused by chaos (SIGSTOP) gets SIGHUP and SIGCONT from the
+        # kernel (its group is orphaned) and then its IOTA_DIE_WITH_PARENT SIGTERM; in a session of its
+        # own it would stay stopped
         child.proc = subprocess.Popen(child.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env=self._env(), process_group=0)
         logf.close()
@@ -451,8 +452,8 @@ class LocalNet:
     def _stop_on_signals(self) -> Callable[[], None]:
         """In the main thread, SIGTERM, SIGHUP and SIGINT (``kill``, a closed terminal, Ctrl-C) stop
         the run as :meth:`request_stop` does: every neuron is stopped (SIGTERM, then SIGKILL after 15 s)
-        and the summary written. Before, they ended this process at once and left every miner and
-        validator running, orphaned. A second Ctrl-C skips the summary (the neurons are still
+        and the summary written. With the default handlers they would end this process at once and leave
+        every miner and validator running, orphaned. A second Ctrl-C skips the summary (the neurons are still
         stopped, in ``run``'s clean-up); later signals, and any once that clean-up has begun, change
         nothing (raising there could cut it short). Returns the function that restores the handlers."""
         if threading.current_thread() is not threading.main_thread():

@@ -52,7 +52,7 @@ MSS = 1448
 SEGMENT_OVERHEAD = 66
 #: Seconds between reads of the ``--link-control`` file.
 CONTROL_POLL_S = 0.25
-#: The link profiles of the WAN bench (issue 9).
+#: The link profiles of the WAN bench (``scripts/bench_wan.py``).
 LINK_PROFILES = ("loopback", "1gbit:10ms", "100mbit:50ms", "20mbit:100ms")
 
 _RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}

@@ -1,4 +1,4 @@
-"""The validator's audit scheduler for the data plane (issue 10, items 1-4): which hops and inner
+"""The validator's audit scheduler for the data plane: which hops and inner
 steps to audit, when, and what the outcome means.
 
 Inputs (nothing here waits for training, nor training for it)
@@ -29,8 +29,8 @@ Outcomes (:class:`~.audit_policy.AuditPolicy`)
     ``settle_s`` seconds (then the "down" excuse may apply). A request of an audit that fails on the
     transport (a dropped connection, no answer in ``timeout_s``) is asked again after each of
     ``retry_delays_s`` (default 5 s, then 15 s), before it counts as unanswered: a link that drops for
-    a few seconds must not make an honest miner's audit a failure (two such audits flagged honest
-    miners in the churn benchmark), and a miner that drops every audit still fails after the last
+    a few seconds must not make an honest miner's audit a failure (two unanswered audits flag a
+    miner by default: :mod:`.audit_policy`), and a miner that drops every audit still fails after the last
     re-ask. A re-ask reveals nothing new: every request is sent again unchanged, the same audit id,
     seed and rows (the miner answers them again, :mod:`~iota_subnet.miner.hop_audit_routes`), so a
     dropped connection never buys a miner a second challenge; an audit gets no re-ask past
@@ -241,8 +241,8 @@ class AuditScheduler:
             view.boot = receipt.boot
             view.latest = (-1, -1)
             # the new process resumed from a checkpoint and names versions (step, merges) again, with
-            # other weights: the roots its old process named no longer bind it (a post-restart update
-            # commitment checked against them failed an honest miner in a churn run)
+            # other weights: the roots its old process named no longer bind it (an honest post-restart
+            # update commitment checked against them would fail)
             view.roots.clear()
             view.checked_steps.clear()
         if receipt.boot >= view.boot:
@@ -257,8 +257,8 @@ class AuditScheduler:
         if receipt.status == "ok" and ticket.train:
             view.candidates.append(HopCandidate(ticket, receipt, hotkey, now))
             # ``accumulated``, not merely a backward: a member that jumped to its lane's next step still
-            # computes the late micro-batches of the step it left, without accumulating them (an honest
-            # miner was flagged in the chaos run on its backwards of steps it had left incomplete)
+            # computes the late micro-batches of the step it left, without accumulating them (counting those
+            # would flag an honest miner on its backwards of steps it left incomplete)
             if receipt.accumulated and receipt.stage < ticket.n_stages and ticket.is_member(receipt.stage, hotkey):
                 done = view.backwards.setdefault(receipt.step, set())
                 done.add(receipt.index)

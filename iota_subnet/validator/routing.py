@@ -162,8 +162,8 @@ class Router:
         With no spare, that lane's hops of the stage go to alternates (the stage's other replicas,
         which compute them but do not train on them). A barred miner keeps its slot: another
         validator that has not flagged it (each flags on its own) still sees the same lanes, and no
-        miner is moved into two lanes. A flagged miner kept its lane before: its lane's other stages
-        trained on what it sent and merged that into their stages. Tickets already issued (the
+        miner is moved into two lanes. A flagged miner loses its lane, so that the lane's other stages
+        do not train on what it sends and merge that into their stages. Tickets already issued (the
         validator's lookahead, 8 steps) still name it. Flags stay with the hotkey (a re-registered
         uid is a new key). Returns the keys barred by this call."""
         new = sorted(set(keys) - self.barred)
@@ -174,9 +174,9 @@ class Router:
         """Give the lane of a member unavailable for ``vacate_after_s``, or barred (at once), to an
         available spare of its stage (slot ``>= lanes``: the validator drives lanes ``0 .. lanes - 1``);
         the two swap slots.
-        Without this a lane whose member left for good (its registration and axon stay on chain) was
-        served by alternates, which do not train, for the rest of the run, while the miners that
-        joined sat in lanes nobody drives and never merged (churn benchmark, 2026-12-02). Returns
+        Without this a lane whose member left for good (its registration and axon stay on chain) would
+        be served by alternates, which do not train, for the rest of the run, while the miners that
+        joined sit in lanes nobody drives and never merge. Returns
         ``(stage, lane, old key, new key)`` per swap."""
         now = self.clock()
         out = []
@@ -205,8 +205,8 @@ class Router:
     def load_slot_table(self, table: Mapping[str, Sequence[Optional[Sequence]]]) -> None:
         """Restore a :meth:`slot_table` before the first :meth:`update`: members still registered
         keep their slots; departed ones leave holes that :meth:`update` fills as usual. Without it a
-        restarted validator handed each vacated lane back to its departed member, which took another
-        ``vacate_after_s`` of non-training alternates to undo (churn benchmark, 2026-12-02).
+        restarted validator would hand each vacated lane back to its departed member, which takes
+        another ``vacate_after_s`` of non-training alternates to undo.
 
         Raises ``ValueError`` on a malformed table (the caller starts from the uid order)."""
         slots: dict[int, list[Optional[Key]]] = {s: [] for s in range(self.n_stages)}

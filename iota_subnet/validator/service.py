@@ -584,8 +584,8 @@ class ValidatorService:
 
     def _bar_flagged(self) -> None:
         """Bar newly flagged miners from routing (:meth:`.routing.Router.bar`) and save the flags at
-        once, so that a restarted validator bars them again (before, flags were saved with the next
-        weights set only)."""
+        once, so that a restarted validator bars them again (saved only with the next weights set, they
+        would be lost by a validator killed before it)."""
         new = self.router.bar(self._flagged())
         for uid, hk in new:
             r = self.router.get((uid, hk))
