@@ -42,7 +42,9 @@ def test_stage_flops_match_the_module(name, stages, ratio):
         T = 2048 if name != "tiny" else 256
         assert f.forward == m.flops_per_token(T, training=False)
         assert f.train(False) == m.flops_per_token(T, training=True)
-        assert f.train(True) == f.train(False) + len(m.spec.layers) * block_flops_per_token(model, T)
+        # a checkpointed block runs again in the backward, all but its down_proj (early stop)
+        recompute = block_flops_per_token(model, T) - 2 * model.dim * model.ffn_dim
+        assert f.train(True) == f.train(False) + len(m.spec.layers) * recompute
 
 
 def test_validator_counts_stage_flops_from_shapes():
@@ -82,12 +84,13 @@ def test_balanced_split_is_optimal(vocab, stages, ckpt):
 
 
 def test_shipped_configs_use_the_balanced_split():
-    for name, stages in (("8b", 8), ("1b", 4)):
+    for name, stages, ratio in (("8b", 8, 64), ("1b", 4, 64), ("100b", 16, 144)):
         cfg = load_config(REPO / "configs" / f"{name}.yaml")
         p = cfg.pipeline
-        assert p.stages == stages and p.compression_ratio == 64 and cfg.data.seq_len == 2048
-        assert p.layer_split == balanced_layer_split(cfg.model, stages, 2048, compression_ratio=64,
-                                                     checkpointing=cfg.train.activation_checkpointing)
+        assert p.stages == stages and p.compression_ratio == ratio and cfg.data.seq_len == 2048
+        assert p.layer_split == balanced_layer_split(cfg.model, stages, 2048, compression_ratio=ratio,
+                                                     checkpointing=cfg.train.activation_checkpointing,
+                                                     rows=cfg.train.micro_batch)
         assert cfg.model.vocab_size == cfg.data.vocab_size == 128256
 
 
@@ -98,21 +101,25 @@ def test_ideal_tokens_per_s_by_hand():
     tim = stage_timings(cfg, acc, 0.5)
     T = 2048
     blk = block_flops_per_token(cfg.model, T)
-    # stage 0: 5 blocks + encoder (2 x d x (b - r)); checkpointing adds one block forward
+    # stage 0: 5 blocks + encoder (2 x d x (b - r)); checkpointing adds one block forward but its down_proj
     fwd0 = 5 * blk + 2 * 4096 * 32
     assert tim[0].forward_s == pytest.approx(fwd0 / 156e12)
-    assert tim[0].backward_s == pytest.approx((2 * fwd0 + 5 * blk) / 156e12)
+    assert tim[0].backward_s == pytest.approx((2 * fwd0 + 5 * (blk - 2 * 4096 * 14336)) / 156e12)
     P0 = meta_stage(cfg, 0).param_count()
     assert tim[0].step_s == pytest.approx(P0 * 28 / acc.memory_bandwidth)
+    # the tail (2 blocks + LM head): its chunked cross-entropy runs the head a fourth time
+    head = 2 * 4096 * 128256
+    fwd7 = 2 * blk + 2 * 4096 * 32 + head
+    assert tim[7].backward_s == pytest.approx((2 * fwd7 + 2 * (blk - 2 * 4096 * 14336) + head) / 156e12)
     tokens_step = cfg.train.batch_size * T
     slowest = max(t.per_token(tokens_step) for t in tim)
-    assert tim[0].per_token(tokens_step) == slowest          # 5 blocks: the slowest stage
+    assert tim[0].per_token(tokens_step) == slowest          # 5 blocks and the embedding's optimizer step
     assert ideal_tokens_per_s(tim, 2, tokens_step) == pytest.approx(2 / slowest)
-    # about 16,500 tokens/s per replica: 156 TFLOP/s over ~9.4 GFLOP per token
-    assert 15_000 < ideal_tokens_per_s(tim, 1, tokens_step) < 18_000
+    # about 17,700 tokens/s per replica: 156 TFLOP/s over ~8.8 GFLOP per token
+    assert 16_000 < ideal_tokens_per_s(tim, 1, tokens_step) < 19_000
     # without recomputation the same stage is faster
     assert ideal_tokens_per_s(stage_timings(cfg, acc, 0.5, False), 1, tokens_step) > \
-        ideal_tokens_per_s(tim, 1, tokens_step) * 1.25
+        ideal_tokens_per_s(tim, 1, tokens_step) * 1.2
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -249,7 +256,7 @@ def test_plan_with_other_stage_count_rebalances():
     ps = plan(cfg, 80 * GIB, stages=4)
     assert len(ps) == 4
     assert [p.layers[1] - p.layers[0] for p in ps] == balanced_layer_split(cfg.model, 4, 2048, compression_ratio=64,
-                                                                           checkpointing=True)
+                                                                           checkpointing=True, rows=1)
 
 
 # ------------------------------------------------------------------------------------ CLI
