@@ -293,3 +293,56 @@ def test_require_fit_refuses_with_the_plan_table():
     assert require_fit(cfg, 3, 80 * GIB, device_name="NVIDIA A100-SXM4-80GB").fits
     with pytest.raises(ConfigError, match="(?s)stage 0 does not fit NVIDIA RTX 4090.*state GiB.*NO.*more stages"):
         require_fit(cfg, 0, 24 * GIB, device_name="NVIDIA RTX 4090")
+
+
+# ------------------------------------------------------------------------------------ FLOPs executed
+def _counted_flops_per_token(stage: PipelineStage, rows: int, T: int) -> float:
+    """FLOPs per token torch dispatches in one training forward + backward of the tail ``stage``
+    (``FlopCounterMode``: matmuls and attention, as the plan counts)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    dev = next(stage.parameters()).device
+    x = torch.randn(rows, T, stage.spec.in_width, device=dev, requires_grad=True)
+    y = torch.randint(0, stage.cfg.vocab_size, (rows, T), device=dev)
+    fc = FlopCounterMode(display=False)
+    with fc:
+        stage(x, y).backward()
+    return fc.get_total_flops() / (rows * T)
+
+
+def test_tail_flops_match_what_torch_executes(monkeypatch):
+    """A real CPU tail with checkpointing, its cross-entropy chunked: the plan's training FLOPs per
+    token are what FlopCounterMode counts (the LM head runs 4 times; a checkpointed block recomputes
+    all but its down_proj). Attention takes SDPA's math path, whose matmuls the counter sees."""
+    import iota_subnet.model.stages as stages_mod
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = dataclasses.replace(SMALL, vocab_size=2048)
+    rows, T = 2, 64
+    chunk_bytes = 4 * model.vocab_size * 48                      # 48 tokens a chunk: 3 chunks of 128 tokens
+    monkeypatch.setattr(stages_mod, "CE_CHUNK_BYTES", chunk_bytes)
+    pcfg = PipelineConfig(stages=2, compression_ratio=4)
+    torch.manual_seed(0)
+    tail = PipelineStage(model, pcfg, 1, checkpointing=True, ce_chunk_bytes=chunk_bytes).train()
+    with sdpa_kernel(SDPBackend.MATH):
+        counted = _counted_flops_per_token(tail, rows, T)
+    f = stage_flops(model, pcfg, T, 1, rows)
+    assert f.head_recompute == 2 * model.dim * model.vocab_size
+    assert f.train(True) == pytest.approx(counted, rel=0.02)
+    # model FLOPs alone (no rows: no head recomputation) miss the head's fourth run
+    assert stage_flops(model, pcfg, T, 1).train(True) < 0.9 * counted
+    # one chunk: nothing is recomputed at the head
+    assert stage_flops(model, pcfg, 16, 1, 1).head_recompute == 0
+
+
+@pytest.mark.parametrize("name", ["8b", "100b"])
+def test_shipped_tail_flops_match_what_torch_executes(name):
+    """The tails of configs/8b.yaml and configs/100b.yaml on ``meta`` (real shapes, no memory): the
+    plan's training FLOPs per token equal FlopCounterMode's, with checkpointing on and off."""
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    s = cfg.pipeline.stages - 1
+    for ckpt in (True, False):
+        with torch.device("meta"):
+            tail = PipelineStage(cfg.model, cfg.pipeline, s, init=False, checkpointing=ckpt).train()
+        counted = _counted_flops_per_token(tail, 1, cfg.data.seq_len)
+        f = stage_flops(cfg.model, cfg.pipeline, cfg.data.seq_len, s, cfg.train.micro_batch)
+        assert f.train(ckpt) == pytest.approx(counted, rel=1e-3)
+        assert f.head_recompute > 0

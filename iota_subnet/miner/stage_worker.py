@@ -40,8 +40,8 @@ from iota_subnet.model import PipelineStage
 from iota_subnet.train.checkpoint import (checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
 from iota_subnet.train.colocated import autocast_ctx
-from iota_subnet.train.precision import prepare_device
 from iota_subnet.train.optim import make_optimizer, next_adam_step, set_lr, update_lr
+from iota_subnet.train.precision import prepare_device
 from iota_subnet.train.snapshot import StateSnapshot
 from iota_subnet.utils.device import DeviceIO
 
