@@ -54,6 +54,17 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def param_count(self, tied: Optional[bool] = None) -> int:
+        """Parameters of the whole model from the shape alone (no module built): embedding, blocks
+        (attention, SwiGLU, two RMSNorms), final norm and LM head. ``tied``: whether the LM head shares
+        the embedding (default ``tie_embeddings``; a model split into stages never ties). The
+        bottleneck projections of a split model are not counted (d x (b - r) per boundary side)."""
+        d, D, V = self.dim, self.head_dim, self.vocab_size
+        attn = d * self.n_heads * D * 2 + d * self.n_kv_heads * D * 2     # q, o; k, v
+        block = attn + 3 * d * self.ffn_dim + 2 * d
+        tie = self.tie_embeddings if tied is None else tied
+        return V * d + self.n_layers * block + d + (0 if tie else V * d)
+
     def validate(self) -> "ModelConfig":
         for k in ("n_heads", "n_kv_heads", "dim", "n_layers", "ffn_dim", "vocab_size", "max_seq_len"):
             v = getattr(self, k)
@@ -85,7 +96,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "1b": ModelConfig("1b", 128256, 2048, 16, 32, 8, 8192, 8192, 500000.0, _L3, tie_embeddings=True),
     "8b": ModelConfig("8b", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0, _L3),
     "15b": ModelConfig("15b", 128256, 5120, 40, 40, 8, 17920, 8192, 500000.0, _L3),
-    "100b": ModelConfig("100b", 128256, 9216, 88, 72, 8, 32768, 8192, 500000.0, _L3),
+    "100b": ModelConfig("100b", 128256, 9216, 88, 72, 8, 32768, 8192, 500000.0, _L3),       # 98.70B params
 }
 
 
@@ -207,7 +218,9 @@ class TrainConfig:
     about one extra block forward of compute for far less stored memory (``iota-subnet plan``).
     ``precision``: the compute precision of the run, decided here for every miner and validator
     (:data:`PRECISIONS`): ``fp32``, or ``bf16`` autocast with fp32 master weights. Validators take
-    their replay tolerance from it, never from a miner's reply.
+    their replay tolerance from it, never from a miner's reply. A YAML config that does not set it
+    gets :func:`default_precision` of its model (``bf16`` above :data:`LARGE_MODEL_PARAMS`); the
+    dataclass default, for configs built in code, stays ``fp32``.
     ``compile``: a ``torch.compile`` backend for the stage (``inductor`` on GPUs; ``None`` = eager).
     ``activation_cache_mib`` / ``activation_cache_entries`` / ``activation_cache_ttl_s``: a miner's
     bound on the memory its cached forwards hold (measured, see :mod:`iota_subnet.miner.activation_cache`),
@@ -249,6 +262,17 @@ class TrainConfig:
 MERGE_QUANTIZATIONS = ("none", "bf16", "int8")
 #: Compute precisions a run can choose (``train.precision``).
 PRECISIONS = ("fp32", "bf16")
+#: Models with more parameters than this train in ``bf16`` unless their config says otherwise
+#: (:func:`default_precision`): fp32 activations and matmuls at that size cost twice the activation
+#: memory and run at a fraction of a GPU's bf16 tensor-core rate.
+LARGE_MODEL_PARAMS = 100_000_000
+
+
+def default_precision(model: ModelConfig) -> str:
+    """``train.precision`` of a config that does not set it: ``bf16`` for a model of more than
+    :data:`LARGE_MODEL_PARAMS` parameters (:meth:`ModelConfig.param_count`), else ``fp32`` (the
+    CPU-sized ``tiny`` and ``small`` shapes)."""
+    return "bf16" if model.param_count() > LARGE_MODEL_PARAMS else "fp32"
 #: ``train.compile`` values: torch.compile backends (``inductor`` generates kernels; ``aot_eager`` and
 #: ``eager`` only trace, for testing on machines without a compiler toolchain).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
@@ -482,11 +506,14 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         raise ConfigError(f"section 'data' must be a mapping of keys to values, got {data_raw!r}")
     data_raw = dict(data_raw)
     data_raw.setdefault("vocab_size", model.vocab_size)
+    train_raw = raw.get("train") or {}
+    if isinstance(train_raw, dict) and "precision" not in train_raw:
+        train_raw = {**train_raw, "precision": default_precision(model)}
     cfg = RunConfig(
         model=model,
         pipeline=PipelineConfig(**_checked_fields(PipelineConfig, raw.get("pipeline") or {}, "pipeline")),
         data=DataConfig(**_checked_fields(DataConfig, data_raw, "data")),
-        train=TrainConfig(**_checked_fields(TrainConfig, raw.get("train") or {}, "train")),
+        train=TrainConfig(**_checked_fields(TrainConfig, train_raw, "train")),
         merge=MergeConfig(**_checked_fields(MergeConfig, raw.get("merge") or {}, "merge")),
     )
     return cfg.validate()

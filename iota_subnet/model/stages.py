@@ -34,6 +34,19 @@ from iota_subnet.model.llama import Block, RMSNorm, block_flops_per_token, init_
 CE_CHUNK_BYTES = 256 << 20
 
 
+def ce_chunk_tokens(vocab_size: int, chunk_bytes: Optional[int] = None) -> int:
+    """Tokens per chunk of :func:`lm_head_cross_entropy` (at least 1): ``chunk_bytes`` (default
+    :data:`CE_CHUNK_BYTES`) of fp32 logits."""
+    return max(1, int(CE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * vocab_size))
+
+
+def lm_head_recomputed(tokens: int, vocab_size: int, chunk_bytes: Optional[int] = None) -> bool:
+    """Whether a training forward over ``tokens`` tokens (rows x T) at the tail runs the LM head a
+    second time in its backward: :func:`lm_head_cross_entropy` checkpoints its chunks when the logits
+    take more than one chunk (2 x d x V FLOPs per token more), whatever ``activation_checkpointing`` says."""
+    return tokens > ce_chunk_tokens(vocab_size, chunk_bytes)
+
+
 def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Tensor,
                           chunk_bytes: int = CE_CHUNK_BYTES) -> torch.Tensor:
     """Mean cross-entropy (nats/token) of ``lm_head(h)`` against ``targets``, computed in chunks of
@@ -45,7 +58,7 @@ def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Te
     d, V = h.shape[-1], lm_head.out_features
     hf, tf = h.reshape(-1, d), targets.reshape(-1)
     n = hf.shape[0]
-    chunk = max(1, int(chunk_bytes) // (4 * V))
+    chunk = ce_chunk_tokens(V, chunk_bytes)
     if n <= chunk:
         return F.cross_entropy(lm_head(hf).float(), tf)
 
