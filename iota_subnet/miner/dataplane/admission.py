@@ -15,7 +15,6 @@ from loguru import logger
 
 from iota_subnet.protocol import Ticket
 
-
 from .tracking import Pending, _Task
 
 #: Seconds a stand-in head's forward without its backward holds the lane's later steps (see

@@ -16,7 +16,6 @@ from loguru import logger
 from iota_subnet.protocol import Ticket, from_wire, to_wire
 
 from ..hop_store import wire_pair, wire_values
-
 from .tracking import Pending, _Task
 
 

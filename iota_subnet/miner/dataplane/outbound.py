@@ -18,7 +18,6 @@ from loguru import logger
 from iota_subnet.audit.commit import wire_root
 from iota_subnet.protocol import Hop, ProtocolError, Ticket
 
-
 from .tracking import Pending
 
 #: Wire tensors above this many bytes are committed (hashed) on a worker thread.

@@ -19,7 +19,6 @@ from loguru import logger
 from iota_subnet.protocol import Hop, HopAck, Ticket
 
 from ..hop_store import HopStore
-
 from .admission import HeadAdmission
 from .compute import StageCompute
 from .outbound import HopSending
