@@ -78,8 +78,8 @@ def test_joiner_syncs_at_its_downlink_rate_and_the_window_beats_one_request_per_
 
     P, payload, windowed, one_each, down, st, st1 = asyncio.run(main())
     ideal = payload / (DOWN_BPS / 8)
-    print(f"\nstate sync of {payload / 1e6:.2f} MB in {st['chunks']} chunks of {4 * CHUNK_NUMEL >> 10} KiB from 2 donors, "
-          f"downlink {DOWN_BPS / 1e6:g} Mbit/s, {DELAY_S * 1e3:g} ms each way: payload/rate {ideal:.2f} s; "
+    print(f"\nstate sync of {payload / 1e6:.2f} MB in {st['chunks']} chunks of {4 * CHUNK_NUMEL >> 10} KiB from "
+          f"2 donors, downlink {DOWN_BPS / 1e6:g} Mbit/s, {DELAY_S * 1e3:g} ms each way: payload/rate {ideal:.2f} s; "
           f"window {st['window']}: {windowed:.2f} s ({windowed / ideal:.2f}x); one request per donor: "
           f"{one_each:.2f} s ({one_each / ideal:.2f}x); downlink wire bytes {down.wire_bytes}, busy {st['busy']}")
     assert st["window"] == 8 and st["requests"] == st["chunks"] and st["busy"] == 0   # within the donors' caps
