@@ -296,7 +296,11 @@ class MergeConfig:
     ``phase_timeout_s``: deadline of each all-reduce phase; ``max_attempts``: tries per epoch before the
     merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
     since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
-    requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk.
+    requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk;
+    ``sync_window``: state-sync chunk requests a joiner keeps in flight over all its donors (each donor
+    at most its ``max_concurrent_transfers``); to fetch at link rate it must cover the bandwidth-delay
+    product, ``sync_window x 4 x sync_chunk_numel >= rate x round trip`` (docs/BENCHMARKS.md, "State
+    sync at link rate").
     ``chunk_numel``: values per merge message (a shard travels as chunks of at most this many values,
     reduced as they stream in; a multiple of ``int8_block``). ``overlap``: keep training while the
     merge runs and apply the merged weights plus the local progress made meanwhile (the overlapped
@@ -317,6 +321,7 @@ class MergeConfig:
     min_work_steps: int = 1
     max_concurrent_transfers: int = 2
     sync_chunk_numel: int = 1 << 20
+    sync_window: int = 8
     chunk_numel: int = 1 << 22
     overlap: bool = False
 
@@ -340,7 +345,7 @@ class MergeConfig:
         for k in ("join_timeout_s", "phase_timeout_s"):
             if not (isinstance(getattr(self, k), (int, float)) and getattr(self, k) > 0):
                 raise ConfigError(f"merge.{k} must be a positive number of seconds, got {getattr(self, k)!r}")
-        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "chunk_numel"):
+        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "sync_window", "chunk_numel"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"merge.{k} must be an integer >= 1, got {v!r}")

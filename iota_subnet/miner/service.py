@@ -580,7 +580,8 @@ class MinerService:
                 try:
                     anchor, mom, man = await sync_state(self._peers(), self.merge.transport, run_id=self.run_id,
                                                         stage=self.stage, param_numel=self.merge.params.numel,
-                                                        work_dir=self.out / "sync", min_epoch=min_epoch)
+                                                        work_dir=self.out / "sync", min_epoch=min_epoch,
+                                                        window=self.cfg.merge.sync_window)
                 except SyncError as e:
                     logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
                     await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
