@@ -32,7 +32,7 @@ from .plan import MergePlan
 from .serve import _Session, _ShardReduce
 
 if TYPE_CHECKING:
-    from .engine import MergeReport
+    from .report import MergeReport
 
 
 def sha256_of(chunks: Iterable[torch.Tensor]) -> str:

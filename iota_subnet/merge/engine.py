@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -73,6 +72,7 @@ from .allreduce import AllReduceAttempt, sha256_of
 from .join import MergeJoining
 from .liveness import PeerLiveness
 from .params import ModuleParams
+from .report import MergeReport
 from .plan import MergePlan, epoch_seed
 from .serve import MergeServing, _Session
 
@@ -98,32 +98,6 @@ def cap_work(works: dict[str, float]) -> dict[str, float]:
     k = len(vals)
     med = vals[k // 2] if k % 2 else (vals[k // 2 - 1] + vals[k // 2]) / 2
     return {p: min(w, 2 * med) if med > 0 else w for p, w in works.items()}
-
-
-@dataclass
-class MergeReport:
-    """Outcome of one merge epoch on one replica. ``status``: ``merged`` | ``alone`` (no peer ready,
-    or no participant did any work) | ``late`` (a peer merged this epoch already: pull its weights) |
-    ``abandoned``. Bytes are encoded message bodies this replica sent / received for the merge (as
-    client and as server). ``weights``: each participant's weight in the mean (merge weight x work)."""
-
-    epoch: int
-    status: str = "abandoned"
-    attempts: int = 0
-    participants: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    mismatches: list[dict] = field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    wall_s: float = 0.0
-    reason: str = ""
-    weights_sha256: str = ""
-    weights: dict[str, float] = field(default_factory=dict)
-    work: float = 0.0
-
-    @property
-    def applied(self) -> bool:
-        return self.status == "merged"
 
 
 class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
