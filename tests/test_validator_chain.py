@@ -148,6 +148,37 @@ def test_owners_are_reread_before_setting_weights(tmp_path, tmp_home):
     run(main())
 
 
+def test_stale_weights_decay_to_the_burn_uid_the_validator_holds(tmp_path, tmp_home):
+    """The validator registered first, so it holds the burn uid 0. Stale scores still lose weight to
+    uid 0 (the old code left the burn out when the validator held it: the chain renormalised the
+    weights row and the stale weights went out at full strength)."""
+    net = Net(tmp_path, tmp_home)
+
+    async def main():
+        await net.setup()
+        svc = net.validator(stale_grace=0, burn_uid=0)
+        try:
+            await svc.start()
+            assert svc.uid == 0
+            _credit(svc, 1, net.hk("m1"), 1)
+            _credit(svc, 2, net.hk("m2"), 2)
+            fresh = svc.update_scores()
+            assert 0 not in fresh and sum(fresh.values()) == pytest.approx(1.0)
+            stale = svc.update_scores()                 # a tempo with no verified work: freshness 1/2
+            assert stale[0] == pytest.approx(0.5)
+            assert stale[1] + stale[2] == pytest.approx(0.5)
+            while await net.chain.block() <= await net.chain.last_update(net.hk("vali"), NETUID):
+                await asyncio.sleep(0.05)
+            assert await svc.maybe_set_weights() is True   # a third tempo: freshness 1/4
+            row = dict(dict(await net.chain.weights(NETUID))[0])
+            assert row[0] / sum(row.values()) == pytest.approx(0.75, abs=1e-3)
+            assert svc.last_weights[0] == pytest.approx(0.75)
+        finally:
+            await svc.close()
+            await net.chain.close()
+    run(main())
+
+
 def test_validator_stops_when_the_subnet_requires_a_newer_weights_version(tmp_path, tmp_home):
     net = Net(tmp_path, tmp_home, weights_version=101)
 

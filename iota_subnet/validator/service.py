@@ -867,10 +867,13 @@ class ValidatorService:
         return out
 
     def _burn_uid(self) -> Optional[int]:
-        """The burn uid for stale weight, or None: not set, not in the metagraph, or this validator's
-        own uid (Yuma drops self-weights and renormalises: that would not burn anything)."""
+        """The burn uid for stale weight, or None: not set or not in the metagraph. Who holds it does
+        not matter: when this validator holds it, the stale share goes on its own uid, so its weights
+        row shows the decay as any other validator's does (leaving it out let the chain renormalise
+        the stale weights back to full strength). Yuma drops self-weights from the epoch, so that
+        share then earns this validator nothing."""
         b = self.opts.burn_uid
-        if b is None or int(b) == self.uid or int(b) not in self.current:
+        if b is None or int(b) not in self.current:
             return None
         return int(b)
 
