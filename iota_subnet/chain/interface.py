@@ -180,6 +180,12 @@ class Chain(abc.ABC):
         inside the weights rate limit). Success means the chain said so; use
         :meth:`weights_landed` to confirm."""
 
+    async def pending_commits(self, hotkey: str, netuid: int) -> set[int]:
+        """Blocks of the hotkey's weight commits the chain has not revealed (or dropped) yet
+        (``TimelockedWeightCommits``; empty without commit-reveal). A commit leaves it once its reveal
+        was tried: the weights row then shows it, or the chain refused it."""
+        return set()
+
     async def weights_landed(self, hotkey: str, netuid: int, receipt: WeightsReceipt) -> bool:
         """Whether the chain's state shows the weights of ``receipt`` (the hotkey's ``last_update``
         reached the receipt's block: set, or committed for a later reveal)."""

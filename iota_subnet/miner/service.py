@@ -203,6 +203,7 @@ class MinerService:
         # merging (set up in start() when the run merges replicas; see _setup_merge)
         self.merge: Optional[MergeEngine] = None
         self.donor: Optional[SnapshotDonor] = None
+        self.sync_report: Optional[dict] = None   # the latest state sync (status.json merge.sync)
         self.claims: Optional[MergeClaims] = None
         self.accuser: Any = None            # the ``accuse`` adversary's forger (cheater suite only)
         self.merge_client: Optional[NeuronClient] = None
@@ -575,6 +576,9 @@ class MinerService:
         ``keep_progress``: keep this replica's progress since its old anchor on top of the pulled one
         (:meth:`~iota_subnet.merge.engine.MergeEngine.set_state`; a replica late to a merge)."""
         was_in_sync, self.merge.in_sync = self.merge.in_sync, False
+        # status.json's merge.sync: how the state sync goes; missing_chunks names the chunks of the last
+        # failed attempt that no donor delivered
+        self.sync_report = {"state": "syncing", "attempt": 1, "missing_chunks": [], "error": None}
         try:
             for attempt in range(3):
                 try:
@@ -584,6 +588,9 @@ class MinerService:
                                                         window=self.cfg.merge.sync_window)
                 except SyncError as e:
                     logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
+                    self.sync_report = {"state": "syncing" if attempt < 2 else "failed", "attempt": attempt + 1,
+                                        "missing_chunks": list(e.missing), "error": str(e)}
+                    self.write_status()
                     await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
                     continue
 
@@ -608,6 +615,8 @@ class MinerService:
                 await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
                 logger.info(f"stage {self.stage}: synced merged state of epoch {man['merged_epoch']} from "
                             f"{len(man['sync']['donors'])} peers ({man['sync']})")
+                self.sync_report = {"state": "synced", "attempt": attempt + 1, "missing_chunks": [], "error": None,
+                                    "merged_epoch": man["merged_epoch"]}
                 return True
             return False
         finally:
@@ -841,6 +850,7 @@ class MinerService:
         if self.merge is not None:
             d["merge"] = self.merge.status()
             d["merge"]["mismatch_evidence"] = self.merge.reports[-10:]
+            d["merge"]["sync"] = self.sync_report
         return d
 
     def write_status(self) -> None:
