@@ -11,7 +11,7 @@ import socket
 import aiohttp
 import pytest
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.cli import main as cli_main
 from iota_subnet.config import load_config
 from iota_subnet.validator.scoring import Ledger, Scoreboard, balanced_weights
@@ -43,7 +43,7 @@ def test_validator_scores_adversary_zero_and_explained(tmp_home, tmp_path, capsy
                             port=port, host="127.0.0.1", data_plane="relay")
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         miners = []
         try:
             await chain.register(wallets["vali"], NETUID)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, ValidatorService
 from iota_subnet.validator.state import ValidatorState
 from support.common import OVR, PatternData, make_wallet  # noqa
@@ -34,7 +34,7 @@ def test_validator_service_end_to_end_and_resume(tmp_home, tmp_path):
                                 hop_timeout_s=10, exit_when_done=True, wait_miners_s=30, data_plane="relay", **kw)
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         vali = wallets["vali"]
         miners = await start_miners(cfg, wallets, 2, allowed={vali.hotkey.ss58_address})
         try:
