@@ -33,8 +33,8 @@ def h_register_limit(st: DevnetState, c, block, signer, p) -> list[dict]:
     burn, limit = int(sub["params"]["burn"]), int(p["limit_price"])
     if burn > limit:
         raise Refused("RegistrationPriceLimitExceeded",
-                       f"the registration burn is {burn / RAO_PER_TAO:.9f} TAO, above the limit of "
-                       f"{limit / RAO_PER_TAO:.9f} TAO")
+                      f"the registration burn is {burn / RAO_PER_TAO:.9f} TAO, above the limit of "
+                      f"{limit / RAO_PER_TAO:.9f} TAO")
     return h_burned_register(st, c, block, signer, p)
 
 
@@ -44,7 +44,7 @@ def h_burned_register(st: DevnetState, c, block, signer, p) -> list[dict]:
     hp = sub["params"]
     if hp["registration_requires_shield"] and not st.shielding:
         raise Refused("ShieldRequired", "registration must be submitted through the MEV shield "
-                                         "(MevShield.submit_encrypted)")
+                                        "(MevShield.submit_encrypted)")
     if not hp["registration_allowed"]:
         raise Refused("SubNetRegistrationDisabled", f"registration is disabled on netuid {netuid}")
     if c.execute("SELECT 1 FROM neurons WHERE netuid=? AND hotkey=?", (netuid, hotkey)).fetchone():
@@ -109,7 +109,7 @@ def h_serve_axon(st: DevnetState, c, block, signer, p) -> list[dict]:
     limit = int(sub["params"]["serving_rate_limit"])
     if prev is not None and limit and block - int(prev["block"]) < limit:
         raise Refused("ServingRateLimitExceeded", f"axon served {block - prev['block']} blocks ago; the serving rate "
-                                                   f"limit is {limit} blocks")
+                                                  f"limit is {limit} blocks")
     c.execute("INSERT OR REPLACE INTO axons VALUES (?,?,?,?,?,?,?,?)",
               (netuid, signer, str(ip), int(p["port"]), ip_type, int(p.get("protocol", 4)), int(p.get("version", 0)), block))
     return [{"module_id": "SubtensorModule", "event_id": "AxonServed", "attributes": {"netuid": netuid, "hotkey": signer}}]
@@ -150,7 +150,7 @@ def h_set_commitment(st: DevnetState, c, block, signer, p) -> list[dict]:
     used = int(row["used"]) if row is not None and int(row["epoch"]) == epoch else 0
     if used + cost > cap:
         raise Refused("SpaceLimitExceeded", f"this commitment uses {cost} bytes; {used} of the {cap} bytes a hotkey "
-                                             "may commit per epoch are used: wait for the next epoch")
+                                            "may commit per epoch are used: wait for the next epoch")
     c.execute("INSERT OR REPLACE INTO commitment_usage VALUES (?,?,?,?)", (netuid, signer, epoch, used + cost))
     c.execute("INSERT OR REPLACE INTO commitments VALUES (?,?,?,?,?)", (netuid, signer, block, 0, json.dumps(fields)))
     return [{"module_id": "Commitments", "event_id": "Commitment", "attributes": {"netuid": netuid, "who": signer}}]

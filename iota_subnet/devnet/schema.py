@@ -174,7 +174,7 @@ def debit(c: sqlite3.Connection, coldkey: str, rao: int, error: str, what: str) 
     free = int(row["free"]) if row else 0
     if free < rao:
         raise Refused(error, f"{what} needs {rao / RAO_PER_TAO:.9f} TAO but coldkey {coldkey} has "
-                              f"{free / RAO_PER_TAO:.9f} TAO")
+                             f"{free / RAO_PER_TAO:.9f} TAO")
     c.execute("UPDATE balances SET free = free - ? WHERE coldkey=?", (rao, coldkey))
 
 

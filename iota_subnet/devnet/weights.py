@@ -149,7 +149,7 @@ def _write_weights(c, netuid: int, hp: dict, me: dict, dests: list[int], values:
         raise Refused("WeightVecNotEqualSize", "uids and weights differ in length")
     if version_key < int(hp["weights_version"]):
         raise Refused("IncorrectWeightVersionKey",
-                       f"version_key {version_key} is older than the subnet's weights_version {hp['weights_version']}")
+                      f"version_key {version_key} is older than the subnet's weights_version {hp['weights_version']}")
     self_only = dests == [me["uid"]]
     if not self_only and not me["validator_permit"]:
         raise Refused("NeuronNoValidatorPermit", f"uid {me['uid']} has no validator permit on netuid {netuid}")
@@ -216,4 +216,4 @@ def reveal_weights(c, block: int, netuid: int, hotkey: str, w: RevealedWeights) 
 
 def h_commit_hash_unsupported(st, c, block, signer, p) -> list[dict]:
     raise Refused("CallNotSupported", "the devnet implements the timelocked commit-reveal (commit_timelocked_*), "
-                                       "not the legacy salted-hash commits")
+                                      "not the legacy salted-hash commits")
