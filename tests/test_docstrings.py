@@ -20,7 +20,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "iota_subnet"
 EXCLUDED = {
     "validator/driver.py",
     "validator/verification.py",
-    "chain/devnet.py",
     "miner/adversary.py",
     "miner/emulated.py",
     "network/chaos.py",

@@ -47,7 +47,7 @@ Design
     * Commit-reveal (hyperparameter ``commit_reveal_weights_enabled``): the SDK's ``SetWeights``
       then submits a drand-timelocked commit (``commit_timelocked_mechanism_weights``); it is
       stored, and once the drand round it names has passed (wall clock, quicknet) it is revealed
-      through the state's ``decryptor`` (:func:`drand_decryptor` by default, which needs the drand
+      through the state's ``decryptor`` (:func:`drand_decryptor` of :mod:`.tlock` by default, which needs the drand
       HTTP API; tests pass their own) and applied as weights, as subtensor does each block.
 
 Admin helpers outside the SDK (:mod:`.admin`): :func:`create_devnet`, :func:`fund`,
@@ -62,7 +62,7 @@ from .connect import metagraph_rows, open_devnet
 from .schema import DEFAULT_HYPERPARAMS, DevnetCall, DevnetError
 from .state import DevnetState
 from .substrate import DevnetSubstrate
-from .weights import Decryptor, RevealedWeights, decode_tlock_payload, drand_decryptor
+from .tlock import Decryptor, RevealedWeights, decode_tlock_payload, drand_decryptor
 
 __all__ = [
     "DevnetSubstrate", "DevnetState", "DevnetCall", "DevnetError", "DEFAULT_HYPERPARAMS", "Decryptor",

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from loguru import logger
 
+from .epoch import refresh_permits as recompute_permits
 from .schema import DevnetError, to_rao
 from .state import DevnetState
 
@@ -93,7 +94,7 @@ def add_stake(db: str | os.PathLike, hotkey_ss58: str, coldkey_ss58: str, tao: f
                       " DO UPDATE SET amount = amount + excluded.amount",
                       (hotkey_ss58, coldkey_ss58, netuid, to_rao(tao)))
         if refresh_permits:
-            st.refresh_permits(netuid)
+            recompute_permits(st, netuid)
         return sum(st.stake_of(netuid).get(hotkey_ss58, {}).values())
     finally:
         st.close()

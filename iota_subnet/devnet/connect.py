@@ -12,7 +12,7 @@ from iota_subnet.chain import Chain, ChainError, metagraph_json, open_chain
 from iota_subnet.chain.sdk import DEFAULT_TIMEOUT_S, DEFAULT_WRITE_TIMEOUT_S
 
 from .substrate import DevnetSubstrate
-from .weights import Decryptor
+from .tlock import Decryptor
 
 
 async def open_devnet(chain_db: Optional[str | os.PathLike], *, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -19,9 +19,27 @@ from loguru import logger
 
 from . import yuma
 from .schema import DEFAULT_HYPERPARAMS, U16_MAX, DevnetError
+from .weights import reveal_due_commits
 
 if TYPE_CHECKING:  # pragma: no cover
     from .state import DevnetState
+
+
+def tick(st: DevnetState) -> None:
+    """Run every epoch that is due, then reveal the weight commits that are due (cheap when
+    nothing is due; called before each access to the state)."""
+    block = st.block()
+    if block == st._last_tick_block:
+        return
+    st._last_tick_block = block
+    for r in st._q("SELECT netuid, tempo, last_epoch_block FROM subnets"):
+        netuid, tempo, last = int(r["netuid"]), int(r["tempo"]), int(r["last_epoch_block"])
+        if tempo <= 0:
+            continue
+        due = st.last_epoch_at_or_before(block, netuid, tempo)
+        if due > last:
+            run_epoch(st, netuid, due)
+    reveal_due_commits(st)
 
 
 def run_epoch(st: DevnetState, netuid: int, epoch_block: int) -> bool:

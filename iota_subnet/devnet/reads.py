@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .schema import GLOBAL_MAX_SUBNET_COUNT, RAO_PER_TAO, Refused, u16
+from .shield import mev_public_key
 from .state import DevnetState
 
 
@@ -230,7 +231,7 @@ STORAGE: dict[tuple[str, str], Any] = {
     ("Timestamp", "Now"): lambda st, p, b: st.block_timestamp_ms(b),
     ("Commitments", "CommitmentOf"): _commitment_value,
     ("Commitments", "RevealedCommitments"): lambda st, p, b: None,
-    ("MevShield", "NextKey"): lambda st, p, b: "0x" + st.mev_public_key().hex(),
+    ("MevShield", "NextKey"): lambda st, p, b: "0x" + mev_public_key(st).hex(),
 }
 
 

@@ -3,9 +3,9 @@ opens it.
 
 Block height follows the wall clock: ``block = floor((now - genesis_time) / block_time)`` (a
 halted devnet keeps its last block). State has no history: a read pinned to an older block hash
-sees the current state. Before each access :meth:`DevnetState.tick` runs the epochs that are due
-(:mod:`.epoch`) and reveals due weight commits (:mod:`.weights`); extrinsics are applied by
-:mod:`.calls`, the MEV shield's crypto is in :mod:`.shield`.
+sees the current state. This module is the storage only: before each access
+:func:`.epoch.tick` runs the epochs that are due and reveals due weight commits (:mod:`.weights`);
+extrinsics are applied by :func:`.calls.apply`, the MEV shield's crypto is in :mod:`.shield`.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from . import calls, epoch, shield, weights
 from .schema import DEFAULT_HYPERPARAMS, SCHEMA, SCHEMA_VERSION, DevnetError
-from .weights import Decryptor, drand_decryptor
+from .tlock import Decryptor, drand_decryptor
 
 
 class DevnetState:
@@ -239,44 +238,3 @@ class DevnetState:
         epoch schedule)."""
         period = tempo + 1
         return block - ((block + netuid + 1) % period)
-
-    def tick(self) -> None:
-        """Run every epoch that is due (cheap when nothing is due; called before each access)."""
-        block = self.block()
-        if block == self._last_tick_block:
-            return
-        self._last_tick_block = block
-        for r in self._q("SELECT netuid, tempo, last_epoch_block FROM subnets"):
-            netuid, tempo, last = int(r["netuid"]), int(r["tempo"]), int(r["last_epoch_block"])
-            if tempo <= 0:
-                continue
-            due = self.last_epoch_at_or_before(block, netuid, tempo)
-            if due > last:
-                self._run_epoch(netuid, due)
-        self.reveal_due_commits()
-
-    def reveal_due_commits(self, now: Optional[float] = None) -> int:
-        """Reveal the weights commits whose drand round is published (:func:`.weights.reveal_due_commits`)."""
-        return weights.reveal_due_commits(self, now)
-
-    def _run_epoch(self, netuid: int, epoch_block: int) -> bool:
-        return epoch.run_epoch(self, netuid, epoch_block)
-
-    def refresh_permits(self, netuid: int) -> None:
-        """Recompute validator permits now (top-k by stake), outside the epoch (admin setup)."""
-        epoch.refresh_permits(self, netuid)
-
-    # -- MEV shield and extrinsics -------------------------------------------------------------
-
-    def mev_public_key(self) -> bytes:
-        """The shield's ML-KEM-768 encapsulation key (``MevShield.NextKey``); created on first use."""
-        return shield.mev_public_key(self)
-
-    def mev_open(self, blob: bytes) -> dict:
-        """Decrypt a shielded carrier and check its inner extrinsic (:func:`.shield.mev_open`)."""
-        return shield.mev_open(self, blob)
-
-    def apply(self, signer: str, module: str, function: str, params: dict) -> tuple[int, int, list[dict]]:
-        """Apply a signed call inside one write transaction (:func:`.calls.apply`). Returns (block,
-        index, events); raises :class:`~.schema.Refused`."""
-        return calls.apply(self, signer, module, function, params)

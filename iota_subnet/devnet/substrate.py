@@ -19,11 +19,13 @@ from typing import Any, AsyncIterator, Optional
 
 from loguru import logger
 
+from .calls import apply
+from .epoch import tick
 from .reads import STORAGE, STORAGE_MAPS, account_info, runtime
 from .schema import DevnetCall, Refused
-from .shield import seal_inner_extrinsic
+from .shield import mev_public_key, seal_inner_extrinsic
 from .state import DevnetState
-from .weights import Decryptor
+from .tlock import Decryptor
 
 
 class DevnetSubstrate:
@@ -67,7 +69,7 @@ class DevnetSubstrate:
     async def _run(self, fn, *args):
         def call():
             st = self.state
-            st.tick()
+            tick(st)
             return fn(st, *args)
 
         try:
@@ -197,7 +199,7 @@ class DevnetSubstrate:
         return await self._run(lambda st: account_info(st, address)["nonce"])
 
     async def mev_next_key(self) -> Optional[bytes]:
-        return await self._run(lambda st: st.mev_public_key())
+        return await self._run(mev_public_key)
 
     async def sign_extrinsic(self, call, keypair, *, nonce: int, period: int) -> tuple[bytes, str]:
         call = await self.compose(call)
@@ -242,11 +244,11 @@ class DevnetSubstrate:
             return ExtrinsicResult(success=False, message=f"cannot sign the extrinsic: {error}",
                                    error=ChainError(f"cannot sign the extrinsic: {error}", "BadSignature"))
 
-        def apply(st: DevnetState):
-            return st.apply(signer, call.module, call.function, call.params)
+        def apply_call(st: DevnetState):
+            return apply(st, signer, call.module, call.function, call.params)
 
         try:
-            block, idx, events = await self._run(apply)
+            block, idx, events = await self._run(apply_call)
         except ChainError as error:
             return ExtrinsicResult(success=False, message=error.message, error=error)
         st = self.state
