@@ -20,7 +20,7 @@ import torch
 
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker, UnknownMicrobatch
-from iota_subnet.miner.adversary import ADVERSARY_KINDS, install
+from iota_subnet.sim.adversary import ADVERSARY_KINDS, install
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, Outcome, ProtocolError,
                                   StateRequest, StateResponse)
 from iota_subnet.transport import NeuronClient, NeuronServer

@@ -1,4 +1,4 @@
-"""Emulated accelerators (iota_subnet.miner.emulated): timing from FLOPs, wire shapes and dtypes, the
+"""Emulated accelerators (iota_subnet.sim.emulated): timing from FLOPs, wire shapes and dtypes, the
 memory bound from the plan, step accounting; the real StageWorker's busy time; an emulated miner over
 signed HTTP."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from iota_subnet.config import ConfigError, load_config
 from iota_subnet.hardware import GIB, GPUS, parse_accelerator
-from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker, EmulationError, InFlightLimitExceeded
+from iota_subnet.sim.emulated import Emulation, EmulatedStageWorker, EmulationError, InFlightLimitExceeded
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.plan import plan_stage, stage_flops
 from iota_subnet.protocol import Outcome, ProtocolError

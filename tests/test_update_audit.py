@@ -17,7 +17,7 @@ from iota_subnet.audit.update import (adamw_reference, check_chain, check_update
                                       sample_rows)
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
-from iota_subnet.miner.adversary import install
+from iota_subnet.sim.adversary import install
 from iota_subnet.miner.update_store import UpdateAuditRoute
 from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAuditRequest, UpdateAuditResponse,
                                   UpdateCommit, decode, encode, opening_key, update_audit_contract)

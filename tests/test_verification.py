@@ -10,7 +10,7 @@ import torch
 
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
-from iota_subnet.miner.adversary import install
+from iota_subnet.sim.adversary import install
 from iota_subnet.validator.clasp import attribute, quality_factors
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.verification import TOLERANCES, Snapshot, SpotChecker, rel_err

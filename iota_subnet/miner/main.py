@@ -21,7 +21,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
-                        "noisy-update, precision, accuse, dodge; see iota_subnet/miner/adversary.py) so validators' "
+                        "noisy-update, precision, accuse, dodge; see iota_subnet/sim/adversary.py) so validators' "
                         "verification can be exercised")
     m.add_argument("--register", action="store_true",
                    help="register the hotkey if it is not (burns TAO from the coldkey; needs --max-burn)")
@@ -67,8 +67,8 @@ def add_emulation_args(p: argparse.ArgumentParser) -> None:
 
 
 def emulation_of(args: argparse.Namespace):
-    """The :class:`~iota_subnet.miner.emulated.Emulation` the arguments ask for, or None."""
-    from iota_subnet.miner.emulated import emulation_from_args
+    """The :class:`~iota_subnet.sim.emulated.Emulation` the arguments ask for, or None."""
+    from iota_subnet.sim.emulated import emulation_from_args
     return emulation_from_args(args.emulate_gpu, args.mfu, args.time_scale, args.gpu_mem)
 
 
@@ -82,7 +82,7 @@ async def run_miner(args: argparse.Namespace) -> int:
     stop = install_stop(asyncio.get_running_loop())      # before anything that can wait on the chain
     external_ip = check_external_ip(args.network, args.external_ip, args.allow_private_ip)
     if args.adversary:
-        from iota_subnet.miner.adversary import ADVERSARY_KINDS
+        from iota_subnet.sim.adversary import ADVERSARY_KINDS
         if args.adversary not in ADVERSARY_KINDS:
             raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
     cfg = load_config(args.config)

@@ -48,7 +48,7 @@ from iota_subnet.miner.catch_up import catch_up
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
-from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
+from iota_subnet.sim.emulated import Emulation, EmulatedStageWorker
 from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.miner.update_store import UpdateAuditRoute
@@ -152,7 +152,7 @@ class MinerService:
         self.checkpoint_every = checkpoint_every
         self.refresh_s = metagraph_refresh_s
         self.do_register = register
-        #: a cheater-suite kind (:mod:`iota_subnet.miner.adversary`) for verification tests; None = honest
+        #: a cheater-suite kind (:mod:`iota_subnet.sim.adversary`) for verification tests; None = honest
         self.adversary = adversary
         #: the data source the head and tail read token rows from (see :mod:`iota_subnet.miner.dataplane`)
         self.data, self.cache_dir = data, cache_dir
@@ -329,7 +329,7 @@ class MinerService:
                                          emulation=self.emulation, audit_window=self.audit_window)
         await self._load_weights()
         if self.adversary:
-            from iota_subnet.miner.adversary import install
+            from iota_subnet.sim.adversary import install
             self._loop = asyncio.get_running_loop()
             install(self.worker, self.adversary, peer_state=self._peer_state_blocking, seed=self.uid or 0)
             logger.warning(f"ADVERSARY {self.adversary!r}: this miner cheats (verification testing)")
@@ -363,13 +363,13 @@ class MinerService:
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
         if self.adversary == "poison":
-            from iota_subnet.miner.adversary import poison_mean
+            from iota_subnet.sim.adversary import poison_mean
             if self.merge is None:
                 raise ConfigError("--adversary poison poisons replica merges: enable merging (merge.every_steps "
                                   "or merge.every_blocks > 0 in the config)")
             self.merge.tamper = poison_mean
         if self.adversary == "accuse":
-            from iota_subnet.miner.adversary import install_accuser
+            from iota_subnet.sim.adversary import install_accuser
             if self.merge is None:
                 raise ConfigError("--adversary accuse forges merge evidence: enable merging (merge.every_steps "
                                   "or merge.every_blocks > 0 in the config)")
@@ -437,7 +437,7 @@ class MinerService:
         update_route = (UpdateAuditRoute(self.worker.updates, self.run_id, self.stage)
                         if self.worker.updates is not None else None)
         if self.adversary == "dodge":
-            from iota_subnet.miner.adversary import dodge_audits
+            from iota_subnet.sim.adversary import dodge_audits
             update_route = dodge_audits(self.hop_routes)
         self.hop_routes.mount(self.server)
         if update_route is not None:

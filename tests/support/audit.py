@@ -19,7 +19,7 @@ from iota_subnet.audit.merkle import MerkleTree
 from iota_subnet.audit.project import projections, randoms
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
-from iota_subnet.miner.adversary import install
+from iota_subnet.sim.adversary import install
 from iota_subnet.protocol import from_wire, to_wire
 
 WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
