@@ -72,6 +72,19 @@ def emulation_of(args: argparse.Namespace):
     return emulation_from_args(args.emulate_gpu, args.mfu, args.time_scale, args.gpu_mem)
 
 
+def miner_parts(args: argparse.Namespace, cfg, emulation):
+    """The :class:`~iota_subnet.miner.parts.MinerParts` the arguments ask for: an emulated accelerator
+    (``--emulate-gpu``), a cheater (``--adversary``; ConfigError for a merge cheat in a run that does
+    not merge), else None (the production parts)."""
+    if emulation is not None:
+        from iota_subnet.sim.emulated import emulated_parts
+        return emulated_parts(emulation)
+    if args.adversary:
+        from iota_subnet.sim.adversary import adversary_parts
+        return adversary_parts(args.adversary, cfg)
+    return None
+
+
 async def run_miner(args: argparse.Namespace) -> int:
     from iota_subnet.chain import open_chain
     from iota_subnet.config import load_config
@@ -89,6 +102,7 @@ async def run_miner(args: argparse.Namespace) -> int:
     emulation = emulation_of(args)
     if emulation is not None and args.adversary:
         raise SystemExit("error: --adversary and --emulate-gpu cannot be combined (an emulated stage computes nothing)")
+    parts = miner_parts(args, cfg, emulation)
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
     try:
@@ -100,9 +114,9 @@ async def run_miner(args: argparse.Namespace) -> int:
                        host=args.host, port=args.port, external_ip=external_ip,
                        device=str(pick_device(args.device)), total_steps=args.steps,
                        checkpoint_every=args.checkpoint_every, register=args.register, max_burn_tao=args.max_burn,
-                       run_epoch=args.run_epoch, adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
+                       run_epoch=args.run_epoch, data=args.data, cache_dir=args.cache_dir,
                        allow_data_fallback=args.allow_data_fallback, max_in_flight=args.max_in_flight,
-                       hop_timeout_s=args.hop_timeout, emulation=emulation, audit_window=max(0, args.audit_window),
+                       hop_timeout_s=args.hop_timeout, parts=parts, audit_window=max(0, args.audit_window),
                        dashboard_port=args.dashboard_port)
     try:
         try:

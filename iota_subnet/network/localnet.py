@@ -143,7 +143,7 @@ class LocalNet:
         self.adversary = adversary
         self.adversary_pos = (stages // 2, replicas - 1) if adversary else None
         self.children: list[Child] = []
-        #: fault injection (:mod:`.chaos`): the spec, and the run time its schedule covers
+        #: fault injection (:mod:`iota_subnet.sim.chaos`): the spec, and the run time its schedule covers
         self.chaos_spec = None
         if chaos is not None:
             self.chaos_spec = checked_chaos(chaos, replicas, chaos_duration_s)
@@ -253,7 +253,7 @@ class LocalNet:
         child.started_at = time.monotonic()
         child.started_wall = time.time()
 
-    # ---- fault injection (used by .chaos) ------------------------------------------------------
+    # ---- fault injection (used by iota_subnet.sim.chaos) ---------------------------------------
     def kill(self, child: Child) -> None:
         if child.alive():
             child.proc.send_signal(signal.SIGKILL)
