@@ -38,7 +38,7 @@ A non-tail stage holds a micro-batch from its forward until its backward (1F1B s
 i of S holds S - i); the tail runs its backward at once and never holds more than one. The plan
 gives the most micro-batches that fit (``microbatches_in_flight_max``, ``rows_in_flight``,
 ``activation_cache_bound_bytes``: the bound to give the activation cache), and ``fits``: the stage
-holds at least what its schedule needs. The emulator (:mod:`iota_subnet.miner.emulated`) enforces
+holds at least what its schedule needs. The accelerator emulator (``--emulate-gpu``) enforces
 the same bound.
 """
 from __future__ import annotations

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from iota_subnet.network.cli import parse_sets  # noqa: E402
 from iota_subnet.config import ConfigError  # noqa: E402
-from iota_subnet.network.chaos import checked_chaos  # noqa: E402
+from iota_subnet.sim.chaos import checked_chaos  # noqa: E402
 from iota_subnet.network.localnet import LocalNet  # noqa: E402
 from iota_subnet.utils.atomic import atomic_write_json  # noqa: E402
 

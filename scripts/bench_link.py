@@ -5,7 +5,7 @@ For each rate, the same client sends ``--requests`` signed POSTs of ``--mb`` MB 
 other) to a NeuronServer in a child process:
 
 * ``kernel``: the server runs in a network namespace on a veth pair shaped by ``tc tbf`` at the rate
-  (:class:`iota_subnet.network.netns.NetnsLink`; needs root), the client is not shaped;
+  (:class:`iota_subnet.sim.netns.NetnsLink`; needs root), the client is not shaped;
 * ``emulator``: the server runs on 127.0.0.1 and the client's uplink is an
   :class:`~iota_subnet.transport.shaping.UplinkShaper` at the same rate and burst.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from bittensor.sp_core import Keypair  # noqa: E402
 
-from iota_subnet.network.netns import NetnsLink, netns_available  # noqa: E402
+from iota_subnet.sim.netns import NetnsLink, netns_available  # noqa: E402
 from iota_subnet.protocol import Forward, Health, encode  # noqa: E402
 from iota_subnet.transport import NeuronClient, NeuronServer  # noqa: E402
 from iota_subnet.transport.shaping import UplinkShaper, parse_link  # noqa: E402

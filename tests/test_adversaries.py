@@ -20,7 +20,7 @@ import torch
 
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker, UnknownMicrobatch
-from iota_subnet.miner.adversary import ADVERSARY_KINDS, install
+from iota_subnet.sim.adversary import ADVERSARY_KINDS, CheatingStageWorker
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, Outcome, ProtocolError,
                                   StateRequest, StateResponse)
 from iota_subnet.transport import NeuronClient, NeuronServer
@@ -45,11 +45,13 @@ class Miner:
 
     def __init__(self, cfg, stage: int, wallet, adversary: str | None = None, peer=None):
         self.cfg, self.stage = cfg, stage
-        self.worker = StageWorker(cfg, stage, seed=cfg.train.seed, total_steps=cfg.train.total_steps, audit_window=2)
-        self.adversary = None
+        self.adversary = adversary
         if adversary:
-            self.adversary = install(self.worker, adversary,
-                                     peer_state=(lambda: peer.worker.module.state_dict()) if peer is not None else None)
+            self.worker = CheatingStageWorker(
+                cfg, stage, kind=adversary, seed=cfg.train.seed, total_steps=cfg.train.total_steps, audit_window=2,
+                peer_state=(lambda: peer.worker.module.state_dict()) if peer is not None else None)
+        else:
+            self.worker = StageWorker(cfg, stage, seed=cfg.train.seed, total_steps=cfg.train.total_steps, audit_window=2)
         self.server = NeuronServer(wallet, "127.0.0.1", 0, None, None)
         self.server.add_route("/forward", self.forward, Forward)
         self.server.add_route("/backward", self.backward, Backward)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from iota_subnet.cli import main as cli_main
-from iota_subnet.miner.adversary import ADVERSARY_KINDS
+from iota_subnet.sim.adversary import ADVERSARY_KINDS
 from iota_subnet.network.localnet import LocalNet
 from support.localnet import SMALL_CFG
 from iota_subnet.validator.state import ValidatorState

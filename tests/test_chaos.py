@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 from iota_subnet.config import ConfigError
-from iota_subnet.network.chaos import CHAOS_KINDS, ChaosInjector, ChaosLog, ChaosSpec, checked_chaos
+from iota_subnet.sim.chaos import CHAOS_KINDS, ChaosInjector, ChaosLog, ChaosSpec, checked_chaos
 
 
 def test_spec_parses_rates_and_refuses_what_it_cannot_read():

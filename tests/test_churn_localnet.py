@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from iota_subnet.network.chaos import CHAOS_KINDS, ChaosSpec
+from iota_subnet.sim.chaos import CHAOS_KINDS, ChaosSpec
 from iota_subnet.network.localnet import LocalNet
 from support.localnet import SMALL_CFG
 from iota_subnet.train.checkpoint import read_checkpoint

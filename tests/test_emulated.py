@@ -1,4 +1,4 @@
-"""Emulated accelerators (iota_subnet.miner.emulated): timing from FLOPs, wire shapes and dtypes, the
+"""Emulated accelerators (iota_subnet.sim.emulated): timing from FLOPs, wire shapes and dtypes, the
 memory bound from the plan, step accounting; the real StageWorker's busy time; an emulated miner over
 signed HTTP."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 from iota_subnet.config import ConfigError, load_config
 from iota_subnet.hardware import GIB, GPUS, parse_accelerator
-from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker, EmulationError, InFlightLimitExceeded
+from iota_subnet.sim.emulated import (Emulation, EmulatedStageWorker, EmulationError, InFlightLimitExceeded,
+                                      emulated_parts)
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.plan import plan_stage, stage_flops
 from iota_subnet.protocol import Outcome, ProtocolError
@@ -197,7 +198,7 @@ def test_emulated_miner_over_signed_http(tmp_home):
         add_stake(db, val.hotkey.ss58_address, val.coldkey.ss58_address, 100.0)
         await chain.register(mw, 9)
         svc = MinerService(cfg, mw, chain, netuid=9, run_id="r", stage=1, out_dir=tmp_home / "m", host="127.0.0.1",
-                           emulation=Emulation(parse_accelerator("1e12", 4.0), 0.5, 1.0))
+                           parts=emulated_parts(Emulation(parse_accelerator("1e12", 4.0), 0.5, 1.0)))
         port = await svc.start()
         try:
             ep, hk = f"127.0.0.1:{port}", mw.hotkey.ss58_address
@@ -261,7 +262,7 @@ def test_emulated_miners_run_the_p2p_data_plane(tmp_home, tmp_path, wikitext_pat
     async def main():
         net = P2PNet(tmp_path, wikitext_path, cache_dir)
         emu = Emulation(parse_accelerator("2e12", 4.0), 0.5, 1.0)
-        await net.start(emulation=emu)
+        await net.start(parts=emulated_parts(emu))
         try:
             assert all(m.worker.emulated for m in net.miners.values())
             vali = net.validator(steps=2)

@@ -256,7 +256,7 @@ def test_adversary_help_names_every_kind(command, capsys, monkeypatch):
     """`--help` listed fewer cheater kinds than the README and the code accept."""
     monkeypatch.setenv("COLUMNS", "2000")          # no wrapping inside a name (noisy-update)
     from iota_subnet.cli import main as cli_main
-    from iota_subnet.miner.adversary import ADVERSARY_KINDS
+    from iota_subnet.sim.adversary import ADVERSARY_KINDS
     with pytest.raises(SystemExit):
         cli_main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())

@@ -11,6 +11,7 @@ from iota_subnet.config import ConfigError, MergeConfig, load_config
 from iota_subnet.merge import MergeEngine, MergePlan, ModuleParams, dequantize, epoch_seed, outer_step, quantize
 from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import MergePayload, Outcome, ProtocolError, tensor_sha256
+from iota_subnet.sim.adversary import TamperingMergeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,8 +25,11 @@ def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None):
         torch.manual_seed(seed)                         # same init on every replica (as StageWorker)
         m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
         mods.append(m)
-        e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
-                        tamper=(tamper if tamper and tamper[0] == i else None) and tamper[1])
+        if tamper and tamper[0] == i:       # a reducer serving tamper(shard, mean) (the cheater suite's engine)
+            e = TamperingMergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
+                                     tamper=tamper[1])
+        else:
+            e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1)
         net.register(HK[i], e.handle)
         engines.append(e)
     # local training: different data per replica

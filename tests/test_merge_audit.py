@@ -36,14 +36,17 @@ pytestmark = pytest.mark.timeout(180)
 class AuditNet(Net):
     """Net whose miners keep update audits (``MinerService(audit_window=2)``)."""
 
-    async def add(self, adversary=None):
+    async def add(self, adversary=None, parts=None):
         from iota_subnet.miner.service import MinerService
+        from iota_subnet.sim.adversary import adversary_parts
         from iota_subnet.wallets import create_wallet
+        if adversary:
+            parts = adversary_parts(adversary, self.cfg)
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
         await self.chain.register(w, 9)
         svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary, audit_window=2)
+                           host="127.0.0.1", external_ip="127.0.0.1", parts=parts, audit_window=2)
         await svc.start()
         self.svcs.append(svc)
         for s in self.svcs:
@@ -109,8 +112,8 @@ async def _accusers_net(tmp_path):
     await net.start(1)
     x = await net.add("accuse")
     y = await net.add("accuse")
-    x.accuser.accomplices |= {y.hotkey}
-    y.accuser.accomplices |= {x.hotkey}
+    x.merge.accuser.accomplices |= {y.hotkey}
+    y.merge.accuser.accomplices |= {x.hotkey}
     return net, net.svcs[0], x, y
 
 
@@ -122,8 +125,8 @@ def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp
                 train_locally(s, k)
             reps = await merge_epoch(net.svcs, 0)
             assert all(r.applied for r in reps), [(r.status, r.reason) for r in reps]
-            assert len(x.accuser.forged) == 1 and len(y.accuser.forged) == 1
-            fx, fy = x.accuser.forged[0], y.accuser.forged[0]
+            assert len(x.merge.accuser.forged) == 1 and len(y.merge.accuser.forged) == 1
+            fx, fy = x.merge.accuser.forged[0], y.merge.accuser.forged[0]
             assert fx["wrong"] == fy["wrong"] == [honest.hotkey]                  # matching forged evidence
             assert fx["recomputed_sha256"] == fy["recomputed_sha256"]
             # the old rule (two reporters) would have penalised the honest reducer

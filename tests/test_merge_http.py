@@ -12,6 +12,8 @@ from iota_subnet.merge import outer_step
 from iota_subnet.protocol import (Forward, ForwardResult, Health, MergeEvidence, MergePayload, MergeAck, Outcome,
                                   ProtocolError,
                                   StateChunk, StateChunkRequest)
+from iota_subnet.miner.parts import MinerParts
+from iota_subnet.sim.adversary import TamperingMergeEngine
 from iota_subnet.transport import NeuronClient
 from support.merge_net import OVR, RUN, Net, flat, merge_epoch, train_locally  # noqa: F401
 
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 def test_merge_over_http_identical_tamper_kill_late(tmp_path, tmp_home):
     async def main():
         net = Net(tmp_path)
-        await net.start(3)
+        # b's merge engine can be made to serve tampered means (set and cleared below)
+        await net.start(3, parts={1: MinerParts(make_merge_engine=TamperingMergeEngine)})
         try:
             a, b, c = net.svcs
             assert all(s.merge.in_sync for s in net.svcs) or await asyncio.sleep(0.5) is None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from iota_subnet.network.netns import netns_available
+from iota_subnet.sim.netns import netns_available
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
@@ -42,7 +42,7 @@ def test_emulator_matches_kernel_tbf_throughput(bench_link):
 def test_namespaces_are_removed():
     import subprocess
 
-    from iota_subnet.network.netns import NetnsLink
+    from iota_subnet.sim.netns import NetnsLink
     ok, why = netns_available()
     if not ok:
         pytest.skip(why)

@@ -17,7 +17,7 @@ from iota_subnet.audit.update import (adamw_reference, check_chain, check_update
                                       sample_rows)
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
-from iota_subnet.miner.adversary import install
+from iota_subnet.sim.adversary import CheatingStageWorker
 from iota_subnet.miner.update_store import UpdateAuditRoute
 from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAuditRequest, UpdateAuditResponse,
                                   UpdateCommit, decode, encode, opening_key, update_audit_contract)
@@ -131,8 +131,7 @@ def test_honest_steps_pass_bit_exact_and_chain():
 
 def test_noisy_update_fails_and_lr_or_clip_lies_fail():
     c = cfg()
-    w = StageWorker(c, 1, seed=0, total_steps=c.train.total_steps, audit_window=2)
-    install(w, "noisy-update")
+    w = CheatingStageWorker(c, 1, kind="noisy-update", seed=0, total_steps=c.train.total_steps, audit_window=2)
     train(w, 2)
     auditor = UpdateAuditor(c, run_id="r", total_steps=c.train.total_steps, rows=1, rng=random.Random(0))
     for commit in commits_of(w, 2):

@@ -10,7 +10,7 @@ import torch
 
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
-from iota_subnet.miner.adversary import install
+from iota_subnet.sim.adversary import CheatingStageWorker
 from iota_subnet.validator.clasp import attribute, quality_factors
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.verification import TOLERANCES, Snapshot, SpotChecker, rel_err
@@ -54,9 +54,7 @@ def _snap(checker, worker, r):
 
 def _run(kind=None, steps=3):
     c = cfg()
-    w = StageWorker(c, 1, seed=0)
-    if kind:
-        install(w, kind)
+    w = CheatingStageWorker(c, 1, kind=kind, seed=0) if kind else StageWorker(c, 1, seed=0)
     r = Replica(5, "hk5", "127.0.0.1:1", 1)
     ch = SpotChecker(c, run_id="r", rate=1.0, rng=random.Random(0))
     for k in range(steps):

@@ -108,7 +108,6 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
     ``work_fn() -> float``: this replica's cumulative work (tokens trained); its weight in a merge is
     proportional to the work done since its last merge (None: every replica weighs the same).
     ``run_id``/``stage`` seed the plans. ``on_applied(report)``: called after a merge is applied.
-    ``tamper``: test hook ``(shard_index, mean) -> mean`` applied to the means this replica *serves*.
     ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read the merge
     weights from the chain. ``observer``: signs and checks merge claims
     (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
@@ -120,14 +119,13 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                  weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None,
                  work_fn: Optional[Callable[[], float]] = None,
                  on_applied: Optional[Callable[[MergeReport], Any]] = None,
-                 tamper: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
                  before_attempt: Optional[Callable[[], Any]] = None, observer: Any = None,
                  step_fn: Optional[Callable[[], int]] = None):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
         self.step_fn = step_fn
         self.observer = observer
         self.run_id, self.stage = run_id, stage
-        self.weights_fn, self.work_fn, self.on_applied, self.tamper = weights_fn, work_fn, on_applied, tamper
+        self.weights_fn, self.work_fn, self.on_applied = weights_fn, work_fn, on_applied
         self.before_attempt = before_attempt
         self.anchor = params.read()                  # weights at the last merge (the run's seeded init before), host
         self.momentum = torch.zeros_like(self.anchor)
@@ -365,10 +363,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         else:
             order = list(plan.participants)
             honest = red.means
-            served = honest
-            if self.tamper is not None:
-                bad = self.tamper(s, torch.cat(honest).clone())
-                served = list(bad.split([t.numel() for t in honest]))
+            served = self.mean_to_serve(s, honest)
             sess.honest[s], sess.served[s] = honest, served
             sess.results[s] = MergeResult(**base, status="ok", contributors=order,
                                           weights=[plan.weight(p) for p in order],
@@ -380,3 +375,9 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                 await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0],
                                         plan.chunk_numel)
         sess.ready_event(s).set()
+
+    def mean_to_serve(self, shard_index: int, mean: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean pseudo-gradient of shard ``shard_index`` this replica, as its reducer, signs and
+        serves: ``mean`` itself (its chunks, float32, as reduced). A subclass may override it; the
+        replicas gathering the shard check what it serves against their own recomputation."""
+        return mean

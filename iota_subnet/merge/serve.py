@@ -67,7 +67,7 @@ class _Session:
         self.mine: dict[int, list[torch.Tensor]] = {}            # my (dequantized) chunks per shard
         self.mine_wire: dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
         self.results: dict[int, MergeResult] = {}                # header of each result (no tensor)
-        self.honest: dict[int, list[torch.Tensor]] = {}          # means computed here (before any tamper hook)
+        self.honest: dict[int, list[torch.Tensor]] = {}          # means computed here (before mean_to_serve)
         self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
         self.result_ready: dict[int, asyncio.Event] = {}
         self.closed = False

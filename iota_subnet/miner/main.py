@@ -21,7 +21,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
-                        "noisy-update, precision, accuse, dodge; see iota_subnet/miner/adversary.py) so validators' "
+                        "noisy-update, precision, accuse, dodge; see iota_subnet/sim/adversary.py) so validators' "
                         "verification can be exercised")
     m.add_argument("--register", action="store_true",
                    help="register the hotkey if it is not (burns TAO from the coldkey; needs --max-burn)")
@@ -67,9 +67,22 @@ def add_emulation_args(p: argparse.ArgumentParser) -> None:
 
 
 def emulation_of(args: argparse.Namespace):
-    """The :class:`~iota_subnet.miner.emulated.Emulation` the arguments ask for, or None."""
-    from iota_subnet.miner.emulated import emulation_from_args
+    """The :class:`~iota_subnet.sim.emulated.Emulation` the arguments ask for, or None."""
+    from iota_subnet.sim.emulated import emulation_from_args
     return emulation_from_args(args.emulate_gpu, args.mfu, args.time_scale, args.gpu_mem)
+
+
+def miner_parts(args: argparse.Namespace, cfg, emulation):
+    """The :class:`~iota_subnet.miner.parts.MinerParts` the arguments ask for: an emulated accelerator
+    (``--emulate-gpu``), a cheater (``--adversary``; ConfigError for a merge cheat in a run that does
+    not merge), else None (the production parts)."""
+    if emulation is not None:
+        from iota_subnet.sim.emulated import emulated_parts
+        return emulated_parts(emulation)
+    if args.adversary:
+        from iota_subnet.sim.adversary import adversary_parts
+        return adversary_parts(args.adversary, cfg)
+    return None
 
 
 async def run_miner(args: argparse.Namespace) -> int:
@@ -81,13 +94,14 @@ async def run_miner(args: argparse.Namespace) -> int:
     stop = install_stop(asyncio.get_running_loop())      # before anything that can wait on the chain
     external_ip = check_external_ip(args.network, args.external_ip, args.allow_private_ip)
     if args.adversary:
-        from iota_subnet.miner.adversary import ADVERSARY_KINDS
+        from iota_subnet.sim.adversary import ADVERSARY_KINDS
         if args.adversary not in ADVERSARY_KINDS:
             raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
     cfg = load_config(args.config)
     emulation = emulation_of(args)
     if emulation is not None and args.adversary:
         raise SystemExit("error: --adversary and --emulate-gpu cannot be combined (an emulated stage computes nothing)")
+    parts = miner_parts(args, cfg, emulation)
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
     try:
@@ -99,9 +113,9 @@ async def run_miner(args: argparse.Namespace) -> int:
                        host=args.host, port=args.port, external_ip=external_ip,
                        device=str(pick_device(args.device)), total_steps=args.steps,
                        checkpoint_every=args.checkpoint_every, register=args.register, max_burn_tao=args.max_burn,
-                       run_epoch=args.run_epoch, adversary=args.adversary, data=args.data, cache_dir=args.cache_dir,
+                       run_epoch=args.run_epoch, data=args.data, cache_dir=args.cache_dir,
                        allow_data_fallback=args.allow_data_fallback, max_in_flight=args.max_in_flight,
-                       hop_timeout_s=args.hop_timeout, emulation=emulation, audit_window=max(0, args.audit_window),
+                       hop_timeout_s=args.hop_timeout, parts=parts, audit_window=max(0, args.audit_window),
                        dashboard_port=args.dashboard_port)
     try:
         try:

@@ -48,12 +48,9 @@ from iota_subnet.miner.catch_up import catch_up
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
-from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
-from iota_subnet.miner.activation_cache import ActivationCache
+from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
-from iota_subnet.miner.update_store import UpdateAuditRoute
 from iota_subnet.model import bottleneck_dims
-from iota_subnet.plan import require_fit
 from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeAuditRequest,
                                   MergeEvidence, MergeJoin, MergePayload, MergeResultRequest, Outcome, ProtocolError,
@@ -74,39 +71,6 @@ from iota_subnet.utils.run_folder import hand_over
 MAX_MICRO_BATCH_ROWS = 64
 
 
-def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int, emulation: Optional[Emulation] = None,
-                audit_window: int = 0) -> tuple[StageWorker | EmulatedStageWorker, Optional[int]]:
-    """The stage's compute: a real :class:`StageWorker`, or with ``emulation`` (``--emulate-gpu``) an
-    :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute. Also
-    returns how many micro-batches it can keep waiting for their backward (the memory plan's bound on
-    a GPU, real or emulated; None on the CPU). ``audit_window``: inner steps a real worker keeps for
-    update audits (an emulated one has no weights to audit)."""
-    if emulation is None:
-        bound, cache = None, None
-        if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
-            props = torch.cuda.get_device_properties(torch.device(device))
-            p = require_fit(cfg, stage, props.total_memory, device_name=props.name)
-            bound = p.microbatches_in_flight_max
-            cache = plan_cache(cfg, p)
-            logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
-                        f"{props.total_memory / 2**30:.1f} GiB planned, up to {bound} micro-batches in flight")
-        return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps, cache=cache,
-                           audit_window=audit_window), bound
-    w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
-    logger.warning(f"EMULATION, no training: {w.describe()}")
-    return w, w.cache.max_entries
-
-
-def plan_cache(cfg: RunConfig, p: Any) -> ActivationCache:
-    """The activation cache a GPU stage gets from its memory plan: the planned bound on what cached
-    forwards may hold (measured by the cache itself) and on their number, instead of the config's
-    CPU-sized defaults (512 MiB would hold two ``8b`` micro-batches of the 30+ a pipeline needs)."""
-    t = cfg.train
-    return ActivationCache(ttl_s=t.activation_cache_ttl_s,
-                           max_bytes=max(p.activation_cache_bound_bytes, t.activation_cache_mib << 20),
-                           max_entries=max(1, p.microbatches_in_flight_max))
-
-
 def in_flight_window(cfg: RunConfig, requested: Optional[int], bound: Optional[int]) -> int:
     """Micro-batches the first stage keeps waiting for their backward: ``requested``, or by default one
     lane step's worth (with a flush per lane step no more can be in flight), never above what the
@@ -125,7 +89,8 @@ class MinerService:
     ``register``: register an unregistered hotkey (burns TAO), at most at ``max_burn_tao``.
     ``run_epoch``: with ``run_id``, identifies the run. ``fingerprints``: the tokenizer and data
     fingerprints when this miner loads the run's data; then it refuses to join a run whose
-    validators advertise others.
+    validators advertise others. ``parts``: the factories of its worker, merge engine and audit
+    routes (:class:`~iota_subnet.miner.parts.MinerParts`; None: the production parts).
     """
 
     def __init__(self, cfg: RunConfig, wallet: Any, chain: Chain, *, netuid: int, run_id: str,
@@ -133,11 +98,10 @@ class MinerService:
                  external_ip: str = "127.0.0.1", device: str = "cpu", total_steps: Optional[int] = None,
                  checkpoint_every: int = 10, metagraph_refresh_s: float = 5.0, register: bool = False,
                  max_burn_tao: Optional[float] = None, run_epoch: int = 0,
-                 fingerprints: Optional[Fingerprints] = None, adversary: Optional[str] = None,
+                 fingerprints: Optional[Fingerprints] = None,
                  data: Optional[str] = None, cache_dir: Optional[str] = None, allow_data_fallback: bool = False,
                  max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
-                 emulation: Optional[Emulation] = None, audit_window: int = DEFAULT_KEEP_VERSIONS,
-                 accomplices: tuple = (),
+                 audit_window: int = DEFAULT_KEEP_VERSIONS, parts: Optional[MinerParts] = None,
                  dashboard_port: Optional[int] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
@@ -152,8 +116,8 @@ class MinerService:
         self.checkpoint_every = checkpoint_every
         self.refresh_s = metagraph_refresh_s
         self.do_register = register
-        #: a cheater-suite kind (:mod:`iota_subnet.miner.adversary`) for verification tests; None = honest
-        self.adversary = adversary
+        #: the factories of this miner's parts (production ones unless an entry point gives others)
+        self.parts = parts if parts is not None else MinerParts()
         #: the data source the head and tail read token rows from (see :mod:`iota_subnet.miner.dataplane`)
         self.data, self.cache_dir = data, cache_dir
         #: substitute data / tokenizer when the hub is unreachable (localnet, or asked for)
@@ -162,10 +126,6 @@ class MinerService:
         #: the head's and tail's TokenDataset (built from ``data`` at start unless given)
         self.dataset: Any = dataset
         self.node: Optional[DataPlaneNode] = None
-        #: ``--emulate-gpu``: an emulated accelerator instead of real compute (no training, no merging)
-        self.emulation = emulation
-        #: (``accuse`` adversary, tests) hotkeys of the accomplices it never accuses
-        self.accomplices = tuple(accomplices)
         #: the audit window: weights versions (and their hops) kept for hop audits
         #: (:class:`~iota_subnet.miner.hop_store.HopStore`) and inner steps kept for update audits
         #: (:class:`~iota_subnet.miner.update_store.UpdateStore`); 0: off (validators then count every
@@ -173,7 +133,6 @@ class MinerService:
         self.audit_window = int(audit_window)
         self.hops: Optional[HopStore] = None
         self.hop_routes: Optional[HopAuditRoutes] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.hotkey: str = wallet.hotkey.ss58_address
         self.uid: Optional[int] = None
         self.stage: Optional[int] = None
@@ -205,7 +164,6 @@ class MinerService:
         self.donor: Optional[SnapshotDonor] = None
         self.sync_report: Optional[dict] = None   # the latest state sync (status.json merge.sync)
         self.claims: Optional[MergeClaims] = None
-        self.accuser: Any = None            # the ``accuse`` adversary's forger (cheater suite only)
         self.merge_client: Optional[NeuronClient] = None
         self._sync_task: Optional[asyncio.Task] = None
         self._merge_task: Optional[asyncio.Task] = None
@@ -326,14 +284,8 @@ class MinerService:
         await self.refresh(force=True)
         self.check_fingerprints()
         self.stage = self.choose_stage()
-        self.worker, bound = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
-                                         emulation=self.emulation, audit_window=self.audit_window)
+        self.worker, bound = self.parts.make_worker(self, self.stage)
         await self._load_weights()
-        if self.adversary:
-            from iota_subnet.miner.adversary import install
-            self._loop = asyncio.get_running_loop()
-            install(self.worker, self.adversary, peer_state=self._peer_state_blocking, seed=self.uid or 0)
-            logger.warning(f"ADVERSARY {self.adversary!r}: this miner cheats (verification testing)")
         self._last_ckpt_step = self.worker.inner_step
         T, mb = self.cfg.data.seq_len, MAX_MICRO_BATCH_ROWS
         b, _ = bottleneck_dims(self.cfg.model, self.cfg.pipeline)
@@ -349,7 +301,7 @@ class MinerService:
         self.server.add_route("/state", self._state, StateRequest, None)
         self.server.add_route("/health", self._health, Health, None)
         self._setup_audits()
-        if self.cfg.merge.enabled and self.emulation is None:    # emulated stages have no weights to merge
+        if self.cfg.merge.enabled and self.worker.has_weights:    # emulated stages have no weights to merge
             self._setup_merge()
         rows = await self._row_source() if (spec.is_head or spec.is_tail) else None
         self.node = DataPlaneNode(self.worker, self.wallet, cfg=self.cfg, run_id=self.run_id, stage=self.stage, width=b,
@@ -359,22 +311,10 @@ class MinerService:
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s, hops=self.hops, boot=self.started_at,
-                                  updates=self.worker.updates if isinstance(self.worker, StageWorker) else None)
+                                  updates=self.worker.updates)
         for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
-        if self.adversary == "poison":
-            from iota_subnet.miner.adversary import poison_mean
-            if self.merge is None:
-                raise ConfigError("--adversary poison poisons replica merges: enable merging (merge.every_steps "
-                                  "or merge.every_blocks > 0 in the config)")
-            self.merge.tamper = poison_mean
-        if self.adversary == "accuse":
-            from iota_subnet.miner.adversary import install_accuser
-            if self.merge is None:
-                raise ConfigError("--adversary accuse forges merge evidence: enable merging (merge.every_steps "
-                                  "or merge.every_blocks > 0 in the config)")
-            self.accuser = install_accuser(self.merge, self.accomplices)
         self.server.add_public_get("/metrics", self.metrics.handler)
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.server.add_public_get(path, handler)
@@ -430,16 +370,13 @@ class MinerService:
         """Hop audits (``/audit/trace|project|open``) over the last ``audit_window`` weights versions
         and ``/audit/update`` over the last ``audit_window`` inner steps (validators; real stage workers
         only: an emulated one has no weights)."""
-        if not isinstance(self.worker, StageWorker) or self.audit_window <= 0:
+        if not self.worker.has_weights or self.audit_window <= 0:
             return
         self.hops = HopStore(self.audit_window, shared=self.worker.updates.weights_version
                              if self.worker.updates is not None else None)
-        self.hop_routes = HopAuditRoutes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage)
-        update_route = (UpdateAuditRoute(self.worker.updates, self.run_id, self.stage)
+        self.hop_routes = self.parts.make_hop_audit_routes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage)
+        update_route = (self.parts.make_update_audit_route(self.worker.updates, self.run_id, self.stage)
                         if self.worker.updates is not None else None)
-        if self.adversary == "dodge":
-            from iota_subnet.miner.adversary import dodge_audits
-            update_route = dodge_audits(self.hop_routes)
         self.hop_routes.mount(self.server)
         if update_route is not None:
             self.server.add_route("/audit/update", update_route, UpdateAuditRequest, None)
@@ -458,7 +395,7 @@ class MinerService:
         self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
         self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block)
-        self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
+        self.merge = self.parts.make_merge_engine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
                                  work_fn=lambda: float(self.worker.trained_tokens), on_applied=self._on_merged,
@@ -705,7 +642,7 @@ class MinerService:
                 return
         except CheckpointError as e:
             logger.warning(f"ignoring checkpoint: {e}")
-        if self.cfg.merge.enabled and self.emulation is None:
+        if self.cfg.merge.enabled and self.worker.has_weights:
             return      # merging: its merge-state file, else the catch-up's state sync once it is published (_catch_up)
         got = await self._peer_state_response(timeout_s=30, retries=1)
         if got is not None:
@@ -718,16 +655,6 @@ class MinerService:
             except RuntimeError as e:
                 logger.warning(f"state from uid {uid} does not fit this stage: {e}")
         logger.info(f"stage {self.stage}: no usable peer state; starting from the run's seeded initialisation")
-
-    def _peer_state_blocking(self) -> dict:
-        """(``copy`` adversary, from the compute thread) a replica's weights via ``/state``, or {}."""
-        if self._loop is None:
-            return {}
-        try:
-            return asyncio.run_coroutine_threadsafe(self._peer_state(), self._loop).result(timeout=30)
-        except Exception as e:  # noqa: BLE001
-            logger.warning(f"peer state fetch failed: {e}")
-            return {}
 
     async def _peer_state_response(self, timeout_s: float, retries: int) -> Optional[tuple[int, StateResponse]]:
         """(uid, /state answer) of the first replica of this stage that answers, or None."""
@@ -745,7 +672,9 @@ class MinerService:
                     logger.warning(f"state from {hk[:10]} failed: {e}")
         return None
 
-    async def _peer_state(self) -> dict:
+    async def peer_weights(self) -> dict:
+        """The weights (state dict, host tensors) of the first replica of this stage that answers
+        ``/state``, or {} when none does."""
         got = await self._peer_state_response(timeout_s=20, retries=0)
         return dict(got[1].tensors) if got is not None else {}
 
@@ -817,7 +746,7 @@ class MinerService:
             if self.worker is not None:
                 await self.checkpoint(wait=True)
             self.write_status()
-        if isinstance(self.worker, StageWorker) and self.worker.updates is not None:
+        if self.worker is not None and self.worker.updates is not None:
             self.worker.updates.close()
         if self.hops is not None:
             self.hops.close()
@@ -829,10 +758,7 @@ class MinerService:
         d = {"hotkey": self.hotkey, "uid": self.uid, "stage": self.stage, "port": self.port,
              "run_id": self.run_id, "run_epoch": self.run_epoch, "chain": self.publisher.status(),
              "uptime_s": round(time.time() - self.started_at, 1)}
-        if self.adversary:
-            d["adversary"] = self.adversary
-        if self.emulation is not None:
-            d["emulation"] = self.emulation.to_json()
+        d.update(self.parts.status)
         if self.dashboard is not None:
             d["dashboard"] = self.dashboard.url
         if w is not None:

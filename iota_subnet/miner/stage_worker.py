@@ -56,7 +56,13 @@ class StageWorker:
     ``total_steps``: length of the learning-rate schedule in inner steps. ``audit_window``: inner
     steps kept for update audits (:class:`~iota_subnet.miner.update_store.UpdateStore`; 0 = no
     commitments, e.g. in benchmarks of the compute alone).
+
+    :meth:`compute_forward`, :meth:`backward`, :meth:`step` and :meth:`apply_update` are the parts a
+    subclass may override.
     """
+
+    #: real weights (merged, synced, audited); an emulated worker has none
+    has_weights = True
 
     def __init__(self, cfg: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int = 0,
                  total_steps: Optional[int] = None, cache: Optional[ActivationCache] = None,
@@ -143,7 +149,7 @@ class StageWorker:
         """
         with self.lock, self._busy():
             step = self.inner_step
-            res = self._forward(mb_id, x, targets, train=train, accumulate=accumulate)
+            res = self.compute_forward(mb_id, x, targets, train=train, accumulate=accumulate)
             res.setdefault("weights_step", step)
             res.setdefault("weights_merges", self.merges)
             return res
@@ -153,8 +159,11 @@ class StageWorker:
         fn = self.compiled if self.compiled is not None else self.module
         return fn(x) if targets is None else fn(x, targets)
 
-    def _forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                 train: bool = True, accumulate: bool = True) -> dict:
+    def compute_forward(self, mb_id: str, x: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                        train: bool = True, accumulate: bool = True) -> dict:
+        """The forward proper, called by :meth:`forward` under :attr:`lock` (same arguments and result,
+        without ``weights_step`` / ``weights_merges``): caches a training forward for its backward (the
+        tail backpropagates at once and counts it with :meth:`count_backward`). A subclass may override it."""
         with self.lock:
             x = self.io.to_device(x)
             if self.spec.is_tail:
@@ -179,7 +188,7 @@ class StageWorker:
                 if accumulate:
                     (loss / self.micro_per_step).backward()
                     grad = inp.grad.detach() if inp is not None else None
-                    self._count_backward(targets.numel())
+                    self.count_backward(targets.numel())
                 else:
                     grad = (torch.autograd.grad(loss / self.micro_per_step, inp)[0].detach()
                             if inp is not None else None)
@@ -223,7 +232,7 @@ class StageWorker:
             else:
                 self.last_weights_step, self.last_weights_merges = self.inner_step, self.merges
                 gin = self._recompute_backward(entry, grad)
-            self._count_backward(entry.meta.get("tokens", 0))
+            self.count_backward(entry.meta.get("tokens", 0))
             return None if gin is None else self.io.to_host(gin)
 
     def _input_grad_only(self, entry, grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -283,7 +292,9 @@ class StageWorker:
         out.backward(grad.to(self.device, out.dtype))
         return None if self.spec.is_head else x.grad.detach()
 
-    def _count_backward(self, tokens: int) -> None:
+    def count_backward(self, tokens: int) -> None:
+        """Count one backward pass of ``tokens`` tokens accumulated into this stage's gradients; with
+        :attr:`auto_step`, step once a batch of micro-batches has been accumulated."""
         self.backwards += 1
         self.tokens += int(tokens)
         self.trained_tokens += int(tokens)
@@ -301,7 +312,7 @@ class StageWorker:
             gnorm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip))
             applied = math.isfinite(gnorm)
             if applied:
-                self._apply_update()
+                self.apply_update()
             else:
                 logger.warning(f"stage {self.stage}: non-finite gradient norm at inner step {self.inner_step}; step skipped")
             if pending is not None:
@@ -313,8 +324,9 @@ class StageWorker:
             self.version += 1
             self.pending = 0
 
-    def _apply_update(self) -> None:
-        """The optimizer update proper (AdamW on the clipped gradients)."""
+    def apply_update(self) -> None:
+        """The optimizer update proper (AdamW on the clipped gradients), called by :meth:`step` under
+        :attr:`lock` after clipping and before the update commitment is finished."""
         self.opt.step()
 
     def weights_replaced(self) -> None:

@@ -28,7 +28,7 @@ from loguru import logger
 from iota_subnet.config import RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
-from .chaos import ChaosInjector, ChaosLog, checked_chaos
+from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
 from .localnet_args import emulation_argv, localnet_config
 from .localnet_summary import RunSummary
 from .processes import Child, NeuronProcesses
@@ -75,7 +75,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.adversary = adversary
         self.adversary_pos = (stages // 2, replicas - 1) if adversary else None
         self.children: list[Child] = []
-        #: fault injection (:mod:`.chaos`): the spec, and the run time its schedule covers
+        #: fault injection (:mod:`iota_subnet.sim.chaos`): the spec, and the run time its schedule covers
         self.chaos_spec = None
         if chaos is not None:
             self.chaos_spec = checked_chaos(chaos, replicas, chaos_duration_s)

@@ -24,7 +24,7 @@ def localnet_config(config: str, overrides: Optional[dict], *, stages: int, repl
     ovr.setdefault("train", {})["total_steps"] = steps
     cfg = load_config(config, ovr)
     if adversary is not None:
-        from iota_subnet.miner.adversary import ADVERSARY_KINDS
+        from iota_subnet.sim.adversary import ADVERSARY_KINDS
         if adversary not in ADVERSARY_KINDS:
             raise ConfigError(f"unknown --adversary {adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
         if adversary == "poison" and replicas < 3:
@@ -45,7 +45,7 @@ def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], 
     turn them into (link, emulation summary or None, miner argv, validator argv). Emulated miners hold no
     weights, so the validator's replays and CLASP probes are turned off with them."""
     from iota_subnet.hardware import DEFAULT_MFU
-    from iota_subnet.miner.emulated import emulation_from_args
+    from iota_subnet.sim.emulated import emulation_from_args
     from iota_subnet.transport.shaping import parse_link
     spec = parse_link(link)
     emu = emulation_from_args(emulate_gpu, DEFAULT_MFU if mfu is None else mfu, time_scale, gpu_mem)

@@ -80,7 +80,7 @@ class NeuronProcesses:
         child.started_at = time.monotonic()
         child.started_wall = time.time()
 
-    # ---- fault injection (used by .chaos) ------------------------------------------------------
+    # ---- fault injection (used by iota_subnet.sim.chaos) ------------------------------------------------------
     def kill(self, child: Child) -> None:
         if child.alive():
             child.proc.send_signal(signal.SIGKILL)

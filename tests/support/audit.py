@@ -19,7 +19,7 @@ from iota_subnet.audit.merkle import MerkleTree
 from iota_subnet.audit.project import projections, randoms
 from iota_subnet.config import load_config
 from iota_subnet.miner import StageWorker
-from iota_subnet.miner.adversary import install
+from iota_subnet.sim.adversary import CheatingStageWorker
 from iota_subnet.protocol import from_wire, to_wire
 
 WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
@@ -96,7 +96,9 @@ def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Op
     from the weights of another chain's recorded micro-batch instead of training. ``wire``: the wire
     format of the recorded micro-batch (:func:`iota_subnet.protocol.to_wire`)."""
     cfg = base.cfg if base is not None else load_config("configs/tiny.yaml", overrides)
-    workers = [StageWorker(cfg, s, seed=seed) for s in range(3)]
+    # a stage with an adversary kind: honest until armed (below, for the recorded micro-batch)
+    workers = [CheatingStageWorker(cfg, s, kind=kinds[s], seed=seed, armed=False) if kinds and s in kinds
+               else StageWorker(cfg, s, seed=seed) for s in range(3)]
     if base is not None:
         for w, hop in zip(workers, base.hops):
             w.module.load_state_dict(hop.weights)
@@ -113,7 +115,7 @@ def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Op
     if kinds:
         for s, kind in kinds.items():
             peer = StageWorker(cfg, s, seed=seed + 1)
-            install(workers[s], kind, peer_state=lambda p=peer: p.module.state_dict(), seed=s)
+            workers[s].arm(peer_state=lambda p=peer: p.module.state_dict(), seed=s)
             if kind == "replay":       # the replay cheat needs one honest micro-batch first
                 _run(workers, "first", text_rows(B, T, 100), cfg)
     rows = text_rows(B, T, 200)

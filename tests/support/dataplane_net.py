@@ -11,6 +11,7 @@ from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
 from iota_subnet.data import build_dataset
 from iota_subnet.miner.service import MinerService
+from iota_subnet.sim.adversary import adversary_parts
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
 
@@ -67,7 +68,7 @@ class P2PNet:
             await self.chain.register(w, NETUID)
         for (s, r) in self.miner_wallets:
             kind = (adversaries or {}).get((s, r))
-            await self.start_miner(s, r, **miner_kw, **({"adversary": kind} if kind else {}))
+            await self.start_miner(s, r, **miner_kw, **({"parts": adversary_parts(kind, self.cfg)} if kind else {}))
 
     async def start_miner(self, s: int, r: int, **kw) -> MinerService:
         m = MinerService(self.cfg, self.miner_wallets[(s, r)], self.chain, netuid=NETUID, run_id=RUN, stage=s,

@@ -8,6 +8,7 @@ import torch
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
+from iota_subnet.sim.adversary import adversary_parts
 from iota_subnet.wallets import create_wallet
 
 
@@ -36,20 +37,24 @@ class Net:
         self.cfg = load_config("configs/tiny.yaml", ovr)
         self.svcs: list[MinerService] = []
 
-    async def start(self, n, adversary_last=None):
+    async def start(self, n, adversary_last=None, parts=None):
+        """``n`` replicas; the last cheats in the way ``adversary_last``; ``parts``: index -> MinerParts."""
         self.chain = await open_devnet(self.db)
         self.val = create_wallet("val", "default", self.tmp / "wallets")
         await self.chain.register(self.val, 9)
         add_stake(self.db, self.val.hotkey.ss58_address, self.val.coldkey.ss58_address, 100.0)
         for i in range(n):
-            await self.add(adversary_last if i == n - 1 else None)
+            await self.add(adversary_last if i == n - 1 else None, parts=(parts or {}).get(i))
 
-    async def add(self, adversary=None):
+    async def add(self, adversary=None, parts=None):
+        """Start one more replica; ``adversary``: a cheater-suite kind, else ``parts`` (None: honest)."""
+        if adversary:
+            parts = adversary_parts(adversary, self.cfg)
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
         await self.chain.register(w, 9)
         svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", adversary=adversary, allow_data_fallback=True)
+                           host="127.0.0.1", external_ip="127.0.0.1", parts=parts, allow_data_fallback=True)
         await svc.start()
         self.svcs.append(svc)
         for s in self.svcs:

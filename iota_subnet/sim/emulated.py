@@ -10,6 +10,10 @@ taking 2 x the forward plus, with activation checkpointing, the recomputed block
 An inner step sleeps as long as a fused AdamW pass over the stage's state takes at the device's
 memory bandwidth. The loss is ln(vocab), that of a uniform prediction: nothing learns.
 
+A miner's entry point (``--emulate-gpu``) builds its service with :func:`emulated_parts`: the
+:class:`~iota_subnet.miner.parts.MinerParts` whose worker is an :class:`EmulatedStageWorker`
+(``has_weights`` False: the miner neither merges, syncs nor audits it).
+
 Memory is kept honest with the planner (:func:`iota_subnet.plan.plan_stage`, computed for the emulated
 device): a stage that does not fit is refused at construction (:class:`~iota_subnet.config.ConfigError`
 with the plan), and a forward that would hold more micro-batches in flight than fit is refused with
@@ -37,6 +41,7 @@ from loguru import logger
 
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.hardware import DEFAULT_MFU, Accelerator, check_mfu, parse_accelerator
+from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import UnknownMicrobatch
 from iota_subnet.plan import StagePlan, meta_stage, require_fit, stage_flops, stage_timing
 from iota_subnet.protocol import Outcome, ProtocolError
@@ -153,6 +158,10 @@ class EmulatedStageWorker:
     """
 
     emulated = True
+    #: no real weights: nothing to merge, sync or audit
+    has_weights = False
+    #: no update commitments (see StageWorker.updates)
+    updates = None
 
     def __init__(self, cfg: RunConfig, stage: int, emulation: Emulation, *, total_steps: Optional[int] = None,
                  wire_dtype: torch.dtype = torch.bfloat16, ttl_s: float = 120.0, plan: Optional[StagePlan] = None,
@@ -393,3 +402,20 @@ def wire_dtype_of(name: str) -> torch.dtype:
     if name not in WIRE_DTYPES:
         raise ConfigError(f"wire dtype {name!r}: use one of {', '.join(WIRE_DTYPES)}")
     return WIRE_DTYPES[name]
+
+
+def make_emulated_worker(cfg: RunConfig, stage: int, emulation: Emulation, *,
+                         total_steps: Optional[int] = None) -> tuple[EmulatedStageWorker, int]:
+    """An :class:`EmulatedStageWorker` and how many micro-batches it can keep waiting for their backward
+    (its memory plan's bound). Raises :class:`ConfigError` when the stage does not fit the device."""
+    w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
+    logger.warning(f"EMULATION, no training: {w.describe()}")
+    return w, w.cache.max_entries
+
+
+def emulated_parts(emulation: Emulation) -> MinerParts:
+    """The parts of a miner on the emulated accelerator ``emulation`` (``--emulate-gpu``): an
+    :class:`EmulatedStageWorker`; its status says ``emulation``."""
+    def make_worker(svc, stage: int) -> tuple[EmulatedStageWorker, int]:
+        return make_emulated_worker(svc.cfg, stage, emulation, total_steps=svc.total_steps)
+    return MinerParts(make_worker=make_worker, status={"emulation": emulation.to_json()})
