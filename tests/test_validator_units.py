@@ -12,7 +12,7 @@ import pytest
 
 from iota_subnet.config import load_config
 from iota_subnet.model import PipelineStage
-from iota_subnet.validator.driver import sample_start, steps_of
+from iota_subnet.validator.lanes import sample_start, steps_of
 from iota_subnet.validator.routing import Replica, Router, discover, parse_commitment, served_endpoint
 from iota_subnet.validator.scoring import Ledger, MinerRecord, compute_weights, stage_compute_shares
 from iota_subnet.validator.state import StateError, ValidatorState
@@ -201,11 +201,18 @@ def test_step_split_between_validators_and_addressing():
     assert list(steps_of(0, 1, 0, 4)) == [0, 1, 2, 3]
     assert list(steps_of(0, 2, 0, 5)) == [0, 2, 4] and list(steps_of(1, 2, 0, 5)) == [1, 3]
     assert list(steps_of(1, 3, 2, 9)) == [4, 7]
-    from iota_subnet.validator.driver import OPEN_ENDED_STEPS
+    from iota_subnet.validator.lanes import OPEN_ENDED_STEPS
     open_ended = steps_of(1, 3, 2, OPEN_ENDED_STEPS)            # an open-ended run: lazily, no list
     assert open_ended[:3] == range(4, 13, 3) and len(open_ended) > 10**15
     starts = {sample_start(l, k, m, 3, 8, 2) for l in range(3) for k in range(4) for m in range(4)}
     assert starts == set(range(0, 3 * 4 * 8, 2))   # every row once, no overlap between lanes
+
+
+def test_sample_addressing_matches_colocated_with_one_lane():
+    # one lane: step k, micro-batch m reads rows k*B + m*mb, like the co-located trainer
+    assert [sample_start(0, k, m, 1, 8, 4) for k in range(2) for m in range(2)] == [0, 4, 8, 12]
+    # two lanes interleave whole steps
+    assert sample_start(1, 0, 0, 2, 8, 4) == 8 and sample_start(0, 1, 1, 2, 8, 4) == 20
 
 
 # ------------------------------------------------------------------------------------------ scoring

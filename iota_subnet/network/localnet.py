@@ -607,7 +607,6 @@ class LocalNet:
             "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
             "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
             "wire_bytes": wire, "wire_bytes_per_token": wire / tokens if tokens else None,
-            "data_plane": st[0].get("data_plane") if st else None,
             "validator_bytes": validator_bytes,
             "validator_bytes_per_token": validator_bytes / tokens if tokens else None,
             "miner_bytes": miner_bytes, "miner_bytes_per_token": miner_bytes / tokens if tokens else None,
@@ -692,7 +691,7 @@ def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], 
         miner += ["--emulate-gpu", str(emulate_gpu), "--mfu", repr(emu.mfu)]
         if gpu_mem is not None:
             miner += ["--gpu-mem", repr(float(gpu_mem))]
-        validator += ["--check-rate", "0", "--clasp-interval", "0", "--no-audits"]
+        validator += ["--clasp-interval", "0", "--no-audits"]
     return str(spec), (emu.to_json() if emu is not None else None), miner, validator
 
 
