@@ -99,11 +99,11 @@ def test_transport_errors_are_counted_as_such(tmp_home):
     async def go():
         async with NeuronClient(w, on_request=m.observe_hop) as c:
             with pytest.raises(Exception):
-                await c.call(f"127.0.0.1:{port}", w.hotkey.ss58_address, "/forward", Health(), Health, retries=1,
+                await c.call(f"127.0.0.1:{port}", w.hotkey.ss58_address, "/hop", Health(), Health, retries=1,
                              backoff_s=0.01, timeout_s=2)
     asyncio.run(go())
     got = _samples(m.render().decode())
-    assert got[("iota_hop_requests_total", (("outcome", "TRANSPORT_ERROR"), ("route", "/forward")))] == 2
+    assert got[("iota_hop_requests_total", (("outcome", "TRANSPORT_ERROR"), ("route", "/hop")))] == 2
 
 
 VALIDATOR_STATUS = {
