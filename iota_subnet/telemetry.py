@@ -211,7 +211,7 @@ def validator_families(st: Mapping[str, Any]) -> Iterator[Metric]:
         _counter("iota_validator_hop_failures", "hops that failed (timeout, refusal, bad reply)", st.get("failures")),
         _gauge("iota_validator_live_miners", "miners of the run available for routing", st.get("live_miners")),
         _gauge("iota_validator_lanes", "lanes driven", st.get("lanes")),
-        _counter("iota_validator_training_wire_bytes", "bytes of training hops sent plus received",
+        _counter("iota_validator_training_wire_bytes", "bytes of training requests (tickets, health probes) sent plus received",
                  st.get("wire_bytes")),
         _counter("iota_validator_verification_wire_bytes", "bytes of verification requests (audits, merge evidence)",
                  st.get("verification_bytes")),
