@@ -89,12 +89,12 @@ def test_reroute_cooldown_backoff_and_probe():
     r = Router(2, cooldown_base_s=2.0, cooldown_max_s=10.0, clock=clock, rng=random.Random(0))
     r.update(topo([2, 3]))
     a = r.lane_member(0, 1)
-    assert r.route(0, 1).key == a.key
+    assert r.is_available(a)
     assert r.record_failure(a, "timeout") == 2.0
     assert not r.is_available(a)
-    alt = r.route(0, 1)
+    alt = r.choose(1)                        # the lane's hops of stage 1 go to another replica
     assert alt is not None and alt.key != a.key and alt.stage == 1
-    assert r.route(0, 1, exclude=[x.key for x in r.replicas[1] if x.key != a.key]) is None
+    assert r.choose(1, exclude=[x.key for x in r.replicas[1] if x.key != a.key]) is None
     assert r.probe_due() == [] and r.next_probe_in() == pytest.approx(2.0)
     clock.t += 2.0
     assert r.probe_due() == [a]
@@ -115,7 +115,7 @@ def test_reroute_cooldown_backoff_and_probe():
     r.update(moved)                          # it served a new endpoint (restarted): probed at once
     assert r.probe_due() == [r.get(a.key)] and r.get(a.key).endpoint == "127.0.0.1:9"
     r.mark_healthy(a)
-    assert r.is_available(a) and r.route(0, 1).key == a.key
+    assert r.is_available(a) and r.lane_member(0, 1).key == a.key
     r.record_success(a, 100, 1.0)
     assert r.health[a.key].consecutive_failures == 0
     snap = {s["uid"]: s for s in r.snapshot()}
@@ -170,7 +170,8 @@ def test_a_barred_miner_gets_no_hop_and_its_lane_goes_to_a_spare():
     assert not r.is_available(r.get(cheat.key)) and r.lane_member(1, 0).uid == 3
     r.bar([other.key])                          # no spare in stage 1: its lane's hops go to the other replica
     assert r.reassign_vacant(2) == [] and r.n_lanes == 2 and r.lane_member(0, 1).key == other.key
-    assert all(r.route(0, 1).uid == 5 for _ in range(50)) and r.route(1, 1).uid == 5
+    assert not r.is_available(r.lane_member(0, 1)) and all(r.choose(1).uid == 5 for _ in range(50))
+    assert r.lane_member(1, 1).uid == 5 and r.is_available(r.lane_member(1, 1))
     assert {x["uid"]: x["barred"] for x in r.snapshot()} == {1: False, 2: True, 3: False, 4: True, 5: False}
 
 
