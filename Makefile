@@ -8,7 +8,7 @@ DATA   ?= $(firstword $(wildcard ../shared/data/wikitext-2/wiki.valid.raw.txt))
 STEPS  ?= 150
 OUT    ?= runs/localnet
 
-.PHONY: setup browser test test-slow localnet colocated bench clean
+.PHONY: setup browser lint test test-slow localnet colocated bench clean
 
 setup: $(VENV)/.installed browser
 
@@ -29,8 +29,13 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -rfEs --durations=25 -m "not slow" tests
+
+# The layers (.importlinter): protocol at the bottom, transport apart from algorithms, miner and validator
+# apart, simulation and devnet only under the entry points, no import cycles.
+lint: setup
+	$(VENV)/bin/lint-imports --no-cache
 
 test-slow: setup
 	$(PY) -m pytest -q -rfEs --durations=40 -m slow tests

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, default=None,
                     help="number of stages (default: the config's; another count gets a compute-balanced split)")
     pl.add_argument("--gpu-mem", type=float, default=None, help="device memory in GiB (default 80, or --gpu's)")
-    pl.add_argument("--gpu", default=None, help="a100 | h100 | 4090: take the memory from this device")
+    pl.add_argument("--gpu", default=None, help="a100 | h100 | h200 | 4090: take the memory from this device")
     pl.add_argument("--checkpointing", choices=["config", "on", "off", "auto"], default="config",
                     help="per-block activation checkpointing: as the config says (train.activation_checkpointing), "
                          "on, off, or auto (per stage: only where the stage does not fit without)")

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
+from iota_subnet.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is wrong; the message names the value and the fix."""
 
 
@@ -52,6 +53,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def param_count(self, tied: Optional[bool] = None) -> int:
+        """Parameters of the whole model from the shape alone (no module built): embedding, blocks
+        (attention, SwiGLU, two RMSNorms), final norm and LM head. ``tied``: whether the LM head shares
+        the embedding (default ``tie_embeddings``; a model split into stages never ties). The
+        bottleneck projections of a split model are not counted (d x (b - r) per boundary side)."""
+        d, D, V = self.dim, self.head_dim, self.vocab_size
+        attn = d * self.n_heads * D * 2 + d * self.n_kv_heads * D * 2     # q, o; k, v
+        block = attn + 3 * d * self.ffn_dim + 2 * d
+        tie = self.tie_embeddings if tied is None else tied
+        return V * d + self.n_layers * block + d + (0 if tie else V * d)
 
     def validate(self) -> "ModelConfig":
         for k in ("n_heads", "n_kv_heads", "dim", "n_layers", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -84,7 +96,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "1b": ModelConfig("1b", 128256, 2048, 16, 32, 8, 8192, 8192, 500000.0, _L3, tie_embeddings=True),
     "8b": ModelConfig("8b", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0, _L3),
     "15b": ModelConfig("15b", 128256, 5120, 40, 40, 8, 17920, 8192, 500000.0, _L3),
-    "100b": ModelConfig("100b", 128256, 9216, 88, 72, 8, 32768, 8192, 500000.0, _L3),
+    "100b": ModelConfig("100b", 128256, 9216, 88, 72, 8, 32768, 8192, 500000.0, _L3),       # 98.70B params
 }
 
 
@@ -116,6 +128,57 @@ class PipelineConfig:
     layer_split: Optional[list] = None
     compression_ratio: int = 1
     identity_rank: Optional[int] = None
+
+
+def split_layers(n_layers: int, stages: int, layer_split: Optional[list] = None) -> list[range]:
+    """Layer ranges, one per stage. ``layer_split``: explicit counts per stage (sum = n_layers);
+    ``None`` balances (earlier stages take the remainder; the tail also carries the LM head).
+
+    Raises ConfigError if the split does not fit the layer count.
+    """
+    if stages < 1:
+        raise ConfigError(f"pipeline.stages={stages} must be >= 1")
+    if layer_split is not None:
+        counts = [int(c) for c in layer_split]
+        if len(counts) != stages:
+            raise ConfigError(f"pipeline.layer_split has {len(counts)} entries but pipeline.stages={stages}; give one count per stage")
+        if sum(counts) != n_layers or min(counts) < 1:
+            raise ConfigError(
+                f"pipeline.layer_split={counts} must be positive counts summing to the model's {n_layers} layers")
+    else:
+        if stages > n_layers:
+            raise ConfigError(f"pipeline.stages={stages} exceeds the model's {n_layers} layers; use at most {n_layers} stages")
+        base, extra = divmod(n_layers, stages)
+        counts = [base + (1 if i < extra else 0) for i in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def bottleneck_dims(cfg: ModelConfig, pcfg: PipelineConfig) -> tuple[int, int]:
+    """(b, r): wire width and identity rank at every boundary. ``b == d`` when the bottleneck is off.
+
+    Raises ConfigError when d / compression_ratio is not a whole number >= 2, or r is out of [0, b].
+    """
+    d, ratio = cfg.dim, int(pcfg.compression_ratio)
+    if ratio < 1:
+        raise ConfigError(f"pipeline.compression_ratio={ratio} must be >= 1 (1 = no bottleneck)")
+    if ratio == 1:
+        return d, d
+    if d % ratio:
+        divisors = [k for k in (2, 4, 8, 16, 32, 64, 128, 256) if d % k == 0 and d // k >= 2]
+        raise ConfigError(
+            f"pipeline.compression_ratio={ratio} does not divide model width d={d}; "
+            f"choose one of {divisors}")
+    b = d // ratio
+    if b < 2:
+        raise ConfigError(f"pipeline.compression_ratio={ratio} leaves a bottleneck width of {b} (< 2); use at most {d // 2}")
+    r = pcfg.identity_rank if pcfg.identity_rank is not None else b // 2
+    if not 0 <= r <= b:
+        raise ConfigError(f"pipeline.identity_rank={r} must lie in [0, b={b}]")
+    return b, r
 
 
 @dataclass(frozen=True)
@@ -155,7 +218,9 @@ class TrainConfig:
     about one extra block forward of compute for far less stored memory (``iota-subnet plan``).
     ``precision``: the compute precision of the run, decided here for every miner and validator
     (:data:`PRECISIONS`): ``fp32``, or ``bf16`` autocast with fp32 master weights. Validators take
-    their replay tolerance from it, never from a miner's reply.
+    their replay tolerance from it, never from a miner's reply. A YAML config that does not set it
+    gets :func:`default_precision` of its model (``bf16`` above :data:`LARGE_MODEL_PARAMS`); the
+    dataclass default, for configs built in code, stays ``fp32``.
     ``compile``: a ``torch.compile`` backend for the stage (``inductor`` on GPUs; ``None`` = eager).
     ``activation_cache_mib`` / ``activation_cache_entries`` / ``activation_cache_ttl_s``: a miner's
     bound on the memory its cached forwards hold (measured, see :mod:`iota_subnet.miner.activation_cache`),
@@ -197,6 +262,17 @@ class TrainConfig:
 MERGE_QUANTIZATIONS = ("none", "bf16", "int8")
 #: Compute precisions a run can choose (``train.precision``).
 PRECISIONS = ("fp32", "bf16")
+#: Models with more parameters than this train in ``bf16`` unless their config says otherwise
+#: (:func:`default_precision`): fp32 activations and matmuls at that size cost twice the activation
+#: memory and run at a fraction of a GPU's bf16 tensor-core rate.
+LARGE_MODEL_PARAMS = 100_000_000
+
+
+def default_precision(model: ModelConfig) -> str:
+    """``train.precision`` of a config that does not set it: ``bf16`` for a model of more than
+    :data:`LARGE_MODEL_PARAMS` parameters (:meth:`ModelConfig.param_count`), else ``fp32`` (the
+    CPU-sized ``tiny`` and ``small`` shapes)."""
+    return "bf16" if model.param_count() > LARGE_MODEL_PARAMS else "fp32"
 #: ``train.compile`` values: torch.compile backends (``inductor`` generates kernels; ``aot_eager`` and
 #: ``eager`` only trace, for testing on machines without a compiler toolchain).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
@@ -220,7 +296,11 @@ class MergeConfig:
     ``phase_timeout_s``: deadline of each all-reduce phase; ``max_attempts``: tries per epoch before the
     merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
     since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
-    requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk.
+    requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk;
+    ``sync_window``: state-sync chunk requests a joiner keeps in flight over all its donors (each donor
+    at most its ``max_concurrent_transfers``); to fetch at link rate it must cover the bandwidth-delay
+    product, ``sync_window x 4 x sync_chunk_numel >= rate x round trip`` (docs/BENCHMARKS.md, "State
+    sync at link rate").
     ``chunk_numel``: values per merge message (a shard travels as chunks of at most this many values,
     reduced as they stream in; a multiple of ``int8_block``). ``overlap``: keep training while the
     merge runs and apply the merged weights plus the local progress made meanwhile (the overlapped
@@ -241,6 +321,7 @@ class MergeConfig:
     min_work_steps: int = 1
     max_concurrent_transfers: int = 2
     sync_chunk_numel: int = 1 << 20
+    sync_window: int = 8
     chunk_numel: int = 1 << 22
     overlap: bool = False
 
@@ -264,7 +345,7 @@ class MergeConfig:
         for k in ("join_timeout_s", "phase_timeout_s"):
             if not (isinstance(getattr(self, k), (int, float)) and getattr(self, k) > 0):
                 raise ConfigError(f"merge.{k} must be a positive number of seconds, got {getattr(self, k)!r}")
-        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "chunk_numel"):
+        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "sync_window", "chunk_numel"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"merge.{k} must be an integer >= 1, got {v!r}")
@@ -288,8 +369,6 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         self.model.validate()
         _check_ranges(self)
-        from iota_subnet.model.bottleneck import bottleneck_dims   # model imports config: import here
-        from iota_subnet.model.stages import split_layers
         split_layers(self.model.n_layers, self.pipeline.stages, self.pipeline.layer_split)
         bottleneck_dims(self.model, self.pipeline)
         if self.data.vocab_size != self.model.vocab_size:
@@ -432,11 +511,14 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
         raise ConfigError(f"section 'data' must be a mapping of keys to values, got {data_raw!r}")
     data_raw = dict(data_raw)
     data_raw.setdefault("vocab_size", model.vocab_size)
+    train_raw = raw.get("train") or {}
+    if isinstance(train_raw, dict) and "precision" not in train_raw:
+        train_raw = {**train_raw, "precision": default_precision(model)}
     cfg = RunConfig(
         model=model,
         pipeline=PipelineConfig(**_checked_fields(PipelineConfig, raw.get("pipeline") or {}, "pipeline")),
         data=DataConfig(**_checked_fields(DataConfig, data_raw, "data")),
-        train=TrainConfig(**_checked_fields(TrainConfig, raw.get("train") or {}, "train")),
+        train=TrainConfig(**_checked_fields(TrainConfig, train_raw, "train")),
         merge=MergeConfig(**_checked_fields(MergeConfig, raw.get("merge") or {}, "merge")),
     )
     return cfg.validate()

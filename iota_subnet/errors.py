@@ -1,15 +1,17 @@
-"""The error types that mean "the user must fix something" (printed as one line, exit code 2)."""
+"""The error that means "the user must fix something" (printed as one line, exit code 2).
+
+Every package's own such error (``ConfigError``, ``DataError``, ``ChainError``, ``WalletError``,
+``CheckpointError``, ``ExportError``, ``ModelFolderError``, ``CorruptStateError``,
+``PortInUseError``) subclasses :class:`UserError`, so this module sits below all of them and
+imports none: the entry points catch ``known_errors()``."""
 from __future__ import annotations
 
 
+class UserError(Exception):
+    """Something the user must fix (a config value, a file, a wallet, a port, the chain endpoint);
+    the message names it and the fix. Entry points print it as one line and exit with code 2."""
+
+
 def known_errors() -> tuple[type[BaseException], ...]:
-    from iota_subnet.chain import ChainError
-    from iota_subnet.config import ConfigError
-    from iota_subnet.data import DataError
-    from iota_subnet.hf import ExportError, ModelFolderError
-    from iota_subnet.train.checkpoint import CheckpointError
-    from iota_subnet.transport import PortInUseError
-    from iota_subnet.utils.sqlite_file import CorruptStateError
-    from iota_subnet.wallets import WalletError
-    return (ConfigError, DataError, CheckpointError, ChainError, WalletError, ExportError, ModelFolderError,
-            CorruptStateError, PortInUseError)
+    """The exception types an entry point reports as one line with exit code 2."""
+    return (UserError,)

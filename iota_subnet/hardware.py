@@ -5,11 +5,13 @@ is what ``torch.autocast(dtype=torch.bfloat16)`` matmuls use:
 
 * ``a100``: NVIDIA A100-SXM4-80GB, 312 TFLOP/s, 80 GiB, 2.039 TB/s (A100 datasheet).
 * ``h100``: NVIDIA H100-SXM5-80GB, 989 TFLOP/s, 80 GiB, 3.35 TB/s (H100 datasheet).
+* ``h200``: NVIDIA H200-SXM-141GB, 989 TFLOP/s (the H100's tensor cores), 141 GB of HBM3e of which
+  CUDA reports 143,771 MiB (140.4 GiB; counted as 140 GiB here), 4.8 TB/s (H200 datasheet).
 * ``4090``: GeForce RTX 4090, 165.2 TFLOP/s (bf16 with fp32 accumulation; 330 with fp16
   accumulation, which autocast does not use), 24 GiB, 1.008 TB/s (Ada whitepaper, appendix A).
 
 Model FLOP utilisation (MFU): the share of the peak a training step achieves. :data:`DEFAULT_MFU`
-= 0.5 is the figure the issue and the scale notes design against (large dense transformers on
+= 0.5 is the figure the subnet's scale estimates design against (large dense transformers on
 A100/H100 reach 0.4-0.55 with FlashAttention; PaLM reported 0.46, Chowdhery et al. 2022, sec. 4.1).
 """
 from __future__ import annotations
@@ -42,12 +44,13 @@ class Accelerator:
 GPUS: dict[str, Accelerator] = {
     "a100": Accelerator("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12),
     "h100": Accelerator("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12),
+    "h200": Accelerator("H200-SXM-141GB", 989e12, 140 * GIB, 4.8e12),
     "4090": Accelerator("RTX-4090", 165.2e12, 24 * GIB, 1.008e12),
 }
 
 
 def parse_accelerator(text: str, memory_gib: Optional[float] = None) -> Accelerator:
-    """``a100`` | ``h100`` | ``4090`` | a peak in FLOP/s (``2e14``); ``memory_gib`` overrides the
+    """``a100`` | ``h100`` | ``h200`` | ``4090`` | a peak in FLOP/s (``2e14``); ``memory_gib`` overrides the
     memory (required with a bare FLOP/s figure). A bare figure gets the A100's memory bandwidth.
 
     Raises :class:`ConfigError` naming the accepted values.

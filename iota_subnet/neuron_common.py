@@ -145,7 +145,8 @@ def configure_link(args: argparse.Namespace) -> None:
     from iota_subnet.transport.shaping import configure_process_link
     shaper = configure_process_link(args.link, args.time_scale, control_path=args.link_control)
     if shaper is not None and not args.link.loopback:
-        logger.info(f"EMULATED LINK: uplink {args.link} (time scale x{args.time_scale:g}: {shaper.link} "
+        what = "uplink/downlink" if args.link.down_rate_bps is not None else "uplink"
+        logger.info(f"EMULATED LINK: {what} {args.link} (time scale x{args.time_scale:g}: {shaper.link} "
                     "on the wall clock)")
 
 

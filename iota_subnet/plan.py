@@ -1,10 +1,16 @@
 """The compute and memory plan of each pipeline stage on an accelerator (``iota-subnet plan``).
 
 Compute (per token, PaLM appendix B, Chowdhery et al. 2022, as :meth:`PipelineStage.flops_per_token`):
-forward = 2 x matmul parameters + attention scores and values; training = 3 x forward, plus one
-more forward of every block when per-block activation checkpointing recomputes the blocks in the
-backward (Chen et al. 2016, arXiv 1604.06174). :func:`balanced_layer_split` gives the layer
-counts that balance these training FLOPs over the stages (the tail also carries the LM head).
+forward = 2 x matmul parameters + attention scores and values; training = 3 x forward, plus the
+forward of every block but its last matmul when per-block activation checkpointing recomputes the
+blocks in the backward (Chen et al. 2016, arXiv 1604.06174; torch's non-reentrant checkpoint stops
+the recomputation once the last tensor the backward needs is back, and the MLP's ``down_proj`` output
+is not one), plus one more forward of the LM head at the tail
+when its chunked cross-entropy recomputes each chunk's logits in the backward
+(:func:`iota_subnet.model.stages.lm_head_recomputed`: a micro-batch's fp32 logits over more than
+``CE_CHUNK_BYTES``; every 2,048-token row at a 128,256-id vocabulary). :func:`balanced_layer_split`
+gives the layer counts that balance these training FLOPs over the stages (the tail also carries
+the LM head).
 
 Memory of one stage replica on its accelerator, all in bytes:
 
@@ -14,13 +20,15 @@ Memory of one stage replica on its accelerator, all in bytes:
 * **activations per micro-batch in flight**: what autograd holds between a micro-batch's forward
   and its backward, *measured* on the ``meta`` device (no memory used) with
   ``torch.autograd.graph.saved_tensors_hooks``: every distinct storage saved for backward that is not
-  a parameter, plus the stage input and output the activation cache keeps. The forward runs under
-  an autocast equivalent (``torch.autocast("cuda", bfloat16)`` cannot run on ``meta``): linears take
+  a parameter, plus the stage input and output the activation cache keeps. A ``bf16`` run
+  (``train.precision``) measures its forward under an autocast equivalent (``torch.autocast("cuda", bfloat16)`` cannot run on ``meta``): linears take
   bf16 copies of their input and weight (so, as with real autocast, every micro-batch in flight
   holds its own bf16 copy of the stage's matrices unless blocks are checkpointed), and attention
   saves what FlashAttention-2 saves (q, k, v, output, fp32 log-sum-exp; SDPA's flash kernel on CUDA),
   not the math path's [B, H, T, T] probabilities that ``meta`` would otherwise take. With
-  checkpointing the blocks keep only their inputs (counted from the tensors the blocks receive);
+  checkpointing the blocks keep only their inputs (counted from the tensors the blocks receive). An
+  ``fp32`` run measures the fp32 forward (no weight copies, fp32 activations; attention as a fused
+  kernel all the same: SDPA's memory-efficient kernel saves the same tensors in fp32);
 * **workspace**: transient memory of one backward: the largest block's full saved set when blocks are
   recomputed, plus twice the largest single saved tensor (an op's output gradient and input
   gradient; for the tail the fp32 gradient of the logits) -- an estimate, stated as such;
@@ -46,9 +54,10 @@ from torch.overrides import TorchFunctionMode
 
 from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
 from iota_subnet.hardware import GIB, Accelerator
-from iota_subnet.model.bottleneck import bottleneck_dims
+from iota_subnet.config import bottleneck_dims
 from iota_subnet.model.llama import block_flops_per_token
-from iota_subnet.model.stages import PipelineStage, split_layers
+from iota_subnet.config import split_layers
+from iota_subnet.model.stages import PipelineStage, lm_head_recomputed
 
 #: Bytes per parameter of a stage's training state: fp32 weights, gradients, AdamW exp_avg, exp_avg_sq.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8
@@ -62,19 +71,30 @@ DEFAULT_RESERVE_BYTES = 2 * GIB
 # ------------------------------------------------------------------------------------ compute
 @dataclass(frozen=True)
 class StageFlops:
-    """Forward FLOPs per token of one stage: ``blocks`` (recomputed under checkpointing) and ``other``
-    (bottleneck projections, LM head; the embedding lookup is free)."""
+    """Forward FLOPs per token of one stage: ``blocks`` and ``other`` (bottleneck projections, LM head;
+    the embedding lookup is free). ``block_recompute``: what checkpointed blocks run again in the
+    backward (None: all of ``blocks``). ``head_recompute``: forward FLOPs of the LM head that the
+    tail's chunked cross-entropy runs again in the backward (0 elsewhere, and when the micro-batch's
+    rows are not known: model FLOPs only)."""
 
     blocks: int
     other: int
+    head_recompute: int = 0
+    block_recompute: Optional[int] = None
 
     @property
     def forward(self) -> int:
         return self.blocks + self.other
 
+    def recompute(self, checkpointing: bool) -> int:
+        """Forward FLOPs per token run again in the backward: the blocks when checkpointed, the LM head
+        when its cross-entropy is chunked."""
+        blocks = self.blocks if self.block_recompute is None else self.block_recompute
+        return (blocks if checkpointing else 0) + self.head_recompute
+
     def train(self, checkpointing: bool) -> int:
-        """Training FLOPs per token: forward + backward (2 x forward) + block recomputation."""
-        return 3 * self.forward + (self.blocks if checkpointing else 0)
+        """Training FLOPs per token: forward + backward (2 x forward) + recomputation."""
+        return 3 * self.forward + self.recompute(checkpointing)
 
 
 def _other_forward_flops(model: ModelConfig, pipeline: PipelineConfig, stage: int) -> int:
@@ -91,27 +111,49 @@ def _other_forward_flops(model: ModelConfig, pipeline: PipelineConfig, stage: in
     return f
 
 
-def stage_flops(model: ModelConfig, pipeline: PipelineConfig, seq_len: int, stage: int) -> StageFlops:
-    """Forward FLOPs per token of ``stage`` (same count as :meth:`PipelineStage.flops_per_token`)."""
-    layers = split_layers(model.n_layers, pipeline.stages, pipeline.layer_split)[stage]
-    return StageFlops(len(layers) * block_flops_per_token(model, seq_len),
-                      _other_forward_flops(model, pipeline, stage))
+def _block_recompute_flops(model: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs per token a checkpointed block runs again in the backward: all but ``down_proj``
+    (non-reentrant ``torch.utils.checkpoint`` stops early, once the saved tensors are back)."""
+    return block_flops_per_token(model, seq_len) - 2 * model.dim * model.ffn_dim
+
+
+def _head_recompute_flops(model: ModelConfig, seq_len: int, rows: Optional[int]) -> int:
+    """Forward FLOPs per token of the tail's LM head run again in the backward (0 if not chunked)."""
+    if rows is None or not lm_head_recomputed(rows * seq_len, model.vocab_size):
+        return 0
+    return 2 * model.dim * model.vocab_size
+
+
+def stage_flops(model: ModelConfig, pipeline: PipelineConfig, seq_len: int, stage: int,
+                rows: Optional[int] = None) -> StageFlops:
+    """Forward FLOPs per token of ``stage`` (same count as :meth:`PipelineStage.flops_per_token`).
+
+    ``rows``: rows per micro-batch; given, the tail's ``head_recompute`` counts the LM head its chunked
+    cross-entropy recomputes in the backward (what the stage executes); None counts model FLOPs only."""
+    n = len(split_layers(model.n_layers, pipeline.stages, pipeline.layer_split)[stage])
+    tail = stage == pipeline.stages - 1
+    return StageFlops(n * block_flops_per_token(model, seq_len), _other_forward_flops(model, pipeline, stage),
+                      _head_recompute_flops(model, seq_len, rows) if tail else 0,
+                      n * _block_recompute_flops(model, seq_len))
 
 
 def balanced_layer_split(model: ModelConfig, stages: int, seq_len: int, *, compression_ratio: int = 1,
-                         identity_rank: Optional[int] = None, checkpointing: bool = False) -> list[int]:
+                         identity_rank: Optional[int] = None, checkpointing: bool = False,
+                         rows: Optional[int] = None) -> list[int]:
     """Layer counts per stage that minimise the largest per-stage training FLOPs per token.
 
     Blocks are added one at a time to the stage with the least training FLOPs so far (ties: the
-    earlier stage), starting from one block each; the tail starts with its LM head, the others with
+    earlier stage), starting from one block each; the tail starts with its LM head (and, given
+    ``rows`` per micro-batch, the head's recomputation, see :func:`stage_flops`), the others with
     their bottleneck projections. With identical blocks this greedy fill gives the smallest maximum.
     Raises :class:`ConfigError` when there are more stages than layers.
     """
     if not 1 <= stages <= model.n_layers:
         raise ConfigError(f"pipeline.stages={stages} must lie in [1, {model.n_layers}] (one layer per stage at least)")
     pcfg = PipelineConfig(stages=stages, compression_ratio=compression_ratio, identity_rank=identity_rank)
-    block = block_flops_per_token(model, seq_len) * (4 if checkpointing else 3)
+    block = 3 * block_flops_per_token(model, seq_len) + (_block_recompute_flops(model, seq_len) if checkpointing else 0)
     cost = [3 * _other_forward_flops(model, pcfg, s) + block for s in range(stages)]
+    cost[-1] += _head_recompute_flops(model, seq_len, rows)
     counts = [1] * stages
     for _ in range(model.n_layers - stages):
         s = min(range(stages), key=lambda i: (cost[i], i))
@@ -124,9 +166,10 @@ def balanced_layer_split(model: ModelConfig, stages: int, seq_len: int, *, compr
 class StageTiming:
     """Seconds per token of one stage on an accelerator at a given MFU (no network, no bubble).
 
-    ``forward_s``: forward; ``backward_s``: backward (2 x forward) plus, with checkpointing, the
-    recomputed block forwards; ``input_backward_s``: a backward that computes only the input gradient
-    (1 x forward, plus the recomputation; a micro-batch a stage serves without training on it);
+    ``forward_s``: forward; ``backward_s``: backward (2 x forward) plus the recomputed forwards
+    (blocks with checkpointing, the tail's chunked LM head); ``input_backward_s``: a backward that
+    computes only the input gradient (1 x forward, plus the recomputation; a micro-batch a stage
+    serves without training on it);
     ``step_s``: one inner optimizer step (memory-bound: params x :data:`OPTIMIZER_STEP_BYTES` /
     memory bandwidth), per inner step, not per token.
     """
@@ -144,7 +187,7 @@ class StageTiming:
 def stage_timing(flops: StageFlops, params: int, acc: Accelerator, mfu: float, checkpointing: bool) -> StageTiming:
     rate = acc.peak_flops * mfu
     fwd = flops.forward / rate
-    recompute = flops.blocks if checkpointing else 0
+    recompute = flops.recompute(checkpointing)
     bwd = (2 * flops.forward + recompute) / rate
     return StageTiming(fwd, bwd, params * OPTIMIZER_STEP_BYTES / acc.memory_bandwidth,
                        input_backward_s=(flops.forward + recompute) / rate)
@@ -311,6 +354,7 @@ class StagePlan:
     fits: bool
     forward_flops_per_token: int
     train_flops_per_token: int
+    precision: str = "bf16"                 # train.precision the activations were measured at
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -323,7 +367,8 @@ def _with_stages(cfg: RunConfig, stages: Optional[int]) -> RunConfig:
         return cfg
     p = cfg.pipeline
     split = balanced_layer_split(cfg.model, stages, cfg.data.seq_len, compression_ratio=p.compression_ratio,
-                                 identity_rank=p.identity_rank, checkpointing=cfg.train.activation_checkpointing)
+                                 identity_rank=p.identity_rank, checkpointing=cfg.train.activation_checkpointing,
+                                 rows=cfg.train.micro_batch)
     return replace(cfg, pipeline=replace(p, stages=stages, layer_split=split)).validate()
 
 
@@ -354,8 +399,9 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
     P = m.param_count()
     merge = MERGE_BYTES * P if cfg.merge.enabled else 0          # host memory, not the accelerator's
     state = (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) * P
-    full = measure_activations(m, rows, T, checkpointing=False)
-    light = measure_activations(m, rows, T, checkpointing=True)
+    bf16 = cfg.train.precision == "bf16"
+    full = measure_activations(m, rows, T, checkpointing=False, autocast_bf16=bf16)
+    light = measure_activations(m, rows, T, checkpointing=True, autocast_bf16=bf16)
     act = light if ckpt else full
     workspace = (full.largest_block_bytes if ckpt else 0) + 2 * act.largest_tensor_bytes
     holds = not m.spec.is_tail
@@ -366,7 +412,7 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
     else:
         max_mb = 1 if free >= act.saved_bytes else 0
     total = state + workspace + reserve_bytes + needed * act.saved_bytes
-    flops = stage_flops(cfg.model, cfg.pipeline, T, stage)
+    flops = stage_flops(cfg.model, cfg.pipeline, T, stage, rows)
     layers = m.spec.layers
     return StagePlan(
         stage=stage, layers=[layers.start, layers.stop], params=P,
@@ -378,7 +424,8 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
         microbatches_in_flight_needed=needed, microbatches_in_flight_max=int(max_mb),
         rows_in_flight=int(max_mb) * rows, activation_cache_bound_bytes=int(max_mb) * act.saved_bytes if holds else 0,
         total_bytes=total, gpu_mem_bytes=int(gpu_mem_bytes), fits=bool(total <= gpu_mem_bytes and max_mb >= needed),
-        forward_flops_per_token=flops.forward, train_flops_per_token=flops.train(ckpt))
+        forward_flops_per_token=flops.forward, train_flops_per_token=flops.train(ckpt),
+        precision=cfg.train.precision)
 
 
 def plan(cfg: RunConfig, gpu_mem_bytes: int, *, stages: Optional[int] = None, checkpointing: Optional[bool] = None,
@@ -427,7 +474,8 @@ def stage_timings(cfg: RunConfig, acc: Accelerator, mfu: float,
     out = []
     for s in range(S):
         P = meta_stage(cfg, s).param_count()
-        out.append(stage_timing(stage_flops(cfg.model, cfg.pipeline, cfg.data.seq_len, s), P, acc, mfu, flags[s]))
+        flops = stage_flops(cfg.model, cfg.pipeline, cfg.data.seq_len, s, cfg.train.micro_batch)
+        out.append(stage_timing(flops, P, acc, mfu, flags[s]))
     return out
 
 

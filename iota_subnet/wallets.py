@@ -4,9 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import bittensor as bt
+from iota_subnet.errors import UserError
 
 
-class WalletError(RuntimeError):
+class WalletError(UserError, RuntimeError):
     """A wallet cannot be loaded; the message says how to create one."""
 
 

@@ -1,4 +1,4 @@
-"""The audit-outcome policy (issue 10, item 2): unverifiable is a failure; a miner that was down
+"""The audit-outcome policy: unverifiable is a failure; a miner that was down
 (its training hops failed too) or restarted (announced) is excused, within a stated bound; a
 dodger that serves training but not audits is flagged; a churned honest miner is not."""
 from __future__ import annotations

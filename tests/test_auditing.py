@@ -18,7 +18,8 @@ from iota_subnet.protocol.audit import UPDATE_KINDS
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 from iota_subnet.validator.audit_policy import AuditPolicy
-from iota_subnet.validator.auditing import STALE_STEPS, AuditScheduler
+from iota_subnet.validator.auditing import AuditScheduler
+from iota_subnet.validator.auditing.updates import STALE_STEPS
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.update_audit import UpdateAuditor
 
@@ -289,7 +290,7 @@ def test_an_unanswered_audit_is_judged_when_its_last_request_first_went_unanswer
     when the request that finally failed first went unanswered, not its end (the probe that found
     the miner down then lies outside the policy's window) nor its start (rounds 1-2 may have taken
     a minute); it is settled from its end."""
-    from iota_subnet.validator.auditing import AuditRecord
+    from iota_subnet.validator.auditing.records import AuditRecord
     sch, rep, policy, clock = make(updates=False)
     lost_at = clock.t + 70                      # rounds 1-2 answered; round 3 first lost at +70 s
     policy.note_unreachable(rep.key, lost_at + 3)          # the probe right after: down
@@ -368,7 +369,7 @@ def test_an_update_audit_answered_by_the_process_that_redid_the_step_is_excused_
 def test_a_late_refusal_outside_the_required_window_is_not_counted():
     """LATE for a version the miner may have dropped by the time it answered (its later receipts name
     versions >= REQUIRED_VERSIONS newer) is within its rights; inside that window it counts."""
-    from iota_subnet.validator.auditing import REQUIRED_VERSIONS
+    from iota_subnet.validator.auditing.records import REQUIRED_VERSIONS
     sch, rep, policy, clock = make(Refusing(ProtocolError(Outcome.LATE, "gone")), updates=False)
     sch.on_receipt(ticket(3), receipt(3, t=clock.t), HK)
     rec = asyncio.run(sch.audit_hop(rep, 0))

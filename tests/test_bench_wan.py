@@ -9,7 +9,7 @@ import pytest
 from support.scripts import load_script
 
 from iota_subnet.hardware import GPUS, parse_accelerator
-from iota_subnet.network.localnet import emulation_argv
+from iota_subnet.network.localnet_args import emulation_argv
 from iota_subnet.config import ConfigError
 from iota_subnet.plan import plan, stage_timings
 from iota_subnet.transport.shaping import LINK_PROFILES, parse_link

@@ -1,4 +1,4 @@
-"""Big payloads (issue 10, item 8): transfers that could exceed a body limit are chunked, so a stage
+"""Big payloads: transfers that could exceed a body limit are chunked, so a stage
 over 256 MiB (the client's response cap) is audited and synced.
 
 * An update audit of a synthetic module of 272 MB (68 M fp32 parameters): the audit opens two

@@ -1,4 +1,4 @@
-"""Issue 12, item 8: every chain call has a deadline. A websocket endpoint that accepts the
+"""Every chain call has a deadline. A websocket endpoint that accepts the
 connection and never answers must not freeze the CLI, a miner or a validator: calls time out with
 a clear message, the loop skips the round and reconnects, and SIGTERM stops a neuron that is
 still starting."""

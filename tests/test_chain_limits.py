@@ -1,4 +1,4 @@
-"""Issue 12, items 3 to 7: rate limits and idempotent start, the weights version key,
+"""Rate limits and idempotent start, the weights version key,
 registration only when asked and never above the accepted price, reachable endpoints, and
 commit-reveal weights, on the SQLite devnet through the unmodified bittensor SDK."""
 from __future__ import annotations

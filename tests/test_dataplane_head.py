@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from iota_subnet.config import load_config
-from iota_subnet.miner import dataplane
 from iota_subnet.miner.dataplane import DataPlane
+from iota_subnet.miner.dataplane.admission import STAND_IN_HOLD_S
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.protocol import Hop, HopAck
 from iota_subnet.protocol.ticket import Ticket
@@ -195,7 +195,7 @@ def test_a_stand_in_head_runs_a_lanes_steps_one_after_the_other():
             assert not dp.pending.keys() & {"l0-k1-m0-a0", "l0-k1-m1-a0"}     # step 1's forwards dropped too
             # a step-3 backward that never comes holds step 4 only for STAND_IN_HOLD_S
             for p in dp.pending.values():
-                p.started -= dataplane.STAND_IN_HOLD_S + 1
+                p.started -= STAND_IN_HOLD_S + 1
             dp._wake.set()
             await until(lambda: len(nxt.forwards) == 7)
             assert Ticket.from_json(nxt.forwards[6].ticket).step == 4

@@ -66,7 +66,7 @@ def test_forward_and_backward_take_the_flops_time(cfg8b, plans8b):
     g = w.backward("a", torch.zeros(1, T, 64, dtype=torch.bfloat16))
     assert g.shape == (1, T, 64) and g.dtype == torch.bfloat16
     # backward = 2 x forward + one recomputed forward of the blocks (8b.yaml checkpoints)
-    assert sl.calls[-1] == pytest.approx(4.0 * (2 * f.forward + f.blocks) * T / rate)
+    assert sl.calls[-1] == pytest.approx(4.0 * (2 * f.forward + f.recompute(True)) * T / rate)
     assert w.busy_s == pytest.approx(sum(sl.calls)) and w.meta()["emulated_busy_s"] == pytest.approx(w.busy_s / 4, abs=1e-3)
     assert w.backwards == 1 and w.tokens == T and w.meta()["emulation"]["emulation"] is True
 
@@ -81,7 +81,7 @@ def test_head_and_tail_shapes(cfg8b, plans8b):
     res = tail.forward("t", torch.zeros(1, T, 64, dtype=torch.bfloat16), torch.zeros(1, T, dtype=torch.int64))
     f = stage_flops(cfg8b.model, cfg8b.pipeline, T, 7)
     assert res["loss"] == pytest.approx(math.log(128256)) and res["grad"].shape == (1, T, 64)
-    assert sl.calls[-1] == pytest.approx((3 * f.forward + f.blocks) * T / 156e12)  # forward + backward at once
+    assert sl.calls[-1] == pytest.approx((3 * f.forward + f.recompute(True)) * T / 156e12)  # forward + backward at once
     assert tail.backwards == 1 and len(tail.cache) == 0
     ev = tail.forward("e", torch.zeros(1, T, 64), torch.zeros(1, T, dtype=torch.int64), train=False)
     assert set(ev) >= {"loss"} and "grad" not in ev and sl.calls[-1] == pytest.approx(f.forward * T / 156e12)
@@ -229,12 +229,12 @@ def test_served_without_training_costs_an_input_gradient_only(cfg8b, plans8b):
     w.forward("f", x, accumulate=False)
     g = w.backward("f", x)
     assert g.shape == (1, T, 64) and w.backwards == 0 and w.pending == 0 and w.tokens == T
-    assert sl.calls[-1] == pytest.approx((f.forward + f.blocks) * T / 156e12)
+    assert sl.calls[-1] == pytest.approx((f.forward + f.recompute(True)) * T / 156e12)
     tail = _worker(cfg8b, 7, plans8b[7], sl)
     ft = stage_flops(cfg8b.model, cfg8b.pipeline, T, 7)
     res = tail.forward("t", x, torch.zeros(1, T, dtype=torch.int64), accumulate=False)
     assert "grad" in res and tail.pending == 0
-    assert sl.calls[-1] == pytest.approx((2 * ft.forward + ft.blocks) * T / 156e12)
+    assert sl.calls[-1] == pytest.approx((2 * ft.forward + ft.recompute(True)) * T / 156e12)
 
 
 def test_data_plane_hooks(cfg8b, plans8b):
@@ -309,4 +309,4 @@ def test_backward_may_refuse_to_accumulate(cfg8b, plans8b):
     w.forward("s", x)
     w.backward("s", x, accumulate=False)           # the stage moved past this micro-batch's step
     assert w.pending == 0 and w.backwards == 0
-    assert sl.calls[-1] == pytest.approx((f.forward + f.blocks) * T / 156e12)
+    assert sl.calls[-1] == pytest.approx((f.forward + f.recompute(True)) * T / 156e12)

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from iota_subnet.chain import open_chain
-from iota_subnet.network.localnet import NETUID, Child, LocalNet
+from iota_subnet.network.localnet import NETUID, LocalNet
+from iota_subnet.network.processes import Child
 
 pytestmark = pytest.mark.timeout(600)
 

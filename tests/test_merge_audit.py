@@ -1,4 +1,4 @@
-"""Merge evidence verified, not counted (issue 10, item 6), with real MinerService replicas over
+"""Merge evidence verified, not counted, with real MinerService replicas over
 signed HTTP on 127.0.0.1 (devnet chain), as in tests/test_merge_http.py.
 
 * ``accuse``: two colluding replicas file matching forged evidence against an honest reducer. The

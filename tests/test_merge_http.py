@@ -227,3 +227,39 @@ def test_poisoning_reducer_caught_and_excluded(tmp_path, tmp_home):
         finally:
             await net.close()
     asyncio.run(main())
+
+
+def test_status_names_the_chunks_no_donor_has(tmp_path, tmp_home):
+    """A state sync that cannot get some chunks from any donor logged which; the miner's status.json
+    only showed it out of sync. merge.sync in status.json names them (and says when the sync is done)."""
+    import json
+
+    async def main():
+        net = Net(tmp_path)
+        await net.start(2)
+        try:
+            a, b = net.svcs
+            cn = a.donor.chunk_numel
+            real = a.donor.handle
+
+            async def refusing(msg, caller="", on_sent=None):
+                if msg.snapshot_id and msg.offset // cn in (1, 3):
+                    raise ProtocolError(Outcome.BUSY, "chunk not available")
+                return await real(msg, caller, on_sent)
+            a.donor.handle = refusing
+            task = asyncio.create_task(b.pull_merged_state())
+            st = {}
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                st = json.loads((tmp_path / "m1" / "status.json").read_text())
+                if (st["merge"].get("sync") or {}).get("missing_chunks"):
+                    break
+            sync = st["merge"]["sync"]
+            assert sync["missing_chunks"] == [1, 3] and sync["state"] == "syncing", sync
+            a.donor.handle = real                         # the donor can serve them again: the next try syncs
+            assert await asyncio.wait_for(task, 30)
+            assert b.status()["merge"]["sync"]["state"] == "synced"
+            assert b.status()["merge"]["sync"]["missing_chunks"] == []
+        finally:
+            await net.close()
+    asyncio.run(main())

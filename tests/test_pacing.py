@@ -1,4 +1,4 @@
-"""Lane pacing (issue 13): the validator keeps its lanes within one merge window of each other, so the
+"""Lane pacing: the validator keeps its lanes within one merge window of each other, so the
 replicas of a stage reach their merge boundaries together instead of merging alone.
 
 First :class:`LanePacer` alone on a scripted clock, then a whole in-process p2p network (real miners

@@ -1,4 +1,4 @@
-"""Equal work, equal pay (issue 10, item 7), at unit level on the Scoreboard.
+"""Equal work, equal pay, at unit level on the Scoreboard.
 
 Each test reproduces a case tried on the exponential-average scoreboard (all fail on it):
 

@@ -13,9 +13,9 @@ from iota_subnet.config import ConfigError
 from iota_subnet.neuron_common import add_common_args
 from iota_subnet.protocol import Health, Hop
 from iota_subnet.transport import NeuronClient, NeuronServer
-from iota_subnet.transport.shaping import (LINK_PROFILES, MSS, SEGMENT_OVERHEAD, LinkSpec, UplinkShaper,
-                                           configure_process_link, parse_link, process_shaper, request_head_bytes,
-                                           segment_overhead)
+from iota_subnet.transport.shaping import (LINK_PROFILES, MSS, SEGMENT_OVERHEAD, DownlinkShaper, LinkSpec,
+                                           UplinkShaper, configure_process_link, parse_link, process_downlink,
+                                           process_shaper, request_head_bytes, segment_overhead)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,6 +201,57 @@ def test_server_responses_pass_the_server_uplink():
     expected = n / 1e6 + 0.03
     assert 0.9 * expected <= wall <= 1.6 * expected + 0.2, (wall, expected)
     assert pair.server_shaper.wire_bytes > 3 * n       # warm-up replies were 1 MB each too
+
+
+# ------------------------------------------------------------------------------------ downlink
+def test_asymmetric_profiles_parse_and_a_single_rate_shapes_the_uplink_only():
+    up_down = parse_link("20mbit/100mbit:100ms")
+    assert up_down == LinkSpec(20e6, 0.1, 100e6) and str(up_down) == "20mbit/100mbit:100ms"
+    assert parse_link(str(up_down)) == up_down and up_down.scaled(2) == LinkSpec(10e6, 0.2, 50e6)
+    assert parse_link("1gbit/2.5mbit") == LinkSpec(1e9, 0.0, 2.5e6) and not parse_link("1gbit/2.5mbit").loopback
+    for bad in ("20mbit/:1ms", "/1mbit", "1mbit/0mbit:1ms", "1mbit/2mbit/3mbit", "1mbit/2ms"):
+        with pytest.raises(ConfigError, match="UP/DOWN:DELAY"):
+            parse_link(bad)
+    kp = Keypair.create_from_uri("//Alice")
+    try:
+        for p in LINK_PROFILES:                                  # the existing profiles: no downlink
+            configure_process_link(parse_link(p))
+            assert process_downlink() is None and NeuronClient(kp).downlink is None
+        sh = configure_process_link(parse_link("20mbit/100mbit:100ms"), time_scale=2.0)
+        down = process_downlink()
+        assert isinstance(down, DownlinkShaper) and down.link == LinkSpec(50e6, 0.0)
+        assert sh.link.rate_bps == 10e6 and sh.link.delay_s == 0.2
+        assert NeuronClient(kp).downlink is down and NeuronServer(kp, "127.0.0.1", 0).downlink is down
+    finally:
+        configure_process_link(None)
+    assert process_downlink() is None
+
+
+def test_downlink_charges_what_a_process_receives_responses_and_requests():
+    """A client on a 16 Mbit/s (2 MB/s) downlink receives a 1 MB reply of an unshaped server in
+    ~0.5 s; a server on a 16 Mbit/s downlink takes ~0.5 s to receive a 1 MB request; the small
+    messages the other way cost ~nothing."""
+    n = 1 << 20
+
+    async def run(client_down, server_down, request_bytes, reply_bytes):
+        pair = Pair("loopback", "loopback", reply_bytes)
+        pair.server.downlink = server_down
+        await pair.server.start()
+        try:
+            async with NeuronClient(pair.ck, downlink=client_down) as c:
+                await pair.send(c, 4096)                          # warm the connection pool
+                return await pair.send(c, request_bytes)
+        finally:
+            await pair.server.stop()
+    down = DownlinkShaper(16e6)
+    wall = asyncio.run(run(down, None, 4096, n))
+    expected = n / 2e6
+    assert 0.9 * expected <= wall <= 1.6 * expected + 0.2, (wall, expected)
+    assert down.messages == 2 and down.wire_bytes > 2 * n
+    down = DownlinkShaper(16e6)
+    wall = asyncio.run(run(None, down, n, 0))
+    assert 0.9 * expected <= wall <= 1.6 * expected + 0.2, (wall, expected)
+    assert down.messages == 2 and n < down.wire_bytes < 1.2 * n
 
 
 # ------------------------------------------------------------------------------------ fault injection

@@ -1,4 +1,4 @@
-"""Transport faults found when driven as an operator (issue 12, items 10, 11 and 14).
+"""Transport faults found when driven as an operator.
 
 A real NeuronServer on 127.0.0.1; requests are written byte by byte on a raw socket where the
 test needs to control when the body arrives.

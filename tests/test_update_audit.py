@@ -1,4 +1,4 @@
-"""Update audits (issue 10, item 4): a real StageWorker commits to every inner step; the validator
+"""Update audits: a real StageWorker commits to every inner step; the validator
 opens random rows with proofs and recomputes torch's AdamW. Honest passes (bit-exact on CPU), the
 ``noisy-update`` adversary fails, tampered or incomplete answers fail, the store serves from its
 window (LATE outside it) without the worker's lock, and the whole path works over signed HTTP."""

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import bittensor as bt
+import bittensor_core
 import pytest
 from bittensor.sp_core import Keypair
 from bittensor.balance import Balance
 from bittensor.result import ExtrinsicResult
+from loguru import logger
 
 from iota_subnet.chain import add_stake, create_devnet
-from iota_subnet.chain.devnet import DevnetState, DevnetSubstrate, seed_neurons
+from iota_subnet.chain.devnet import DevnetState, DevnetSubstrate, RevealedWeights, seed_neurons, set_hyperparameter
 from iota_subnet.chain.sdk import SdkChain
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
@@ -48,13 +51,14 @@ class SwallowingSubstrate(DevnetSubstrate):
 
 
 class Net:
-    def __init__(self, tmp_path, home, **devnet):
+    def __init__(self, tmp_path, home, decryptor=None, **devnet):
         self.tmp = tmp_path
-        self.db = create_devnet(tmp_path / "chain.db", NETUID, tempo=10_000, block_time=0.1, weights_rate_limit=1,
+        devnet.setdefault("tempo", 10_000)
+        self.db = create_devnet(tmp_path / "chain.db", NETUID, block_time=0.1, weights_rate_limit=1,
                                 immunity_period=0, **devnet)
         self.w = {n: create_wallet(n, "default", home / "wallets") for n in ("vali", "m1", "m2", "h2")}
         self.cfg = load_config("configs/tiny.yaml", OVR)
-        self.sub = SwallowingSubstrate(self.db)
+        self.sub = SwallowingSubstrate(self.db, decryptor=decryptor)
         self.chain = SdkChain(lambda: bt.Client("local", substrate=self.sub), "devnet")
 
     async def setup(self):
@@ -148,6 +152,37 @@ def test_owners_are_reread_before_setting_weights(tmp_path, tmp_home):
     run(main())
 
 
+def test_stale_weights_decay_to_the_burn_uid_the_validator_holds(tmp_path, tmp_home):
+    """The validator registered first, so it holds the burn uid 0. Stale scores still lose weight to
+    uid 0 (the old code left the burn out when the validator held it: the chain renormalised the
+    weights row and the stale weights went out at full strength)."""
+    net = Net(tmp_path, tmp_home)
+
+    async def main():
+        await net.setup()
+        svc = net.validator(stale_grace=0, burn_uid=0)
+        try:
+            await svc.start()
+            assert svc.uid == 0
+            _credit(svc, 1, net.hk("m1"), 1)
+            _credit(svc, 2, net.hk("m2"), 2)
+            fresh = svc.update_scores()
+            assert 0 not in fresh and sum(fresh.values()) == pytest.approx(1.0)
+            stale = svc.update_scores()                 # a tempo with no verified work: freshness 1/2
+            assert stale[0] == pytest.approx(0.5)
+            assert stale[1] + stale[2] == pytest.approx(0.5)
+            while await net.chain.block() <= await net.chain.last_update(net.hk("vali"), NETUID):
+                await asyncio.sleep(0.05)
+            assert await svc.maybe_set_weights() is True   # a third tempo: freshness 1/4
+            row = dict(dict(await net.chain.weights(NETUID))[0])
+            assert row[0] / sum(row.values()) == pytest.approx(0.75, abs=1e-3)
+            assert svc.last_weights[0] == pytest.approx(0.75)
+        finally:
+            await svc.close()
+            await net.chain.close()
+    run(main())
+
+
 def test_validator_stops_when_the_subnet_requires_a_newer_weights_version(tmp_path, tmp_home):
     net = Net(tmp_path, tmp_home, weights_version=101)
 
@@ -160,6 +195,124 @@ def test_validator_stops_when_the_subnet_requires_a_newer_weights_version(tmp_pa
             svc = net.validator(version_key=101)          # a release that matches starts
             await svc.start()
             await svc.close()
+        finally:
+            await net.chain.close()
+    run(main())
+
+
+class HeldDecryptor:
+    """Opens the SDK's timelocked commits (drand is out of reach here) by recording what it sealed;
+    while ``hold`` is set a commit stays sealed (its round not yet published, as far as the devnet sees)."""
+
+    def __init__(self, monkeypatch):
+        self.sealed: dict[bytes, RevealedWeights] = {}
+        self.hold = False
+        real = bittensor_core.get_encrypted_commit_v2
+
+        def recording(**kw):
+            commit, rnd = real(**kw)
+            self.sealed[bytes(commit)] = RevealedWeights(list(kw["uids"]), list(kw["weights"]),
+                                                         int(kw["version_key"]), bytes(kw["hotkey"]))
+            return commit, rnd
+        monkeypatch.setattr(bittensor_core, "get_encrypted_commit_v2", recording)
+
+    def __call__(self, commit: bytes, reveal_round: int):
+        return None if self.hold else self.sealed.get(bytes(commit))
+
+
+def _commits(db) -> list[dict]:
+    st = DevnetState(db)
+    try:
+        return [dict(r) for r in st._q("SELECT block, status, error FROM weight_commits ORDER BY id")]
+    finally:
+        st.close()
+
+
+VERSION_RAISED = r"sends weights version key 100.*requires weights_version 101.*Update"
+
+
+def test_a_weights_version_raised_mid_run_is_noticed_and_a_refused_reveal_is_never_set(tmp_path, tmp_home,
+                                                                                       monkeypatch):
+    """Commit-reveal on: committed weights count as set once the chain reveals them. The subnet's
+    weights_version rises while a commit waits for its reveal: the chain refuses that reveal
+    (IncorrectWeightVersionKey); it is not recorded as set, no weights are committed after the rise,
+    and maybe_set_weights raises the start-up check's error (the old code recorded every commit as set
+    at once and kept committing, each reveal refused, nothing logged)."""
+    dec = HeldDecryptor(monkeypatch)
+    net = Net(tmp_path, tmp_home, decryptor=dec, tempo=5, commit_reveal_weights_enabled=True, weights_version=100)
+
+    async def main():
+        await net.setup()
+        svc = net.validator(version_key=100)
+        try:
+            await svc.start()
+            _credit(svc, 1, net.hk("m1"), 1)
+            _credit(svc, 2, net.hk("m2"), 1)                   # one stage: weights split by verified work
+            while await net.chain.block() <= await net.chain.last_update(net.hk("vali"), NETUID):
+                await asyncio.sleep(0.05)
+            deadline = time.monotonic() + 60
+            while not await svc.maybe_set_weights():          # committed, then recorded once revealed
+                assert time.monotonic() < deadline, "a revealed commit was never recorded"
+                await asyncio.sleep(0.1)
+            revealed = {c["block"] for c in _commits(net.db) if c["status"] == "revealed"}
+            assert svc.weights_blocks and set(svc.weights_blocks) <= revealed
+            row = dict(dict(await net.chain.weights(NETUID))[0])
+            assert set(row) == {1, 2}
+            _credit(svc, 1, net.hk("m1"), 1, tokens=5000)      # the next weights differ from those set
+            dec.hold = True                                    # the next commit's round is not published yet
+            n = len(svc.reveals.commits)
+            while len(svc.reveals.commits) == n:
+                assert time.monotonic() < deadline, "no second commit"
+                await svc.maybe_set_weights()
+                await asyncio.sleep(0.1)
+            set_hyperparameter(net.db, NETUID, weights_version=101)
+            raised_at = len(_commits(net.db))
+            dec.hold = False                                   # its round comes: the chain refuses the reveal
+            warned: list[str] = []
+            sink = logger.add(lambda m: warned.append(str(m)), level="WARNING")
+            try:
+                with pytest.raises(ValidatorError, match=VERSION_RAISED):
+                    while True:
+                        assert time.monotonic() < deadline, "the raised weights version went unnoticed"
+                        await svc.maybe_set_weights()
+                        await asyncio.sleep(0.1)
+            finally:
+                logger.remove(sink)
+            while any(c["status"] == "pending" for c in _commits(net.db)):    # the devnet's reveals are done
+                assert time.monotonic() < deadline
+                await net.chain.block()
+                await asyncio.sleep(0.1)
+            commits = _commits(net.db)
+            assert len(commits) == raised_at, "weights were committed after the version rose"
+            failed = {c["block"] for c in commits if c["status"] == "failed"}
+            assert failed and all("IncorrectWeightVersionKey" in c["error"] for c in commits if c["status"] == "failed")
+            assert not failed & set(svc.weights_blocks) and not failed & set(svc.state.weights_blocks())
+            assert any("were not revealed" in m for m in warned) or svc.reveals.commits, warned
+        finally:
+            await svc.close()
+            await net.chain.close()
+    run(main())
+
+
+def test_a_running_validator_stops_when_the_weights_version_rises(tmp_path, tmp_home):
+    """Through run(): the weights loop notices the raised version before its next set and the
+    validator stops with the start-up check's error (the loop used to swallow every error)."""
+    net = Net(tmp_path, tmp_home, tempo=5, weights_version=100)
+
+    async def main():
+        await net.setup()
+        svc = net.validator(version_key=100, weights_check_s=0.1, status_interval_s=0.2)
+        try:
+            task = asyncio.create_task(svc.run())
+            deadline = time.monotonic() + 60
+            while not svc.weights_blocks:                      # nothing verified: all on the burn uid
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.1)
+            set_hyperparameter(net.db, NETUID, weights_version=101)
+            t0 = time.monotonic()
+            with pytest.raises(ValidatorError, match=VERSION_RAISED):
+                await asyncio.wait_for(task, 30)
+            assert time.monotonic() - t0 < 10
         finally:
             await net.chain.close()
     run(main())
@@ -221,7 +374,7 @@ def test_corrupt_validator_state_is_refused_with_a_recovery_path(tmp_path, tmp_h
     run(main())
     assert (out / "validator.sqlite").read_bytes() == b"\x00garbage" * 500     # nothing lost
     from iota_subnet.errors import known_errors
-    assert CorruptStateError in known_errors()      # the CLI prints it as one line, exit code 2
+    assert issubclass(CorruptStateError, known_errors())      # the CLI prints it as one line, exit code 2
 
 
 def test_a_new_run_epoch_hands_the_state_folder_over(tmp_path, tmp_home):

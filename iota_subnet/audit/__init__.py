@@ -2,7 +2,7 @@
 
 Shared by miners (they commit and open) and validators (they verify); no networking here.
 
-Hop audit (issue 10, items 1 and 3): at hop time a miner is bound only by the roots in its receipts
+Hop audit (``docs/hop-audit.md``): at hop time a miner is bound only by the roots in its receipts
 (the wire tensors it received and sent: :func:`wire_root`; the weights version: :func:`weights_root`).
 When a validator picks the hop (after the fact, blind), three rounds follow:
 

@@ -51,7 +51,7 @@ class SamplingParams:
     blocks of the stage whose links are checked (uniform, without replacement; all of them when the
     stage has at most that many): each costs about a stage's opened bytes divided by its blocks.
 
-    ``tokens = 1`` (was 2 until 2026-12-01): a cheat on every token (skipped or faked work, what the
+    ``tokens = 1`` rather than 2: a cheat on every token (skipped or faked work, what the
     suite's kinds do) is caught by every audit either way; one on a fraction f of the tokens is
     caught with probability f per audit instead of ~2f, for ~21 % fewer bytes (``tiny``: 1.45 instead
     of 1.85 MB per tempo of the 3 x 2 network). Both the cheater's saving and its expected loss are

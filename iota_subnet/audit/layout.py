@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 import torch
 
 from iota_subnet.config import ModelConfig, PipelineConfig
-from iota_subnet.model.bottleneck import bottleneck_dims
+from iota_subnet.config import bottleneck_dims
 from iota_subnet.model.llama import rope_cos_sin
-from iota_subnet.model.stages import PipelineStage, split_layers
+from iota_subnet.config import split_layers
+from iota_subnet.model.stages import PipelineStage
 
 WIRE_FORMATS = ("fp32", "bf16", "int8")
 FORWARD = "forward"

@@ -1,4 +1,4 @@
-"""Update audits: check a miner's inner optimizer step on a few committed rows (issue 10, item 4).
+"""Update audits: check a miner's inner optimizer step on a few committed rows.
 
 AdamW is elementwise (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization",
 Algorithm 2), so any row of a parameter can be checked alone: given the row's weights ``w0``,

@@ -1295,6 +1295,17 @@ def _map_netuids(st: DevnetState, fn) -> list[tuple]:
     return [(netuid, fn(st.subnet(netuid))) for netuid in st.netuids()]
 
 
+def _pending_commits(st: DevnetState, netuid: int) -> list[tuple[int, list]]:
+    """``TimelockedWeightCommits``: the commits not revealed yet, as (epoch, [(hotkey, commit block,
+    commit, reveal round)]); the epoch is the commit block // (tempo + 1)."""
+    tempo = int((st.subnet(netuid) or {}).get("tempo") or 0)
+    out: dict[int, list] = {}
+    for r in st._q("SELECT * FROM weight_commits WHERE netuid=? AND status='pending' ORDER BY id", (netuid,)):
+        out.setdefault(int(r["block"]) // (tempo + 1), []).append(
+            (r["hotkey"], int(r["block"]), "0x" + r["commit_hex"], int(r["reveal_round"])))
+    return sorted(out.items())
+
+
 _STORAGE_MAPS: dict[tuple[str, str], Any] = {
     ("SubtensorModule", "Uids"): lambda st, p: [(nr["hotkey"], nr["uid"]) for nr in st.neurons(int(p[0]))],
     ("SubtensorModule", "Keys"): lambda st, p: [(nr["uid"], nr["hotkey"]) for nr in st.neurons(int(p[0]))],
@@ -1314,7 +1325,7 @@ _STORAGE_MAPS: dict[tuple[str, str], Any] = {
     ("SubtensorModule", "Owner"): lambda st, p: [(r["hotkey"], r["coldkey"]) for r in st._q("SELECT * FROM owners")],
     ("Commitments", "CommitmentOf"): lambda st, p: list(st.commitments(int(p[0])).items()),
     ("Commitments", "RevealedCommitments"): lambda st, p: [],
-    ("SubtensorModule", "TimelockedWeightCommits"): lambda st, p: [],
+    ("SubtensorModule", "TimelockedWeightCommits"): lambda st, p: _pending_commits(st, int(p[0]) % GLOBAL_MAX_SUBNET_COUNT),
     ("SubtensorModule", "SubnetEmaTaoFlow"): lambda st, p: [],
 }
 

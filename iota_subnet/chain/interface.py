@@ -9,11 +9,13 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from iota_subnet.errors import UserError
+
 if TYPE_CHECKING:  # pragma: no cover
     from bittensor.metagraph import Metagraph
 
 
-class ChainError(RuntimeError):
+class ChainError(UserError, RuntimeError):
     """A chain read or write failed; ``name`` is the chain's error name when known."""
 
     def __init__(self, message: str, name: Optional[str] = None):
@@ -178,6 +180,12 @@ class Chain(abc.ABC):
         inside the weights rate limit). Success means the chain said so; use
         :meth:`weights_landed` to confirm."""
 
+    async def pending_commits(self, hotkey: str, netuid: int) -> set[int]:
+        """Blocks of the hotkey's weight commits the chain has not revealed (or dropped) yet
+        (``TimelockedWeightCommits``; empty without commit-reveal). A commit leaves it once its reveal
+        was tried: the weights row then shows it, or the chain refused it."""
+        return set()
+
     async def weights_landed(self, hotkey: str, netuid: int, receipt: WeightsReceipt) -> bool:
         """Whether the chain's state shows the weights of ``receipt`` (the hotkey's ``last_update``
         reached the receipt's block: set, or committed for a later reveal)."""
@@ -200,3 +208,16 @@ class Chain(abc.ABC):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def served_endpoint(axon: Any) -> Optional[str]:
+    """``"ip:port"`` of a served axon, else None (unserved: ip 0.0.0.0 or port 0)."""
+    if axon is None:
+        return None
+    if not isinstance(axon, str):  # an AxonInfo-like object
+        ip, port = getattr(axon, "ip", None), getattr(axon, "port", None)
+        axon = f"{ip}:{port}"
+    host, _, port = str(axon).rpartition(":")
+    if not host or host in ("0.0.0.0", "0", "::", "[::]", "None") or not port.isdigit() or int(port) == 0:
+        return None
+    return f"{host}:{port}"

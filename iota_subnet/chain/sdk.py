@@ -247,6 +247,10 @@ class SdkChain(Chain):
         rows = await self._io("weights", lambda c: c.weights.weights(netuid))
         return [(int(uid), sorted((int(j), float(w)) for j, w in row.items())) for uid, row in sorted(rows.items())]
 
+    async def pending_commits(self, hotkey: str, netuid: int) -> set[int]:
+        found = await self._io("weight commits", lambda c: c.weights.timelocked_weight_commits(netuid))
+        return {int(e["commit_block"]) for entries in found.values() for e in entries if e["hotkey"] == hotkey}
+
     async def _shield_key(self) -> Optional[Any]:
         """The MEV shield's current key when the chain runs the shield, else None."""
         try:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from aiohttp import web
 from loguru import logger
 
-from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.transport import start_site
 
 STATIC = Path(__file__).resolve().parent / "static"

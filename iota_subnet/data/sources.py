@@ -27,9 +27,10 @@ from typing import Iterable, Iterator, Optional
 from urllib.parse import urlparse
 
 from loguru import logger
+from iota_subnet.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data source or dataset cannot be used; the message names the fix."""
 
 

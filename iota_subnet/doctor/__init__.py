@@ -2,7 +2,7 @@
 
 Python and packages, GPU (or RAM) against the config's memory plan, disk, wallet files,
 registration and stake, chain reachability and latency, clock skew against chain time, the port,
-reachability from outside and bandwidth (asking a peer, :mod:`.probe`), tokenizer and data
+reachability from outside and bandwidth (asking a peer, :mod:`iota_subnet.transport.probe`), tokenizer and data
 fingerprints. One line per check: PASS, WARN, FAIL or SKIP (with the reason), and the fix.
 Exit code 1 when any check FAILs, else 0.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from .checks import FAIL, Check, DoctorOptions, run_checks
-from .probe import PeerProbe
+from iota_subnet.transport.probe import PeerProbe
 
 __all__ = ["Check", "DoctorOptions", "PeerProbe", "run_checks", "register"]
 

@@ -287,7 +287,7 @@ async def chain_checks(o: DoctorOptions, wallet: Any) -> tuple[list[Check], Opti
         hk = wallet.hotkey.ss58_address if wallet is not None else None
         if graph is not None:
             me = next((n for n in graph.neurons if n.hotkey == hk), None) if hk else None
-            from iota_subnet.validator.routing import served_endpoint
+            from iota_subnet.chain.interface import served_endpoint
             peers = [e for n in graph.neurons if n.hotkey != hk and (e := served_endpoint(n.axon))]
             if wallet is None:
                 out.append(Check("registration", SKIP, "needs the wallet"))
@@ -333,7 +333,7 @@ def _is_local(endpoint: str) -> bool:
 
 
 async def peer_checks(o: DoctorOptions, discovered: list[str]) -> list[Check]:
-    from .probe import ask_reach, measure_bandwidth
+    from iota_subnet.transport.probe import ask_reach, measure_bandwidth
     explicit = list(o.peers)
     peers = explicit or [p for p in discovered if not _is_local(p)]
     if not peers:

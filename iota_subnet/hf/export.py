@@ -35,12 +35,13 @@ from safetensors.torch import save_file
 from iota_subnet.config import RunConfig, config_from_dict, load_config
 from iota_subnet.model import bottleneck_dims, split_layers
 from iota_subnet.train.checkpoint import config_fingerprint, read_checkpoint
+from iota_subnet.errors import UserError
 
 REMOTE = Path(__file__).resolve().parent / "remote"
 EXPORT_FORMAT = 1
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """The run cannot be exported as asked; the message says what to do."""
 
 

@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 from loguru import logger
+from iota_subnet.errors import UserError
 
 
-class ModelFolderError(RuntimeError):
+class ModelFolderError(UserError, RuntimeError):
     """The folder is not a loadable model export; the message says what is missing."""
 
 

@@ -1,5 +1,5 @@
 """Signed merge claims: what each replica says it contributed and computed, so that validators can
-check accusations themselves instead of counting them (issue 10, item 6).
+check accusations themselves instead of counting them.
 
 Two statements, each a canonical JSON object signed with the replica's hotkey (sr25519):
 

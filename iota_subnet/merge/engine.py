@@ -28,7 +28,7 @@ cross between the module's device and the host):
 4. **reduce**: chunk ``c`` of a shard is reduced (weighted mean in the plan's participant order, then
    the outer step, :func:`.outer.outer_step`) as soon as every participant's chunk ``c`` is there;
    a reducer acknowledges a chunk only when the shard's reduced chunks are at most
-   :data:`STREAM_WINDOW` behind it, so it buffers a bounded number of chunks per contributor. A
+   :data:`.serve.STREAM_WINDOW` behind it, so it buffers a bounded number of chunks per contributor. A
    shard still missing a contributor after ``merge.phase_timeout_s`` is ``incomplete`` (its
    ``missing`` list names who).
 5. **gather + verify**: for every shard ``me`` fetches the mean chunk by chunk from one reducer and
@@ -50,36 +50,34 @@ Memory per replica (host, float32 values): anchor and momentum (2P), the pseudo-
 its dequantized copy with int8 / bf16 payloads), the new anchor and momentum while they are built
 (2P), the means of the two shards it reduces (2P/N), at most ``STREAM_WINDOW + 1`` chunks per
 contributor of each shard it reduces, and with ``merge.overlap`` the weights read at the start (P).
+
+:class:`MergeEngine` holds the replica's merge state and runs the epoch/attempt state machine
+(:meth:`MergeEngine.merge`); its parts live in their own modules: :mod:`.join` (step 1),
+:mod:`.allreduce` (steps 3, 5, 6 and the third-party recompute), :mod:`.serve` (the reducer side,
+step 4: the ``/merge/*`` routes peers call), :mod:`.params` (the flat host copy of the parameters).
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from loguru import logger
 
 from iota_subnet.config import MergeConfig
-from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult, MergeResultRequest, Message,
-                                  Outcome, ProtocolError, payload_nbytes, tensor_sha256)
-from iota_subnet.protocol.codec import host_bytes
+from iota_subnet.protocol import Message, MergeResult, tensor_sha256
 
-from iota_subnet.utils.progress import Progress
-
-from .outer import dequantize, outer_step, quantize, weighted_mean
+from .allreduce import AllReduceAttempt, sha256_of
+from .join import MergeJoining
 from .liveness import PeerLiveness
+from .params import ModuleParams
+from .report import MergeReport
 from .plan import MergePlan, epoch_seed
+from .serve import MergeServing, _Session
 
-#: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
-MAX_SESSIONS = 6
 #: Times one merge may move to a later epoch label the stage's other replicas are at.
 MAX_RELABELS = 8
-#: Chunks a contributor may run ahead of a shard's reduced chunks before the reducer delays its acks.
-STREAM_WINDOW = 2
 
 
 class PeerTransport(Protocol):
@@ -88,19 +86,6 @@ class PeerTransport(Protocol):
     Returns ``(reply, bytes_sent, bytes_received)``."""
 
     async def call(self, peer: str, route: str, msg: Message, response_type: type) -> tuple[Any, int, int]: ...
-
-
-def flat_numel(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def sha256_of(chunks: Iterable[torch.Tensor]) -> str:
-    """sha256 of the concatenated raw bytes of ``chunks`` (equals ``tensor_sha256(torch.cat(chunks))``)."""
-    h = hashlib.sha256()
-    for x in chunks:
-        for view in host_bytes(x):
-            h.update(view)
-    return h.hexdigest()
 
 
 def cap_work(works: dict[str, float]) -> dict[str, float]:
@@ -115,137 +100,7 @@ def cap_work(works: dict[str, float]) -> dict[str, float]:
     return {p: min(w, 2 * med) if med > 0 else w for p, w in works.items()}
 
 
-class ModuleParams:
-    """Flat float32 host copy of a module's parameters (in ``module.parameters()`` order), read and
-    written under ``lock`` (the stage worker's lock); ``on_write()`` runs under the lock after
-    every write (the stage worker's :meth:`~iota_subnet.miner.stage_worker.StageWorker.weights_replaced`).
-
-    The module may live on any device; values cross to and from the host one parameter at a time
-    (no device-side concatenation of the whole stage)."""
-
-    def __init__(self, module: torch.nn.Module, lock: Any = None, on_write: Optional[Callable[[], Any]] = None):
-        self.module = module
-        self.lock = lock or threading.RLock()
-        self.numel = flat_numel(module)
-        self.on_write = on_write
-
-    def read(self) -> torch.Tensor:
-        """Host float32 [P] copy of the parameters."""
-        with self.lock, torch.no_grad():
-            out = torch.empty(self.numel, dtype=torch.float32)
-            off = 0
-            for p in self.module.parameters():
-                n = p.numel()
-                out[off:off + n].view(p.shape).copy_(p.detach())
-                off += n
-            return out
-
-    def write(self, flat: torch.Tensor, carry_from: Optional[torch.Tensor] = None) -> None:
-        """Set the parameters to ``flat`` (host or device, [P]). With ``carry_from`` (the values
-        read when the merge started, [P]), add the progress made since then instead:
-        ``p = flat + (p - carry_from)`` (an overlapped merge keeps the steps taken meanwhile)."""
-        if flat.numel() != self.numel or (carry_from is not None and carry_from.numel() != self.numel):
-            raise ValueError(f"flat vector of {flat.numel()} values for {self.numel} parameters")
-        with self.lock, torch.no_grad():
-            off = 0
-            for p in self.module.parameters():
-                n = p.numel()
-                src = flat[off:off + n].view(p.shape)
-                if carry_from is None:
-                    p.copy_(src)
-                else:       # flat + (p - start): exactly flat where nothing moved
-                    start = carry_from[off:off + n].view(p.shape).to(p.device, p.dtype)
-                    p.copy_(src.to(p.device, p.dtype) + (p - start))
-                off += n
-            if self.on_write is not None:
-                self.on_write()
-
-
-@dataclass
-class MergeReport:
-    """Outcome of one merge epoch on one replica. ``status``: ``merged`` | ``alone`` (no peer ready,
-    or no participant did any work) | ``late`` (a peer merged this epoch already: pull its weights) |
-    ``abandoned``. Bytes are encoded message bodies this replica sent / received for the merge (as
-    client and as server). ``weights``: each participant's weight in the mean (merge weight x work)."""
-
-    epoch: int
-    status: str = "abandoned"
-    attempts: int = 0
-    participants: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    mismatches: list[dict] = field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    wall_s: float = 0.0
-    reason: str = ""
-    weights_sha256: str = ""
-    weights: dict[str, float] = field(default_factory=dict)
-    work: float = 0.0
-
-    @property
-    def applied(self) -> bool:
-        return self.status == "merged"
-
-
-class _ShardReduce:
-    """A reducer's state for one shard: chunks streaming in from every participant, reduced in order."""
-
-    def __init__(self, chunks: list[tuple[int, int]], participants: Iterable[str]):
-        self.chunks = chunks
-        self.inbox: dict[int, dict[str, torch.Tensor]] = {}     # chunk -> sender -> float32 values
-        self.got: dict[str, int] = {p: 0 for p in participants}  # chunks received per sender (in order)
-        self.contribution_h = {p: hashlib.sha256() for p in self.got}
-        self.reduced = 0                                        # chunks reduced so far
-        self.means: list[torch.Tensor] = []
-        self.shard_h, self.momentum_h = hashlib.sha256(), hashlib.sha256()
-        self.progress = asyncio.Event()
-
-    @property
-    def done(self) -> bool:
-        return self.reduced >= len(self.chunks)
-
-
-@dataclass
-class _JoinResult:
-    """What a join found: the participants (incl. this replica) and their work, or a reason to do
-    something else: ``ahead`` (peers with newer merged state: pull), ``relabel`` (the epoch the
-    stage's replicas are at instead), ``jump`` (the attempt they moved to); ``gone``: peers that
-    could not be reached, ``not_ready``: reachable peers that never became ready; ``closed``: the
-    highest epoch a peer with the same merged state closed without merging (-1: none)."""
-
-    participants: list[str] = field(default_factory=list)
-    works: dict[str, float] = field(default_factory=dict)
-    ahead: list[str] = field(default_factory=list)
-    relabel: int = -1
-    jump: int = -1
-    gone: set[str] = field(default_factory=set)
-    not_ready: set[str] = field(default_factory=set)
-    closed: int = -1
-
-
-class _Session:
-    """State of one (epoch, attempt, plan) on this replica."""
-
-    def __init__(self, epoch: int, attempt: int, plan_id: str):
-        self.epoch, self.attempt, self.plan_id = epoch, attempt, plan_id
-        self.plan: Optional[MergePlan] = None
-        self.planned = asyncio.Event()
-        self.reduce: dict[int, _ShardReduce] = {}                # shards this replica reduces
-        self.raw: list[tuple[str, MergePayload]] = []            # arrived before our plan existed
-        self.mine: dict[int, list[torch.Tensor]] = {}            # my (dequantized) chunks per shard
-        self.mine_wire: dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-        self.results: dict[int, MergeResult] = {}                # header of each result (no tensor)
-        self.honest: dict[int, list[torch.Tensor]] = {}          # means computed here (before any tamper hook)
-        self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
-        self.result_ready: dict[int, asyncio.Event] = {}
-        self.closed = False
-        self.created = time.monotonic()
-
-    def ready_event(self, s: int) -> asyncio.Event:
-        return self.result_ready.setdefault(s, asyncio.Event())
-
-
-class MergeEngine:
+class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
     """Merges one replica with its stage's other replicas (see the module docstring).
 
     ``me``: this replica's hotkey. ``params``: :class:`ModuleParams`. ``transport``: :class:`PeerTransport`.
@@ -297,6 +152,9 @@ class MergeEngine:
     # ------------------------------------------------------------------ state
     def _work_total(self) -> float:
         return float(self.work_fn()) if self.work_fn is not None else 0.0
+
+    def _inner_step(self) -> int:
+        return int(self.step_fn()) if self.step_fn is not None else -1
 
     def window_work(self) -> float:
         """Work done since the last merge (1.0 without ``work_fn``: every replica weighs the same)."""
@@ -350,335 +208,13 @@ class MergeEngine:
         self._bytes[0] += sent
         self._bytes[1] += received
 
-    # ------------------------------------------------------------------ server side
-    async def handle(self, route: str, msg: Message, caller: str) -> Message:
-        """Serve a peer's merge request (``route`` in ``/merge/join``, ``/merge/contribute``,
-        ``/merge/result``, ``/merge/contribution``). Raises ProtocolError for refusals. Tensor bytes
-        served and received here count in this replica's merge byte totals."""
-        reply = await self._handle(route, msg, caller)
-        self._count(payload_nbytes(reply), payload_nbytes(msg))
-        return reply
-
-    async def _handle(self, route: str, msg: Message, caller: str) -> Message:
-        if route == "/merge/join":
-            return self._on_join(msg)
-        if route == "/merge/contribute":
-            ack = self._on_contribute(msg, caller)
-            await self._throttle(msg)
-            return ack
-        if route == "/merge/result":
-            return await self._on_result(msg, caller)
-        if route == "/merge/contribution":
-            return self._on_contribution(msg, caller)
-        raise ProtocolError(Outcome.UNKNOWN_ROUTE, f"no merge route {route}")
-
-    def _on_join(self, msg: MergeJoin) -> MergeJoin:
-        cur = self.current
-        return MergeJoin(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=max(self.attempt_now, 0),
-                         ready_epoch=self.ready_epoch, merged_epoch=self.merged_epoch,
-                         closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
-                                                                 if a >= self.cfg.max_attempts]),
-                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync, work=self.ready_work,
-                         inner_step=self._inner_step())
-
-    def _inner_step(self) -> int:
-        return int(self.step_fn()) if self.step_fn is not None else -1
-
-    def _late(self, epoch: int, attempt: int) -> bool:
-        return epoch <= self.merged_epoch or self.closed_epochs.get(epoch, -1) >= attempt
-
-    def _session(self, epoch: int, attempt: int, plan_id: str) -> _Session:
-        key = (epoch, attempt, plan_id)
-        sess = self.sessions.get(key)
-        if sess is None:
-            if len(self.sessions) >= MAX_SESSIONS:
-                self._prune()
-            if len(self.sessions) >= MAX_SESSIONS:
-                raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} merge sessions open")
-            sess = self.sessions[key] = _Session(epoch, attempt, plan_id)
-        return sess
-
-    def _prune(self) -> None:
-        # A finished attempt's results stay served for a while: a slower peer may still be gathering.
-        for key, sess in list(self.sessions.items()):
-            if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s
-                                                                                     + self.cfg.phase_timeout_s):
-                sess.closed = True
-                del self.sessions[key]
-
-    def _on_contribute(self, msg: MergePayload, caller: str) -> MergeAck:
-        if self._late(msg.epoch, msg.attempt):
-            raise ProtocolError(Outcome.LATE, f"merge epoch {msg.epoch} attempt {msg.attempt} is closed "
-                                              f"(merged epoch {self.merged_epoch}); pull the merged weights")
-        if msg.total_numel != self.params.numel:
-            raise ProtocolError(Outcome.BAD_SHAPE, f"total_numel {msg.total_numel} != this stage's {self.params.numel}")
-        if msg.quant != self.cfg.quantization:
-            raise ProtocolError(Outcome.MALFORMED, f"quantization {msg.quant!r}, this run uses {self.cfg.quantization!r}")
-        if msg.shard.dim() != 1 or not (0 <= msg.offset and msg.offset + msg.shard.numel() <= msg.total_numel):
-            raise ProtocolError(Outcome.BAD_SHAPE, f"slice [{msg.offset}, +{msg.shard.numel()}) outside [0, {msg.total_numel})")
-        if msg.shard.numel() > self.cfg.chunk_numel:
-            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk of {msg.shard.numel()} values > merge.chunk_numel "
-                                                   f"{self.cfg.chunk_numel}")
-        if not msg.plan_id or len(msg.plan_id) > 64:
-            raise ProtocolError(Outcome.MALFORMED, "plan_id missing or too long")
-        try:
-            x = dequantize(msg.shard, msg.scales, msg.quant, self.cfg.int8_block)
-        except ValueError as e:
-            raise ProtocolError(Outcome.BAD_DTYPE, str(e)) from None
-        if not bool(torch.isfinite(x).all()):
-            raise ProtocolError(Outcome.NON_FINITE, "dequantized slice holds NaN or inf")
-        if self.observer is not None:
-            self.observer.on_contribution_in(caller, msg, x)
-        sess = self._session(msg.epoch, msg.attempt, msg.plan_id)
-        if sess.plan is None:
-            if len(sess.raw) > 4 * 64:
-                raise ProtocolError(Outcome.BUSY, "too many early contributions")
-            sess.raw.append((caller, msg))
-        else:
-            self._accept(sess, caller, msg.shard_index, msg.chunk, msg.offset, x)
-        return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
-
-    async def _throttle(self, msg: MergePayload) -> None:
-        """Backpressure: acknowledge chunk ``c`` only once this replica has a plan for it and the shard's
-        reduced chunks are at most :data:`STREAM_WINDOW` behind (or the phase deadline passes)."""
-        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
-        if sess is None:
-            return
-        deadline = time.monotonic() + self.cfg.phase_timeout_s
-        try:
-            await asyncio.wait_for(sess.planned.wait(), timeout=self.cfg.phase_timeout_s)
-        except asyncio.TimeoutError:
-            return
-        red = sess.reduce.get(msg.shard_index)
-        while red is not None and red.reduced < msg.chunk - STREAM_WINDOW + 1 and not sess.closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            red.progress.clear()
-            try:
-                await asyncio.wait_for(red.progress.wait(), timeout=left)
-            except asyncio.TimeoutError:
-                return
-
-    def _accept(self, sess: _Session, sender: str, s: int, c: int, offset: int, x: torch.Tensor) -> None:
-        plan = sess.plan
-        if sender not in plan.participants:
-            raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} is not in plan {plan.plan_id}")
-        if not 0 <= s < plan.num_shards or s not in sess.reduce:
-            raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {s} of plan {plan.plan_id}")
-        red = sess.reduce[s]
-        if not 0 <= c < len(red.chunks) or (offset, x.numel()) != red.chunks[c]:
-            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk {c} of shard {s} is {red.chunks[c] if 0 <= c < len(red.chunks) else 'none'} "
-                                                   f"(offset, numel), got ({offset}, {x.numel()})")
-        got = red.got[sender]
-        if c < got:                                    # a resent chunk: must repeat the first one
-            prev = red.inbox.get(c, {}).get(sender)
-            if prev is not None and not torch.equal(prev, x):
-                raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} sent two different chunks {c} for shard {s}")
-            return
-        if c > got:
-            raise ProtocolError(Outcome.MALFORMED, f"chunk {c} of shard {s} before chunk {got}: chunks go in order")
-        red.inbox.setdefault(c, {})[sender] = x
-        red.got[sender] = c + 1
-        for view in host_bytes(x):
-            red.contribution_h[sender].update(view)
-        self._advance(sess, s)
-
-    def _advance(self, sess: _Session, s: int) -> None:
-        """Reduce the shard's complete chunks, in order."""
-        plan, red = sess.plan, sess.reduce[s]
-        order = plan.participants
-        while not red.done and len(red.inbox.get(red.reduced, {})) == len(order):
-            c = red.reduced
-            box = red.inbox.pop(c)
-            off, n = red.chunks[c]
-            mean = weighted_mean([(plan.weight(p), box[p]) for p in order])
-            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
-                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
-            for h, t in ((red.shard_h, new), (red.momentum_h, mom)):
-                for view in host_bytes(t):
-                    h.update(view)
-            red.means.append(mean)
-            red.reduced += 1
-        red.progress.set()
-
-    def _adopt_raw(self, sess: _Session) -> None:
-        for sender, msg in sess.raw:
-            try:
-                x = dequantize(msg.shard, msg.scales, msg.quant, self.cfg.int8_block)
-                self._accept(sess, sender, msg.shard_index, msg.chunk, msg.offset, x)
-            except (ProtocolError, ValueError) as e:
-                logger.warning(f"merge: early contribution from {sender[:10]} dropped: {e}")
-        sess.raw.clear()
-
-    async def _on_result(self, msg: MergeResultRequest, caller: str) -> MergeResult:
-        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
-        if sess is None:
-            if self._late(msg.epoch, msg.attempt):
-                raise ProtocolError(Outcome.LATE, f"merge epoch {msg.epoch} attempt {msg.attempt} is closed")
-            raise ProtocolError(Outcome.NOT_READY, f"no merge session for plan {msg.plan_id}")
-        ev = sess.ready_event(msg.shard_index)
-        try:
-            await asyncio.wait_for(ev.wait(), timeout=self.cfg.phase_timeout_s)
-        except asyncio.TimeoutError:
-            raise ProtocolError(Outcome.NOT_READY, f"shard {msg.shard_index} not reduced yet") from None
-        res = sess.results.get(msg.shard_index)
-        if res is None:
-            raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")
-        served = sess.served.get(msg.shard_index)
-        if not msg.with_tensor or served is None:
-            return res
-        if not 0 <= msg.chunk < len(served):
-            raise ProtocolError(Outcome.BAD_SHAPE, f"shard {msg.shard_index} has {len(served)} chunks, not {msg.chunk}")
-        return MergeResult(**{**res.__dict__, "chunk": msg.chunk, "mean": served[msg.chunk]})
-
-    def _on_contribution(self, msg: MergeResultRequest, caller: str) -> MergePayload:
-        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
-        key = (msg.shard_index, msg.chunk)
-        if sess is None or sess.plan is None or key not in sess.mine_wire:
-            raise ProtocolError(Outcome.NOT_READY, f"no contribution for plan {msg.plan_id} shard {msg.shard_index} "
-                                                   f"chunk {msg.chunk}")
-        if caller not in sess.plan.participants:
-            raise ProtocolError(Outcome.FORBIDDEN, "only participants of the plan may fetch contributions")
-        q, sc = sess.mine_wire[key]
-        chunks = sess.plan.chunks(msg.shard_index)
-        return MergePayload(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=msg.attempt,
-                            plan_id=msg.plan_id, shard_index=msg.shard_index, num_shards=sess.plan.num_shards,
-                            chunk=msg.chunk, num_chunks=len(chunks), offset=chunks[msg.chunk][0],
-                            total_numel=sess.plan.total_numel, weight=sess.plan.weight(self.me),
-                            quant=self.cfg.quantization, shard=q, scales=sc)
-
-    # ------------------------------------------------------------------ client side
+    # ------------------------------------------------------------------ peers
     async def _call(self, peer: str, route: str, msg: Message, rtype: type) -> Any:
         if peer == self.me:
             raise RuntimeError("no self calls")
         reply, sent, received = await self.transport.call(peer, route, msg, rtype)
         self._count(sent, received)
         return reply
-
-    async def _join(self, epoch: int, attempt: int, peers: list[str], exclude: set[str],
-                    deadline: Optional[float] = None) -> "_JoinResult":
-        """Wait for the other replicas to be ready at ``(epoch, attempt)``. A peer counts as ready for
-        this attempt only when it is at the same attempt of the same epoch with the same merged state
-        (``merged_epoch``): one still finishing the previous attempt is waited for (its phase deadline
-        is at most ``phase_timeout_s`` away); one that cannot be reached (dead, restarting, stopped)
-        is not: it pulls the merged weights when it is back. Peers found gone at an earlier boundary
-        (:class:`~iota_subnet.merge.liveness.PeerLiveness`) are probed briefly, not waited for.
-
-        Epochs are labels the replicas agree on, not clocks: a peer with the same merged state that
-        waits at a later epoch moves this replica to that epoch (``relabel``). A peer that already
-        closed this one without merging (it went on alone while this replica was away or its lane
-        was behind) is not waited for, and the next merge is labelled above the epoch it closed
-        (``closed``, :attr:`label_floor`), so two live replicas whose inner steps drifted apart find
-        a common epoch again at their next boundary. (Moving to the peer's next label at once, as
-        before, paused the lane until the join deadline for a peer a whole merge window away: with
-        inner steps of seconds, 30-40 s waits that ended alone anyway; chaos run, 2026-12-02.)
-
-        A suspect peer whose answer puts it within one inner step of this replica's boundary (its
-        lane is running the window's last step) is waited for like a trusted one: lanes paced by the
-        validator reach a boundary up to a step apart, and the short grace for suspects (a quarter of
-        the join timeout) made a replica once found gone merge alone at every later boundary, since
-        it never took part in a merge again (chaos run, 2026-12-02). So is a suspect whose inner step
-        advances while this replica waits and is at most half a window (``every_steps // 2``, at least
-        one step) behind, its last step within a grace period: its lane is training toward the
-        boundary. Lanes can reach a boundary more than a step apart (a validator restart, a
-        reroute): the first replica gave up on its peer after the grace, and the peer, arriving
-        seconds later, found the epoch closed and went alone too (18 of the 41 "alone" merges of
-        the chaos run at 832facd were the second of such a pair). A peer that does not advance (a
-        spare), or stopped advancing a grace period ago, is still given up."""
-        started = time.monotonic()
-        if deadline is None:
-            deadline = started + (self.cfg.join_timeout_s if attempt == 0
-                                  else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
-        w = self._weights([p for p in peers if p != self.me])
-        want = [p for p in peers if p != self.me and p not in exclude and w.get(p, 1.0) > 0]
-        out = _JoinResult(works={self.me: self.ready_work})
-        ready: set[str] = set()
-        closed_at: dict[str, int] = {}
-        my_step = self._inner_step()
-        near: set[str] = set()                  # answered within one inner step of this boundary
-        first_step: dict[str, int] = {}         # each peer's inner step at its first answer in this join
-        moved: dict[str, tuple[int, float]] = {}  # each peer's latest inner step and when it got there
-        behind_ok = max(1, int(self.cfg.every_steps) // 2)
-        first = True
-        while True:
-            # excluded peers are still asked once: one of them may have completed this epoch (then we are late)
-            todo = [p for p in want if p not in ready] + ([p for p in peers if p in exclude and p != self.me]
-                                                          if first else [])
-            first = False
-
-            async def ask(p: str):
-                t = self.liveness.ask_timeout(p, deadline - time.monotonic())
-                try:
-                    return p, await asyncio.wait_for(self._call(p, "/merge/join", MergeJoin(
-                        run_id=self.run_id, stage=self.stage, epoch=epoch, attempt=attempt), MergeJoin), timeout=t)
-                except Exception as e:  # noqa: BLE001 - an unreachable (or silent) peer is simply not ready
-                    return p, e
-            jump, later = -1, -1
-            for p, r in await asyncio.gather(*(ask(p) for p in todo)):
-                if isinstance(r, MergeJoin):
-                    same_state = r.in_sync and r.merged_epoch == self.merged_epoch
-                    first_step.setdefault(p, r.inner_step)
-                    if r.inner_step > moved.get(p, (r.inner_step - 1, 0.0))[0]:
-                        moved[p] = (r.inner_step, time.monotonic())
-                    # advancing: it took a step during this join, the last one within a grace period
-                    advancing = (first_step[p] < r.inner_step and my_step - behind_ok <= r.inner_step <= my_step
-                                 and time.monotonic() - moved[p][1] <= self.liveness.grace_s)
-                    if my_step >= 0 and (my_step - 1 <= r.inner_step <= my_step or advancing):
-                        near.add(p)
-                    else:
-                        near.discard(p)
-                    if r.merged_epoch > self.merged_epoch:
-                        out.ahead.append(p)       # it holds newer merged weights: this replica is late
-                    elif r.merged_epoch < self.merged_epoch or not r.in_sync:
-                        # behind: it pulls first, never mixing its old state into this merge. One at this
-                        # boundary (near) is waited for, up to the join deadline: at the boundary it finds
-                        # itself late, pulls and joins again with the merged state and its window's work
-                        # (``keep_progress``). Whether it has proposed yet does not matter, so that every
-                        # peer decides the same way. Dropping it made a replica late once late at every
-                        # boundary, its work discarded each time (chaos run at 4fbca7f: stage 2 merged
-                        # with 2 of 3 replicas all run)
-                        if p in want and p not in near:
-                            want.remove(p)
-                    elif r.ready_epoch > epoch and same_state and p not in exclude:
-                        later = max(later, r.ready_epoch)
-                    elif r.closed_epoch >= epoch and r.ready_epoch != epoch:
-                        closed_at[p] = r.closed_epoch
-                        if p in want:
-                            want.remove(p)        # it gave up on (or went past) this epoch: do not wait for it
-                    elif r.ready_epoch == epoch and same_state and p not in exclude:
-                        if r.attempt == attempt:
-                            ready.add(p)
-                            out.works[p] = float(r.work) if r.work >= 0 else 0.0
-                        elif r.attempt > attempt:
-                            jump = max(jump, r.attempt)
-                elif not isinstance(r, ProtocolError) and p in want:
-                    want.remove(p)                # unreachable (dead, restarting, stopped): do not hold the lane for it
-                    out.gone.add(p)
-            if out.ahead:
-                return out
-            if later > epoch:
-                out.relabel = later
-                return out
-            if closed_at:
-                out.closed = max(out.closed, *closed_at.values())
-            if jump > attempt and jump < self.cfg.max_attempts:
-                out.jump = jump
-                return out
-            now = time.monotonic()
-            late_peers = [p for p in want if p not in ready and p not in near
-                          and now >= self.liveness.wait_deadline(p, started)]
-            for p in late_peers:                  # a suspect that answers but is not ready: short grace only
-                want.remove(p)
-                out.not_ready.add(p)
-            if len(ready) == len(want) or now >= deadline:
-                break
-            await asyncio.sleep(0.1)
-        out.not_ready |= {p for p in want if p not in ready}
-        out.participants = sorted(ready | {self.me})
-        out.works = {p: out.works[p] for p in out.participants}
-        out.gone -= ready
-        return out
 
     def _weights(self, participants: list[str]) -> dict[str, float]:
         if self.weights_fn is None:
@@ -810,196 +346,6 @@ class MergeEngine:
                     if asyncio.iscoroutine(res):
                         await res
 
-    async def _allreduce(self, plan: MergePlan, rep: MergeReport) -> tuple[bool, list[str], str]:
-        """One attempt. Returns (applied, replicas to exclude next time, reason)."""
-        sess = self._session(plan.epoch, plan.attempt, plan.plan_id)
-        current = await asyncio.to_thread(self.params.read)        # host float32 [P]
-        delta = self.anchor - current
-        carry = current if self.cfg.overlap else None              # the overlapped apply adds progress since now
-        del current
-        quant, block = self.cfg.quantization, self.cfg.int8_block
-        mine = plan.shards_of(self.me)
-        sess.plan = plan                                           # from here contributions are accepted
-        for s in mine:
-            sess.reduce[s] = _ShardReduce(plan.chunks(s), plan.participants)
-        for s in range(plan.num_shards):
-            parts = []
-            for c, (off, n) in enumerate(plan.chunks(s)):
-                q, sc = quantize(delta[off:off + n], quant, block)
-                parts.append(dequantize(q, sc, quant, block))
-                sess.mine_wire[(s, c)] = (q, sc)
-            sess.mine[s] = parts
-        claims: dict[int, dict] = {}
-        if self.observer is not None:                              # signed contribution claims (merge/claims.py)
-            claims = await asyncio.to_thread(self.observer.on_contributions, plan,
-                                             {s: torch.cat(parts) for s, parts in sess.mine.items()}, [])
-        sess.planned.set()
-        self._adopt_raw(sess)
-        for s in mine:
-            for c, x in enumerate(sess.mine[s]):
-                self._accept(sess, self.me, s, c, plan.chunks(s)[c][0], x)
-
-        async def stream(r: str, s: int):
-            """Chunks of my slice of shard ``s`` to reducer ``r``, in order, one at a time."""
-            chunks = plan.chunks(s)
-            try:
-                for c, (off, _) in enumerate(chunks):
-                    q, sc = sess.mine_wire[(s, c)]
-                    await self._call(r, "/merge/contribute", MergePayload(
-                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
-                        plan_id=plan.plan_id, shard_index=s, num_shards=plan.num_shards, chunk=c,
-                        num_chunks=len(chunks), offset=off, total_numel=plan.total_numel,
-                        weight=plan.weight(self.me), quant=quant, shard=q, scales=sc,
-                        info={"claim": claims[s]} if s in claims else {}), MergeAck)
-                return None
-            except Exception as e:  # noqa: BLE001 - a refusal or an unreachable peer
-                return r, e
-        streams = [(r, s) for s in range(plan.num_shards) for r in dict.fromkeys(plan.reducers[s]) if r != self.me]
-        reducers = asyncio.gather(*(self._reduce(sess, s) for s in mine))
-        send_res = await asyncio.gather(*(stream(r, s) for r, s in streams))
-        unreachable: set[str] = set()
-        late = False
-        for item in send_res:
-            if item is None:
-                continue
-            r, e = item
-            if isinstance(e, ProtocolError) and e.outcome == Outcome.LATE:
-                late = True
-            else:
-                unreachable.add(r)
-            logger.warning(f"merge: contribution to {r[:10]} failed: {e}")
-        await reducers
-        if late:
-            return False, [], "a reducer refused as LATE (it merged or closed this attempt)"
-
-        # gather + verify, applying the outer step chunk by chunk into the new anchor and momentum
-        new_anchor = torch.empty_like(self.anchor)
-        new_momentum = torch.empty_like(self.momentum)
-        done: set[int] = set()
-        missing: set[str] = set(unreachable)
-        reasons: list[str] = []
-
-        def apply_chunk(off: int, mean: torch.Tensor) -> None:
-            n = mean.numel()
-            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
-                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
-            new_anchor[off:off + n] = new
-            new_momentum[off:off + n] = mom
-
-        async def result(r: str, s: int, c: int, with_tensor: bool) -> Any:
-            try:
-                return await self._call(r, "/merge/result", MergeResultRequest(
-                    run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt, plan_id=plan.plan_id,
-                    shard_index=s, chunk=c, with_tensor=with_tensor), MergeResult)
-            except Exception as e:  # noqa: BLE001
-                return e
-
-        async def gather_one(s: int) -> None:
-            a, b = plan.reducers[s]
-            chunks = plan.chunks(s)
-            claims: dict[str, MergeResult] = {}
-            got: dict[str, Any] = {}
-            served_h = hashlib.sha256()
-            chunks_ok = True
-            if self.me in (a, b):
-                mine_res = sess.results.get(s)
-                if mine_res is None or mine_res.status != "ok":
-                    missing.update(mine_res.missing if mine_res is not None else [])
-                    reasons.append(f"shard {s}: incomplete here")
-                    return
-                claims[self.me] = mine_res
-                prim = self.me
-                other = [r for r in (a, b) if r != self.me]
-                if other:
-                    got[other[0]] = await result(other[0], s, 0, False)
-                for (off, _), mean in zip(chunks, sess.honest[s]):
-                    apply_chunk(off, mean)
-                served_digest = mine_res.mean_sha256
-            else:
-                prim = plan.primary_for(self.me, s)
-                sec = b if prim == a else a
-                first, got[sec] = await asyncio.gather(result(prim, s, 0, True), result(sec, s, 0, False))
-                got[prim] = first
-                served_digest = None
-                if isinstance(first, MergeResult) and first.status == "ok":
-                    hashes = list(first.chunk_sha256)
-                    chunks_ok = len(hashes) == len(chunks)
-                    reply = first
-                    for c, (off, n) in enumerate(chunks):
-                        if c:
-                            reply = await result(prim, s, c, True)
-                            if not isinstance(reply, MergeResult):
-                                got[prim] = reply           # unreachable mid-way
-                                break
-                        m = reply.mean
-                        if m is None or m.dtype != torch.float32 or m.numel() != n:
-                            chunks_ok = False
-                            break
-                        for view in host_bytes(m):
-                            served_h.update(view)
-                        if not chunks_ok or tensor_sha256(m) != hashes[c]:
-                            chunks_ok = False
-                            continue                    # keep hashing what it serves (evidence), apply nothing
-                        apply_chunk(off, m)
-                    else:
-                        served_digest = served_h.hexdigest()
-            for r, res in got.items():
-                if isinstance(res, MergeResult):
-                    if res.status != "ok":
-                        missing.update(res.missing)
-                        reasons.append(f"shard {s}: {r[:10]} incomplete")
-                        return
-                    claims[r] = res
-                else:
-                    missing.add(r)
-                    reasons.append(f"shard {s}: {r[:10]} unreachable ({type(res).__name__})")
-                    return
-            hashes = {r: c.mean_sha256 for r, c in claims.items()}
-            agree = len(set(hashes.values())) == 1 and len({(tuple(c.contributors), tuple(c.weights))
-                                                             for c in claims.values()}) == 1
-            if agree and chunks_ok and served_digest == next(iter(hashes.values())):
-                done.add(s)
-                return
-            # mismatch: recompute as a third party from every participant's chunks
-            recomputed = await self._recompute(plan, sess, s)
-            if recomputed is None:
-                missing.update(r for r in (a, b) if r != self.me)
-                reasons.append(f"shard {s}: mismatch and contributions unavailable")
-                return
-            digest = sha256_of(recomputed)
-            served = {} if prim == self.me else {prim: served_digest or served_h.hexdigest()}
-            wrong = sorted(r for r in (a, b) if hashes.get(r) != digest or served.get(r, digest) != digest)
-            ev = {"epoch": plan.epoch, "attempt": plan.attempt, "plan_id": plan.plan_id, "shard": s,
-                  "reducers": [a, b], "claimed_sha256": hashes, "served_sha256": served, "recomputed_sha256": digest,
-                  "wrong": wrong, "reporter": self.me, "stage": self.stage, "run_id": self.run_id,
-                  "contribution_sha256": {r: dict(zip(c.contributors, c.contribution_sha256)) for r, c in claims.items()},
-                  "results": {r: dict(c.info) for r, c in claims.items() if c.info},   # reducers' signed claims
-                  "time": time.time()}
-            self.reports.append(ev)
-            rep.mismatches.append(ev)
-            logger.warning(f"merge epoch {plan.epoch} shard {s}: reducers disagree; recomputed, wrong: "
-                           f"{[w[:10] for w in wrong]}")
-            for (off, _), mean in zip(chunks, recomputed):
-                apply_chunk(off, mean)
-            done.add(s)
-
-        prog = Progress(4 * sum(plan.bounds[s][1] for s in range(plan.num_shards)), f"merge epoch {plan.epoch}: "
-                        "gather", "B", unit_scale=True, min_total=64 << 20)
-
-        async def gather_counted(s: int) -> None:
-            await gather_one(s)
-            prog.update(4 * plan.bounds[s][1])
-        with prog:
-            await asyncio.gather(*(gather_counted(s) for s in range(plan.num_shards)))
-        if len(done) != plan.num_shards:
-            return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
-
-        # all or nothing: one write under the worker lock
-        await asyncio.to_thread(self.params.write, new_anchor, carry)
-        self.anchor, self.momentum, self.merged_epoch = new_anchor, new_momentum, plan.epoch
-        rep.weights_sha256 = tensor_sha256(new_anchor)
-        return True, [], ""
-
     async def _reduce(self, sess: _Session, s: int) -> None:
         """Wait until shard ``s`` is reduced (chunks are reduced as they arrive, see :meth:`_advance`)
         or the phase deadline passes, then publish the result."""
@@ -1034,27 +380,3 @@ class MergeEngine:
                 await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0],
                                         plan.chunk_numel)
         sess.ready_event(s).set()
-
-    async def _recompute(self, plan: MergePlan, sess: _Session, s: int) -> Optional[list[torch.Tensor]]:
-        """Third-party check: fetch shard ``s`` of every participant's pseudo-gradient chunk by chunk and
-        recompute the mean (a list of chunks), or None when a participant cannot provide its chunks."""
-        out = []
-        for c, (off, n) in enumerate(plan.chunks(s)):
-            slices: dict[str, torch.Tensor] = {self.me: sess.mine[s][c]}
-
-            async def get(p: str):
-                try:
-                    m = await self._call(p, "/merge/contribution", MergeResultRequest(
-                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
-                        plan_id=plan.plan_id, shard_index=s, chunk=c), MergePayload)
-                    x = dequantize(m.shard, m.scales, m.quant, self.cfg.int8_block)
-                    if m.quant != self.cfg.quantization or (m.offset, x.numel()) != (off, n):
-                        return
-                    slices[p] = x
-                except Exception as e:  # noqa: BLE001
-                    logger.debug(f"merge: contribution fetch from {p[:10]} failed: {e}")
-            await asyncio.gather(*(get(p) for p in plan.participants if p != self.me))
-            if len(slices) != len(plan.participants):
-                return None
-            out.append(weighted_mean([(plan.weight(p), slices[p]) for p in plan.participants]))
-        return out

@@ -11,8 +11,10 @@ merge never blocks it (the snapshot is swapped by reference when a merge is appl
 serves at most ``max_concurrent`` chunk requests at once; more get ``BUSY`` (503).
 
 Joiner side (:func:`sync_state`): describe the snapshot at every peer, pick the newest one
-(highest ``merged_epoch``) and its donors, fetch chunks from all of them at once (one request per
-donor at a time), verify each chunk's hash, store it atomically under ``work_dir`` (so an
+(highest ``merged_epoch``) and its donors, fetch chunks from all of them at once with up to
+``window`` requests in flight (spread over the donors, each asked for at most the
+``max_concurrent`` its description states: with one request per donor at a time the link idles one
+round trip per chunk), verify each chunk's hash, store it atomically under ``work_dir`` (so an
 interrupted sync resumes), replace a donor that fails or lies by the others, back off (exponential,
 with jitter) from a donor that refuses for now and ask the others for the chunks it keeps refusing,
 follow a donor to its newer snapshot, and only when every chunk is there and the whole hash matches
@@ -127,8 +129,9 @@ class SnapshotDonor:
         man = await self.manifest()
         if self.parts is not parts:          # replaced while hashing: describe the new one
             return await self.handle(msg, caller, on_sent)
-        if not msg.snapshot_id:
-            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"], manifest=man)
+        if not msg.snapshot_id:             # the description also says how many chunk requests it serves at once
+            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"],
+                              manifest={**man, "max_concurrent": self.max_concurrent})
         if msg.snapshot_id != man["snapshot_id"]:
             raise ProtocolError(Outcome.LATE, f"snapshot {msg.snapshot_id} replaced by {man['snapshot_id']}")
         total = man["total_numel"]
@@ -169,7 +172,7 @@ class _Replaced(Exception):
 
 async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: int, param_numel: int,
                      work_dir: str | Path, min_epoch: int = -1, busy_retry_s: float = 0.2, max_backoff_s: float = 5.0,
-                     chunk_tries: int = 3, max_snapshots: int = 3, max_rounds: int = 200,
+                     chunk_tries: int = 3, max_snapshots: int = 3, max_rounds: int = 200, window: int = 8,
                      seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Fetch the newest snapshot from ``peers`` (hotkeys) through ``transport`` (``call(peer, route,
     msg, type)``). Returns ``(anchor [P], momentum [P], manifest)``; raises :class:`SyncError` (its
@@ -179,7 +182,12 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
     exponential backoff with jitter (``busy_retry_s`` doubling up to ``max_backoff_s``); a chunk it has
     refused ``chunk_tries`` times is asked from the other donors only; a donor that fails or lies is
     dropped; at most ``max_rounds`` refusals per donor. A donor that has replaced the snapshot (LATE)
-    sends the joiner back to describe the newest one (at most ``max_snapshots`` snapshots)."""
+    sends the joiner back to describe the newest one (at most ``max_snapshots`` snapshots).
+
+    ``window``: chunk requests in flight at once over all donors (each donor at most its stated
+    ``max_concurrent``; 1 for a donor that states none). To keep the joiner's link busy it should
+    cover the bandwidth-delay product: ``window x chunk bytes >= rate x round trip`` (4 MB chunks at
+    100 Mbit/s and 100 ms: 2). The manifest's ``sync`` entry counts donors, requests, refusals and bytes."""
     rng = random.Random(seed)
     tried: list[str] = []
     for _ in range(max(1, max_snapshots)):
@@ -187,7 +195,7 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
             return await _sync_snapshot(peers, transport, run_id=run_id, stage=stage, param_numel=param_numel,
                                         work_dir=work_dir, min_epoch=min_epoch, busy_retry_s=busy_retry_s,
                                         max_backoff_s=max_backoff_s, chunk_tries=chunk_tries, max_rounds=max_rounds,
-                                        rng=rng, tried=tried)
+                                        window=max(1, int(window)), rng=rng, tried=tried)
         except _Replaced as e:
             logger.info(f"state sync: {e}; fetching the newer snapshot")
     raise SyncError(f"the snapshot was replaced {len(tried)} times while syncing ({tried}); try again later")
@@ -195,7 +203,7 @@ async def sync_state(peers: list[str], transport: Any, *, run_id: str, stage: in
 
 async def _sync_snapshot(peers: list[str], transport: Any, *, run_id: str, stage: int, param_numel: int,
                          work_dir: str | Path, min_epoch: int, busy_retry_s: float, max_backoff_s: float,
-                         chunk_tries: int, max_rounds: int, rng: random.Random, tried: list[str]
+                         chunk_tries: int, max_rounds: int, window: int, rng: random.Random, tried: list[str]
                          ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     async def describe(p: str):
         try:
@@ -233,10 +241,17 @@ async def _sync_snapshot(peers: list[str], transport: Any, *, run_id: str, stage
     refusals: dict[tuple[int, str], int] = {}            # (chunk, donor) -> times refused
     rounds: dict[str, int] = {}
     alive = list(donors)
+    # chunk requests a donor serves at once (it says so; one for a donor that does not)
+    caps = {p: max(1, int(valid[p].get("max_concurrent", 1) or 1)) for p in donors}
+    delay = {p: busy_retry_s for p in donors}           # its next backoff
+    resume_at = {p: 0.0 for p in donors}                 # loop time before which it is not asked
+    inflight: dict[asyncio.Task, tuple[str, int, int]] = {}     # task -> (donor, chunk, numel)
+    busy_with = {p: 0 for p in donors}
     stats = {"donors": list(donors), "dropped": [], "chunks": len(hashes), "resumed": resumed, "busy": 0,
-             "requests": 0}
+             "requests": 0, "bytes": 0, "window": window}
     prog = Progress(4 * total, f"state sync stage {stage}", "B", initial=4 * sum(t.numel() for t in have.values()),
                     unit_scale=True, min_total=64 << 20)
+    loop = asyncio.get_running_loop()
 
     def drop(p: str, why: str) -> None:
         if p in alive:
@@ -244,50 +259,84 @@ async def _sync_snapshot(peers: list[str], transport: Any, *, run_id: str, stage
             stats["dropped"].append(p)
             logger.warning(f"state sync: donor {p[:10]} {why}; replaced by the others")
 
-    def workable(p: str) -> list[int]:
-        return sorted(i for i in pending if refusals.get((i, p), 0) < chunk_tries)
+    def next_chunk(p: str) -> Optional[int]:
+        return min((i for i in pending if refusals.get((i, p), 0) < chunk_tries), default=None)
 
-    async def worker(p: str) -> None:
-        delay = busy_retry_s
-        while p in alive:
-            cands = workable(p)
-            if not cands:
+    async def fetch(p: str, i: int, n: int) -> torch.Tensor:
+        r, _, _ = await transport.call(p, "/state/chunk", StateChunkRequest(
+            run_id=run_id, stage=stage, snapshot_id=sid, offset=i * cn, numel=n), StateChunk)
+
+        def check_and_store() -> torch.Tensor:          # off the event loop: hashing 4 MB takes ~10 ms
+            d = r.data
+            if d is None or d.dtype != torch.float32 or d.numel() != n or tensor_sha256(d) != hashes[i]:
+                raise SyncError(f"chunk {i} from {p[:10]} does not match the manifest")
+            d = d.detach().to("cpu").contiguous()
+            atomic_write_bytes(wd / f"chunk{i:06d}.bin", b"".join(host_bytes(d)))
+            return d
+        return await asyncio.to_thread(check_and_store)
+
+    def fill() -> None:
+        """Ask donors (in turn, each up to its cap, none in backoff) until ``window`` requests are out."""
+        while len(inflight) < window:
+            now = loop.time()
+            ready = [p for p in alive if busy_with[p] < caps[p] and resume_at[p] <= now and next_chunk(p) is not None]
+            if not ready:
                 return
-            i = cands[0]
+            p = min(ready, key=lambda q: (busy_with[q], alive.index(q)))
+            i = next_chunk(p)
             pending.discard(i)
-            off = i * cn
-            n = min(cn, total - off)
+            n = min(cn, total - i * cn)
             stats["requests"] += 1
-            try:
-                r, _, _ = await transport.call(p, "/state/chunk", StateChunkRequest(
-                    run_id=run_id, stage=stage, snapshot_id=sid, offset=off, numel=n), StateChunk)
-                d = r.data
-                if d is None or d.dtype != torch.float32 or d.numel() != n or tensor_sha256(d) != hashes[i]:
-                    raise SyncError(f"chunk {i} from {p[:10]} does not match the manifest")
-                d = d.detach().to("cpu").contiguous()
-                await asyncio.to_thread(atomic_write_bytes, wd / f"chunk{i:06d}.bin", b"".join(host_bytes(d)))
-                have[i] = d
-                prog.update(4 * n)
-                delay = busy_retry_s
-            except ProtocolError as e:
-                pending.add(i)
-                if e.outcome == Outcome.LATE:
-                    raise _Replaced(f"donor {p[:10]} replaced snapshot {sid}: {e}") from None
-                if e.outcome.retryable and rounds.get(p, 0) < max_rounds:
-                    stats["busy"] += 1
-                    rounds[p] = rounds.get(p, 0) + 1
-                    refusals[(i, p)] = refusals.get((i, p), 0) + 1
-                    await asyncio.sleep(delay * (0.5 + rng.random()))      # jitter: joiners do not retry in step
-                    delay = min(max_backoff_s, 2 * delay)
-                    continue
-                drop(p, f"refused ({e})")
-            except Exception as e:  # noqa: BLE001 - a dead or lying donor is replaced, never fatal
-                pending.add(i)
-                drop(p, f"failed ({type(e).__name__}: {e})")
+            busy_with[p] += 1
+            inflight[asyncio.ensure_future(fetch(p, i, n))] = (p, i, n)
 
-    with prog:
-        while pending and any(workable(p) for p in alive):
-            await asyncio.gather(*(worker(p) for p in list(alive)))
+    def settle(task: asyncio.Task) -> None:
+        p, i, n = inflight.pop(task)
+        busy_with[p] -= 1
+        e = task.exception()
+        if e is None:
+            have[i] = task.result()
+            stats["bytes"] += 4 * n
+            prog.update(4 * n)
+            delay[p] = busy_retry_s
+            return
+        pending.add(i)
+        if isinstance(e, ProtocolError):
+            if e.outcome == Outcome.LATE:
+                raise _Replaced(f"donor {p[:10]} replaced snapshot {sid}: {e}")
+            if e.outcome.retryable and rounds.get(p, 0) < max_rounds:
+                stats["busy"] += 1
+                rounds[p] = rounds.get(p, 0) + 1
+                refusals[(i, p)] = refusals.get((i, p), 0) + 1
+                # jitter: joiners do not retry in step
+                resume_at[p] = max(resume_at[p], loop.time() + delay[p] * (0.5 + rng.random()))
+                delay[p] = min(max_backoff_s, 2 * delay[p])
+                return
+            drop(p, f"refused ({e})")
+            return
+        # a dead or lying donor is replaced, never fatal
+        drop(p, f"failed ({type(e).__name__}: {e})")
+
+    try:
+        with prog:
+            while True:
+                fill()
+                if not inflight:
+                    waiting = [resume_at[p] for p in alive if next_chunk(p) is not None]
+                    if not pending or not waiting:
+                        break
+                    await asyncio.sleep(max(0.0, min(waiting) - loop.time()))
+                    continue
+                backoff = [resume_at[p] for p in alive if resume_at[p] > loop.time() and busy_with[p] < caps[p]]
+                timeout = max(0.0, min(backoff) - loop.time()) if backoff else None
+                done, _ = await asyncio.wait(list(inflight), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    settle(task)
+    finally:
+        for task in inflight:                 # replaced snapshot or cancelled: no request outlives the sync
+            task.cancel()
+        if inflight:
+            await asyncio.gather(*inflight, return_exceptions=True)
     if len(have) != len(hashes):
         missing = sorted(set(range(len(hashes))) - set(have))
         raise SyncError(f"snapshot {sid}: chunks {missing[:20]}{' ...' if len(missing) > 20 else ''} "

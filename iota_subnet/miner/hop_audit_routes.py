@@ -24,8 +24,8 @@ validator opens a new one: a validator audits a miner's hops one at a time
 (:class:`iota_subnet.validator.auditing.AuditScheduler`), so a new round 1 from it means it gave up
 on its older sessions (it timed out on them); a trace still running for a request it has since
 superseded is discarded when it ends. Without that, the sessions a validator abandoned on a slow
-(paused, overloaded) miner filled its slots for two minutes and the miner's next answers were
-``BUSY`` refusals, counted against it (issue 13's churn runs flagged six honest miners so). The
+(paused, overloaded) miner would fill its slots for two minutes and the miner's next answers would
+be ``BUSY`` refusals, counted against it as unanswered audits (enough to flag an honest miner). The
 trace runs on a worker thread, never on the stage's compute thread: audits do not wait for
 training and training does not wait for audits (they share the CPU).
 Memory: the trace of an open session (tiny: 63-177 MB; ``docs/hop-audit.md``).

@@ -1,4 +1,4 @@
-"""Miner side of hop audits (issue 10, items 1 and 3): what a miner keeps of its hops for the audit
+"""Miner side of hop audits: what a miner keeps of its hops for the audit
 window, and the weights versions those hops used.
 
 Weights versions

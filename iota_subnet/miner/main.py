@@ -57,7 +57,7 @@ def add_emulation_args(p: argparse.ArgumentParser) -> None:
     from iota_subnet.neuron_common import positive_float
     e = p.add_argument_group("emulation (measures the system, trains nothing)")
     e.add_argument("--emulate-gpu", default=None, metavar="GPU",
-                   help="EMULATION: a100 | h100 | 4090 | a peak in FLOP/s; compute takes the time the stage would "
+                   help="EMULATION: a100 | h100 | h200 | 4090 | a peak in FLOP/s; compute takes the time the stage would "
                         "take on that device (no real weights, nothing learns), in-flight micro-batches bounded by "
                         "its memory (iota-subnet plan)")
     e.add_argument("--mfu", type=positive_float, default=DEFAULT_MFU,

@@ -57,7 +57,7 @@ from iota_subnet.protocol import (Health, MergeAuditRequest, MergeEvidence, Merg
                                   MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
                                   StateResponse, UpdateAuditRequest, merge_payload_contract)
 from iota_subnet.dashboard import DashboardServer, MinerSource
-from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.protocol.commitment import (MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError,
                                              merge_weights_from_commitments)
@@ -200,6 +200,7 @@ class MinerService:
         # merging (set up in start() when the run merges replicas; see _setup_merge)
         self.merge: Optional[MergeEngine] = None
         self.donor: Optional[SnapshotDonor] = None
+        self.sync_report: Optional[dict] = None   # the latest state sync (status.json merge.sync)
         self.claims: Optional[MergeClaims] = None
         self.accuser: Any = None            # the ``accuse`` adversary's forger (cheater suite only)
         self.merge_client: Optional[NeuronClient] = None
@@ -511,12 +512,12 @@ class MinerService:
             return
         try:
             tensors, meta = read_checkpoint(p)
-            # files written before 2026-12-02 (11:00) hold the step of the save, not of the merge
+            # the inner step the merged weights were set at (files of older versions hold the save's step)
             merged_at = int(meta.get("anchor_step", 0))
             # the merged weights are the newest it has without a checkpoint, or with one older than the
             # merge (checkpoints come every checkpoint_every steps, merges every H: a replica killed at
-            # step 23 resumed its step-10 checkpoint beside the merged state of step 20, trained on those
-            # stale weights as "in sync", and its lane's loss went from 6.7 back to 8.0 in a chaos run)
+            # step 23 with a step-10 checkpoint and the merged state of step 20 resumes the merged
+            # weights; training on the stale step-10 weights as "in sync" would set its lane back)
             # (>=: a checkpoint due at the boundary step is taken while the lane waits at the merge
             # gate, before the merge applies; the merge state of that step holds the merged weights)
             own = not self.resumed_from_checkpoint or merged_at >= self.worker.inner_step
@@ -565,14 +566,21 @@ class MinerService:
         ``keep_progress``: keep this replica's progress since its old anchor on top of the pulled one
         (:meth:`~iota_subnet.merge.engine.MergeEngine.set_state`; a replica late to a merge)."""
         was_in_sync, self.merge.in_sync = self.merge.in_sync, False
+        # status.json's merge.sync: how the state sync goes; missing_chunks names the chunks of the last
+        # failed attempt that no donor delivered
+        self.sync_report = {"state": "syncing", "attempt": 1, "missing_chunks": [], "error": None}
         try:
             for attempt in range(3):
                 try:
                     anchor, mom, man = await sync_state(self._peers(), self.merge.transport, run_id=self.run_id,
                                                         stage=self.stage, param_numel=self.merge.params.numel,
-                                                        work_dir=self.out / "sync", min_epoch=min_epoch)
+                                                        work_dir=self.out / "sync", min_epoch=min_epoch,
+                                                        window=self.cfg.merge.sync_window)
                 except SyncError as e:
                     logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
+                    self.sync_report = {"state": "syncing" if attempt < 2 else "failed", "attempt": attempt + 1,
+                                        "missing_chunks": list(e.missing), "error": str(e)}
+                    self.write_status()
                     await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
                     continue
 
@@ -581,8 +589,8 @@ class MinerService:
                         self.merge.set_state(anchor, mom, man["merged_epoch"], keep_progress=keep_progress)
                         # no lane drives it yet: start at the donors' inner step (in a lane, the lane's step
                         # stays). Not (merged_epoch + 1) x H: epochs are labels the replicas agree on and run
-                        # ahead of the steps under churn (a joiner came up at inner step 65 while the lanes
-                        # were at 41-52, and the validator then counted its lane's steps 51-64 as done)
+                        # ahead of the steps under churn (a joiner could come up at inner step 65 while the
+                        # lanes are at 41-52, and the validator would count its lane's steps 51-64 done)
                         if self.worker.auto_step:
                             self.worker.inner_step = max(self.worker.inner_step, int(man.get("step", 0)))
                         self.worker.opt.zero_grad(set_to_none=True)
@@ -597,6 +605,8 @@ class MinerService:
                 await asyncio.get_running_loop().run_in_executor(None, self._save_merge_state)
                 logger.info(f"stage {self.stage}: synced merged state of epoch {man['merged_epoch']} from "
                             f"{len(man['sync']['donors'])} peers ({man['sync']})")
+                self.sync_report = {"state": "synced", "attempt": attempt + 1, "missing_chunks": [], "error": None,
+                                    "merged_epoch": man["merged_epoch"]}
                 return True
             return False
         finally:
@@ -614,16 +624,16 @@ class MinerService:
         boundary = (epoch + 1) * H
         if jumped_from < boundary < jumped_to or (jumped_to == boundary and boundary - jumped_from > H // 2):
             # it jumped to its lane's step past this boundary (restarted behind the lane, or a lane step
-            # went past it): its peers merged that epoch without it. Proposing one here made it ready
-            # for a *later* epoch (labels never repeat) at once, pausing its lane until the peers got
-            # there: 26-30 s stalls of both lanes in the localnet test after a SIGKILL. The next
+            # went past it): its peers merged that epoch without it. Proposing one here would make it
+            # ready for a *later* epoch (labels never repeat) at once, pausing its lane until the peers
+            # get there (26-30 s stalls of both lanes in a localnet after a SIGKILL). The next
             # boundary it trains to merges as usual (a peer holding newer merged weights then says
             # so, and it pulls them). A short jump that lands *on* the boundary (it trained at least
             # half the window and missed its last steps, e.g. a slow link) merges now: its peers are
-            # at this boundary too, and skipping it left the replica unmerged, merging alone, then
-            # pulling (chaos run, 2026-12-02). A long one does not: a replica restarted from an old
-            # checkpoint and jumped 8 steps onto the boundary held its peer 30 s in a failed attempt
-            # (plan mismatch) in the localnet killed-miner test. Either way the epoch is closed here,
+            # at this boundary too, and skipping it would leave the replica unmerged, merging alone,
+            # then pulling. A long one does not: a replica restarted from an old checkpoint that jumps
+            # 8 steps onto the boundary may see other merge weights than its peer right after the
+            # restart and hold it 30 s in a failed attempt (plan mismatch). Either way the epoch is closed here,
             # so peers at that boundary do not wait for this replica.
             logger.info(f"stage {self.stage}: jumped from inner step {jumped_from} to {jumped_to} over the merge "
                         f"boundary of epoch {epoch} (step {boundary}); merging again at the next boundary")
@@ -655,9 +665,9 @@ class MinerService:
         epoch ``rep.epoch``). Pull the merged state; keep this replica's progress since its anchor when
         that spans at most two merge windows and training goes on (never at the last step: replicas
         end bit-identical), and join ``rep.epoch`` again when the peers have not merged it yet (they
-        wait for a replica at their boundary while it pulls: :meth:`MergeEngine._join`). Before,
-        the progress was dropped and the replica, one merged epoch behind at every later boundary,
-        was late again each time (chaos run at 4fbca7f). Otherwise the epoch is closed here (peers
+        wait for a replica at their boundary while it pulls: :meth:`MergeEngine._join`). Were
+        the progress dropped, the replica would stay one merged epoch behind at every later boundary,
+        late again each time. Otherwise the epoch is closed here (peers
         stop waiting). Returns the report of the epoch's last merge."""
         H = self.cfg.merge.every_steps
         span = self.worker.inner_step - self.anchor_step      # since its last merge or pull
@@ -830,6 +840,7 @@ class MinerService:
         if self.merge is not None:
             d["merge"] = self.merge.status()
             d["merge"]["mismatch_evidence"] = self.merge.reports[-10:]
+            d["merge"]["sync"] = self.sync_report
         return d
 
     def write_status(self) -> None:

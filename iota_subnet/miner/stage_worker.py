@@ -41,6 +41,7 @@ from iota_subnet.train.checkpoint import (checkpoint_bytes, config_fingerprint, 
                                           restore, save_checkpoint)
 from iota_subnet.train.colocated import autocast_ctx
 from iota_subnet.train.optim import make_optimizer, next_adam_step, set_lr, update_lr
+from iota_subnet.train.precision import prepare_device
 from iota_subnet.train.snapshot import StateSnapshot
 from iota_subnet.utils.device import DeviceIO
 
@@ -61,7 +62,7 @@ class StageWorker:
                  total_steps: Optional[int] = None, cache: Optional[ActivationCache] = None,
                  audit_window: int = 0):
         self.cfg, self.stage = cfg, stage
-        self.device = torch.device(device)
+        self.device = prepare_device(device, cfg)      # TF32 by train.precision on CUDA
         torch.manual_seed(seed + 1000 * stage)       # same init as build_stages(cfg, seed)
         self.module = PipelineStage(cfg.model, cfg.pipeline, stage,
                                     checkpointing=cfg.train.activation_checkpointing).to(self.device)
@@ -259,7 +260,7 @@ class StageWorker:
                     # say so in an update commitment (skipped, weights unchanged) of the last inner step
                     # jumped over: validators flag a weights root that stays the same over inner steps
                     # nothing explains (the ``stale`` cheat); a lane that skips one step at a time
-                    # under churn looked exactly like that
+                    # under churn looks exactly like that
                     pending = self.updates.begin(int(step) - 1, self.merges)
                     self.updates.finish(pending, lr=0.0, grad_norm=0.0, clip_coef=0.0, skipped=True)
                 self.last_skip = (self.inner_step, int(step))

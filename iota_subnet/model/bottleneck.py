@@ -29,32 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig
+from iota_subnet.config import ModelConfig
 from iota_subnet.model.llama import RMSNorm
-
-
-def bottleneck_dims(cfg: ModelConfig, pcfg: PipelineConfig) -> tuple[int, int]:
-    """(b, r): wire width and identity rank at every boundary. ``b == d`` when the bottleneck is off.
-
-    Raises ConfigError when d / compression_ratio is not a whole number >= 2, or r is out of [0, b].
-    """
-    d, ratio = cfg.dim, int(pcfg.compression_ratio)
-    if ratio < 1:
-        raise ConfigError(f"pipeline.compression_ratio={ratio} must be >= 1 (1 = no bottleneck)")
-    if ratio == 1:
-        return d, d
-    if d % ratio:
-        divisors = [k for k in (2, 4, 8, 16, 32, 64, 128, 256) if d % k == 0 and d // k >= 2]
-        raise ConfigError(
-            f"pipeline.compression_ratio={ratio} does not divide model width d={d}; "
-            f"choose one of {divisors}")
-    b = d // ratio
-    if b < 2:
-        raise ConfigError(f"pipeline.compression_ratio={ratio} leaves a bottleneck width of {b} (< 2); use at most {d // 2}")
-    r = pcfg.identity_rank if pcfg.identity_rank is not None else b // 2
-    if not 0 <= r <= b:
-        raise ConfigError(f"pipeline.identity_rank={r} must lie in [0, b={b}]")
-    return b, r
 
 
 class BottleneckEncoder(nn.Module):

@@ -24,14 +24,27 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from loguru import logger
 
-from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
-from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder, bottleneck_dims
+from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, bottleneck_dims, split_layers
+from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder
 from iota_subnet.model.llama import Block, RMSNorm, block_flops_per_token, init_weights, rope_cos_sin
 
 
 #: The tail computes the LM head and cross-entropy over at most this many bytes of fp32 logits at a
 #: time (the whole [rows x T, vocab] logits of an ``8b`` tail are ~1 GB per 2,048-token row).
 CE_CHUNK_BYTES = 256 << 20
+
+
+def ce_chunk_tokens(vocab_size: int, chunk_bytes: Optional[int] = None) -> int:
+    """Tokens per chunk of :func:`lm_head_cross_entropy` (at least 1): ``chunk_bytes`` (default
+    :data:`CE_CHUNK_BYTES`) of fp32 logits."""
+    return max(1, int(CE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * vocab_size))
+
+
+def lm_head_recomputed(tokens: int, vocab_size: int, chunk_bytes: Optional[int] = None) -> bool:
+    """Whether a training forward over ``tokens`` tokens (rows x T) at the tail runs the LM head a
+    second time in its backward: :func:`lm_head_cross_entropy` checkpoints its chunks when the logits
+    take more than one chunk (2 x d x V FLOPs per token more), whatever ``activation_checkpointing`` says."""
+    return tokens > ce_chunk_tokens(vocab_size, chunk_bytes)
 
 
 def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Tensor,
@@ -45,7 +58,7 @@ def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Te
     d, V = h.shape[-1], lm_head.out_features
     hf, tf = h.reshape(-1, d), targets.reshape(-1)
     n = hf.shape[0]
-    chunk = max(1, int(chunk_bytes) // (4 * V))
+    chunk = ce_chunk_tokens(V, chunk_bytes)
     if n <= chunk:
         return F.cross_entropy(lm_head(hf).float(), tf)
 
@@ -58,33 +71,6 @@ def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Te
                 else ce_sum(hc, tc))
         total = part if total is None else total + part
     return total / n
-
-
-def split_layers(n_layers: int, stages: int, layer_split: Optional[list] = None) -> list[range]:
-    """Layer ranges, one per stage. ``layer_split``: explicit counts per stage (sum = n_layers);
-    ``None`` balances (earlier stages take the remainder; the tail also carries the LM head).
-
-    Raises ConfigError if the split does not fit the layer count.
-    """
-    if stages < 1:
-        raise ConfigError(f"pipeline.stages={stages} must be >= 1")
-    if layer_split is not None:
-        counts = [int(c) for c in layer_split]
-        if len(counts) != stages:
-            raise ConfigError(f"pipeline.layer_split has {len(counts)} entries but pipeline.stages={stages}; give one count per stage")
-        if sum(counts) != n_layers or min(counts) < 1:
-            raise ConfigError(
-                f"pipeline.layer_split={counts} must be positive counts summing to the model's {n_layers} layers")
-    else:
-        if stages > n_layers:
-            raise ConfigError(f"pipeline.stages={stages} exceeds the model's {n_layers} layers; use at most {n_layers} stages")
-        base, extra = divmod(n_layers, stages)
-        counts = [base + (1 if i < extra else 0) for i in range(stages)]
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link", default="loopback", metavar="RATE:DELAY",
                    help="emulate this uplink for every neuron (token bucket + one-way delay), e.g. 100mbit:50ms")
     p.add_argument("--emulate-gpu", default=None, metavar="GPU",
-                   help="EMULATION: miners emulate a100 | h100 | 4090 | a FLOP/s figure (no training; see iota-subnet "
+                   help="EMULATION: miners emulate a100 | h100 | h200 | 4090 | a FLOP/s figure (no training; see iota-subnet "
                         "miner --help)")
     p.add_argument("--mfu", type=float, default=None, help="MFU of the emulated GPU (default 0.5)")
     p.add_argument("--gpu-mem", type=float, default=None, help="memory of the emulated GPU in GiB")

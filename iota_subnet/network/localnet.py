@@ -14,12 +14,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-import dataclasses
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -29,44 +25,15 @@ from typing import Callable, Optional
 import yaml
 from loguru import logger
 
-from iota_subnet.config import ConfigError, RunConfig, load_config
-from iota_subnet.train.metrics import write_summary
+from iota_subnet.config import RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
 from .chaos import ChaosInjector, ChaosLog, checked_chaos
+from .localnet_args import emulation_argv, localnet_config
+from .localnet_summary import RunSummary
+from .processes import Child, NeuronProcesses
 
 NETUID = 9
-
-
-@dataclasses.dataclass
-class Child:
-    name: str
-    kind: str                      # "miner" | "validator"
-    argv: list[str]
-    log: Path
-    out: Path
-    stage: Optional[int] = None
-    proc: Optional[subprocess.Popen] = None
-    restarts: int = 0
-    died_at: Optional[float] = None
-    started_at: Optional[float] = None      # monotonic time of the latest start
-    hold_until: Optional[float] = None      # a chaos kill: restart no earlier than this
-    left: bool = False                      # a chaos leave: never restarted
-    started_wall: float = 0.0               # unix time of the latest start
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def status(self) -> dict:
-        """Its ``status.json``, or {} while it has not written one since its latest start (a resumed
-        run's folder still holds the previous process's: its ports and dashboard address are stale)."""
-        p = self.out / "status.json"
-        try:
-            if p.stat().st_mtime < self.started_wall - 1.0:
-                return {}
-            return json.loads(p.read_text())
-        except (OSError, ValueError):
-            return {}
 
 
 def resolved_config_yaml(cfg: RunConfig) -> str:
@@ -74,28 +41,10 @@ def resolved_config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
-def audit_summary(statuses: list[dict]) -> dict:
-    """The validators' audits (p2p): how many, how many failed, hop audits per miner per tempo (min and
-    mean over the miners audited and the full tempos seen: the first and last are partial), flagged uids."""
-    audits = failed = 0
-    cpu = 0.0
-    per: list[int] = []
-    flagged: set[int] = set()
-    for s in statuses:
-        a = s.get("audits") or {}
-        audits += int(a.get("audits", 0))
-        failed += int(a.get("failed", 0))
-        cpu += float(a.get("cpu_s", 0.0))
-        tempos = sorted(a.get("per_tempo") or {}, key=int)
-        miners = {hk for t in tempos for hk in a["per_tempo"][t]}
-        for t in tempos[1:-1]:
-            per += [int(a["per_tempo"][t].get(hk, 0)) for hk in miners]
-        flagged |= {int(m["uid"]) for m in s.get("scores") or [] if (m.get("audits") or {}).get("flagged")}
-    return {"audits": audits, "audits_failed": failed, "audits_per_miner_per_tempo_min": min(per) if per else None,
-            "audits_per_miner_per_tempo_mean": sum(per) / len(per) if per else None, "flagged": sorted(flagged), "audit_cpu_s": round(cpu, 3)}
+class LocalNet(NeuronProcesses, RunSummary):
+    """A whole subnet on one machine (see the module docstring): its setup, its neurons, the run and
+    its summary (:mod:`.processes`, :mod:`.localnet_summary`; arguments checked in :mod:`.localnet_args`)."""
 
-
-class LocalNet:
     def __init__(self, *, stages: int, replicas: int, validators: int, config: str, data: Optional[str], steps: int,
                  out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
                  restart_delay_s: float = 3.0, progress: Optional[bool] = None,
@@ -105,26 +54,9 @@ class LocalNet:
                  chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
                  link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
                  gpu_mem: Optional[float] = None, time_scale: float = 1.0):
-        if stages < 1 or replicas < 1 or validators < 1:
-            raise ConfigError("--stages, --replicas and --validators must each be >= 1")
+        self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
+                                   steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
-        ovr = {k: dict(v) for k, v in (overrides or {}).items()}
-        ovr.setdefault("pipeline", {})["stages"] = stages
-        ovr.setdefault("train", {})["total_steps"] = steps
-        self.cfg = load_config(config, ovr)
-        if adversary is not None:
-            from iota_subnet.miner.adversary import ADVERSARY_KINDS
-            if adversary not in ADVERSARY_KINDS:
-                raise ConfigError(f"unknown --adversary {adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
-            if adversary == "poison" and replicas < 3:
-                raise ConfigError("--adversary poison needs --replicas 3 or more: a poisoning reducer is penalised "
-                                  "when two other replicas of its stage prove it wrong (with two replicas either "
-                                  "one could be lying)")
-        if adversary == "poison" and not self.cfg.merge.enabled:
-            # merge-shard poisoning needs merges: every 5 inner steps unless the config says otherwise
-            ovr.setdefault("merge", {})["every_steps"] = 5
-            self.cfg = load_config(config, ovr)
-            logger.info("--adversary poison: merging every 5 inner steps (merge.every_steps)")
         self.stages, self.replicas, self.n_validators = stages, replicas, validators
         self.data, self.steps = data, steps
         self.block_time, self.tempo = block_time, tempo
@@ -230,55 +162,6 @@ class LocalNet:
                     *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
 
-    # ---- processes -----------------------------------------------------------------------------
-    def _env(self) -> dict:
-        env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IOTA_DIE_WITH_PARENT": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-        return env
-
-    def start(self, child: Child) -> None:
-        child.out.mkdir(parents=True, exist_ok=True)
-        logf = open(child.log, "ab")
-        # a process group of its own: a terminal's SIGHUP (closed) or SIGINT (Ctrl-C) reaches only this
-        # process, which stops every neuron in order and writes the summary (before, a closed terminal's
-        # SIGHUP killed every neuron at once, with no checkpoint). Same session: if this process dies,
-        # a neuron paused by chaos (SIGSTOP) gets SIGHUP and SIGCONT from the kernel (its group is
-        # orphaned) and then its IOTA_DIE_WITH_PARENT SIGTERM; in a session of its own it stayed stopped
-        child.proc = subprocess.Popen(child.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=self._env(), process_group=0)
-        logf.close()
-        child.died_at = None
-        child.started_at = time.monotonic()
-        child.started_wall = time.time()
-
-    # ---- fault injection (used by .chaos) ------------------------------------------------------
-    def kill(self, child: Child) -> None:
-        if child.alive():
-            child.proc.send_signal(signal.SIGKILL)
-
-    def pause(self, child: Child) -> None:
-        if child.alive():
-            child.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self, child: Child) -> None:
-        if child.alive():
-            child.proc.send_signal(signal.SIGCONT)
-
-    def retire(self, child: Child) -> None:
-        child.left = True
-        if child.alive():
-            child.proc.send_signal(signal.SIGTERM)
-
-    def schedule_restart(self, child: Child, at: float) -> None:
-        child.hold_until = at
-
-    def set_link(self, child: Child, state: dict) -> None:
-        """Partition (``{"down": true}``) or slow (``{"slow": factor}``) a neuron's links; ``{}`` heals.
-        The neuron reads the file (``--link-control``) a few times a second."""
-        atomic_write_text(child.out / "link-control.json", json.dumps(state))
-
     def add_miner(self, stage: int) -> Child:
         """A new miner registers mid-run on ``stage`` and starts (it syncs from its peers)."""
         from iota_subnet.wallets import create_wallet
@@ -300,51 +183,6 @@ class LocalNet:
         self.start(child)
         logger.info(f"{name} joined stage {stage}")
         return child
-
-    def stop_all(self, grace_s: float = 15.0) -> None:
-        for c in self.children:
-            if c.alive():
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in self.children:
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning(f"{c.name} did not stop in {grace_s:.0f}s: killing it")
-                c.proc.kill()
-                c.proc.wait()
-
-    def miner(self, name: str) -> Child:
-        return next(c for c in self.children if c.name == name)
-
-    # ---- monitoring ----------------------------------------------------------------------------
-    def validator_status(self) -> list[dict]:
-        return [c.status() for c in self.children if c.kind == "validator"]
-
-    def _supervise(self) -> None:
-        now = time.monotonic()
-        for c in self.children:
-            if c.alive() or c.proc is None:
-                continue
-            if c.left:
-                continue
-            if c.died_at is None:
-                c.died_at = now
-                logger.warning(f"{c.name} exited with code {c.proc.returncode}; see {c.log}")
-                if c.kind == "validator" and c.hold_until is None:
-                    raise RuntimeError(f"{c.name} died (exit code {c.proc.returncode}); see {c.log}")
-            elif c.hold_until is not None:
-                if now >= c.hold_until:
-                    c.hold_until = None
-                    c.restarts += 1
-                    logger.info(f"restarting {c.name} (restart #{c.restarts})")
-                    self.start(c)
-            elif self.restart_dead and c.kind == "miner" and now - c.died_at >= self.restart_delay_s:
-                c.restarts += 1
-                logger.info(f"restarting {c.name} (restart #{c.restarts})")
-                self.start(c)
 
     def run(self) -> dict:
         """Set up, run to completion and return the summary. Always stops every process."""
@@ -451,8 +289,8 @@ class LocalNet:
     def _stop_on_signals(self) -> Callable[[], None]:
         """In the main thread, SIGTERM, SIGHUP and SIGINT (``kill``, a closed terminal, Ctrl-C) stop
         the run as :meth:`request_stop` does: every neuron is stopped (SIGTERM, then SIGKILL after 15 s)
-        and the summary written. Before, they ended this process at once and left every miner and
-        validator running, orphaned. A second Ctrl-C skips the summary (the neurons are still
+        and the summary written. With the default handlers they would end this process at once and leave
+        every miner and validator running, orphaned. A second Ctrl-C skips the summary (the neurons are still
         stopped, in ``run``'s clean-up); later signals, and any once that clean-up has begun, change
         nothing (raising there could cut it short). Returns the function that restores the handlers."""
         if threading.current_thread() is not threading.main_thread():
@@ -533,166 +371,6 @@ class LocalNet:
             return [int(json.loads((self.miner(f"miner-s{s}-r{r}").out / "status.json").read_text())["uid"])]
         except (OSError, ValueError, KeyError, TypeError, StopIteration):
             return []
-
-    # ---- results -------------------------------------------------------------------------------
-    def summarize(self, wall_s: float) -> dict:
-        st = self.validator_status()
-        B, T = self.cfg.train.batch_size, self.cfg.data.seq_len
-        rows = []
-        for c in self.children:
-            if c.kind == "validator" and (c.out / "metrics.jsonl").exists():
-                for line in (c.out / "metrics.jsonl").read_text().splitlines():
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        pass
-        by_step: dict[int, list[dict]] = {}
-        for r in rows:
-            if r.get("loss") is not None:
-                by_step.setdefault(int(r["step"]), []).append(r)
-        n_lanes = max((len(v) for v in by_step.values()), default=0)
-        metrics = []
-        for k in sorted(by_step):
-            rs = by_step[k]
-            metrics.append({"step": k, "tokens": (k + 1) * B * T * n_lanes,
-                            "loss": sum(r["loss"] for r in rs) / len(rs), "lr": rs[0].get("lr"),
-                            "elapsed_s": max(r["elapsed_s"] for r in rs), "lanes": len(rs)})
-        atomic_write_text(self.out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
-        tokens = sum(s.get("tokens", 0) for s in st)
-        train_s = max((s.get("train_s") or 0 for s in st), default=0) or None
-        wire = sum(s.get("wire_bytes", 0) for s in st)
-        validator_bytes = sum(s.get("validator_bytes", 0) for s in st)
-        last = metrics[-10:]
-        chain_rows = {r["uid"]: r for r in self.metagraph()}
-        miners = []
-        work: dict[int, dict] = {}
-        for s in st:
-            for u, m in (s.get("miners") or {}).items():
-                w = work.setdefault(int(u), {"work": 0.0, "hotkey": m.get("hotkey"), "stage": m.get("stage")})
-                w["work"] += float(m.get("work", 0))
-        miner_bytes, busy, uptime = 0, [], []
-        for c in self.children:
-            if c.kind != "miner":
-                continue
-            try:
-                ms = json.loads((c.out / "status.json").read_text())
-            except (OSError, ValueError):
-                ms = {}
-            dp = ms.get("dataplane") or {}
-            hop = dp.get("hop_client") or {}
-            miner_bytes += int(hop.get("bytes_sent", 0)) + int(hop.get("header_bytes_sent", 0)) \
-                + int(hop.get("bytes_received", 0)) + int(hop.get("header_bytes_received", 0))
-            if ms.get("uptime_s"):
-                busy.append(float(dp.get("busy_s", 0.0)))
-                uptime.append(float(ms["uptime_s"]))
-            uid = ms.get("uid")
-            ch = chain_rows.get(uid, {})
-            miners.append({"name": c.name, "uid": uid, "hotkey": ms.get("hotkey"), "stage": c.stage,
-                           "work": work.get(uid, {}).get("work", 0.0), "inner_step": ms.get("inner_step"),
-                           "incentive": ch.get("incentive", 0.0), "emission": ch.get("emission", 0.0),
-                           "restarts": c.restarts, "merge": ms.get("merge"),
-                           # mean over validators of the latest weight each set for this uid
-                           "weight": (sum(float((v.get("last_weights") or {}).get(str(uid), 0.0)) for v in st)
-                                      / len(st)) if st else 0.0,
-                           "adversary": ms.get("adversary")})
-        vals = [{"name": c.name, "uid": s.get("uid"), "hotkey": s.get("hotkey"),
-                 "dividends": chain_rows.get(s.get("uid"), {}).get("dividends", 0.0),
-                 "weights_set_blocks": s.get("weights_set_blocks", []), "val_loss": s.get("val_loss")}
-                for c, s in zip([c for c in self.children if c.kind == "validator"], st)]
-        val_losses = [s["val_loss"] for s in st if s.get("val_loss") is not None]
-        summary = {
-            "stages": self.stages, "replicas": self.replicas, "validators": self.n_validators, "steps": self.steps,
-            "ended": self.ended, "steps_done": self._steps_done(st),
-            "tokens": tokens, "tokens_per_s": tokens / train_s if train_s else None,
-            "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
-            "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
-            "wire_bytes": wire, "wire_bytes_per_token": wire / tokens if tokens else None,
-            "validator_bytes": validator_bytes,
-            "validator_bytes_per_token": validator_bytes / tokens if tokens else None,
-            "miner_bytes": miner_bytes, "miner_bytes_per_token": miner_bytes / tokens if tokens else None,
-            # mean over miners of compute-busy seconds / seconds of the run (status uptime)
-            "stage_utilisation": (sum(b / max(train_s or u, 1e-9) for b, u in zip(busy, uptime)) / len(busy))
-            if busy else None,
-            "verification_bytes": sum(s.get("verification_bytes", 0) for s in st),
-            "verification_bytes_by_path": dict(sum((Counter(s.get("verification_bytes_by_path") or {}) for s in st),
-                                                   Counter())),
-            "audits": audit_summary(st),
-            "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
-            "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
-            "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),
-            "train_s": train_s,
-            "merge": {"every_steps": self.cfg.merge.every_steps, "every_blocks": self.cfg.merge.every_blocks,
-                      "merges_applied": sum((m.get("merge") or {}).get("merges", 0) for m in miners),
-                      "mismatch_reports": sum((m.get("merge") or {}).get("mismatch_reports", 0) for m in miners)},
-            "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
-            "link": self.link, "emulation": self.emulation,
-            "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
-        }
-        if self.chaos is not None:
-            summary["chaos"] = {**self.chaos.log.summary(), **self._sample_accounting()}
-        write_summary(self.out / "summary.json", summary)
-        return summary
-
-    def _sample_accounting(self) -> dict:
-        """From the validators' state: micro-batches lost, and samples (rows of ``(lane, step, index)``)
-        trained more than once or never, over the steps driven (each lane's ``steps_done``; the whole
-        ``--steps`` when the run finished). ``samples_unconfirmed``: samples counted trained on the
-        head's word (its inner step was past them when a restarted validator resumed: trained with that
-        validator's earlier tickets, whose receipts were lost), not by receipts."""
-        from iota_subnet.validator.state import ValidatorState
-        seen: dict[tuple, int] = {}
-        lost = unconfirmed = 0
-        for c in self.children:
-            if c.kind != "validator" or not (c.out / "validator.sqlite").exists():
-                continue
-            st = ValidatorState(c.out / "validator.sqlite")
-            try:
-                for row in st.microbatch_log():
-                    key = (row["lane"], row["step"], row["idx"])
-                    if row["ok"]:
-                        seen[key] = seen.get(key, 0) + 1
-                        unconfirmed += not row["microbatch_id"]      # no ticket of its own: no receipts
-                    else:
-                        lost += 1
-            finally:
-                st.close()
-        lanes = {k[0] for k in seen} or set(range(self.replicas))
-        micro = self.cfg.train.batch_size // self.cfg.train.micro_batch
-        # the steps each lane was driven through (all of them, unless the run was stopped early)
-        driven: dict[int, int] = {}
-        for st in self.validator_status():
-            for lane, n in (st.get("steps_done") or {}).items():
-                driven[int(lane)] = driven.get(int(lane), 0) + int(n)
-        expected = {(l, k, m) for l in lanes for k in range(min(self.steps, driven.get(l, self.steps)))
-                    for m in range(micro)}
-        return {"microbatches_lost": lost,
-                "samples_repeated": sum(n - 1 for n in seen.values() if n > 1) * self.cfg.train.micro_batch,
-                "samples_skipped": len(expected - set(seen)) * self.cfg.train.micro_batch,
-                "samples_unconfirmed": unconfirmed * self.cfg.train.micro_batch}
-
-
-def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], gpu_mem: Optional[float],
-                   time_scale: float) -> tuple[str, Optional[dict], list[str], list[str]]:
-    """Check ``--link`` / ``--emulate-gpu`` / ``--mfu`` / ``--gpu-mem`` / ``--time-scale`` (ConfigError) and
-    turn them into (link, emulation summary or None, miner argv, validator argv). Emulated miners hold no
-    weights, so the validator's replays and CLASP probes are turned off with them."""
-    from iota_subnet.hardware import DEFAULT_MFU
-    from iota_subnet.miner.emulated import emulation_from_args
-    from iota_subnet.transport.shaping import parse_link
-    spec = parse_link(link)
-    emu = emulation_from_args(emulate_gpu, DEFAULT_MFU if mfu is None else mfu, time_scale, gpu_mem)
-    if emu is None and (mfu is not None or gpu_mem is not None):
-        raise ConfigError("--mfu and --gpu-mem describe an emulated GPU: add --emulate-gpu")
-    if not time_scale > 0:
-        raise ConfigError(f"--time-scale {time_scale!r} must be > 0")
-    common = ["--link", str(spec), "--time-scale", repr(float(time_scale))]
-    miner, validator = list(common), list(common)
-    if emu is not None:
-        miner += ["--emulate-gpu", str(emulate_gpu), "--mfu", repr(emu.mfu)]
-        if gpu_mem is not None:
-            miner += ["--gpu-mem", repr(float(gpu_mem))]
-        validator += ["--clasp-interval", "0", "--no-audits"]
-    return str(spec), (emu.to_json() if emu is not None else None), miner, validator
 
 
 def run_localnet(**kw) -> dict:

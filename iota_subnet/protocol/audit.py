@@ -1,6 +1,6 @@
 """Audit messages: what a miner commits to per inner step, and how a validator opens it afterwards.
 
-Commit, then audit (issue 10): a miner commits to every inner optimizer step with an
+Commit, then audit: a miner commits to every inner optimizer step with an
 :class:`UpdateCommit` (Merkle roots, see :mod:`iota_subnet.audit`) before any audit is chosen; a
 validator later asks for a few random rows of the committed tensors (:class:`UpdateAuditRequest`,
 route ``/audit/update``, validators only) and gets them with Merkle proofs

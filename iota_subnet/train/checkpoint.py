@@ -26,6 +26,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from iota_subnet.utils.atomic import atomic_write_bytes, sweep_temporaries
+from iota_subnet.errors import UserError
 
 #: Header metadata key of the per-tensor hashes.
 HASHES_KEY = "sha256"
@@ -43,7 +44,7 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used; the message says why and what to do."""
 
 

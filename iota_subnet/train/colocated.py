@@ -26,6 +26,7 @@ from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, r
                                           save_checkpoint, sweep_stray_temporaries)
 from iota_subnet.train.metrics import MetricsLog, write_summary
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
+from iota_subnet.train.precision import prepare_device
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 
 
@@ -92,7 +93,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
     out.mkdir(parents=True, exist_ok=True)
     sweep_stray_temporaries(out)          # leftovers of a save killed half-way
     seed = cfg.train.seed if seed is None else seed
-    dev = pick_device(device)
+    dev = prepare_device(pick_device(device), cfg)      # TF32 by train.precision on CUDA
     tok, dataset = build_dataset(cfg.data, data, cache_dir, allow_fallback=allow_data_fallback)
     stages = build_stages(cfg, seed=seed)
     model = StagedModel(stages).to(dev)

@@ -27,7 +27,7 @@ from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .server import HEADER_REQUEST_NONCE, OFFLOAD_BYTES, RESPONSE_METHOD, response_sign_path
-from .shaping import UplinkShaper, process_shaper, request_head_bytes
+from .shaping import DownlinkShaper, UplinkShaper, process_downlink, process_shaper, request_head_bytes
 
 M = TypeVar("M", bound=Message)
 
@@ -68,6 +68,8 @@ class NeuronClient:
 
     ``shaper``: the emulated uplink every request passes (head + body), by default the process's
     (:func:`iota_subnet.transport.shaping.configure_process_link`; none unless ``--link`` is given).
+    ``downlink``: the emulated downlink every response passes once read (head + body), by default the
+    process's (none unless ``--link UP/DOWN:DELAY`` is given).
 
     ``on_request(route, bytes_sent, bytes_received, seconds, outcome)``: called after every attempt
     (``outcome``: ``OK``, the refusal's outcome name, or ``TRANSPORT_ERROR``); the metrics hook
@@ -76,7 +78,7 @@ class NeuronClient:
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
                  verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20,
-                 shaper: Optional[UplinkShaper] = None,
+                 shaper: Optional[UplinkShaper] = None, downlink: Optional[DownlinkShaper] = None,
                  on_request: Optional[Callable[[str, int, int, float, str], None]] = None):
         self.wallet = wallet
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
@@ -87,6 +89,7 @@ class NeuronClient:
         self.verify_responses = verify_responses
         self.max_response_bytes = max_response_bytes
         self.shaper = shaper if shaper is not None else process_shaper()
+        self.downlink = downlink if downlink is not None else process_downlink()
         self._session: Optional[aiohttp.ClientSession] = None
         self._response_nonces = http_auth.InMemoryNonceStore(retention=60.0)
         self.bytes_sent = 0
@@ -177,6 +180,9 @@ class NeuronClient:
                     self.header_bytes_sent += head_out
                     self.header_bytes_received += head_in
                     data = await self._read(resp)
+                    if self.downlink is not None:   # the emulated downlink, inside the request's deadline
+                        await asyncio.wait_for(self.downlink.receive(len(data) + head_in),
+                                               max(1e-3, timeout_s - (time.perf_counter() - t0)))
                     self.bytes_received += len(data)
                     self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + len(body) + head_out + head_in + len(data)
                     if resp.status == 200:

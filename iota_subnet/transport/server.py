@@ -47,7 +47,8 @@ from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import MemoryNonceStore, SqliteNonceStore
-from .shaping import LinkDown, UplinkShaper, process_shaper, response_head_bytes
+from .shaping import DownlinkShaper, LinkDown, UplinkShaper, process_downlink, process_shaper, response_head_bytes
+from iota_subnet.errors import UserError
 
 #: bittensor.http_auth exception -> outcome.
 AUTH_OUTCOMES: dict[type[http_auth.AuthError], Outcome] = {
@@ -76,7 +77,7 @@ def response_sign_path(path: str, request_nonce: int | str) -> str:
 
 
 
-class PortInUseError(OSError):
+class PortInUseError(UserError, OSError):
     """A server could not listen on its address (another process holds the port, or the address is
     not this machine's). The message names the fix."""
 
@@ -157,6 +158,8 @@ class NeuronServer:
     ``nonce_store_path``: SQLite file for replay protection across restarts (``None``: in memory).
     ``shaper``: the emulated uplink every response passes (head + body), by default the process's
     (:func:`iota_subnet.transport.shaping.configure_process_link`; none unless ``--link`` is given).
+    ``downlink``: the emulated downlink every request body passes once read (head + body), by
+    default the process's (none unless ``--link UP/DOWN:DELAY`` is given).
     Register routes with :meth:`add_route` before :meth:`start`.
     """
 
@@ -164,7 +167,8 @@ class NeuronServer:
                  nonce_store_path: Optional[str | os.PathLike] = None, max_body_bytes: int = 64 << 20, *,
                  max_age: float = http_auth.DEFAULT_MAX_AGE, allowed_skew: float = http_auth.DEFAULT_ALLOWED_SKEW,
                  max_inflight: Optional[int] = None, max_inflight_per_caller: Optional[int] = 16,
-                 sign_responses: bool = True, shaper: Optional[UplinkShaper] = None):
+                 sign_responses: bool = True, shaper: Optional[UplinkShaper] = None,
+                 downlink: Optional[DownlinkShaper] = None):
         self.wallet = wallet
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
@@ -179,6 +183,7 @@ class NeuronServer:
         self.max_inflight_per_caller = max_inflight_per_caller
         self.sign_responses = sign_responses
         self.shaper = shaper if shaper is not None else process_shaper()
+        self.downlink = downlink if downlink is not None else process_downlink()
         if nonce_store_path is None:
             logger.warning("NeuronServer without nonce_store_path: replay protection is lost on restart")
             self.nonce_store: Any = MemoryNonceStore(retention=max_age + allowed_skew + 5.0)
@@ -399,6 +404,11 @@ class NeuronServer:
             self._pending_nonces.add(claim)
             self._inflight_by[hotkey] += 1
             body = await self._read_body(request, limit)
+            if self.downlink is not None:   # the emulated downlink (freshness was judged when the head arrived)
+                try:
+                    await self.downlink.receive(len(body) + hdr)
+                except LinkDown:            # partitioned: the answer cannot leave either (the connection drops)
+                    raise ProtocolError(Outcome.NOT_READY, "emulated link partitioned") from None
             self.bytes_received += len(body)
             self.route_bytes[route.path] += len(body)
             big = len(body) > OFFLOAD_BYTES

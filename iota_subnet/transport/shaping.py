@@ -1,4 +1,5 @@
-"""Link emulation: a neuron's uplink as a token bucket plus a one-way delay per message.
+"""Link emulation: a neuron's uplink as a token bucket plus a one-way delay per message, and
+optionally its downlink as a second token bucket.
 
 ``--link RATE:DELAY`` (``100mbit:50ms``, ``1gbit:10ms``, ``loopback``) makes one machine behave like
 neurons on the internet: everything a neuron sends -- the requests of its :class:`NeuronClient`
@@ -15,6 +16,15 @@ Wire bytes counted per message: the body, an HTTP/1.1 head (:func:`request_head_
 :func:`response_head_bytes`: the headers we send plus aiohttp's defaults), and per TCP segment the
 TCP/IP/Ethernet headers (:data:`SEGMENT_OVERHEAD` bytes per :data:`MSS` of payload), which is what
 ``tc tbf`` on a veth counts (``scripts/bench_link.py`` compares the two).
+
+Asymmetric links: ``--link UP/DOWN:DELAY`` (``20mbit/100mbit:100ms``) adds a downlink of rate DOWN
+(:class:`DownlinkShaper`): every message the neuron receives -- response bodies read by its clients,
+request bodies read by its server, HTTP head included -- is charged to it once fully read, so
+concurrent downloads share DOWN, as on a real access link. The downlink adds no delay (the sender's
+uplink carries the one-way delay) and is store-and-forward: a message crossing a shaped uplink and a
+shaped downlink pays both transfer times (pessimistic for one message; with several messages in
+flight, as state sync keeps, both links are busy at once and the throughput is the lower rate). A
+single RATE (no ``/``) shapes the uplink only, as always.
 
 ``time_scale`` (``--time-scale``, with ``--emulate-gpu``) slows links like emulated compute: the rate
 is divided by it and the delay multiplied, so emulated time = wall time / time_scale throughout.
@@ -52,7 +62,7 @@ MSS = 1448
 SEGMENT_OVERHEAD = 66
 #: Seconds between reads of the ``--link-control`` file.
 CONTROL_POLL_S = 0.25
-#: The link profiles of the WAN bench (issue 9).
+#: The link profiles of the WAN bench (``scripts/bench_wan.py``).
 LINK_PROFILES = ("loopback", "1gbit:10ms", "100mbit:50ms", "20mbit:100ms")
 
 _RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -62,14 +72,16 @@ _NUM = r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """An uplink: ``rate_bps`` bits per second (None: unlimited) and a one-way ``delay_s`` per message."""
+    """An uplink: ``rate_bps`` bits per second (None: unlimited) and a one-way ``delay_s`` per message;
+    ``down_rate_bps``: the downlink's bits per second (None: the downlink is not shaped)."""
 
     rate_bps: Optional[float]
     delay_s: float = 0.0
+    down_rate_bps: Optional[float] = None
 
     @property
     def loopback(self) -> bool:
-        return self.rate_bps is None and self.delay_s == 0
+        return self.rate_bps is None and self.delay_s == 0 and self.down_rate_bps is None
 
     @property
     def bytes_per_s(self) -> Optional[float]:
@@ -80,7 +92,8 @@ class LinkSpec:
         if not time_scale > 0:
             raise ConfigError(f"--time-scale {time_scale!r} must be > 0")
         rate = None if self.rate_bps is None else self.rate_bps / time_scale
-        return LinkSpec(rate, self.delay_s * time_scale)
+        down = None if self.down_rate_bps is None else self.down_rate_bps / time_scale
+        return LinkSpec(rate, self.delay_s * time_scale, down)
 
     def transfer_s(self, nbytes: int, burst_bytes: int = 0) -> float:
         """Seconds for one message of ``nbytes`` (wire bytes) on an idle link, delay included."""
@@ -92,6 +105,8 @@ class LinkSpec:
         if self.loopback:
             return "loopback"
         rate = "unlimited" if self.rate_bps is None else _fmt_rate(self.rate_bps)
+        if self.down_rate_bps is not None:
+            rate += "/" + _fmt_rate(self.down_rate_bps)
         return f"{rate}:{self.delay_s * 1e3:g}ms"
 
 
@@ -102,22 +117,32 @@ def _fmt_rate(bps: float) -> str:
     return f"{bps:g}bit"
 
 
+def _parse_rate(text: str, rate_s: str, hint: str) -> float:
+    m = re.fullmatch(rf"({_NUM})\s*([a-z]+)", rate_s.strip())
+    if not m or m.group(3) not in _RATE_UNITS:
+        raise ConfigError(f"--link {text!r}: bad rate {rate_s!r}; {hint}")
+    return float(m.group(1)) * _RATE_UNITS[m.group(3)]
+
+
 def parse_link(text: Optional[str]) -> LinkSpec:
-    """``loopback`` (or empty / None) | ``RATE[:DELAY]`` with RATE a number and ``bit``, ``kbit``,
-    ``mbit``, ``gbit`` (tc's units: bits per second) and DELAY a number and ``us``, ``ms``, ``s``
-    (default 0). ``100mbit:50ms`` -> 100e6 bit/s, 0.05 s.
+    """``loopback`` (or empty / None) | ``RATE[:DELAY]`` | ``UP/DOWN[:DELAY]`` with RATE, UP and DOWN
+    a number and ``bit``, ``kbit``, ``mbit``, ``gbit`` (tc's units: bits per second) and DELAY a
+    number and ``us``, ``ms``, ``s`` (default 0). ``100mbit:50ms`` -> uplink 100e6 bit/s, 0.05 s,
+    downlink not shaped; ``20mbit/100mbit:100ms`` -> uplink 20e6 bit/s, downlink 100e6 bit/s, 0.1 s.
 
     Raises :class:`ConfigError` with the accepted form.
     """
-    hint = "use RATE:DELAY such as 100mbit:50ms or 1gbit:10ms (units bit/kbit/mbit/gbit and us/ms/s), or loopback"
+    hint = ("use RATE:DELAY such as 100mbit:50ms or 1gbit:10ms, or UP/DOWN:DELAY such as 20mbit/100mbit:100ms "
+            "(units bit/kbit/mbit/gbit and us/ms/s), or loopback")
     if text is None or not str(text).strip() or str(text).strip().lower() == "loopback":
         return LinkSpec(None, 0.0)
     s = str(text).strip().lower()
     rate_s, _, delay_s = s.partition(":")
-    m = re.fullmatch(rf"({_NUM})\s*([a-z]+)", rate_s.strip())
-    if not m or m.group(3) not in _RATE_UNITS:
-        raise ConfigError(f"--link {text!r}: bad rate {rate_s!r}; {hint}")
-    rate = float(m.group(1)) * _RATE_UNITS[m.group(3)]
+    up_s, slash, down_s = rate_s.partition("/")
+    rate = _parse_rate(text, up_s, hint)
+    down = _parse_rate(text, down_s, hint) if slash else None
+    if down is not None and not (down > 0 and math.isfinite(down)):
+        raise ConfigError(f"--link {text!r}: the downlink rate must be > 0; {hint}")
     delay = 0.0
     if delay_s.strip():
         d = re.fullmatch(rf"({_NUM})\s*([a-z]+)", delay_s.strip())
@@ -126,7 +151,7 @@ def parse_link(text: Optional[str]) -> LinkSpec:
         delay = float(d.group(1)) * _TIME_UNITS[d.group(3)]
     if not (rate > 0 and math.isfinite(rate)) or not (delay >= 0 and math.isfinite(delay)):
         raise ConfigError(f"--link {text!r}: the rate must be > 0 and the delay >= 0; {hint}")
-    return LinkSpec(rate, delay)
+    return LinkSpec(rate, delay, down)
 
 
 def segment_overhead(payload_bytes: int) -> int:
@@ -276,27 +301,51 @@ class UplinkShaper:
                 "slow": self.slow, "refused_while_down": self.refused}
 
 
+class DownlinkShaper(UplinkShaper):
+    """One neuron's downlink (see the module docstring): a token bucket at ``rate_bps`` that every
+    message this neuron receives passes once read in full; no delay. Same options, control file
+    (``slow`` divides the rate; ``down`` fails the receive with :class:`LinkDown`) and counters as
+    :class:`UplinkShaper`."""
+
+    def __init__(self, rate_bps: float, **kw):
+        super().__init__(LinkSpec(float(rate_bps), 0.0), **kw)
+
+    async def receive(self, nbytes: int) -> None:
+        """Wait until a message of ``nbytes`` (HTTP head + body) has crossed this downlink.
+        Raises :class:`LinkDown` while partitioned."""
+        await self.transmit(nbytes)
+
+
 _process_shaper: Optional[UplinkShaper] = None
+_process_downlink: Optional[DownlinkShaper] = None
 
 
 def configure_process_link(link: Optional[LinkSpec], time_scale: float = 1.0,
                            control_path: Optional[str | Path] = None, **kw) -> Optional[UplinkShaper]:
-    """Install the uplink every :class:`NeuronClient` and :class:`NeuronServer` of this process uses
-    unless given another one (``None`` or loopback without ``control_path``: no shaping). Call once
-    at process start, before creating clients and servers. Returns the shaper."""
-    global _process_shaper
+    """Install the uplink (and, when ``link`` has a downlink rate, the downlink: :func:`process_downlink`)
+    every :class:`NeuronClient` and :class:`NeuronServer` of this process uses unless given another
+    one (``None`` or loopback without ``control_path``: no shaping). Call once at process start,
+    before creating clients and servers. Returns the uplink shaper."""
+    global _process_shaper, _process_downlink
     link = link or LinkSpec(None, 0.0)
+    scaled = link.scaled(time_scale) if time_scale != 1.0 else link
     if link.loopback and control_path is None:
         _process_shaper = None
     else:
-        _process_shaper = UplinkShaper(link.scaled(time_scale) if time_scale != 1.0 else link,
-                                       control_path=control_path, **kw)
+        _process_shaper = UplinkShaper(scaled, control_path=control_path, **kw)
+    _process_downlink = (None if scaled.down_rate_bps is None
+                         else DownlinkShaper(scaled.down_rate_bps, control_path=control_path, **kw))
     return _process_shaper
 
 
 def process_shaper() -> Optional[UplinkShaper]:
     """The uplink installed by :func:`configure_process_link`, or None."""
     return _process_shaper
+
+
+def process_downlink() -> Optional[DownlinkShaper]:
+    """The downlink installed by :func:`configure_process_link` (``--link UP/DOWN:DELAY``), or None."""
+    return _process_downlink
 
 
 def compute_slowdown() -> float:

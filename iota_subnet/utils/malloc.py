@@ -4,7 +4,7 @@ A CPU miner frees and re-allocates host tensors of 1-20 MB all the time (the aud
 of weights and optimizer moments, merge buffers, activations) from several threads. With glibc's
 defaults (one arena per thread up to 8 x cores, and an mmap threshold that grows to 32 MB once
 large blocks are freed) the freed memory stays in the arenas, fragmented: a ``tiny`` miner of a
-3 x 2 local network grew to 2.6 GB RSS in 40 steps, and a 3 x 3 network on 24 GB was killed by the
+3 x 2 local network grows to 2.6 GB RSS in 40 steps, and a 3 x 3 network on 24 GB meets the
 kernel's OOM killer (docs/BENCHMARKS.md, "Miner memory"). Two arenas and a fixed 1 MB mmap threshold
 (large blocks are mapped and returned to the kernel when freed) halve that.
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import sqlite3
 from pathlib import Path
+from iota_subnet.errors import UserError
 
 
-class CorruptStateError(RuntimeError):
+class CorruptStateError(UserError, RuntimeError):
     """A state file cannot be read as SQLite; the message names the file and the recovery."""
 
 

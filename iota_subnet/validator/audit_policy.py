@@ -1,4 +1,4 @@
-"""What audit outcomes mean for a miner (issue 10, item 2): unverifiable is a failure, honest
+"""What audit outcomes mean for a miner: unverifiable is a failure, honest
 faults are excused within a bound.
 
 Every audit a validator runs (hop replays, update audits, merge-slice checks) ends in a raw

@@ -636,7 +636,7 @@ class ControlPlane:
         """A lane step none of whose micro-batches completed under this validator's tickets while the
         lane's head is past it: the head completed it with the tickets this validator sent before a
         restart (the ones for the steps it looked ahead), which it still held. Without this the lane
-        re-issued that step for ever: every new ticket was answered ``stale``."""
+        would re-issue that step for ever: every new ticket is answered ``stale``."""
         cur = await self._head_step(lane)
         if cur is None or cur <= step:
             return None

@@ -1,4 +1,4 @@
-"""Validators check merge accusations themselves before anyone is penalised (issue 10, item 6).
+"""Validators check merge accusations themselves before anyone is penalised.
 
 A replica that saw two reducers of a shard disagree reports evidence naming the reducer(s) it
 found wrong (:attr:`iota_subnet.merge.engine.MergeEngine.reports`), with the reducers' signed

@@ -7,10 +7,10 @@ Rule (:func:`compute_merge_weights`): a replica this validator caught cheating (
 audit, including a merge accusation the validator verified itself, see
 :mod:`.merge_audit`) gets 0; every other replica keeps the default 1.0 (equal weights
 among the replicas that reached the merge, which means they did the epoch's inner steps). Weights
-proportional to verified work were tried and dropped: lanes' work differs by a few percent from
-tempo to tempo, so the published weights changed every tempo, and a commitment landing between two
-replicas' reads makes them build different plans (the attempt fails and is retried), which stalled
-merges in a 3 x 3 localnet. Only non-default weights are published, so the commitment changes only
+proportional to verified work are not used: lanes' work differs by a few percent from tempo to
+tempo, so the published weights would change every tempo, and a commitment landing between two
+replicas' reads makes them build different plans (the attempt fails and is retried), which stalls
+merges (seen in a 3 x 3 localnet). Only non-default weights are published, so the commitment changes only
 when a replica is caught.
 
 Miners read every validator's commitment

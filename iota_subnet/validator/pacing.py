@@ -3,9 +3,9 @@
 Replica ``r`` of every stage trains in lane ``r``, and the replicas of a stage merge when their inner
 step crosses a multiple of ``merge.every_steps`` (H). Lanes that drift apart reach a boundary at
 different times: the first waits ``merge.join_timeout_s`` for its peers, then merges alone, and the
-stage's replicas train different models until the next boundary they meet at. In the first full
-chaos run of the churn benchmark (2026-12-02, ``docs/BENCHMARKS.md``) the lanes drifted 30-40 steps
-apart and 88 of 145 merges ran alone.
+stage's replicas train different models until the next boundary they meet at. Under churn,
+unpaced lanes drift 30-40 steps apart and most merges run alone (88 of 145 in a ``tiny`` 3 x 3
+chaos run: ``docs/BENCHMARKS.md``, "Churn").
 
 :class:`LanePacer` holds back the lane step that closes a merge window (the step after which the
 lane's replicas merge) until every other live lane has reached that step too: the replicas of a
@@ -14,8 +14,8 @@ timeout. Steps inside a window are not held, so lanes drift at most one window a
 live lane is never held, so pacing cannot deadlock; a lane that made no progress for ``stall_s``
 seconds (its head is dead, the validator is re-routing) stops holding the others back until it
 moves again, and no lane is held longer than ``max_hold_s`` at one step (a lane slowed by a slow or
-failing miner then costs the others at most that per window, as the merge join's timeout did
-before pacing). Tickets are what pace a lane: a head trains every ticket it holds, so the validator
+failing miner then costs the others at most that per window, as the merge join's timeout does
+without pacing). Tickets are what pace a lane: a head trains every ticket it holds, so the validator
 neither issues nor follows a held step.
 """
 from __future__ import annotations

@@ -29,12 +29,13 @@ Rerouting (SWARM parallelism, Ryabinin et al. 2023, arXiv 2301.11913)
 """
 from __future__ import annotations
 
-from iota_subnet.protocol.commitment import MINER, RunCommitment
-
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from iota_subnet.chain.interface import served_endpoint
+from iota_subnet.protocol.commitment import MINER, RunCommitment
 
 
 Key = tuple[int, str]  # (uid, hotkey)
@@ -64,19 +65,6 @@ def parse_commitment(raw: Optional[str], run_id: str, n_stages: int, run_epoch: 
     if c is None or c.role != MINER or not c.same_run(str(run_id), run_epoch) or not 0 <= c.stage < n_stages:
         return None
     return c.stage
-
-
-def served_endpoint(axon: Any) -> Optional[str]:
-    """``"ip:port"`` of a served axon, else None (unserved: ip 0.0.0.0 or port 0)."""
-    if axon is None:
-        return None
-    if not isinstance(axon, str):  # an AxonInfo-like object
-        ip, port = getattr(axon, "ip", None), getattr(axon, "port", None)
-        axon = f"{ip}:{port}"
-    host, _, port = str(axon).rpartition(":")
-    if not host or host in ("0.0.0.0", "0", "::", "[::]", "None") or not port.isdigit() or int(port) == 0:
-        return None
-    return f"{host}:{port}"
 
 
 def discover(neurons: Iterable[Any], commitments: Mapping[str, str], run_id: str,
@@ -174,8 +162,8 @@ class Router:
         With no spare, that lane's hops of the stage go to alternates (the stage's other replicas,
         which compute them but do not train on them). A barred miner keeps its slot: another
         validator that has not flagged it (each flags on its own) still sees the same lanes, and no
-        miner is moved into two lanes. A flagged miner kept its lane before: its lane's other stages
-        trained on what it sent and merged that into their stages. Tickets already issued (the
+        miner is moved into two lanes. A flagged miner loses its lane, so that the lane's other stages
+        do not train on what it sends and merge that into their stages. Tickets already issued (the
         validator's lookahead, 8 steps) still name it. Flags stay with the hotkey (a re-registered
         uid is a new key). Returns the keys barred by this call."""
         new = sorted(set(keys) - self.barred)
@@ -186,9 +174,9 @@ class Router:
         """Give the lane of a member unavailable for ``vacate_after_s``, or barred (at once), to an
         available spare of its stage (slot ``>= lanes``: the validator drives lanes ``0 .. lanes - 1``);
         the two swap slots.
-        Without this a lane whose member left for good (its registration and axon stay on chain) was
-        served by alternates, which do not train, for the rest of the run, while the miners that
-        joined sat in lanes nobody drives and never merged (churn benchmark, 2026-12-02). Returns
+        Without this a lane whose member left for good (its registration and axon stay on chain) would
+        be served by alternates, which do not train, for the rest of the run, while the miners that
+        joined sit in lanes nobody drives and never merge. Returns
         ``(stage, lane, old key, new key)`` per swap."""
         now = self.clock()
         out = []
@@ -217,8 +205,8 @@ class Router:
     def load_slot_table(self, table: Mapping[str, Sequence[Optional[Sequence]]]) -> None:
         """Restore a :meth:`slot_table` before the first :meth:`update`: members still registered
         keep their slots; departed ones leave holes that :meth:`update` fills as usual. Without it a
-        restarted validator handed each vacated lane back to its departed member, which took another
-        ``vacate_after_s`` of non-training alternates to undo (churn benchmark, 2026-12-02).
+        restarted validator would hand each vacated lane back to its departed member, which takes
+        another ``vacate_after_s`` of non-training alternates to undo.
 
         Raises ``ValueError`` on a malformed table (the caller starts from the uid order)."""
         slots: dict[int, list[Optional[Key]]] = {s: [] for s in range(self.n_stages)}

@@ -30,7 +30,7 @@ Key = tuple[int, str]
 
 def stage_flops(cfg: RunConfig) -> list[int]:
     """Training FLOPs per token of every stage (forward + backward), counted from the shapes alone
-    (:func:`iota_subnet.plan.stage_flops`: building an 8b stage on CPU to count them took ~32 GB)."""
+    (:func:`iota_subnet.plan.stage_flops`: building an 8b stage on CPU to count them takes ~32 GB)."""
     return [plan.stage_flops(cfg.model, cfg.pipeline, cfg.data.seq_len, s).train(False)
             for s in range(cfg.pipeline.stages)]
 
@@ -192,7 +192,7 @@ class ScoreEntry:
 @dataclass
 class Scoreboard:
     """Scores from verified work rates, so that equal verified work earns equal weight whatever the
-    timing, and stale scores cost weight (issue 10, item 7).
+    timing, and stale scores cost weight.
 
     Clock: one update per weights round (a tempo). An *active* tempo is one in which this validator
     credited any verified work (to anyone); windows count active tempos, so nothing slides while no

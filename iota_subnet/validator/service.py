@@ -60,7 +60,7 @@ from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
 from iota_subnet.data import DataError, build_dataset, fingerprints
-from iota_subnet.doctor.probe import PeerProbe
+from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.model import PipelineStage
 from iota_subnet.neuron_common import stop_signals
 from iota_subnet.telemetry import NeuronMetrics
@@ -87,6 +87,7 @@ from .control import ControlPlane
 from .lanes import OPEN_ENDED_STEPS, LaneStepResult
 from .peers import PeerView, alive_blocks_for, coordinating_validators, heartbeat_due, run_fingerprints
 from .routing import Router, discover
+from .reveals import PendingReveals
 from .scoring import Ledger, Scoreboard, stage_compute_shares, with_burn
 from .state import StateError, ValidatorState
 from .update_audit import UpdateAuditor
@@ -227,6 +228,8 @@ class ValidatorService:
         self.done = False
         self.weights_blocks: list[int] = []
         self.last_weights: dict[int, float] = {}
+        self.reveals = PendingReveals()      # commit-reveal: commits not yet seen revealed
+        self._fatal: Optional[ValidatorError] = None   # why a loop stopped the validator
         self.started = time.time()
         self.elapsed_offset = 0.0
         self.tokens_at_start = 0
@@ -305,15 +308,16 @@ class ValidatorService:
                     "validators coordinating: {} ({})", self.uid, self.hotkey[:10], o.netuid, o.run_id, o.run_epoch,
                     self.cfg.pipeline.stages, self.router.stage_counts(), len(self.validators), self.peers.summary())
 
-    def _check_version_key(self, hp: dict) -> None:
-        """Stop when the subnet requires a newer weights version key than this release sends."""
+    def _check_version_key(self, hp: dict, log: bool = True) -> None:
+        """Stop when the subnet requires a newer weights version key than this release sends
+        (at start and before every set of weights). Raises :class:`ValidatorError`."""
         required = int(hp.get("weights_version", 0) or 0)
         if self.opts.version_key < required:
             raise ValidatorError(
                 f"this validator (iota-subnet {__version__}) sends weights version key {self.opts.version_key}, but "
                 f"netuid {self.opts.netuid} requires weights_version {required}: the subnet moved to a newer release. "
                 "Update (git pull && make setup) and restart; the chain refuses weights with an older key")
-        if self.opts.version_key > required:
+        if self.opts.version_key > required and log:
             logger.info("weights version key {} (iota-subnet {}); the subnet requires at least {}",
                         self.opts.version_key, __version__, required)
 
@@ -498,21 +502,26 @@ class ValidatorService:
     async def maybe_set_weights(self) -> bool:
         """Set weights if a tempo (and the rate limit) has passed since the last set. True if set.
 
-        The uid owners are re-read just before (a uid that changed hands since it was scored gets
-        nothing), and the weights count as set only once the chain's state shows them (the
-        hotkey's ``last_update`` reached the extrinsic's block); otherwise the next check retries."""
+        The subnet's weights version is checked first (raises :class:`ValidatorError`, as at start,
+        when it rose above this release's key). The uid owners are re-read just before (a uid that
+        changed hands since it was scored gets nothing), and the weights count as set only once the
+        chain's state shows them (the hotkey's ``last_update`` reached the extrinsic's block);
+        otherwise the next check retries. With commit-reveal, committed weights count as set once
+        the chain has revealed them (:mod:`.reveals`; a True may confirm an earlier commit)."""
+        confirmed = await self._confirm_reveals()
         block = await self.chain.block()
-        last = self.weights_blocks[-1] if self.weights_blocks else None
+        last = max(self.weights_blocks[-1:] + [b for b in (self.reveals.last_block(),) if b is not None], default=None)
         every = max(self._tempo, self._rate_limit, 1)
         if last is not None and block - last < every:
-            return False
+            return confirmed
+        self._check_version_key(await self.chain.hyperparameters(self.opts.netuid), log=False)
         await self._merge_round()
         graph = await self.chain.metagraph(self.opts.netuid)       # owners now, not at the last sync
         self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
         weights = self.update_scores(block)
         await self._publish_merge_weights()
         if not weights:
-            return False
+            return confirmed
         uids = sorted(weights)
         vals = [weights[u] for u in uids]
         try:
@@ -520,19 +529,47 @@ class ValidatorService:
                                                    version_key=self.opts.version_key)
         except ChainError as e:
             logger.warning("set_weights refused at block {}: {}", block, e)
-            return False
+            return confirmed
         if not await self.chain.weights_landed(self.hotkey, self.opts.netuid, receipt):
             logger.warning("set_weights at block {}: the chain reported success but its state does not show the "
                            "weights (last_update is older than block {}); not recorded, retrying", block, receipt.block)
+            return confirmed
+        if receipt.commit_reveal:
+            self.reveals.add(receipt, dict(zip(uids, vals)), self.last_weights)
+            logger.info("weights committed at block {} for reveal at drand round {}; recorded once revealed",
+                        receipt.block, receipt.reveal_round)
+            return confirmed
+        self._record_weights(receipt.block, uids, vals)
+        return True
+
+    async def _confirm_reveals(self) -> bool:
+        """Record the committed weights the chain now shows revealed (True if any). A commit the chain
+        refused at its reveal is dropped with a warning, and the weights version is checked again (a
+        raised version makes the chain refuse reveals: stop). See :mod:`.reveals`."""
+        if not self.reveals.due():
             return False
-        block = receipt.block
+        pending = await self.chain.pending_commits(self.hotkey, self.opts.netuid)
+        row = dict(await self.chain.weights(self.opts.netuid)).get(self.uid)
+        revealed, refused = self.reveals.resolve(pending, row)
+        for c in refused:
+            logger.warning("weights committed at block {} (drand round {}) were not revealed: the chain refused "
+                           "them at the reveal or dropped them; not recorded as set", c.receipt.block,
+                           c.receipt.reveal_round)
+        if refused:
+            self._check_version_key(await self.chain.hyperparameters(self.opts.netuid), log=False)
+        if revealed is None:
+            return False
+        self._record_weights(revealed.receipt.block, list(revealed.weights), list(revealed.weights.values()))
+        return True
+
+    def _record_weights(self, block: int, uids: list[int], vals: list[float]) -> None:
+        """Weights the chain shows as set at ``block``: into the state, the status and the log."""
         self.weights_blocks.append(block)
         self.last_weights = dict(zip(uids, vals))
         self.state.log_weights(block, uids, vals)
         self.state.save_ledger(self.ledger)
         self._save_verification()
         logger.info("weights set at block {}: {}", block, {u: round(w, 4) for u, w in zip(uids, vals)})
-        return True
 
     async def _merge_round(self) -> None:
         """With merging on: collect the replicas' merge mismatch evidence and check every accusation
@@ -576,8 +613,8 @@ class ValidatorService:
 
     def _bar_flagged(self) -> None:
         """Bar newly flagged miners from routing (:meth:`.routing.Router.bar`) and save the flags at
-        once, so that a restarted validator bars them again (before, flags were saved with the next
-        weights set only)."""
+        once, so that a restarted validator bars them again (saved only with the next weights set, they
+        would be lost by a validator killed before it)."""
         new = self.router.bar(self._flagged())
         for uid, hk in new:
             r = self.router.get((uid, hk))
@@ -634,7 +671,14 @@ class ValidatorService:
             await self.driver.probe()
 
     async def _weights_round(self) -> None:
-        if await self.maybe_set_weights() and self.done and self.opts.exit_when_done:
+        try:
+            landed = await self.maybe_set_weights()
+        except ValidatorError as e:        # the subnet moved to a newer weights version: stop
+            logger.error("{}", e)
+            self._fatal = e
+            self.stop_event.set()
+            return
+        if landed and self.done and self.opts.exit_when_done:
             self.stop_event.set()
 
     async def _train(self) -> None:
@@ -718,6 +762,8 @@ class ValidatorService:
             if train.done() and train.exception() is not None:
                 raise train.exception()
             await self.stop_event.wait()
+            if self._fatal is not None:
+                raise self._fatal
         finally:
             self.stop_event.set()
             for t in loops:
@@ -836,10 +882,13 @@ class ValidatorService:
         return out
 
     def _burn_uid(self) -> Optional[int]:
-        """The burn uid for stale weight, or None: not set, not in the metagraph, or this validator's
-        own uid (Yuma drops self-weights and renormalises: that would not burn anything)."""
+        """The burn uid for stale weight, or None: not set or not in the metagraph. Who holds it does
+        not matter: when this validator holds it, the stale share goes on its own uid, so its weights
+        row shows the decay as any other validator's does (leaving it out let the chain renormalise
+        the stale weights back to full strength). Yuma drops self-weights from the epoch, so that
+        share then earns this validator nothing."""
         b = self.opts.burn_uid
-        if b is None or int(b) == self.uid or int(b) not in self.current:
+        if b is None or int(b) not in self.current:
             return None
         return int(b)
 

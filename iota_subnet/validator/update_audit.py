@@ -1,4 +1,4 @@
-"""Validator side of update audits (issue 10, item 4): pick rows of a committed inner step, fetch
+"""Validator side of update audits: pick rows of a committed inner step, fetch
 them with proofs, recompute AdamW, decide.
 
 A miner's :class:`~iota_subnet.protocol.UpdateCommit` reaches the validator with its receipts
@@ -43,8 +43,8 @@ HTTP_HEADER_BYTES = 1024
 
 #: The code of an update audit answered for a later commitment of the audited step (same inner step
 #: and merge count, other roots, a later ``at``): the miner did the step again. A killed miner
-#: whose new process resumed from before that step does exactly this (churn run of 2026-12-03: an
-#: audit asked of the old process was answered, at its last re-ask, by the new one). It is an
+#: whose new process resumed from before that step does exactly this (an audit asked of the old
+#: process may be answered, at a re-ask, by the new one). It is an
 #: answer that does not verify, so it counts as ``failed`` unless the miner announced a restart
 #: between the two commitments (then it is work from before the restart, excused within the policy's
 #: bound: :mod:`.audit_policy`).
@@ -74,7 +74,7 @@ class AuditResult:
 class UpdateAuditor:
     """Plans and checks update audits for one run. ``total_steps``: the inner-step schedule length
     miners use (for the expected learning rate; None: the rate is not checked); ``rows``: rows opened
-    per audit (default 1, was 2 until 2026-12-01: a wrong update of every row, what skipping or
+    per audit (default 1 rather than 2: a wrong update of every row, what skipping or
     faking the optimizer step gives, fails every audit either way; one confined to a fraction f of
     the rows fails with probability ~f per audit instead of ~2f, the same trade as one token per hop
     audit, ``docs/hop-audit.md``, "Detection"; 13-19 kB less per audit on ``tiny``); ``rng``:

@@ -1,4 +1,4 @@
-"""Peer probes for ``iota-subnet doctor``: two unauthenticated GET routes every neuron serves, and
+"""Peer probes (used by ``iota-subnet doctor``): two unauthenticated GET routes every neuron serves, and
 their clients.
 
 * ``GET /ops/reach?port=P``: the serving neuron opens a TCP connection back to the *caller's*

@@ -1,0 +1,263 @@
+"""One merge attempt seen from a participant: scatter, gather + verify, apply all-or-nothing.
+
+:class:`AllReduceAttempt` is a part of :class:`~iota_subnet.merge.engine.MergeEngine`
+(steps 3-6 of the engine's module docstring):
+
+* **scatter**: the pseudo-gradient ``anchor - weights`` (host float32 [P]) is cut by the plan and
+  quantized; each slice streams, chunk by chunk, to both reducers of its shard;
+* **gather + verify**: for every shard the mean is fetched chunk by chunk from one reducer and its
+  hash from the other; equal hashes (and chunks matching them) accept the shard;
+* **third-party recompute** (:meth:`AllReduceAttempt._recompute`): when the reducers disagree, every
+  participant's chunks are fetched, the mean recomputed and used, and evidence naming the reducer(s)
+  whose hash differs is recorded (``engine.reports``, for validators);
+* **apply**: with every shard verified, weights, anchor and momentum are replaced together.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.protocol import (MergeAck, MergePayload, MergeResult, MergeResultRequest, Outcome, ProtocolError,
+                                  tensor_sha256)
+from iota_subnet.protocol.codec import host_bytes
+from iota_subnet.utils.progress import Progress
+
+from .outer import dequantize, outer_step, quantize, weighted_mean
+from .plan import MergePlan
+from .serve import _Session, _ShardReduce
+
+if TYPE_CHECKING:
+    from .report import MergeReport
+
+
+def sha256_of(chunks: Iterable[torch.Tensor]) -> str:
+    """sha256 of the concatenated raw bytes of ``chunks`` (equals ``tensor_sha256(torch.cat(chunks))``)."""
+    h = hashlib.sha256()
+    for x in chunks:
+        for view in host_bytes(x):
+            h.update(view)
+    return h.hexdigest()
+
+
+class AllReduceAttempt:
+    """:meth:`_allreduce` (one attempt) of :class:`~iota_subnet.merge.engine.MergeEngine` and its
+    third-party recompute (see the module docstring)."""
+
+    async def _allreduce(self, plan: MergePlan, rep: MergeReport) -> tuple[bool, list[str], str]:
+        """One attempt. Returns (applied, replicas to exclude next time, reason)."""
+        sess = self._session(plan.epoch, plan.attempt, plan.plan_id)
+        current = await asyncio.to_thread(self.params.read)        # host float32 [P]
+        delta = self.anchor - current
+        carry = current if self.cfg.overlap else None              # the overlapped apply adds progress since now
+        del current
+        quant, block = self.cfg.quantization, self.cfg.int8_block
+        mine = plan.shards_of(self.me)
+        sess.plan = plan                                           # from here contributions are accepted
+        for s in mine:
+            sess.reduce[s] = _ShardReduce(plan.chunks(s), plan.participants)
+        for s in range(plan.num_shards):
+            parts = []
+            for c, (off, n) in enumerate(plan.chunks(s)):
+                q, sc = quantize(delta[off:off + n], quant, block)
+                parts.append(dequantize(q, sc, quant, block))
+                sess.mine_wire[(s, c)] = (q, sc)
+            sess.mine[s] = parts
+        claims: dict[int, dict] = {}
+        if self.observer is not None:                              # signed contribution claims (merge/claims.py)
+            claims = await asyncio.to_thread(self.observer.on_contributions, plan,
+                                             {s: torch.cat(parts) for s, parts in sess.mine.items()}, [])
+        sess.planned.set()
+        self._adopt_raw(sess)
+        for s in mine:
+            for c, x in enumerate(sess.mine[s]):
+                self._accept(sess, self.me, s, c, plan.chunks(s)[c][0], x)
+
+        async def stream(r: str, s: int):
+            """Chunks of my slice of shard ``s`` to reducer ``r``, in order, one at a time."""
+            chunks = plan.chunks(s)
+            try:
+                for c, (off, _) in enumerate(chunks):
+                    q, sc = sess.mine_wire[(s, c)]
+                    await self._call(r, "/merge/contribute", MergePayload(
+                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
+                        plan_id=plan.plan_id, shard_index=s, num_shards=plan.num_shards, chunk=c,
+                        num_chunks=len(chunks), offset=off, total_numel=plan.total_numel,
+                        weight=plan.weight(self.me), quant=quant, shard=q, scales=sc,
+                        info={"claim": claims[s]} if s in claims else {}), MergeAck)
+                return None
+            except Exception as e:  # noqa: BLE001 - a refusal or an unreachable peer
+                return r, e
+        streams = [(r, s) for s in range(plan.num_shards) for r in dict.fromkeys(plan.reducers[s]) if r != self.me]
+        reducers = asyncio.gather(*(self._reduce(sess, s) for s in mine))
+        send_res = await asyncio.gather(*(stream(r, s) for r, s in streams))
+        unreachable: set[str] = set()
+        late = False
+        for item in send_res:
+            if item is None:
+                continue
+            r, e = item
+            if isinstance(e, ProtocolError) and e.outcome == Outcome.LATE:
+                late = True
+            else:
+                unreachable.add(r)
+            logger.warning(f"merge: contribution to {r[:10]} failed: {e}")
+        await reducers
+        if late:
+            return False, [], "a reducer refused as LATE (it merged or closed this attempt)"
+
+        # gather + verify, applying the outer step chunk by chunk into the new anchor and momentum
+        new_anchor = torch.empty_like(self.anchor)
+        new_momentum = torch.empty_like(self.momentum)
+        done: set[int] = set()
+        missing: set[str] = set(unreachable)
+        reasons: list[str] = []
+
+        def apply_chunk(off: int, mean: torch.Tensor) -> None:
+            n = mean.numel()
+            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
+                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
+            new_anchor[off:off + n] = new
+            new_momentum[off:off + n] = mom
+
+        async def result(r: str, s: int, c: int, with_tensor: bool) -> Any:
+            try:
+                return await self._call(r, "/merge/result", MergeResultRequest(
+                    run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt, plan_id=plan.plan_id,
+                    shard_index=s, chunk=c, with_tensor=with_tensor), MergeResult)
+            except Exception as e:  # noqa: BLE001
+                return e
+
+        async def gather_one(s: int) -> None:
+            a, b = plan.reducers[s]
+            chunks = plan.chunks(s)
+            claims: dict[str, MergeResult] = {}
+            got: dict[str, Any] = {}
+            served_h = hashlib.sha256()
+            chunks_ok = True
+            if self.me in (a, b):
+                mine_res = sess.results.get(s)
+                if mine_res is None or mine_res.status != "ok":
+                    missing.update(mine_res.missing if mine_res is not None else [])
+                    reasons.append(f"shard {s}: incomplete here")
+                    return
+                claims[self.me] = mine_res
+                prim = self.me
+                other = [r for r in (a, b) if r != self.me]
+                if other:
+                    got[other[0]] = await result(other[0], s, 0, False)
+                for (off, _), mean in zip(chunks, sess.honest[s]):
+                    apply_chunk(off, mean)
+                served_digest = mine_res.mean_sha256
+            else:
+                prim = plan.primary_for(self.me, s)
+                sec = b if prim == a else a
+                first, got[sec] = await asyncio.gather(result(prim, s, 0, True), result(sec, s, 0, False))
+                got[prim] = first
+                served_digest = None
+                if isinstance(first, MergeResult) and first.status == "ok":
+                    hashes = list(first.chunk_sha256)
+                    chunks_ok = len(hashes) == len(chunks)
+                    reply = first
+                    for c, (off, n) in enumerate(chunks):
+                        if c:
+                            reply = await result(prim, s, c, True)
+                            if not isinstance(reply, MergeResult):
+                                got[prim] = reply           # unreachable mid-way
+                                break
+                        m = reply.mean
+                        if m is None or m.dtype != torch.float32 or m.numel() != n:
+                            chunks_ok = False
+                            break
+                        for view in host_bytes(m):
+                            served_h.update(view)
+                        if not chunks_ok or tensor_sha256(m) != hashes[c]:
+                            chunks_ok = False
+                            continue                    # keep hashing what it serves (evidence), apply nothing
+                        apply_chunk(off, m)
+                    else:
+                        served_digest = served_h.hexdigest()
+            for r, res in got.items():
+                if isinstance(res, MergeResult):
+                    if res.status != "ok":
+                        missing.update(res.missing)
+                        reasons.append(f"shard {s}: {r[:10]} incomplete")
+                        return
+                    claims[r] = res
+                else:
+                    missing.add(r)
+                    reasons.append(f"shard {s}: {r[:10]} unreachable ({type(res).__name__})")
+                    return
+            hashes = {r: c.mean_sha256 for r, c in claims.items()}
+            agree = len(set(hashes.values())) == 1 and len({(tuple(c.contributors), tuple(c.weights))
+                                                             for c in claims.values()}) == 1
+            if agree and chunks_ok and served_digest == next(iter(hashes.values())):
+                done.add(s)
+                return
+            # mismatch: recompute as a third party from every participant's chunks
+            recomputed = await self._recompute(plan, sess, s)
+            if recomputed is None:
+                missing.update(r for r in (a, b) if r != self.me)
+                reasons.append(f"shard {s}: mismatch and contributions unavailable")
+                return
+            digest = sha256_of(recomputed)
+            served = {} if prim == self.me else {prim: served_digest or served_h.hexdigest()}
+            wrong = sorted(r for r in (a, b) if hashes.get(r) != digest or served.get(r, digest) != digest)
+            ev = {"epoch": plan.epoch, "attempt": plan.attempt, "plan_id": plan.plan_id, "shard": s,
+                  "reducers": [a, b], "claimed_sha256": hashes, "served_sha256": served, "recomputed_sha256": digest,
+                  "wrong": wrong, "reporter": self.me, "stage": self.stage, "run_id": self.run_id,
+                  "contribution_sha256": {r: dict(zip(c.contributors, c.contribution_sha256)) for r, c in claims.items()},
+                  "results": {r: dict(c.info) for r, c in claims.items() if c.info},   # reducers' signed claims
+                  "time": time.time()}
+            self.reports.append(ev)
+            rep.mismatches.append(ev)
+            logger.warning(f"merge epoch {plan.epoch} shard {s}: reducers disagree; recomputed, wrong: "
+                           f"{[w[:10] for w in wrong]}")
+            for (off, _), mean in zip(chunks, recomputed):
+                apply_chunk(off, mean)
+            done.add(s)
+
+        prog = Progress(4 * sum(plan.bounds[s][1] for s in range(plan.num_shards)), f"merge epoch {plan.epoch}: "
+                        "gather", "B", unit_scale=True, min_total=64 << 20)
+
+        async def gather_counted(s: int) -> None:
+            await gather_one(s)
+            prog.update(4 * plan.bounds[s][1])
+        with prog:
+            await asyncio.gather(*(gather_counted(s) for s in range(plan.num_shards)))
+        if len(done) != plan.num_shards:
+            return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
+
+        # all or nothing: one write under the worker lock
+        await asyncio.to_thread(self.params.write, new_anchor, carry)
+        self.anchor, self.momentum, self.merged_epoch = new_anchor, new_momentum, plan.epoch
+        rep.weights_sha256 = tensor_sha256(new_anchor)
+        return True, [], ""
+
+    async def _recompute(self, plan: MergePlan, sess: _Session, s: int) -> Optional[list[torch.Tensor]]:
+        """Third-party check: fetch shard ``s`` of every participant's pseudo-gradient chunk by chunk and
+        recompute the mean (a list of chunks), or None when a participant cannot provide its chunks."""
+        out = []
+        for c, (off, n) in enumerate(plan.chunks(s)):
+            slices: dict[str, torch.Tensor] = {self.me: sess.mine[s][c]}
+
+            async def get(p: str):
+                try:
+                    m = await self._call(p, "/merge/contribution", MergeResultRequest(
+                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
+                        plan_id=plan.plan_id, shard_index=s, chunk=c), MergePayload)
+                    x = dequantize(m.shard, m.scales, m.quant, self.cfg.int8_block)
+                    if m.quant != self.cfg.quantization or (m.offset, x.numel()) != (off, n):
+                        return
+                    slices[p] = x
+                except Exception as e:  # noqa: BLE001
+                    logger.debug(f"merge: contribution fetch from {p[:10]} failed: {e}")
+            await asyncio.gather(*(get(p) for p in plan.participants if p != self.me))
+            if len(slices) != len(plan.participants):
+                return None
+            out.append(weighted_mean([(plan.weight(p), slices[p]) for p in plan.participants]))
+        return out

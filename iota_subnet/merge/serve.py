@@ -1,0 +1,275 @@
+"""The reducer side of a merge: a replica's answers to its stage peers' ``/merge/*`` requests.
+
+:class:`MergeServing` is a part of :class:`~iota_subnet.merge.engine.MergeEngine` (the engine
+holds the state it reads: ``sessions``, ``anchor``, ``momentum``, ``cfg``, ...):
+
+* ``/merge/join``: this replica's readiness (epoch, attempt, merged state, work in the window);
+* ``/merge/contribute``: a participant's chunk of a shard this replica reduces; checked (shape,
+  quantization, finite values, plan membership, chunk order), buffered and reduced in order as soon
+  as every participant's chunk is there (weighted mean, then the outer step); acknowledged with
+  backpressure (:data:`STREAM_WINDOW`);
+* ``/merge/result``: the reduced mean of a shard, its hash and its chunks' hashes;
+* ``/merge/contribution``: this replica's own chunk of a shard, for a third party's recompute.
+
+Refusals raise :class:`~iota_subnet.protocol.ProtocolError` (``LATE`` for a closed or merged
+epoch, ``BUSY`` past :data:`MAX_SESSIONS`, ``FORBIDDEN``, ``BAD_SHAPE``, ...).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Iterable, Optional
+
+import torch
+from loguru import logger
+
+from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult, MergeResultRequest, Message,
+                                  Outcome, ProtocolError, payload_nbytes)
+from iota_subnet.protocol.codec import host_bytes
+
+from .outer import dequantize, outer_step, weighted_mean
+from .plan import MergePlan
+
+#: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
+MAX_SESSIONS = 6
+#: Chunks a contributor may run ahead of a shard's reduced chunks before the reducer delays its acks.
+STREAM_WINDOW = 2
+
+
+class _ShardReduce:
+    """A reducer's state for one shard: chunks streaming in from every participant, reduced in order."""
+
+    def __init__(self, chunks: list[tuple[int, int]], participants: Iterable[str]):
+        self.chunks = chunks
+        self.inbox: dict[int, dict[str, torch.Tensor]] = {}     # chunk -> sender -> float32 values
+        self.got: dict[str, int] = {p: 0 for p in participants}  # chunks received per sender (in order)
+        self.contribution_h = {p: hashlib.sha256() for p in self.got}
+        self.reduced = 0                                        # chunks reduced so far
+        self.means: list[torch.Tensor] = []
+        self.shard_h, self.momentum_h = hashlib.sha256(), hashlib.sha256()
+        self.progress = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.reduced >= len(self.chunks)
+
+
+class _Session:
+    """State of one (epoch, attempt, plan) on this replica."""
+
+    def __init__(self, epoch: int, attempt: int, plan_id: str):
+        self.epoch, self.attempt, self.plan_id = epoch, attempt, plan_id
+        self.plan: Optional[MergePlan] = None
+        self.planned = asyncio.Event()
+        self.reduce: dict[int, _ShardReduce] = {}                # shards this replica reduces
+        self.raw: list[tuple[str, MergePayload]] = []            # arrived before our plan existed
+        self.mine: dict[int, list[torch.Tensor]] = {}            # my (dequantized) chunks per shard
+        self.mine_wire: dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.results: dict[int, MergeResult] = {}                # header of each result (no tensor)
+        self.honest: dict[int, list[torch.Tensor]] = {}          # means computed here (before any tamper hook)
+        self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
+        self.result_ready: dict[int, asyncio.Event] = {}
+        self.closed = False
+        self.created = time.monotonic()
+
+    def ready_event(self, s: int) -> asyncio.Event:
+        return self.result_ready.setdefault(s, asyncio.Event())
+
+
+class MergeServing:
+    """The ``/merge/*`` routes of :class:`~iota_subnet.merge.engine.MergeEngine` (see the module docstring)."""
+
+    async def handle(self, route: str, msg: Message, caller: str) -> Message:
+        """Serve a peer's merge request (``route`` in ``/merge/join``, ``/merge/contribute``,
+        ``/merge/result``, ``/merge/contribution``). Raises ProtocolError for refusals. Tensor bytes
+        served and received here count in this replica's merge byte totals."""
+        reply = await self._handle(route, msg, caller)
+        self._count(payload_nbytes(reply), payload_nbytes(msg))
+        return reply
+
+    async def _handle(self, route: str, msg: Message, caller: str) -> Message:
+        if route == "/merge/join":
+            return self._on_join(msg)
+        if route == "/merge/contribute":
+            ack = self._on_contribute(msg, caller)
+            await self._throttle(msg)
+            return ack
+        if route == "/merge/result":
+            return await self._on_result(msg, caller)
+        if route == "/merge/contribution":
+            return self._on_contribution(msg, caller)
+        raise ProtocolError(Outcome.UNKNOWN_ROUTE, f"no merge route {route}")
+
+    def _on_join(self, msg: MergeJoin) -> MergeJoin:
+        cur = self.current
+        return MergeJoin(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=max(self.attempt_now, 0),
+                         ready_epoch=self.ready_epoch, merged_epoch=self.merged_epoch,
+                         closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
+                                                                 if a >= self.cfg.max_attempts]),
+                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync, work=self.ready_work,
+                         inner_step=self._inner_step())
+
+    def _late(self, epoch: int, attempt: int) -> bool:
+        return epoch <= self.merged_epoch or self.closed_epochs.get(epoch, -1) >= attempt
+
+    def _session(self, epoch: int, attempt: int, plan_id: str) -> _Session:
+        key = (epoch, attempt, plan_id)
+        sess = self.sessions.get(key)
+        if sess is None:
+            if len(self.sessions) >= MAX_SESSIONS:
+                self._prune()
+            if len(self.sessions) >= MAX_SESSIONS:
+                raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} merge sessions open")
+            sess = self.sessions[key] = _Session(epoch, attempt, plan_id)
+        return sess
+
+    def _prune(self) -> None:
+        # A finished attempt's results stay served for a while: a slower peer may still be gathering.
+        for key, sess in list(self.sessions.items()):
+            if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s
+                                                                                     + self.cfg.phase_timeout_s):
+                sess.closed = True
+                del self.sessions[key]
+
+    def _on_contribute(self, msg: MergePayload, caller: str) -> MergeAck:
+        if self._late(msg.epoch, msg.attempt):
+            raise ProtocolError(Outcome.LATE, f"merge epoch {msg.epoch} attempt {msg.attempt} is closed "
+                                              f"(merged epoch {self.merged_epoch}); pull the merged weights")
+        if msg.total_numel != self.params.numel:
+            raise ProtocolError(Outcome.BAD_SHAPE, f"total_numel {msg.total_numel} != this stage's {self.params.numel}")
+        if msg.quant != self.cfg.quantization:
+            raise ProtocolError(Outcome.MALFORMED, f"quantization {msg.quant!r}, this run uses {self.cfg.quantization!r}")
+        if msg.shard.dim() != 1 or not (0 <= msg.offset and msg.offset + msg.shard.numel() <= msg.total_numel):
+            raise ProtocolError(Outcome.BAD_SHAPE, f"slice [{msg.offset}, +{msg.shard.numel()}) outside [0, {msg.total_numel})")
+        if msg.shard.numel() > self.cfg.chunk_numel:
+            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk of {msg.shard.numel()} values > merge.chunk_numel "
+                                                   f"{self.cfg.chunk_numel}")
+        if not msg.plan_id or len(msg.plan_id) > 64:
+            raise ProtocolError(Outcome.MALFORMED, "plan_id missing or too long")
+        try:
+            x = dequantize(msg.shard, msg.scales, msg.quant, self.cfg.int8_block)
+        except ValueError as e:
+            raise ProtocolError(Outcome.BAD_DTYPE, str(e)) from None
+        if not bool(torch.isfinite(x).all()):
+            raise ProtocolError(Outcome.NON_FINITE, "dequantized slice holds NaN or inf")
+        if self.observer is not None:
+            self.observer.on_contribution_in(caller, msg, x)
+        sess = self._session(msg.epoch, msg.attempt, msg.plan_id)
+        if sess.plan is None:
+            if len(sess.raw) > 4 * 64:
+                raise ProtocolError(Outcome.BUSY, "too many early contributions")
+            sess.raw.append((caller, msg))
+        else:
+            self._accept(sess, caller, msg.shard_index, msg.chunk, msg.offset, x)
+        return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
+
+    async def _throttle(self, msg: MergePayload) -> None:
+        """Backpressure: acknowledge chunk ``c`` only once this replica has a plan for it and the shard's
+        reduced chunks are at most :data:`STREAM_WINDOW` behind (or the phase deadline passes)."""
+        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
+        if sess is None:
+            return
+        deadline = time.monotonic() + self.cfg.phase_timeout_s
+        try:
+            await asyncio.wait_for(sess.planned.wait(), timeout=self.cfg.phase_timeout_s)
+        except asyncio.TimeoutError:
+            return
+        red = sess.reduce.get(msg.shard_index)
+        while red is not None and red.reduced < msg.chunk - STREAM_WINDOW + 1 and not sess.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            red.progress.clear()
+            try:
+                await asyncio.wait_for(red.progress.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                return
+
+    def _accept(self, sess: _Session, sender: str, s: int, c: int, offset: int, x: torch.Tensor) -> None:
+        plan = sess.plan
+        if sender not in plan.participants:
+            raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} is not in plan {plan.plan_id}")
+        if not 0 <= s < plan.num_shards or s not in sess.reduce:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {s} of plan {plan.plan_id}")
+        red = sess.reduce[s]
+        if not 0 <= c < len(red.chunks) or (offset, x.numel()) != red.chunks[c]:
+            raise ProtocolError(Outcome.BAD_SHAPE, f"chunk {c} of shard {s} is {red.chunks[c] if 0 <= c < len(red.chunks) else 'none'} "
+                                                   f"(offset, numel), got ({offset}, {x.numel()})")
+        got = red.got[sender]
+        if c < got:                                    # a resent chunk: must repeat the first one
+            prev = red.inbox.get(c, {}).get(sender)
+            if prev is not None and not torch.equal(prev, x):
+                raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} sent two different chunks {c} for shard {s}")
+            return
+        if c > got:
+            raise ProtocolError(Outcome.MALFORMED, f"chunk {c} of shard {s} before chunk {got}: chunks go in order")
+        red.inbox.setdefault(c, {})[sender] = x
+        red.got[sender] = c + 1
+        for view in host_bytes(x):
+            red.contribution_h[sender].update(view)
+        self._advance(sess, s)
+
+    def _advance(self, sess: _Session, s: int) -> None:
+        """Reduce the shard's complete chunks, in order."""
+        plan, red = sess.plan, sess.reduce[s]
+        order = plan.participants
+        while not red.done and len(red.inbox.get(red.reduced, {})) == len(order):
+            c = red.reduced
+            box = red.inbox.pop(c)
+            off, n = red.chunks[c]
+            mean = weighted_mean([(plan.weight(p), box[p]) for p in order])
+            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
+                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
+            for h, t in ((red.shard_h, new), (red.momentum_h, mom)):
+                for view in host_bytes(t):
+                    h.update(view)
+            red.means.append(mean)
+            red.reduced += 1
+        red.progress.set()
+
+    def _adopt_raw(self, sess: _Session) -> None:
+        for sender, msg in sess.raw:
+            try:
+                x = dequantize(msg.shard, msg.scales, msg.quant, self.cfg.int8_block)
+                self._accept(sess, sender, msg.shard_index, msg.chunk, msg.offset, x)
+            except (ProtocolError, ValueError) as e:
+                logger.warning(f"merge: early contribution from {sender[:10]} dropped: {e}")
+        sess.raw.clear()
+
+    async def _on_result(self, msg: MergeResultRequest, caller: str) -> MergeResult:
+        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
+        if sess is None:
+            if self._late(msg.epoch, msg.attempt):
+                raise ProtocolError(Outcome.LATE, f"merge epoch {msg.epoch} attempt {msg.attempt} is closed")
+            raise ProtocolError(Outcome.NOT_READY, f"no merge session for plan {msg.plan_id}")
+        ev = sess.ready_event(msg.shard_index)
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=self.cfg.phase_timeout_s)
+        except asyncio.TimeoutError:
+            raise ProtocolError(Outcome.NOT_READY, f"shard {msg.shard_index} not reduced yet") from None
+        res = sess.results.get(msg.shard_index)
+        if res is None:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")
+        served = sess.served.get(msg.shard_index)
+        if not msg.with_tensor or served is None:
+            return res
+        if not 0 <= msg.chunk < len(served):
+            raise ProtocolError(Outcome.BAD_SHAPE, f"shard {msg.shard_index} has {len(served)} chunks, not {msg.chunk}")
+        return MergeResult(**{**res.__dict__, "chunk": msg.chunk, "mean": served[msg.chunk]})
+
+    def _on_contribution(self, msg: MergeResultRequest, caller: str) -> MergePayload:
+        sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
+        key = (msg.shard_index, msg.chunk)
+        if sess is None or sess.plan is None or key not in sess.mine_wire:
+            raise ProtocolError(Outcome.NOT_READY, f"no contribution for plan {msg.plan_id} shard {msg.shard_index} "
+                                                   f"chunk {msg.chunk}")
+        if caller not in sess.plan.participants:
+            raise ProtocolError(Outcome.FORBIDDEN, "only participants of the plan may fetch contributions")
+        q, sc = sess.mine_wire[key]
+        chunks = sess.plan.chunks(msg.shard_index)
+        return MergePayload(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=msg.attempt,
+                            plan_id=msg.plan_id, shard_index=msg.shard_index, num_shards=sess.plan.num_shards,
+                            chunk=msg.chunk, num_chunks=len(chunks), offset=chunks[msg.chunk][0],
+                            total_numel=sess.plan.total_numel, weight=sess.plan.weight(self.me),
+                            quant=self.cfg.quantization, shard=q, scales=sc)

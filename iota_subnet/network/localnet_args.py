@@ -1,0 +1,63 @@
+"""Checks of ``iota-subnet localnet``'s arguments, and what they turn into (config, neuron arguments).
+
+Both raise :class:`~iota_subnet.config.ConfigError` for arguments that do not fit together.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from loguru import logger
+
+from iota_subnet.config import ConfigError, RunConfig, load_config
+
+
+def localnet_config(config: str, overrides: Optional[dict], *, stages: int, replicas: int, validators: int,
+                    steps: int, adversary: Optional[str]) -> RunConfig:
+    """The run's config: ``config`` (a YAML path) with ``overrides`` (``{section: {key: value}}``),
+    ``--stages`` and ``--steps`` applied; ``--adversary poison`` turns merges on (every 5 inner steps)
+    when the config has none. Raises ConfigError for counts below 1, an unknown adversary kind, or
+    ``poison`` with fewer than 3 replicas."""
+    if stages < 1 or replicas < 1 or validators < 1:
+        raise ConfigError("--stages, --replicas and --validators must each be >= 1")
+    ovr = {k: dict(v) for k, v in (overrides or {}).items()}
+    ovr.setdefault("pipeline", {})["stages"] = stages
+    ovr.setdefault("train", {})["total_steps"] = steps
+    cfg = load_config(config, ovr)
+    if adversary is not None:
+        from iota_subnet.miner.adversary import ADVERSARY_KINDS
+        if adversary not in ADVERSARY_KINDS:
+            raise ConfigError(f"unknown --adversary {adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
+        if adversary == "poison" and replicas < 3:
+            raise ConfigError("--adversary poison needs --replicas 3 or more: a poisoning reducer is penalised "
+                              "when two other replicas of its stage prove it wrong (with two replicas either "
+                              "one could be lying)")
+    if adversary == "poison" and not cfg.merge.enabled:
+        # merge-shard poisoning needs merges: every 5 inner steps unless the config says otherwise
+        ovr.setdefault("merge", {})["every_steps"] = 5
+        cfg = load_config(config, ovr)
+        logger.info("--adversary poison: merging every 5 inner steps (merge.every_steps)")
+    return cfg
+
+
+def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], gpu_mem: Optional[float],
+                   time_scale: float) -> tuple[str, Optional[dict], list[str], list[str]]:
+    """Check ``--link`` / ``--emulate-gpu`` / ``--mfu`` / ``--gpu-mem`` / ``--time-scale`` (ConfigError) and
+    turn them into (link, emulation summary or None, miner argv, validator argv). Emulated miners hold no
+    weights, so the validator's replays and CLASP probes are turned off with them."""
+    from iota_subnet.hardware import DEFAULT_MFU
+    from iota_subnet.miner.emulated import emulation_from_args
+    from iota_subnet.transport.shaping import parse_link
+    spec = parse_link(link)
+    emu = emulation_from_args(emulate_gpu, DEFAULT_MFU if mfu is None else mfu, time_scale, gpu_mem)
+    if emu is None and (mfu is not None or gpu_mem is not None):
+        raise ConfigError("--mfu and --gpu-mem describe an emulated GPU: add --emulate-gpu")
+    if not time_scale > 0:
+        raise ConfigError(f"--time-scale {time_scale!r} must be > 0")
+    common = ["--link", str(spec), "--time-scale", repr(float(time_scale))]
+    miner, validator = list(common), list(common)
+    if emu is not None:
+        miner += ["--emulate-gpu", str(emulate_gpu), "--mfu", repr(emu.mfu)]
+        if gpu_mem is not None:
+            miner += ["--gpu-mem", repr(float(gpu_mem))]
+        validator += ["--clasp-interval", "0", "--no-audits"]
+    return str(spec), (emu.to_json() if emu is not None else None), miner, validator
