@@ -17,8 +17,8 @@ import bittensor as bt
 import pytest
 import websockets
 
-from iota_subnet.chain import ChainError, ChainTimeout, create_devnet
-from iota_subnet.chain.devnet import DevnetSubstrate
+from iota_subnet.chain import ChainError, ChainTimeout
+from iota_subnet.devnet import DevnetSubstrate, create_devnet
 from iota_subnet.chain.sdk import SdkChain
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService

@@ -10,8 +10,9 @@ from bittensor import calls
 from bittensor.result import ChainError as SdkChainError
 from bittensor.result import ErrorCode
 
-from iota_subnet.chain import NotRegisteredError, create_devnet, metagraph_json, metagraph_rows, open_chain
-from iota_subnet.chain.devnet import DevnetSubstrate, add_stake, epoch_log, fund, set_hyperparameter
+from iota_subnet.chain import NotRegisteredError, metagraph_json, open_chain
+from iota_subnet.devnet import (DevnetSubstrate, add_stake, create_devnet, epoch_log, fund, metagraph_rows,
+                                open_devnet, set_hyperparameter)
 from iota_subnet.chain.interface import ChainError
 
 NETUID = 9
@@ -121,7 +122,7 @@ def test_sdk_flow_register_serve_stake_weights_epoch(db, wallets):
 
 def test_chain_interface_and_commitments(db, wallets):
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         try:
             reg = await chain.register(wallets[0], NETUID)
             assert reg.uid == 0 and reg.cost_tao == pytest.approx(1.0) and not reg.already
@@ -161,7 +162,7 @@ def test_open_chain_errors(tmp_path, tmp_home):
     with pytest.raises(ChainError, match="--chain-db"):
         run(open_chain("devnet"))
     with pytest.raises(ChainError, match="does not exist"):
-        run(open_chain("devnet", tmp_path / "missing.db"))
+        run(open_devnet(tmp_path / "missing.db"))
     with pytest.raises(ChainError, match="unknown network"):
         run(open_chain("mainnet-ish"))
 
@@ -227,8 +228,7 @@ def test_registration_needs_funds_without_faucet(tmp_path, wallets):
 def test_halted_devnet_keeps_its_block_and_resumes_where_it_stopped(tmp_path):
     import time as _time
 
-    from iota_subnet.chain import create_devnet, halt_devnet, resume_devnet
-    from iota_subnet.chain.devnet import DevnetState
+    from iota_subnet.devnet import DevnetState, create_devnet, halt_devnet, resume_devnet
     db = tmp_path / "halt.db"
     create_devnet(db, 9, tempo=5, block_time=0.1)
     _time.sleep(0.35)

@@ -15,10 +15,9 @@ from contextlib import redirect_stdout
 import bittensor_core
 import pytest
 
-from iota_subnet.chain import (NotRegisteredError, RateLimitedError, RegistrationCostError, add_stake, create_devnet,
-                               open_chain)
-from iota_subnet.chain.devnet import (DevnetState, RevealedWeights, decode_tlock_payload, drand_decryptor,
-                                      set_hyperparameter)
+from iota_subnet.chain import NotRegisteredError, RateLimitedError, RegistrationCostError
+from iota_subnet.devnet import (DevnetState, RevealedWeights, add_stake, create_devnet, decode_tlock_payload,
+                                drand_decryptor, open_devnet, set_hyperparameter)
 from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, load_config
 from iota_subnet.miner.service import MinerService
@@ -64,7 +63,7 @@ def test_devnet_enforces_serving_and_commitment_space_limits(tmp_home, tmp_path)
     w = create_wallet("m", "default", tmp_home / "wallets")
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         try:
             await chain.register(w, NETUID)
             await chain.serve(w, NETUID, "10.0.0.1", 9000)
@@ -95,7 +94,7 @@ def test_miner_restart_inside_the_rate_limits_neither_crashes_nor_republishes(tm
     w = create_wallet("m", "default", tmp_home / "wallets")
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         await chain.register(w, NETUID)
 
         def miner():
@@ -147,7 +146,7 @@ def test_publisher_backs_off_on_rate_limits(tmp_home, tmp_path):
     now = [1000.0]
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         try:
             await chain.register(w, NETUID)
             await chain.serve(w, NETUID, "10.0.0.1", 9000)
@@ -205,7 +204,7 @@ def test_register_never_burns_more_than_accepted_and_goes_through_the_shield(tmp
     db = create_devnet(tmp_path / "c.db", NETUID, tempo=1000, block_time=0.1, burn_tao=1.0, auto_fund_tao=0,
                        registration_requires_shield=True)
     w = create_wallet("m", "default", tmp_home / "wallets")
-    from iota_subnet.chain import fund
+    from iota_subnet.devnet import fund
     fund(db, w.coldkey.ss58_address, 100)
     common = ["register", "--wallet-name", "m", "--wallet-hotkey", "default", "--wallet-path",
               str(tmp_home / "wallets"), "--chain-db", str(db), "--netuid", str(NETUID)]
@@ -215,7 +214,7 @@ def test_register_never_burns_more_than_accepted_and_goes_through_the_shield(tmp
     assert _balance(db, w.coldkey.ss58_address) == 100 * 10**9
 
     async def race():      # the burn rises between the last read and inclusion: the chain itself refuses
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         try:
             async def stale_quote(netuid):
                 return 1.0
@@ -247,12 +246,12 @@ def test_miner_registers_only_when_asked_within_its_max_burn_and_follows_its_uid
     cfg = load_config("configs/tiny.yaml", OVR)
     wallets = {n: create_wallet(n, "default", tmp_home / "wallets") for n in ("m", "a", "b", "c")}
     w = wallets["m"]
-    from iota_subnet.chain import fund
+    from iota_subnet.devnet import fund
     for x in wallets.values():
         fund(db, x.coldkey.ss58_address, 100)
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
 
         def miner(**kw):
             return MinerService(cfg, w, chain, netuid=NETUID, run_id="r", stage=0, out_dir=tmp_path / "m",
@@ -331,7 +330,7 @@ def test_a_port_in_use_exits_2_naming_the_fix(tmp_home, tmp_path, wikitext_path,
     ws = {n: create_wallet(n, "default", tmp_home / "wallets") for n in ("m", "v")}
 
     async def register():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         try:
             for w in ws.values():
                 await chain.register(w, NETUID)
@@ -395,7 +394,7 @@ def test_weights_land_through_the_sdk_commit_reveal_path(tmp_home, tmp_path, mon
     ws = {n: create_wallet(n, "default", tmp_home / "wallets") for n in ("v", "m1", "m2")}
 
     async def main():
-        chain = await open_chain("devnet", db, decryptor=decryptor)
+        chain = await open_devnet(db, decryptor=decryptor)
         try:
             for w in ws.values():
                 await chain.register(w, NETUID)

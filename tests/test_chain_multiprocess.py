@@ -12,7 +12,7 @@ import time
 import bittensor as bt
 from bittensor import calls
 
-from iota_subnet.chain.devnet import DevnetSubstrate, create_devnet, epoch_log
+from iota_subnet.devnet import DevnetSubstrate, create_devnet, epoch_log
 
 NETUID = 9
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +22,7 @@ CHILD = textwrap.dedent(
     import asyncio, sys, time
     import bittensor as bt
     from bittensor import calls
-    from iota_subnet.chain.devnet import DevnetSubstrate
+    from iota_subnet.devnet import DevnetSubstrate
 
     db, wallet_root, name, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from iota_subnet.chain.yuma import topk_nonzero, weighted_median_col, yuma_epoch
+from iota_subnet.devnet.yuma import topk_nonzero, weighted_median_col, yuma_epoch
 
 
 def test_weighted_median_majority():

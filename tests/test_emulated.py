@@ -179,7 +179,7 @@ def test_emulated_miner_over_signed_http(tmp_home):
     """A MinerService with --emulate-gpu serves over signed HTTP; its stage's forward and backward (on
     its compute thread, as the data plane runs them) come back in the emulated shapes (bf16), and its
     status says it is emulation."""
-    from iota_subnet.chain import add_stake, create_devnet, open_chain
+    from iota_subnet.devnet import add_stake, create_devnet, open_devnet
     from iota_subnet.miner.service import MinerService
     from iota_subnet.protocol import Health
     from iota_subnet.transport import NeuronClient
@@ -193,7 +193,7 @@ def test_emulated_miner_over_signed_http(tmp_home):
         create_devnet(db, 9, tempo=50, block_time=0.5, weights_rate_limit=1, max_validators=1)
         val = create_wallet("val", "default", tmp_home / "w")
         mw = create_wallet("miner", "default", tmp_home / "w")
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         await chain.register(val, 9)
         add_stake(db, val.hotkey.ss58_address, val.coldkey.ss58_address, 100.0)
         await chain.register(mw, 9)

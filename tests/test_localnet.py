@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from iota_subnet.chain import open_chain
+from iota_subnet.devnet import open_devnet
 from iota_subnet.network.localnet import NETUID, LocalNet
 from iota_subnet.network.processes import Child
 
@@ -39,7 +39,7 @@ def _config(tmp_path):
 
 def _chain_weights(db):
     async def go():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         try:
             return await chain.weights(NETUID)
         finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from bittensor import http_auth
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol import (Health, Hop, Outcome, ProtocolError, StateRequest, StateResponse, TicketAck,
@@ -45,7 +45,7 @@ class Net:
         self.cfg = load_config("configs/tiny.yaml", OVR)
 
     async def setup(self):
-        self.chain = await open_chain("devnet", self.db)
+        self.chain = await open_devnet(self.db)
         for w in (self.val, self.other):
             await self.chain.register(w, 9)
         add_stake(self.db, self.val.hotkey.ss58_address, self.val.coldkey.ss58_address, 100.0)

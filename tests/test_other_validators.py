@@ -15,8 +15,7 @@ import json
 import pytest
 from bittensor.sp_core import Keypair
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
-from iota_subnet.chain.devnet import seed_neurons
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet, seed_neurons
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol.commitment import VALIDATOR, RunCommitment
@@ -66,7 +65,7 @@ async def _one_run(tmp, home, cfg, *, foreign: bool, steps: int = STEPS, refresh
     db = create_devnet(tmp / "chain.db", NETUID, tempo=tempo, block_time=BLOCK_TIME, weights_rate_limit=1,
                        immunity_period=0, max_uids=128, max_validators=64, start_block=start)
     wallets = {n: create_wallet(n, "default", home / "wallets") for n in ("vali", "m0", "m1", "m2")}
-    chain = await open_chain("devnet", db)
+    chain = await open_devnet(db)
     miners = []
     try:
         for w in wallets.values():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from iota_subnet.chain import create_devnet, open_chain
+from iota_subnet.devnet import create_devnet, open_devnet
 from iota_subnet.config import ConfigError, load_config
 from iota_subnet.data import DataError, TokenDataset, build_dataset, data_fingerprint, fingerprints
 from iota_subnet.miner.service import MinerService
@@ -55,7 +55,7 @@ def test_miner_start_sweeps_temporary_files_of_killed_saves(tmp_home, tmp_path):
     w = create_wallet("m", "default", tmp_home / "wallets")
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         await chain.register(w, 9)
         svc = MinerService(cfg, w, chain, netuid=9, run_id="r", stage=1, out_dir=out, host="127.0.0.1")
         try:
@@ -187,7 +187,7 @@ def test_a_miner_hands_its_folder_over_to_a_new_run_epoch(tmp_home, tmp_path):
     out = tmp_path / "m"
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         await chain.register(w, 9)
         try:
             svc = MinerService(cfg, w, chain, netuid=9, run_id="r", stage=1, out_dir=out, host="127.0.0.1")

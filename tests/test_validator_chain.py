@@ -17,8 +17,8 @@ from bittensor.balance import Balance
 from bittensor.result import ExtrinsicResult
 from loguru import logger
 
-from iota_subnet.chain import add_stake, create_devnet
-from iota_subnet.chain.devnet import DevnetState, DevnetSubstrate, RevealedWeights, seed_neurons, set_hyperparameter
+from iota_subnet.devnet import (DevnetState, DevnetSubstrate, RevealedWeights, add_stake, create_devnet, seed_neurons,
+                                set_hyperparameter)
 from iota_subnet.chain.sdk import SdkChain
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService

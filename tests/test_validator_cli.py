@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
 from support.common import OVR, make_wallet
@@ -49,7 +49,7 @@ def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, ca
     out = tmp_path / "vout"
 
     async def main():
-        chain = await open_chain("devnet", db)
+        chain = await open_devnet(db)
         await chain.register(vali, NETUID)
         add_stake(db, vali.hotkey.ss58_address, vali.coldkeypub.ss58_address, 100.0, netuid=NETUID)
         miners = []

@@ -1,27 +1,23 @@
-"""Chain layer: the only package that touches bittensor's chain API.
+"""Chain layer: the only package through which neurons touch bittensor's chain API.
 
 * :class:`Chain` (``interface.py``): the small async interface neurons use.
 * :func:`open_chain` (``sdk.py``): a :class:`Chain` on ``bt.Client`` for finney / test / local /
-  devnet.
-* ``devnet.py``: :class:`DevnetSubstrate`, a one-SQLite-file chain for local networks, plus
-  admin helpers (``create_devnet``, ``fund``, ``add_stake``).
-* ``yuma.py``: Yuma consensus as pure numpy.
-* :func:`metagraph_json` / :func:`metagraph_rows`: the metagraph as JSON-ready rows (CLI).
+  a ws:// URL, or on a ``Substrate`` the caller hands in (``substrate=``: how the SQLite devnet
+  of :mod:`iota_subnet.devnet` is injected; this package never imports it).
+* :func:`metagraph_json`: the metagraph as JSON-ready rows (CLI, dashboard).
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-from .devnet import DevnetSubstrate, add_stake, create_devnet, fund, halt_devnet, resume_devnet
 from .interface import (Chain, ChainError, ChainTimeout, CommitmentRecord, NotRegisteredError, RateLimitedError,
                         Registration, RegistrationCostError, WeightsReceipt)
-from .sdk import SdkChain, open_chain
+from .sdk import SdkChain, SubstrateFactory, open_chain
 
 __all__ = [
     "Chain", "ChainError", "ChainTimeout", "CommitmentRecord", "NotRegisteredError", "RateLimitedError",
-    "Registration", "RegistrationCostError", "WeightsReceipt", "SdkChain", "open_chain",
-    "DevnetSubstrate", "create_devnet", "fund", "add_stake", "halt_devnet", "resume_devnet", "metagraph_json", "metagraph_rows",
+    "Registration", "RegistrationCostError", "WeightsReceipt", "SdkChain", "SubstrateFactory", "open_chain",
+    "metagraph_json",
 ]
 
 
@@ -45,18 +41,7 @@ def _rows(graph: Any) -> list[dict]:
     ]
 
 
-async def metagraph_json(chain: Union[Chain, str, Path], netuid: int) -> list[dict]:
+async def metagraph_json(chain: Chain, netuid: int) -> list[dict]:
     """Rows ``{uid, hotkey, coldkey, stake, validator_permit, incentive, dividends, emission (TAO/alpha),
-    axon, last_update, active, commitment}``; ``chain`` is an open :class:`Chain` or a devnet file."""
-    if isinstance(chain, Chain):
-        return _rows(await chain.metagraph(netuid))
-    return await metagraph_rows(Path(chain), netuid)
-
-
-async def metagraph_rows(chain_db: Path, netuid: int) -> list[dict]:
-    """The devnet's metagraph as JSON-ready rows (for ``iota-subnet chain metagraph --json``)."""
-    chain = await open_chain("devnet", chain_db)
-    try:
-        return _rows(await chain.metagraph(netuid))
-    finally:
-        await chain.close()
+    axon, last_update, active, commitment}`` of an open :class:`Chain`'s metagraph of ``netuid``."""
+    return _rows(await chain.metagraph(netuid))

@@ -1,5 +1,7 @@
-""":class:`Chain` on the bittensor v11 SDK (``bt.Client``): finney, test, local, a ws:// URL,
-or the SQLite devnet (``bt.Client("local", substrate=DevnetSubstrate(db))``).
+""":class:`Chain` on the bittensor v11 SDK (``bt.Client``): finney, test, local, a ws:// URL, or
+any chain handed in as the SDK's ``Substrate`` (``bt.Client("local", substrate=...)``: the
+SQLite devnet of :mod:`iota_subnet.devnet` comes in this way, through :func:`open_chain`'s
+``substrate`` factory).
 
 Writes go through the SDK: ``SetWeights`` and ``ServeAxon`` intents (``SetWeights`` picks the
 plain or the drand-timelocked commit-reveal path from the chain's ``CommitRevealWeightsEnabled``),
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import bittensor as bt
@@ -27,7 +28,6 @@ from bittensor.result import ConnectionNotReady, ErrorCode
 from bittensor.signing import public_view
 from loguru import logger
 
-from .devnet import DevnetSubstrate
 from .interface import (Chain, ChainError, ChainTimeout, CommitmentRecord, NotRegisteredError, RateLimitedError,
                         Registration, RegistrationCostError, WeightsReceipt)
 
@@ -44,6 +44,10 @@ RATE_LIMIT_ERRORS = ("ServingRateLimitExceeded", "SettingWeightsTooFast", "Commi
 _RETRY_BLOCKS = re.compile(r"retry in ~?(\d+) blocks", re.I)
 
 T = TypeVar("T")
+
+#: A zero-argument factory of a fresh, unconnected bittensor ``Substrate`` (called again on every
+#: reconnect), e.g. ``lambda: DevnetSubstrate(path)``.
+SubstrateFactory = Callable[[], Any]
 
 
 def _hotkey(wallet: Any) -> str:
@@ -318,25 +322,30 @@ class SdkChain(Chain):
             pass
 
 
-async def open_chain(network: str, chain_db: Optional[Path | str] = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, decryptor: Any = None) -> Chain:
+async def open_chain(network: str, *, substrate: Optional[SubstrateFactory] = None,
+                     timeout_s: float = DEFAULT_TIMEOUT_S, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> Chain:
     """Open and connect a :class:`Chain`.
 
-    ``network``: ``finney``, ``test``, ``local`` (``$BT_CHAIN_ENDPOINT`` or ws://127.0.0.1:9944),
-    a ``ws://`` / ``wss://`` URL, or ``devnet`` (the SQLite devnet at ``chain_db``; ``decryptor``
-    replaces its drand commit-reveal decryptor). ``timeout_s`` bounds the connection and every read,
-    ``write_timeout_s`` every write; raises :class:`ChainTimeout` when the endpoint does not answer.
+    ``network``: ``finney``, ``test``, ``local`` (``$BT_CHAIN_ENDPOINT`` or ws://127.0.0.1:9944) or
+    a ``ws://`` / ``wss://`` URL. With ``substrate`` (a :data:`SubstrateFactory`) the client runs
+    on the substrate it builds (``bt.Client("local", substrate=substrate())``) and ``network`` only
+    names the chain in messages: this is how the devnet is opened (``iota_subnet.devnet.open_devnet``).
+    ``timeout_s`` bounds the connection and every read, ``write_timeout_s`` every write.
+
+    Raises :class:`ChainError` for an unknown network, or ``devnet`` without its substrate;
+    :class:`ChainTimeout` when the endpoint does not answer; ``TypeError`` when ``substrate`` is
+    not callable.
     """
-    if network == "devnet":
-        if chain_db is None:
-            raise ChainError("network 'devnet' needs the chain database: pass --chain-db PATH")
-        path = Path(chain_db)
-        if not path.exists():
-            raise ChainError(f"devnet chain database {path} does not exist; create it first "
-                             "(iota_subnet.chain.devnet.create_devnet / the localnet script)")
+    if substrate is not None:
+        if not callable(substrate):
+            raise TypeError(f"substrate must be a zero-argument factory of a bittensor Substrate, not "
+                            f"{type(substrate).__name__}")
 
         def make() -> bt.Client:
-            return bt.Client("local", substrate=DevnetSubstrate(path, decryptor=decryptor))
+            return bt.Client("local", substrate=substrate())
+    elif network == "devnet":
+        raise ChainError("network 'devnet' is a SQLite file opened by iota_subnet.devnet (open_devnet); "
+                         "pass --chain-db PATH")
     elif network in ("finney", "test", "local") or network.startswith(("ws://", "wss://")):
         def make() -> bt.Client:
             return bt.Client(network)

@@ -257,11 +257,12 @@ async def chain_checks(o: DoctorOptions, wallet: Any) -> tuple[list[Check], Opti
     checks, this hotkey's served axon (or None) and the other neurons' served endpoints."""
     from bittensor import http_auth
 
-    from iota_subnet.chain import ChainError, open_chain
+    from iota_subnet.chain import ChainError
+    from iota_subnet.neuron_common import open_network_chain
     out: list[Check] = []
     t0 = time.perf_counter()
     try:
-        chain = await asyncio.wait_for(open_chain(o.network, o.chain_db), timeout=30)
+        chain = await asyncio.wait_for(open_network_chain(o.network, o.chain_db), timeout=30)
         block = await asyncio.wait_for(chain.block(), timeout=30)
     except (ChainError, OSError, asyncio.TimeoutError, Exception) as e:  # noqa: BLE001 - any failure means unreachable
         out.append(Check("chain", FAIL, f"{o.network}: unreachable ({type(e).__name__}: {e})"[:300],

@@ -9,8 +9,8 @@ from pathlib import Path
 from loguru import logger
 
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS
-from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop, run_id_for,
-                                       setup_process, until_stopped)
+from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop,
+                                       open_network_chain, run_id_for, setup_process, until_stopped)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -73,7 +73,6 @@ def emulation_of(args: argparse.Namespace):
 
 
 async def run_miner(args: argparse.Namespace) -> int:
-    from iota_subnet.chain import open_chain
     from iota_subnet.config import load_config
     from iota_subnet.miner.service import MinerService
     from iota_subnet.train.colocated import pick_device
@@ -92,7 +91,7 @@ async def run_miner(args: argparse.Namespace) -> int:
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
     try:
-        chain = await until_stopped(open_chain(args.network, args.chain_db, timeout_s=args.chain_timeout), stop)
+        chain = await until_stopped(open_network_chain(args.network, args.chain_db, timeout_s=args.chain_timeout), stop)
     except StopRequested:
         logger.info("miner stopped while connecting to the chain")
         return 0

@@ -93,7 +93,7 @@ class LocalNet(NeuronProcesses, RunSummary):
 
     # ---- setup ---------------------------------------------------------------------------------
     def prepare(self) -> None:
-        from iota_subnet.chain import add_stake, create_devnet
+        from iota_subnet.devnet import add_stake, create_devnet
         from iota_subnet.data import build_dataset, default_source
         from iota_subnet.wallets import create_wallet
 
@@ -107,7 +107,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         atomic_write_text(self.out / "tokenizer.json", tok.to_str())   # `iota-subnet export` ships it
         logger.info(f"data ready: {ds.n_tokens:,} tokens, {ds.n_train_rows} train rows, vocab {tok.vocab_size}")
         if self.chain_db.exists():
-            from iota_subnet.chain import resume_devnet
+            from iota_subnet.devnet import resume_devnet
             resume_devnet(self.chain_db)   # a rerun in the same folder continues the same chain
         create_devnet(self.chain_db, NETUID, tempo=self.tempo, block_time=self.block_time, weights_rate_limit=2,
                       immunity_period=10_000, exist_ok=True, max_validators=self.n_validators,
@@ -122,8 +122,8 @@ class LocalNet(NeuronProcesses, RunSummary):
         self._make_children()
 
     async def _register_all(self) -> None:
-        from iota_subnet.chain import open_chain
-        chain = await open_chain("devnet", self.chain_db)
+        from iota_subnet.devnet import open_devnet
+        chain = await open_devnet(self.chain_db)
         try:
             for w in [*self.val_wallets, *self.miner_wallets.values()]:
                 await chain.register(w, NETUID)
@@ -171,8 +171,8 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.miner_wallets[(stage, k)] = w
 
         async def reg():
-            from iota_subnet.chain import open_chain
-            chain = await open_chain("devnet", self.chain_db)
+            from iota_subnet.devnet import open_devnet
+            chain = await open_devnet(self.chain_db)
             try:
                 await chain.register(w, NETUID)
             finally:
@@ -267,7 +267,7 @@ class LocalNet(NeuronProcesses, RunSummary):
     def _halt_chain(self) -> None:
         """The network is gone: stop the devnet's clock so later reads show it as the run left it."""
         if self.chain_db.exists():
-            from iota_subnet.chain import halt_devnet
+            from iota_subnet.devnet import halt_devnet
             try:
                 block = halt_devnet(self.chain_db)
                 logger.info(f"devnet halted at block {block} (rerunning in {self.out} resumes it)")
@@ -356,7 +356,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         return bool(worked) and all(by_uid.get(u, {}).get("incentive", 0) > 0 for u in worked)
 
     def metagraph(self) -> list[dict]:
-        from iota_subnet.chain import metagraph_rows
+        from iota_subnet.devnet import metagraph_rows
         try:
             return asyncio.run(metagraph_rows(self.chain_db, NETUID))
         except Exception as e:  # noqa: BLE001 - a busy database is retried next second

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from iota_subnet.neuron_common import add_common_args, check_external_ip, run_id_for, setup_process
+from iota_subnet.neuron_common import add_common_args, check_external_ip, open_network_chain, run_id_for, setup_process
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, run_validator
 from iota_subnet.validator.state import StateError
 
@@ -93,7 +93,7 @@ def run_validator_cli(a: argparse.Namespace) -> int:
     setup_process(a, "validator")
     from iota_subnet.errors import known_errors
     try:
-        return asyncio.run(run_validator(options_from(a)))
+        return asyncio.run(run_validator(options_from(a), chain_opener=open_network_chain))
     except (ValidatorError, StateError, *known_errors()) as e:
         logger.error(str(e))
         return 2

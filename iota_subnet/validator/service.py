@@ -49,7 +49,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 from aiohttp import web
@@ -190,11 +190,16 @@ class MetricsWriter:
 
 class ValidatorService:
     """One validator. ``wallet``/``chain``/``cfg``/``dataset`` (and its ``fingerprints``) may be
-    injected (tests)."""
+    injected (tests). Without ``chain``, :meth:`start` opens one with
+    ``chain_opener(opts.network, opts.chain_db, timeout_s=opts.chain_timeout_s)`` (the entry point
+    passes :func:`iota_subnet.neuron_common.open_network_chain`, which opens a devnet file too),
+    or, without an opener, the SDK's endpoint for ``opts.network``."""
 
     def __init__(self, opts: ValidatorOptions, *, wallet: Any = None, chain: Optional[Chain] = None,
-                 cfg: Optional[RunConfig] = None, dataset: Any = None, fingerprints: Optional[Fingerprints] = None):
+                 cfg: Optional[RunConfig] = None, dataset: Any = None, fingerprints: Optional[Fingerprints] = None,
+                 chain_opener: Optional[Callable[..., Awaitable[Chain]]] = None):
         self.opts = opts
+        self._chain_opener = chain_opener
         self.out = Path(opts.out).expanduser()
         self.wallet, self.chain, self.cfg, self.dataset = wallet, chain, cfg, dataset
         self.fingerprints = fingerprints
@@ -266,7 +271,10 @@ class ValidatorService:
         self.hotkey = self.wallet.hotkey.ss58_address
         if self.chain is None:
             try:
-                self.chain = await open_chain(o.network, o.chain_db, timeout_s=o.chain_timeout_s)
+                if self._chain_opener is not None:
+                    self.chain = await self._chain_opener(o.network, o.chain_db, timeout_s=o.chain_timeout_s)
+                else:
+                    self.chain = await open_chain(o.network, timeout_s=o.chain_timeout_s)
             except ChainError as e:
                 raise ValidatorError(str(e)) from e
         try:
@@ -993,10 +1001,11 @@ class ValidatorService:
             await self.chain.close()
 
 
-async def run_validator(opts: ValidatorOptions) -> int:
+async def run_validator(opts: ValidatorOptions,
+                        chain_opener: Optional[Callable[..., Awaitable[Chain]]] = None) -> int:
     """Run a validator with SIGTERM / SIGINT / SIGHUP (a closed terminal; not under ``nohup``)
-    mapped to a clean shutdown."""
-    svc = ValidatorService(opts)
+    mapped to a clean shutdown; ``chain_opener`` as in :class:`ValidatorService`."""
+    svc = ValidatorService(opts, chain_opener=chain_opener)
     loop = asyncio.get_running_loop()
     for sig in stop_signals():
         try:

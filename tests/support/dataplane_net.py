@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
 from iota_subnet.data import build_dataset
 from iota_subnet.miner.service import MinerService
@@ -59,7 +59,7 @@ class P2PNet:
 
     async def start(self, adversaries: Optional[dict] = None, **miner_kw) -> None:
         """Register everyone and start the miners; ``adversaries``: (stage, replica) -> adversary kind."""
-        self.chain = await open_chain("devnet", self.db)
+        self.chain = await open_devnet(self.db)
         for w in self.vals:
             await self.chain.register(w, NETUID)
             add_stake(self.db, w.hotkey.ss58_address, w.coldkey.ss58_address, 100.0, netuid=NETUID)

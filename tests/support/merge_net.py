@@ -5,7 +5,7 @@ import asyncio
 
 import torch
 
-from iota_subnet.chain import add_stake, create_devnet, open_chain
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
 from iota_subnet.miner.service import MinerService
 from iota_subnet.wallets import create_wallet
@@ -37,7 +37,7 @@ class Net:
         self.svcs: list[MinerService] = []
 
     async def start(self, n, adversary_last=None):
-        self.chain = await open_chain("devnet", self.db)
+        self.chain = await open_devnet(self.db)
         self.val = create_wallet("val", "default", self.tmp / "wallets")
         await self.chain.register(self.val, 9)
         add_stake(self.db, self.val.hotkey.ss58_address, self.val.coldkey.ss58_address, 100.0)

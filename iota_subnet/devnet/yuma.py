@@ -1,6 +1,6 @@
 """Yuma consensus: one subnet epoch as pure numpy (no chain access).
 
-Used by the devnet (:mod:`iota_subnet.chain.devnet`) at every tempo boundary. It follows the
+Used by the devnet (:mod:`iota_subnet.devnet.epoch`) at every tempo boundary. It follows the
 classic ("Yuma 2", dense) epoch of subtensor's ``pallets/subtensor/src/epoch/run_epoch.rs``
 (``epoch_dense``; formerly ``epoch.rs``) and the Bittensor docs page "Yuma Consensus"
 (https://docs.learnbittensor.org/learn/yuma-consensus). With ``n`` uids:

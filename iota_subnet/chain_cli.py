@@ -1,4 +1,5 @@
-"""Subcommands ``chain metagraph`` and ``register`` of ``iota-subnet``."""
+"""Subcommands ``chain metagraph`` and ``register`` of ``iota-subnet`` (an entry point: with
+``--chain-db`` they open the devnet file, through :func:`iota_subnet.neuron_common.open_network_chain`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,16 +10,17 @@ from pathlib import Path
 
 
 def _cmd_metagraph(a: argparse.Namespace) -> int:
-    from iota_subnet.chain import metagraph_json, open_chain
+    from iota_subnet.chain import metagraph_json
+    from iota_subnet.neuron_common import open_network_chain
 
     async def go():
         if a.chain_db:
             if not Path(a.chain_db).exists():
                 from iota_subnet.chain import ChainError
                 raise ChainError(f"devnet file {a.chain_db} does not exist; start one with `iota-subnet localnet`")
-            chain = await open_chain("devnet", a.chain_db, timeout_s=a.chain_timeout)
+            chain = await open_network_chain("devnet", a.chain_db, timeout_s=a.chain_timeout)
         else:
-            chain = await open_chain(a.network, timeout_s=a.chain_timeout)
+            chain = await open_network_chain(a.network, timeout_s=a.chain_timeout)
         try:
             return await metagraph_json(chain, a.netuid)
         finally:
@@ -40,7 +42,8 @@ def _cmd_metagraph(a: argparse.Namespace) -> int:
 
 
 def _cmd_register(a: argparse.Namespace) -> int:
-    from iota_subnet.chain import RegistrationCostError, open_chain
+    from iota_subnet.chain import RegistrationCostError
+    from iota_subnet.neuron_common import open_network_chain
     from iota_subnet.wallets import load_wallet
 
     wallet = load_wallet(a.wallet_name, a.wallet_hotkey, a.wallet_path)
@@ -48,7 +51,7 @@ def _cmd_register(a: argparse.Namespace) -> int:
         a.network = "devnet" if a.chain_db else "finney"
 
     async def go():
-        chain = await open_chain(a.network, a.chain_db, timeout_s=a.chain_timeout)
+        chain = await open_network_chain(a.network, a.chain_db, timeout_s=a.chain_timeout)
         try:
             hk = wallet.hotkey.ss58_address
             uid = await chain.uid(hk, a.netuid)
