@@ -211,9 +211,9 @@ def validator_families(st: Mapping[str, Any]) -> Iterator[Metric]:
         _counter("iota_validator_hop_failures", "hops that failed (timeout, refusal, bad reply)", st.get("failures")),
         _gauge("iota_validator_live_miners", "miners of the run available for routing", st.get("live_miners")),
         _gauge("iota_validator_lanes", "lanes driven", st.get("lanes")),
-        _counter("iota_validator_training_wire_bytes", "bytes of training hops sent plus received",
+        _counter("iota_validator_training_wire_bytes", "bytes of training requests (tickets, health probes) sent plus received",
                  st.get("wire_bytes")),
-        _counter("iota_validator_verification_wire_bytes", "bytes of spot-check snapshots and CLASP probes",
+        _counter("iota_validator_verification_wire_bytes", "bytes of verification requests (audits, merge evidence)",
                  st.get("verification_bytes")),
         _counter("iota_validator_weights_set", "weight vectors accepted by the chain",
                  len(st.get("weights_set_blocks") or [])),
@@ -249,23 +249,17 @@ def validator_families(st: Mapping[str, Any]) -> Iterator[Metric]:
         if _num(w) is not None:
             weight.add_metric([str(uid)], _num(w))
     yield weight
-    # audit outcomes, summed over miners, from the explained scores
+    # CLASP outcomes, summed over miners, from the explained scores
     audits: dict[tuple[str, str], float] = {}
-    flagged: dict[str, float] = {"spot_check": 0.0, "clasp": 0.0, "merge_check": 0.0}
+    flagged: dict[str, float] = {"clasp": 0.0}
     for row in st.get("scores") or []:
-        c = row.get("checks") or {}
-        for outcome in ("passed", "failed", "unverifiable", "no_snapshot", "stale_failed"):
-            audits[("spot_check", outcome)] = audits.get(("spot_check", outcome), 0.0) + (_num(c.get(outcome)) or 0)
-        if c.get("flagged"):
-            merge = any("merge redundancy" in w for w in row.get("why") or [])
-            flagged["merge_check" if merge else "spot_check"] += 1
         cl = row.get("clasp") or {}
         if cl:
             audits[("clasp", "probed")] = audits.get(("clasp", "probed"), 0.0) + (_num(cl.get("n_in")) or 0)
             if cl.get("flagged"):
                 flagged["clasp"] += 1
-    a = CounterMetricFamily("iota_audit_checks", "verification checks, by kind (spot_check: replayed hops; "
-                            "clasp: probe pathways through the miner) and outcome", labels=["kind", "outcome"])
+    a = CounterMetricFamily("iota_audit_checks", "verification checks, by kind (clasp: probe pathways "
+                            "through the miner) and outcome", labels=["kind", "outcome"])
     for (kind, outcome), v in sorted(audits.items()):
         a.add_metric([kind, outcome], v)
     yield a

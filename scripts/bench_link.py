@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from bittensor.sp_core import Keypair  # noqa: E402
 
 from iota_subnet.sim.netns import NetnsLink, netns_available  # noqa: E402
-from iota_subnet.protocol import Forward, Health, encode  # noqa: E402
+from iota_subnet.protocol import Health, Hop, encode  # noqa: E402
 from iota_subnet.transport import NeuronClient, NeuronServer  # noqa: E402
 from iota_subnet.transport.shaping import UplinkShaper, parse_link  # noqa: E402
 
@@ -51,9 +51,9 @@ def _payload(nbytes: int) -> torch.Tensor:
 async def _serve(host: str) -> None:
     server = NeuronServer(Keypair.create_from_uri(SERVER_URI), host, 0, max_body_bytes=256 << 20)
 
-    async def take(msg: Forward, ctx) -> Health:
-        return Health(run_id="bench", stats={"numel": float(msg.activations.numel())})
-    server.add_route("/take", take, Forward)
+    async def take(msg: Hop, ctx) -> Health:
+        return Health(run_id="bench", stats={"numel": float(msg.data.numel())})
+    server.add_route("/take", take, Hop)
     port = await server.start()
     print(f"PORT {port}", flush=True)
     loop = asyncio.get_running_loop()
@@ -75,8 +75,8 @@ def _start_server(argv_prefix: list[str], host: str) -> tuple[subprocess.Popen, 
 async def _send(endpoint: str, nbytes: int, requests: int, shaper: Optional[UplinkShaper]) -> float:
     server_hk = Keypair.create_from_uri(SERVER_URI).ss58_address
     async with NeuronClient(Keypair.create_from_uri(CLIENT_URI), shaper=shaper, verify_responses=True) as c:
-        msg = Forward(run_id="bench", activations=_payload(nbytes))
-        await c.call(endpoint, server_hk, "/take", Forward(run_id="bench", activations=_payload(4096)), Health,
+        msg = Hop(run_id="bench", data=_payload(nbytes))
+        await c.call(endpoint, server_hk, "/take", Hop(run_id="bench", data=_payload(4096)), Health,
                      timeout_s=120)                                  # connect, warm up
         t0 = time.perf_counter()
         for _ in range(requests):
@@ -87,7 +87,7 @@ async def _send(endpoint: str, nbytes: int, requests: int, shaper: Optional[Upli
 def measure(mode: str, rate: str, nbytes: int, requests: int) -> dict:
     """Goodput (body bits/s) of ``requests`` POSTs of ``nbytes`` through ``mode`` = kernel | emulator."""
     link = parse_link(rate)
-    body = len(encode(Forward(run_id="bench", activations=_payload(nbytes))))
+    body = len(encode(Hop(run_id="bench", data=_payload(nbytes))))
     if mode == "kernel":
         with NetnsLink(link.rate_bps, burst_bytes=BURST) as ns:
             proc, port = _start_server(["ip", "netns", "exec", ns.ns], ns.ns_ip)

@@ -3,7 +3,7 @@
 
 What a localnet with R replicas per stage does, without the network: lane r (replica r of every
 stage) trains its own copy of the staged model on its own micro-batch stream (the validator's
-addressing, :func:`iota_subnet.validator.driver.sample_start`), with the miners' inner optimizer and
+addressing, :func:`iota_subnet.validator.lanes.sample_start`), with the miners' inner optimizer and
 schedule; every H inner steps each stage's pseudo-gradients (anchor - weights) are averaged and the
 outer step (:func:`iota_subnet.merge.outer_step`, the function the merge engine applies) moves the
 anchor, which every lane adopts (inner AdamW state stays local, as on miners). The final validation
@@ -34,7 +34,7 @@ from iota_subnet.merge import ModuleParams, outer_step  # noqa: E402
 from iota_subnet.model import StagedModel, build_stages  # noqa: E402
 from iota_subnet.train.colocated import evaluate, split_rows  # noqa: E402
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr  # noqa: E402
-from iota_subnet.validator.driver import sample_start  # noqa: E402
+from iota_subnet.validator.lanes import sample_start  # noqa: E402
 
 
 def simulate(cfg, dataset, *, replicas: int, steps: int, every: int, lr: float, mu: float, nesterov: bool,

@@ -4,8 +4,8 @@
 Prints the ratio of trained tokens per second (the whole local network, all replicas together,
 over the co-located trainer; both use the whole machine) and the wire bytes per trained token
 with the configured bottleneck and without it (a short second local network at ratio 1). The
-pipeline is measured with verification off (``ratio``) and as shipped, with the validator's spot
-checks and CLASP probes at their defaults (``verified_ratio``, ``verification_bytes_per_token``).
+pipeline is measured with verification off (``ratio``) and as shipped, with the validator's audits
+and CLASP probes at their defaults (``verified_ratio``, ``verification_bytes_per_token``).
 
 Usage:
     python scripts/bench_pipeline.py --config configs/tiny.yaml \
@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_pipeline-"))
-    # the pipeline alone (verification off), then as shipped (spot checks + CLASP at their defaults)
+    # the pipeline alone (verification off), then as shipped (audits + CLASP at their defaults)
     ln = LocalNet(stages=a.stages, replicas=a.replicas, validators=1, config=a.config, data=a.data, steps=a.steps,
                   out=root / "localnet", progress=False,
-                  extra_validator_args=["--check-rate", "0", "--clasp-interval", "0"]).run()
+                  extra_validator_args=["--no-audits", "--clasp-interval", "0"]).run()
     co = train_colocated(a.config, a.data, a.steps, root / "colocated", progress=False,
                          overrides={"pipeline": {"stages": a.stages}})
     ver = LocalNet(stages=a.stages, replicas=a.replicas, validators=1, config=a.config, data=a.data, steps=a.steps,

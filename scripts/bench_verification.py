@@ -6,8 +6,8 @@ miner's hops audited once per tempo (hop audits, :mod:`iota_subnet.audit`) and i
 (update audits), chosen after its receipts are in. Prints:
 
 * ``training_bytes_per_token``: the data plane (hops between miners, bodies and headers) per trained token;
-* ``verification_bytes_per_token``: the validator's verification client (audits, merge evidence, lane
-  probes; bodies and headers, both ways) per trained token, and the same by endpoint path;
+* ``verification_bytes_per_token``: the validator's verification client (audits, merge evidence;
+  bodies and headers, both ways) per trained token, and the same by endpoint path;
 * ``audits``, ``audits_failed``, ``audits_per_miner_per_tempo`` (the least any miner got in a full
   tempo) and its mean, ``flagged`` (uids; with ``--adversary`` the cheater must be there and only it);
 * ``validator_audit_cpu_s_per_token``: the validator's CPU for the audit checks per trained token.
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         "training_bytes_per_token": s["miner_bytes_per_token"],
         "verification_bytes_per_token": s["verification_bytes"] / tokens if tokens else None,
         # by endpoint path: /audit/trace, /audit/project, /audit/open (hop audits), /audit/update, the merge
-        # evidence, lane probes (/forward)
+        # evidence
         "verification_bytes_per_token_by_path": {k: round(v / tokens, 2) for k, v in
                                                  sorted((s.get("verification_bytes_by_path") or {}).items())}
         if tokens else None,

@@ -6,7 +6,7 @@
 #   ALLOW_CPU=1 DEVICE=cpu STEPS=4 scripts/gpu_check.sh   # plumbing check on a CPU-only machine
 #
 # 1. the device tests on the real GPU: tests/test_device.py with IOTA_TEST_DEVICE=cuda (merging,
-#    state sync, stage workers, checkpoints and spot-check replay with the stage on the GPU; the
+#    state sync, stage workers and checkpoints with the stage on the GPU; the
 #    CUDA-only tests: pinned non-blocking copies on a side stream, fused AdamW, the activation cache
 #    measured by torch.cuda.memory_allocated, the chunked cross-entropy's peak memory), plus the
 #    model and stage-worker tests;

@@ -54,8 +54,7 @@ def test_localnet_adversary(kind, tmp_path, tmp_home, wikitext_path, monkeypatch
     vecs = [dict(zip(json.loads(r["uids"]), json.loads(r["weights"]))) for r in rows]
     assert vecs and all(v.get(adv[0], 0.0) == 0.0 for v in vecs[2:]), vecs
     status = json.loads((vdir / "status.json").read_text())
-    assert status["data_plane"] == "p2p"
-    flagged = {m["uid"] for m in status["scores"] if (m["checks"] or {}).get("flagged") or (m["clasp"] or {}).get("flagged")
+    flagged = {m["uid"] for m in status["scores"] if (m["clasp"] or {}).get("flagged")
                or (m["audits"] or {}).get("flagged")}
     assert flagged <= set(adv), status["scores"]
     assert {u for u, _ in status["barred"]} == set(adv), status["barred"]     # out of routing once flagged

@@ -128,7 +128,7 @@ def test_localnet_emulation_plumbing():
     link, emu, miner, validator = emulation_argv("100mbit:50ms", "a100", None, None, 2.0)
     assert link == "100mbit:50ms" and emu["emulation"] and emu["accelerator"]["name"] == "A100-SXM4-80GB"
     assert miner[:4] == ["--link", "100mbit:50ms", "--time-scale", "2.0"] and "--emulate-gpu" in miner
-    assert "--check-rate" in validator and "--emulate-gpu" not in validator
+    assert "--no-audits" in validator and "--emulate-gpu" not in validator
     assert emulation_argv("loopback", None, None, None, 1.0)[1] is None
     for bad in (("fast", None, None, None, 1.0), ("loopback", "tpu", None, None, 1.0),
                 ("loopback", None, 0.5, None, 1.0), ("loopback", "a100", 1.5, None, 1.0),

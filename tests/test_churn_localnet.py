@@ -96,8 +96,5 @@ def test_localnet_trains_through_churn(tmp_path, tmp_home, wikitext_path, monkey
         at_last = [(a, n) for e, a, n in states if e == last]
         assert len(at_last) >= 2, f"stage {s}: only {[n for _, n in at_last]} at merged epoch {last}"
         assert all(a.equal(at_last[0][0]) for a, _ in at_last[1:]), f"stage {s}: replicas differ at epoch {last}"
-    status = json.loads((out / "validators" / "validator0" / "status.json").read_text())
-    flagged = [m["uid"] for m in status["scores"] if (m.get("checks") or {}).get("flagged")]
-    assert flagged == [], status["scores"]
     assert ch["samples_repeated"] == 0, ch
     assert summary["final_loss"] is not None and summary["final_loss"] < 6.0     # ln 512 = 6.24 at the start

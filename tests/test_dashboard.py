@@ -56,7 +56,7 @@ STATUS = {"hotkey": "5Gvalidator", "uid": 0, "run_id": "r", "netuid": 9, "tokens
           "miners": {"1": {"stage": 0, "work": 10.0}, "2": {"stage": 1, "work": 5.0}},
           "last_weights": {"1": 0.7, "2": 0.3}, "weights_set_blocks": [10],
           "probe_loss": {"round": 0, "loss": 6.2, "paths": 2}, "val_loss": None,
-          "scores": [{"uid": 2, "checks": {"flagged": True}, "clasp": None, "why": ["flagged by spot checks: x"],
+          "scores": [{"uid": 2, "audits": {"flagged": True}, "clasp": None, "why": ["flagged by audits: x"],
                       "weight": 0.0, "quality": 0.0}]}
 
 
@@ -80,16 +80,16 @@ def test_validator_snapshot_from_status_and_metrics(tmp_path):
     cells = {c["uid"]: c for c in snap["pipeline"]["cells"]}
     assert cells[1]["state"] == "ok" and cells[1]["inner_step"] == 4 and cells[1]["weight"] == 0.7
     assert cells[2]["state"] == "flagged"
-    # flagged by audits only (barred from routing: unavailable) is "flagged" too, not "cooldown"
-    for extra in ({"audits": {"flagged": True}}, {"barred": True}):
-        score = {**STATUS["scores"][0], "checks": None, **({"audits": extra["audits"]} if "audits" in extra else {})}
+    # flagged by CLASP, or barred from routing (unavailable), is "flagged" too, not "cooldown"
+    for extra in ({"clasp": {"flagged": True}}, {"barred": True}):
+        score = {**STATUS["scores"][0], "audits": None, **({"clasp": extra["clasp"]} if "clasp" in extra else {})}
         reps = [STATUS["replicas"][0], {**STATUS["replicas"][1], **({"barred": True} if "barred" in extra else {})}]
         src = ValidatorSource(status=lambda: {**STATUS, "scores": [score], "replicas": reps}, metrics_path=mp,
                               health=health)
         asyncio.run(src.sample())
         assert {c["uid"]: c["state"] for c in src.snapshot()["pipeline"]["cells"]}[2] == "flagged", extra
     assert snap["merges"]["replicas"][0]["merges"] == 2.0
-    assert snap["scores"]["miners"][0]["why"] == ["flagged by spot checks: x"]
+    assert snap["scores"]["miners"][0]["why"] == ["flagged by audits: x"]
     assert snap["pipeline"]["stages"] == 2
     assert finite({"a": [float("nan"), 1.0, float("inf")]}) == {"a": [None, 1.0, None]}
 

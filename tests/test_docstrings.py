@@ -18,8 +18,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "iota_subnet"
 
 #: removed after the relay/sim/devnet moves
 EXCLUDED = {
-    "validator/driver.py",
-    "validator/verification.py",
     "miner/adversary.py",
     "miner/emulated.py",
     "network/chaos.py",

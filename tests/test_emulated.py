@@ -177,11 +177,12 @@ def test_real_stage_worker_counts_busy_time():
 
 # ------------------------------------------------------------------------------------ over HTTP
 def test_emulated_miner_over_signed_http(tmp_home):
-    """A MinerService with --emulate-gpu: a validator's forward and backward come back in the emulated
-    shapes (bf16 on the wire), and its status says it is emulation."""
+    """A MinerService with --emulate-gpu serves over signed HTTP; its stage's forward and backward (on
+    its compute thread, as the data plane runs them) come back in the emulated shapes (bf16), and its
+    status says it is emulation."""
     from iota_subnet.devnet import add_stake, create_devnet, open_devnet
     from iota_subnet.miner.service import MinerService
-    from iota_subnet.protocol import Backward, BackwardResult, Forward, ForwardResult
+    from iota_subnet.protocol import Health
     from iota_subnet.transport import NeuronClient
     from iota_subnet.wallets import create_wallet
     import json
@@ -203,12 +204,12 @@ def test_emulated_miner_over_signed_http(tmp_home):
         try:
             ep, hk = f"127.0.0.1:{port}", mw.hotkey.ss58_address
             async with NeuronClient(val) as c:
-                res = await c.call(ep, hk, "/forward", Forward(run_id="r", stage=1, microbatch_id="m",
-                                                               activations=torch.randn(2, 64, 32)), ForwardResult)
-                assert res.activations.shape == (2, 64, 32) and res.activations.dtype == torch.bfloat16
-                back = await c.call(ep, hk, "/backward", Backward(run_id="r", stage=1, microbatch_id="m",
-                                                                  grad=torch.randn(2, 64, 32)), BackwardResult)
-                assert back.grad.shape == (2, 64, 32)
+                h = await c.call(ep, hk, "/health", Health(run_id="r", stage=1), Health)
+                assert h.ready and h.stats["stage"] == 1
+            res = await svc._compute(svc.worker.forward, "m", torch.randn(2, 64, 32))
+            assert res["activations"].shape == (2, 64, 32) and res["activations"].dtype == torch.bfloat16
+            grad = await svc._compute(svc.worker.backward, "m", torch.randn(2, 64, 32))
+            assert grad.shape == (2, 64, 32)
             assert svc.worker.emulated and svc.worker.busy_s > 0
             svc.write_status()
             st = json.loads((tmp_home / "m" / "status.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from iota_subnet.merge import outer_step
-from iota_subnet.protocol import (Forward, ForwardResult, Health, MergeEvidence, MergePayload, MergeAck, Outcome,
+from iota_subnet.protocol import (Health, MergeEvidence, MergePayload, MergeAck, Outcome,
                                   ProtocolError,
                                   StateChunk, StateChunkRequest)
 from iota_subnet.miner.parts import MinerParts
@@ -136,16 +136,11 @@ def test_joiner_syncs_from_peers_despite_dying_donor(tmp_path, tmp_home):
             assert torch.equal(flat(joiner), flat(d0))
             assert joiner.worker.inner_step == 2                      # the step at which epoch 0 closed
             assert served, "the dying donor never served"
-            # same outputs as its peers
+            # same outputs as its peers (an evaluation forward on each one's compute thread)
             x = torch.randn(2, 16, 16)
-            async with NeuronClient(net.val) as cl:
-                outs = []
-                for s in (d0, d2, joiner):
-                    r = await cl.call(s.server.endpoint, s.hotkey, "/forward", Forward(
-                        run_id=RUN, stage=1, microbatch_id="eval", activations=x, keep_for_backward=False),
-                        ForwardResult, retries=0)
-                    outs.append(r.activations)
-                assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+            outs = [(await s._compute(s.worker.forward, "eval", x, train=False))["activations"]
+                    for s in (d0, d2, joiner)]
+            assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
         finally:
             await net.close()
     asyncio.run(main())

@@ -10,8 +10,8 @@ import safetensors.torch
 import torch
 
 from iota_subnet.protocol import (
-    HTTP_STATUS, SPEC_VERSION, Backward, BackwardResult, Forward, ForwardResult, Health, MergePayload, Outcome,
-    ProtocolError, StateRequest, StateResponse, TensorContract, TensorSpec, decode, encode, read_header,
+    HTTP_STATUS, SPEC_VERSION, Health, Hop, HopAck, MergePayload, Outcome, ProtocolError, StateRequest, StateResponse,
+    TensorContract, TensorSpec, decode, encode, read_header,
 )
 
 B, S, D = 2, 16, 8
@@ -26,15 +26,14 @@ def _header(**kw):
 def _messages():
     g = torch.Generator().manual_seed(0)
     return [
-        Forward(**_header(stage=0), activations=torch.randint(0, 8192, (B, S), generator=g)),
-        Forward(**_header(), activations=torch.randn(B, S, D, generator=g), keep_for_backward=False),
-        Forward(**_header(stage=2), activations=torch.randn(B, S, D, generator=g).to(torch.bfloat16),
-                targets=torch.randint(0, 8192, (B, S), generator=g)),
-        ForwardResult(**_header(), activations=torch.randn(B, S, D, generator=g)),
-        ForwardResult(**_header(stage=2), loss=3.1415926535897931, stats={"tokens": 32.0, "acc": 0.25}),
-        Backward(**_header(), grad=torch.randn(B, S, D, generator=g) * 1e-30),
-        BackwardResult(**_header(), grad=torch.randn(B, S, D, generator=g).half()),
-        BackwardResult(**_header(stage=0), grad=None, stats={"grad_norm": 1.5}),
+        Hop(**_header(), ticket={"lane": 0, "route": ["5Fa", "5Fb"]}, path=["5Fa"],
+            data=torch.randn(B, S, D, generator=g)),
+        Hop(**_header(stage=2), direction="backward", path=["5Fa", "5Fb", "5Fc"],
+            data=torch.randn(B, S, D, generator=g).to(torch.bfloat16)),
+        Hop(**_header(), data=torch.randint(-127, 128, (B, S, D), generator=g, dtype=torch.int8),
+            scales=torch.rand(B, S, generator=g)),
+        Hop(**_header(stage=0), direction="abort", path=["5Fa"], reason="tail gone"),
+        HopAck(**_header(), status="duplicate"),
         MergePayload(**_header(), epoch=3, shard_index=2, num_shards=4, offset=1000, total_numel=4000, weight=0.5,
                      shard=torch.randn(1000, generator=g)),
         StateRequest(**_header(), names=["layers.0.w", "norm"], epoch=5),
@@ -67,15 +66,15 @@ def test_round_trip_bit_exact(msg):
 
 
 def test_body_is_plain_safetensors_with_json_metadata():
-    msg = Forward(**_header(), activations=torch.randn(B, S, D))
+    msg = MergePayload(**_header(), shard=torch.randn(B * S * D))
     body = encode(msg)
     header, _ = read_header(body)
     meta = json.loads(header["__metadata__"]["iota"])
-    assert meta["type"] == "Forward" and meta["spec_version"] == SPEC_VERSION
+    assert meta["type"] == "MergePayload" and meta["spec_version"] == SPEC_VERSION
     assert meta["run_id"] == "run-1" and meta["microbatch_id"] == "mb-7" and meta["inner_step"] == 42
-    t = meta["tensors"]["activations"]
-    assert t["dtype"] == "float32" and t["shape"] == [B, S, D] and len(t["sha256"]) == 64
-    assert torch.equal(safetensors.torch.load(body)["activations"], msg.activations)
+    t = meta["tensors"]["shard"]
+    assert t["dtype"] == "float32" and t["shape"] == [B * S * D] and len(t["sha256"]) == 64
+    assert torch.equal(safetensors.torch.load(body)["shard"], msg.shard)
 
 
 def test_non_contiguous_and_tied_tensors_encode():
@@ -86,9 +85,9 @@ def test_non_contiguous_and_tied_tensors_encode():
 
 
 def _contract(seq=S, b=D, max_batch=4):
-    return TensorContract({"activations": TensorSpec(dtypes=(torch.float32, torch.bfloat16), shape=(-1, seq, b),
-                                                     max_shape=(max_batch, -1, -1)),
-                           "targets": TensorSpec(dtypes=(torch.int64,), shape=(-1, seq), required=False)})
+    return TensorContract({"data": TensorSpec(dtypes=(torch.float32, torch.bfloat16), shape=(-1, seq, b),
+                                              max_shape=(max_batch, -1, -1)),
+                           "scales": TensorSpec(dtypes=(torch.float32,), shape=(-1, seq), required=False)})
 
 
 def _refused(body, typ, contract=None, **kw) -> Outcome:
@@ -100,7 +99,7 @@ def _refused(body, typ, contract=None, **kw) -> Outcome:
 
 def test_contract_accepts_valid_and_wildcards():
     for batch in (1, 4):
-        decode(encode(Forward(activations=torch.randn(batch, S, D))), Forward, _contract())
+        decode(encode(Hop(data=torch.randn(batch, S, D))), Hop, _contract())
 
 
 @pytest.mark.parametrize("act,outcome", [
@@ -113,18 +112,18 @@ def test_contract_accepts_valid_and_wildcards():
     (torch.randint(0, 5, (B, S, D)), Outcome.BAD_DTYPE),
 ])
 def test_contract_refusals(act, outcome):
-    assert _refused(encode(Forward(activations=act)), Forward, _contract()) == outcome
+    assert _refused(encode(Hop(data=act)), Hop, _contract()) == outcome
 
 
 def test_contract_unexpected_and_missing_tensors():
-    c = TensorContract({"activations": TensorSpec(shape=(-1, S, D))})
-    body = encode(Forward(activations=torch.randn(B, S, D), targets=torch.zeros(B, S, dtype=torch.long)))
-    assert _refused(body, Forward, c) == Outcome.MALFORMED          # targets not in the contract
-    c2 = TensorContract({"activations": TensorSpec(shape=(-1, S, D)), "targets": TensorSpec(dtypes=(torch.int64,))})
-    body = encode(Forward(activations=torch.randn(B, S, D)))
-    assert _refused(body, Forward, c2) == Outcome.MALFORMED         # required targets missing
+    c = TensorContract({"data": TensorSpec(shape=(-1, S, D))})
+    body = encode(Hop(data=torch.randn(B, S, D), scales=torch.ones(B, S)))
+    assert _refused(body, Hop, c) == Outcome.MALFORMED          # scales not in the contract
+    c2 = TensorContract({"data": TensorSpec(shape=(-1, S, D)), "scales": TensorSpec(dtypes=(torch.float32,))})
+    body = encode(Hop(data=torch.randn(B, S, D)))
+    assert _refused(body, Hop, c2) == Outcome.MALFORMED         # required scales missing
     # a message type's required tensor, without a contract
-    assert _refused(encode(Forward()), Forward) == Outcome.MALFORMED
+    assert _refused(encode(MergePayload()), MergePayload) == Outcome.MALFORMED
 
 
 def test_glob_contract_for_state_dicts():
@@ -137,10 +136,10 @@ def test_glob_contract_for_state_dicts():
 def test_non_finite_refused(bad):
     x = torch.randn(B, S, D)
     x[1, 3, 2] = bad
-    assert _refused(encode(Forward(activations=x)), Forward, _contract()) == Outcome.NON_FINITE
-    assert _refused(encode(Forward(activations=x.bfloat16())), Forward) == Outcome.NON_FINITE
-    assert _refused(encode(ForwardResult(loss=bad)), ForwardResult) == Outcome.NON_FINITE
-    assert _refused(encode(ForwardResult(stats={"a": bad})), ForwardResult) == Outcome.NON_FINITE
+    assert _refused(encode(Hop(data=x)), Hop, _contract()) == Outcome.NON_FINITE
+    assert _refused(encode(Hop(data=x.bfloat16())), Hop) == Outcome.NON_FINITE
+    assert _refused(encode(MergePayload(shard=torch.zeros(4), weight=bad)), MergePayload) == Outcome.NON_FINITE
+    assert _refused(encode(Health(stats={"a": bad})), Health) == Outcome.NON_FINITE
 
 
 def test_finite_check_can_be_waived_per_tensor():
@@ -156,8 +155,8 @@ def _tamper_data(body: bytes) -> bytes:
 
 
 def test_hash_mismatch():
-    body = encode(Backward(grad=torch.randn(B, S, D)))
-    assert _refused(_tamper_data(body), Backward) == Outcome.HASH_MISMATCH
+    body = encode(MergePayload(shard=torch.randn(B * S * D)))
+    assert _refused(_tamper_data(body), MergePayload) == Outcome.HASH_MISMATCH
 
 
 def _rewrite_meta(body: bytes, fn) -> bytes:
@@ -178,15 +177,15 @@ def test_spec_version_refused():
 
 
 def test_wrong_type_and_bad_fields_malformed():
-    assert _refused(encode(Health()), Forward) == Outcome.MALFORMED                 # another message type
+    assert _refused(encode(Health()), Hop) == Outcome.MALFORMED                     # another message type
     body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("stage", "zero"))
     assert _refused(body, Health) == Outcome.MALFORMED
     body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("evil", 1))
     assert _refused(body, Health) == Outcome.MALFORMED
     # metadata lying about a tensor's shape
-    body = _rewrite_meta(encode(Backward(grad=torch.randn(B, S, D))),
-                         lambda m: m["tensors"]["grad"].__setitem__("shape", [B, D, S]))
-    assert _refused(body, Backward) == Outcome.MALFORMED
+    body = _rewrite_meta(encode(Hop(data=torch.randn(B, S, D))),
+                         lambda m: m["tensors"]["data"].__setitem__("shape", [B, D, S]))
+    assert _refused(body, Hop) == Outcome.MALFORMED
 
 
 @pytest.mark.parametrize("body", [
@@ -194,7 +193,7 @@ def test_wrong_type_and_bad_fields_malformed():
     struct.pack("<Q", 2) + b"[]", safetensors.torch.save({"x": torch.zeros(2)}),   # safetensors without metadata
 ], ids=["empty", "short", "text", "random", "badjson", "notobject", "nometa"])
 def test_malformed(body):
-    assert _refused(body, Forward) == Outcome.MALFORMED
+    assert _refused(body, Hop) == Outcome.MALFORMED
 
 
 def test_random_bytes_malformed():
@@ -202,7 +201,7 @@ def test_random_bytes_malformed():
     for _ in range(20):
         body = torch.randint(0, 256, (int(torch.randint(0, 4096, (1,), generator=g)),), generator=g,
                              dtype=torch.uint8).numpy().tobytes()
-        assert _refused(body, Forward) == Outcome.MALFORMED
+        assert _refused(body, Hop) == Outcome.MALFORMED
 
 
 def test_pickle_payload_refused():
@@ -210,19 +209,19 @@ def test_pickle_payload_refused():
         def __reduce__(self):
             return (exec, ("raise SystemExit('pickle was executed')",))
 
-    for obj in ({"activations": torch.randn(2, 2)}, Boom()):
+    for obj in ({"data": torch.randn(2, 2)}, Boom()):
         body = pickle.dumps(obj)
-        assert _refused(body, Forward) == Outcome.MALFORMED
+        assert _refused(body, Hop) == Outcome.MALFORMED
     import io
     buf = io.BytesIO()
-    torch.save({"activations": torch.randn(2, 2)}, buf)
-    assert _refused(buf.getvalue(), Forward) == Outcome.MALFORMED
+    torch.save({"data": torch.randn(2, 2)}, buf)
+    assert _refused(buf.getvalue(), Hop) == Outcome.MALFORMED
 
 
 def test_body_too_large():
-    body = encode(Forward(activations=torch.randn(B, S, D)))
-    assert _refused(body, Forward, max_body_bytes=len(body) - 1) == Outcome.BODY_TOO_LARGE
-    decode(body, Forward, max_body_bytes=len(body))
+    body = encode(Hop(data=torch.randn(B, S, D)))
+    assert _refused(body, Hop, max_body_bytes=len(body) - 1) == Outcome.BODY_TOO_LARGE
+    decode(body, Hop, max_body_bytes=len(body))
 
 
 def test_outcome_statuses():
@@ -235,28 +234,20 @@ def test_outcome_statuses():
 
 
 def test_ready_made_contracts():
-    from iota_subnet.protocol import backward_contract, forward_contract, merge_contract
+    from iota_subnet.protocol import hop_contract, merge_payload_contract
 
-    first = forward_contract(first=True, last=False, seq_len=S, width=D, max_batch=4, vocab_size=100)
-    decode(encode(Forward(activations=torch.randint(0, 100, (B, S)))), Forward, first)
-    assert _refused(encode(Forward(activations=torch.full((B, S), 100))), Forward, first) == Outcome.MALFORMED
-    assert _refused(encode(Forward(activations=torch.full((B, S), -1))), Forward, first) == Outcome.MALFORMED
-    assert _refused(encode(Forward(activations=torch.randn(B, S, D))), Forward, first) == Outcome.BAD_DTYPE
-    assert _refused(encode(Forward(activations=torch.randint(0, 100, (0, S)))), Forward, first) == Outcome.BAD_SHAPE
+    hc = hop_contract(seq_len=S, width=D, max_batch=4)
+    for data, scales in ((torch.randn(B, S, D), None), (torch.randn(B, S, D).bfloat16(), None),
+                         (torch.zeros(B, S, D, dtype=torch.int8), torch.ones(B, S)), (None, None)):
+        decode(encode(Hop(data=data, scales=scales)), Hop, hc)
+    assert _refused(encode(Hop(data=torch.randn(B, S, 2 * D))), Hop, hc) == Outcome.BAD_SHAPE
+    assert _refused(encode(Hop(data=torch.randn(5, S, D))), Hop, hc) == Outcome.BAD_SHAPE
+    assert _refused(encode(Hop(data=torch.randn(0, S, D))), Hop, hc) == Outcome.BAD_SHAPE
+    assert _refused(encode(Hop(data=torch.randn(B, S, D).double())), Hop, hc) == Outcome.BAD_DTYPE
+    assert _refused(encode(Hop(data=torch.randint(0, 100, (B, S, D)))), Hop, hc) == Outcome.BAD_DTYPE
 
-    last = forward_contract(first=False, last=True, seq_len=S, width=D, max_batch=4, vocab_size=100)
-    decode(encode(Forward(activations=torch.randn(B, S, D), targets=torch.randint(0, 100, (B, S)))), Forward, last)
-    assert _refused(encode(Forward(activations=torch.randn(B, S, D))), Forward, last) == Outcome.MALFORMED
-    middle = forward_contract(first=False, last=False, seq_len=S, width=D, max_batch=4)
-    assert _refused(encode(Forward(activations=torch.randn(B, S, D), targets=torch.randint(0, 100, (B, S)))),
-                    Forward, middle) == Outcome.MALFORMED
-
-    bc = backward_contract(seq_len=S, width=D, max_batch=4)
-    decode(encode(Backward(grad=torch.randn(B, S, D))), Backward, bc)
-    decode(encode(BackwardResult(grad=torch.randn(B, S, D))), BackwardResult, bc)
-    assert _refused(encode(Backward(grad=torch.randn(B, S, 2 * D))), Backward, bc) == Outcome.BAD_SHAPE
-
-    mc = merge_contract(max_numel=1000)
+    mc = merge_payload_contract(max_numel=1000)
     decode(encode(MergePayload(shard=torch.randn(1000))), MergePayload, mc)
+    decode(encode(MergePayload(shard=torch.zeros(1000, dtype=torch.int8), scales=torch.ones(4))), MergePayload, mc)
     assert _refused(encode(MergePayload(shard=torch.randn(1001))), MergePayload, mc) == Outcome.BAD_SHAPE
     assert _refused(encode(MergePayload(shard=torch.randn(10, 10))), MergePayload, mc) == Outcome.BAD_SHAPE

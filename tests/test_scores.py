@@ -1,6 +1,7 @@
-"""Scores end to end: the validator process (devnet chain, 3 x 3 in-process miners, one a lazy
-adversary in the middle stage) sets weights from verified, checked work; the JSON endpoint and
-``iota-subnet scores`` explain the adversary's zero; unit properties of the Scoreboard."""
+"""Scores end to end: the validator process (devnet chain, 3 x 2 MinerServices on the miner-to-miner
+data plane, one a noisy-update adversary in the middle stage) sets weights from verified, audited
+work; the JSON endpoint and ``iota-subnet scores`` explain the adversary's zero; unit properties of
+the Scoreboard."""
 from __future__ import annotations
 
 import asyncio
@@ -11,16 +12,12 @@ import socket
 import aiohttp
 import pytest
 
-from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.cli import main as cli_main
-from iota_subnet.config import load_config
 from iota_subnet.validator.scoring import Ledger, Scoreboard, balanced_weights
-from iota_subnet.validator.service import ValidatorOptions, ValidatorService
-from test_adversaries import ADV_REPLICA, ADV_STAGE, Miner
-from support.common import OVR, PatternData, make_wallet
+from support.dataplane_net import NETUID, P2PNet, run
 
-pytestmark = pytest.mark.timeout(150)
-NETUID = 9
+pytestmark = pytest.mark.timeout(400)
+ADV = (1, 1)
 
 
 def free_port() -> int:
@@ -29,38 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_validator_scores_adversary_zero_and_explained(tmp_home, tmp_path, capsys):
-    cfg = load_config("configs/tiny.yaml", OVR)
-    root = tmp_home / "wallets"
-    wallets = {"vali": make_wallet(root, "vali"), **{f"m{i}": make_wallet(root, f"m{i}") for i in range(9)}}
-    db = create_devnet(tmp_path / "chain.db", NETUID, tempo=5, block_time=0.1, weights_rate_limit=1,
-                       immunity_period=0)
-    out = tmp_path / "vali"
+def test_validator_scores_adversary_zero_and_explained(tmp_home, tmp_path, wikitext_path, cache_dir, capsys):
     port = free_port()
-    opts = ValidatorOptions(network="devnet", chain_db=str(db), netuid=NETUID, steps=8, out=str(out), run_id="run1",
-                            sync_interval_s=0.5, status_interval_s=0.2, weights_check_s=0.3, hop_timeout_s=10,
-                            exit_when_done=True, wait_miners_s=30, check_rate=0.5, clasp_interval_s=0.3,
-                            port=port, host="127.0.0.1", data_plane="relay")
+    out = tmp_path / "vali0"
 
     async def main():
-        chain = await open_devnet(db)
-        miners = []
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        await net.start(adversaries={ADV: "noisy-update"})
         try:
-            await chain.register(wallets["vali"], NETUID)
-            add_stake(db, wallets["vali"].hotkey.ss58_address, wallets["vali"].coldkeypub.ss58_address, 100.0,
-                      netuid=NETUID)
-            for r in range(3):
-                for s in range(3):
-                    w = wallets[f"m{len(miners)}"]
-                    m = Miner(cfg, s, w, "lazy" if (s, r) == (ADV_STAGE, ADV_REPLICA) else None)
-                    await m.server.start()
-                    reg = await chain.register(w, NETUID)
-                    m.uid = reg.uid
-                    await chain.serve(w, NETUID, "127.0.0.1", m.server.port)
-                    await chain.publish(w, NETUID, json.dumps({"v": 1, "run": "run1", "stage": s}))
-                    miners.append(m)
-            adv = next(m.uid for m in miners if m.adversary is not None)
-            svc = ValidatorService(opts, wallet=wallets["vali"], chain=chain, cfg=cfg, dataset=PatternData(256, 16))
+            adv = net.miners[ADV].uid
+            vali = net.validator(steps=14, audit_interval_s=0.5, hop_timeout_s=4, audit_timeout_s=4,
+                                 clasp_interval_s=1.0, port=port)
             seen: list[dict] = []
 
             async def poll():
@@ -74,33 +50,30 @@ def test_validator_scores_adversary_zero_and_explained(tmp_home, tmp_path, capsy
                             pass
 
             poller = asyncio.create_task(poll())
-            assert await asyncio.wait_for(svc.run(), 120) == 0
+            assert await vali.run() == 0
             poller.cancel()
             assert any(d.get("miners") for d in seen), "the /scores endpoint never answered with scores"
-            weights = dict(await chain.weights(NETUID))[0]
-            wmap = dict(weights)
+            wmap = dict(dict(await net.chain.weights(NETUID))[0])
             honest = sum(v for u, v in wmap.items() if u != adv)
             assert wmap.get(adv, 0.0) == 0.0 and honest >= 0.95 * sum(wmap.values()), (adv, wmap)
-            st = json.loads((out / "status.json").read_text())
-            flagged = [m["uid"] for m in st["scores"] if (m["checks"] or {}).get("flagged")]
+            st = net.status()
+            flagged = [m["uid"] for m in st["scores"] if (m["audits"] or {}).get("flagged")]
             assert flagged == [adv]
             return adv
         finally:
-            for m in miners:
-                await m.server.stop()
-            await chain.close()
+            await net.close()
 
-    adv = asyncio.run(main())
+    adv = run(main(), timeout=380)
     capsys.readouterr()
     assert cli_main(["scores", "--validator-state", str(out), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     row = next(m for m in d["miners"] if m["uid"] == adv)
-    assert row["weight"] == 0.0 and row["quality"] == 0.0 and row["checks"]["failed"] >= 1
-    assert any("spot check" in w and "rel err" in w for w in row["why"]), row["why"]
+    assert row["weight"] == 0.0 and row["quality"] == 0.0 and row["audits"]["failed"] >= 1
+    assert any("update audit failed" in w for w in row["why"]), row["why"]
     assert all(m["weight"] > 0 for m in d["miners"] if m["uid"] != adv)
     assert cli_main(["scores", "--validator-state", str(out)]) == 0
     table = capsys.readouterr().out
-    assert f"\n{adv:>4} " in table and "flagged by spot checks" in table
+    assert f"\n{adv:>4} " in table and "flagged by audits" in table
     assert cli_main(["scores", "--validator-state", str(tmp_path / "nowhere")]) == 2
 
 

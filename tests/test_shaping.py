@@ -11,7 +11,7 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.config import ConfigError
 from iota_subnet.neuron_common import add_common_args
-from iota_subnet.protocol import Forward, Health
+from iota_subnet.protocol import Health, Hop
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.shaping import (LINK_PROFILES, MSS, SEGMENT_OVERHEAD, DownlinkShaper, LinkSpec,
                                            UplinkShaper, configure_process_link, parse_link, process_downlink,
@@ -143,18 +143,18 @@ class Pair:
         self.server_shaper = UplinkShaper(parse_link(server_link))
         self.server = NeuronServer(self.sk, "127.0.0.1", 0, shaper=self.server_shaper)
         self.reply_bytes = reply_bytes
-        self.server.add_route("/take", self.take, Forward)
+        self.server.add_route("/take", self.take, Hop)
 
-    async def take(self, msg: Forward, ctx):
+    async def take(self, msg: Hop, ctx):
         if self.reply_bytes:
-            return Forward(run_id="r", activations=_activations(self.reply_bytes))
-        return Health(run_id="r", stats={"n": float(msg.activations.numel())})
+            return Hop(run_id="r", data=_activations(self.reply_bytes))
+        return Health(run_id="r", stats={"n": float(msg.data.numel())})
 
     async def send(self, client: NeuronClient, nbytes: int) -> float:
         t0 = time.perf_counter()
         await client.call(self.server.endpoint, self.sk.ss58_address, "/take",
-                          Forward(run_id="r", activations=_activations(nbytes)),
-                          Forward if self.reply_bytes else Health, timeout_s=60, retries=0)
+                          Hop(run_id="r", data=_activations(nbytes)),
+                          Hop if self.reply_bytes else Health, timeout_s=60, retries=0)
         return time.perf_counter() - t0
 
 
@@ -297,9 +297,9 @@ def test_partitioned_neurons_fail_fast_over_http(tmp_path):
 
         async def take(msg, ctx):
             return Health(run_id="r")
-        server.add_route("/take", take, Forward)
+        server.add_route("/take", take, Hop)
         await server.start()
-        msg = Forward(run_id="r", activations=_activations(4096 * 4))
+        msg = Hop(run_id="r", data=_activations(4096 * 4))
         try:
             async with NeuronClient(ck, shaper=UplinkShaper(parse_link("loopback"), control_path=cctl)) as c:
                 await c.call(server.endpoint, sk.ss58_address, "/take", msg, Health, timeout_s=10, retries=0)

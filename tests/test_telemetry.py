@@ -99,11 +99,11 @@ def test_transport_errors_are_counted_as_such(tmp_home):
     async def go():
         async with NeuronClient(w, on_request=m.observe_hop) as c:
             with pytest.raises(Exception):
-                await c.call(f"127.0.0.1:{port}", w.hotkey.ss58_address, "/forward", Health(), Health, retries=1,
+                await c.call(f"127.0.0.1:{port}", w.hotkey.ss58_address, "/hop", Health(), Health, retries=1,
                              backoff_s=0.01, timeout_s=2)
     asyncio.run(go())
     got = _samples(m.render().decode())
-    assert got[("iota_hop_requests_total", (("outcome", "TRANSPORT_ERROR"), ("route", "/forward")))] == 2
+    assert got[("iota_hop_requests_total", (("outcome", "TRANSPORT_ERROR"), ("route", "/hop")))] == 2
 
 
 VALIDATOR_STATUS = {
@@ -113,10 +113,8 @@ VALIDATOR_STATUS = {
     "wire_bytes": 1000, "verification_bytes": 200, "weights_set_blocks": [20, 40], "done": False,
     "miners": {"3": {"stage": 0, "work": 12.5}, "4": {"stage": 1, "work": float("nan")}},
     "last_weights": {"3": 0.75, "4": 0.25},
-    "scores": [{"uid": 3, "checks": {"sampled": 4, "passed": 3, "failed": 1, "unverifiable": 0, "no_snapshot": 0,
-                                     "flagged": True}, "clasp": {"n_in": 9, "flagged": False},
-                "why": ["flagged by spot checks: replay differs"]},
-               {"uid": 4, "checks": {"sampled": 2, "passed": 2, "failed": 0}, "clasp": None, "why": []}],
+    "scores": [{"uid": 3, "clasp": {"n_in": 9, "flagged": True}, "why": ["CLASP: pathways through it lose more"]},
+               {"uid": 4, "clasp": {"n_in": 5, "flagged": False}, "why": []}],
 }
 
 
@@ -131,9 +129,8 @@ def test_status_maps_to_documented_families():
     assert got[("iota_miner_verified_work", (("stage", "0"), ("uid", "3")))] == 12.5
     assert ("iota_miner_verified_work", (("stage", "1"), ("uid", "4"))) not in got   # NaN skipped
     assert got[("iota_miner_weight", (("uid", "3"),))] == 0.75
-    assert got[("iota_audit_checks_total", (("kind", "spot_check"), ("outcome", "failed")))] == 1
-    assert got[("iota_audit_checks_total", (("kind", "spot_check"), ("outcome", "passed")))] == 5
-    assert got[("iota_audit_flagged_miners", (("check", "spot_check"),))] == 1
+    assert got[("iota_audit_checks_total", (("kind", "clasp"), ("outcome", "probed")))] == 14
+    assert got[("iota_audit_flagged_miners", (("check", "clasp"),))] == 1
     assert got[("iota_validator_weights_set_total", ())] == 2
     assert got[("iota_validator_microbatches_total", (("outcome", "failed"),))] == 1
 

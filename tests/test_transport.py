@@ -11,155 +11,23 @@ import pickle
 import socket
 import statistics
 import time
-from pathlib import Path
 
 import aiohttp
-import bittensor as bt
 import pytest
 import torch
 from bittensor import http_auth
 
-from iota_subnet.protocol import (
-    Backward, BackwardResult, Forward, ForwardResult, Health, MergePayload, Outcome, ProtocolError, StateRequest,
-    StateResponse, TensorContract, TensorSpec, encode,
-)
-from iota_subnet.transport import NeuronClient, NeuronServer, SqliteNonceStore, TransportError
+from iota_subnet.protocol import (Health, Hop, HopAck, MergePayload, Outcome, ProtocolError, StateRequest,
+                                  StateResponse, encode)
+from iota_subnet.transport import NeuronClient, SqliteNonceStore, TransportError
 from iota_subnet.transport.client import _nodelay_socket
+from support.transport import B, D, MAX_BODY, S, Env, Node, bits, good, raw, signed, wallets  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
-
-B, S, D = 2, 16, 8
-MAX_BODY = 256 << 10
-
-
-def _wallet(path: Path, name: str) -> bt.Wallet:
-    w = bt.Wallet(name=name, hotkey="hk", path=str(path))
-    w.create_new_coldkey(use_password=False, overwrite=True, suppress=True)
-    w.create_new_hotkey(use_password=False, overwrite=True, suppress=True)
-    return w
-
-
-@pytest.fixture()
-def wallets(tmp_home):
-    path = tmp_home / "wallets"
-    return {n: _wallet(path, n) for n in ("server", "client", "limited", "stranger")}
-
-
-class Node:
-    """A server with one route per message type, an authorizer over a fake metagraph."""
-
-    def __init__(self, wallets, store: Path, **kw):
-        self.received: dict[str, object] = {}
-        self.busy_left = 0
-        registered = {wallets[n].hotkey.ss58_address for n in ("client", "limited")}
-        limited = wallets["limited"].hotkey.ss58_address
-
-        def authorizer(hotkey: str, route: str) -> None:
-            if hotkey not in registered:
-                raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, "not in the metagraph")
-            if hotkey == limited and route == "/merge":
-                raise ProtocolError(Outcome.FORBIDDEN, "no validator permit")
-
-        self.server = NeuronServer(wallets["server"], "127.0.0.1", 0, authorizer, store, MAX_BODY, **kw)
-        contract = TensorContract({
-            "activations": TensorSpec(dtypes=(torch.float32, torch.bfloat16), shape=(-1, S, D), max_shape=(4, -1, -1)),
-            "targets": TensorSpec(dtypes=(torch.int64,), shape=(-1, S), required=False)})
-        s = self.server
-        s.add_route("/forward", self.forward, Forward, lambda: contract)
-        s.add_route("/backward", self.backward, Backward,
-                    TensorContract({"grad": TensorSpec(dtypes=(torch.float32,), shape=(-1, S, D))}))
-        s.add_route("/merge", self.merge, MergePayload)
-        s.add_route("/state", self.state, StateRequest)
-        s.add_route("/health", self.health, Health)
-        s.add_route("/fail", self.fail, Health)
-        s.add_route("/slow", self.slow, Health)
-        s.add_route("/busy", self.busy, Health)
-        s.add_route("/hang", self.hang, Health)
-
-    async def forward(self, msg: Forward, ctx) -> ForwardResult:
-        self.received["forward"] = (msg, ctx)
-        return ForwardResult(run_id=msg.run_id, stage=msg.stage, microbatch_id=msg.microbatch_id,
-                             inner_step=msg.inner_step, activations=msg.activations, loss=1.25, stats={"n": 2.0})
-
-    def backward(self, msg: Backward, ctx) -> BackwardResult:  # sync handlers work too
-        self.received["backward"] = msg
-        return BackwardResult(microbatch_id=msg.microbatch_id, grad=msg.grad * 2)
-
-    async def merge(self, msg: MergePayload, ctx) -> MergePayload:
-        self.received["merge"] = msg
-        return msg
-
-    async def state(self, msg: StateRequest, ctx) -> StateResponse:
-        self.received["state"] = msg
-        return StateResponse(stage=msg.stage, tensors={n: torch.full((3, 2), float(i)) for i, n in
-                                                       enumerate(msg.names or ["w"])}, state_meta={"epoch": msg.epoch})
-
-    async def health(self, msg: Health, ctx) -> Health:
-        return Health(hotkey=self.server.hotkey, info={"caller": ctx.caller_hotkey})
-
-    async def fail(self, msg, ctx):
-        raise RuntimeError("handler bug")
-
-    async def slow(self, msg, ctx):
-        await asyncio.sleep(0.8)
-        return Health()
-
-    async def hang(self, msg, ctx):
-        self.received["hang"] = True
-        await asyncio.sleep(120)
-        return Health()
-
-    async def busy(self, msg, ctx):
-        if self.busy_left > 0:
-            self.busy_left -= 1
-            raise ProtocolError(Outcome.BUSY, "queue full")
-        return Health()
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-async def _good(client: NeuronClient, node: Node) -> None:
-    """The server still serves a valid request."""
-    out = await client.call(node.server.endpoint, node.server.hotkey, "/health", Health(), Health, timeout_s=5)
-    assert out.hotkey == node.server.hotkey and out.info["caller"] == client.hotkey
-
-
-async def _raw(node: Node, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://{node.server.endpoint}{path}", data=body, headers=headers or {}) as r:
-            data = await r.read()
-            try:
-                import json
-                return r.status, json.loads(data)
-            except ValueError:
-                return r.status, {"raw": data}
-
-
-def _signed(wallet, node: Node, path: str, body: bytes, **kw) -> dict:
-    return http_auth.sign(wallet, method="POST", path=path, body=body, receiver_ss58=kw.pop("receiver", node.server.hotkey),
-                          **kw)
-
-
-class Env:
-    def __init__(self, wallets, tmp_path, **kw):
-        self.wallets = wallets
-        self.store = tmp_path / "nonces.sqlite"
-        self.node = Node(wallets, self.store, **kw)
-        self.client = NeuronClient(wallets["client"])
-
-    async def __aenter__(self):
-        await self.node.server.start()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.client.close()
-        await self.node.server.stop()
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 # ---------------------------------------------------------------------------------------------- round trips
@@ -169,29 +37,30 @@ def test_round_trip_every_message_type(wallets, tmp_path):
         async with Env(wallets, tmp_path) as env:
             c, n, ep, hk = env.client, env.node, env.node.server.endpoint, env.node.server.hotkey
             act = torch.randn(B, S, D)
-            tgt = torch.randint(0, 8192, (B, S))
-            fwd = Forward(run_id="r1", stage=2, microbatch_id="mb-9", inner_step=17, activations=act, targets=tgt,
-                          info={"k": [1, 2]})
-            res = await c.call(ep, hk, "/forward", fwd, ForwardResult)
-            got, ctx = n.received["forward"]
-            assert _bits(got.activations) == _bits(act) and torch.equal(got.targets, tgt)
-            assert (got.run_id, got.stage, got.microbatch_id, got.inner_step, got.info) == ("r1", 2, "mb-9", 17, {"k": [1, 2]})
-            assert ctx.caller_hotkey == c.hotkey and ctx.route == "/forward"
-            assert _bits(res.activations) == _bits(act) and res.loss == 1.25 and res.stats == {"n": 2.0}
+            scales = torch.rand(B, S)
+            hop = Hop(run_id="r1", stage=2, microbatch_id="mb-9", inner_step=17, data=act, scales=scales,
+                      ticket={"lane": 1}, path=["5Fa", "5Fb"], info={"k": [1, 2]})
+            res = await c.call(ep, hk, "/hop", hop, Hop)
+            got, ctx = n.received["hop"]
+            assert bits(got.data) == bits(act) and torch.equal(got.scales, scales)
+            assert (got.run_id, got.stage, got.microbatch_id, got.inner_step, got.info, got.ticket, got.path) == \
+                ("r1", 2, "mb-9", 17, {"k": [1, 2]}, {"lane": 1}, ["5Fa", "5Fb"])
+            assert ctx.caller_hotkey == c.hotkey and ctx.route == "/hop"
+            assert bits(res.data) == bits(act) and res.info == {"loss": 1.25}
             assert (res.run_id, res.microbatch_id, res.inner_step) == ("r1", "mb-9", 17)
 
-            bf = await c.call(ep, hk, "/forward", Forward(activations=act.bfloat16()), ForwardResult)
-            assert bf.activations.dtype == torch.bfloat16 and _bits(bf.activations) == _bits(act.bfloat16())
+            bf = await c.call(ep, hk, "/hop", Hop(data=act.bfloat16()), Hop)
+            assert bf.data.dtype == torch.bfloat16 and bits(bf.data) == bits(act.bfloat16())
 
             g = torch.randn(B, S, D)
-            bres = await c.call(ep, hk, "/backward", Backward(microbatch_id="mb-9", grad=g), BackwardResult)
-            assert _bits(n.received["backward"].grad) == _bits(g) and torch.equal(bres.grad, g * 2)
-            assert bres.microbatch_id == "mb-9"
+            ack = await c.call(ep, hk, "/ack", Hop(microbatch_id="mb-9", data=g), HopAck)
+            assert bits(n.received["ack"].data) == bits(g) and ack.status == "duplicate"
+            assert ack.microbatch_id == "mb-9"
 
             shard = torch.randn(5000)
             mp = MergePayload(epoch=3, shard_index=1, num_shards=4, offset=5000, total_numel=20000, weight=0.5, shard=shard)
             mres = await c.call(ep, hk, "/merge", mp, MergePayload)
-            assert _bits(mres.shard) == _bits(shard)
+            assert bits(mres.shard) == bits(shard)
             assert (mres.epoch, mres.shard_index, mres.num_shards, mres.offset, mres.total_numel, mres.weight) == \
                    (3, 1, 4, 5000, 20000, 0.5)
 
@@ -200,7 +69,7 @@ def test_round_trip_every_message_type(wallets, tmp_path):
             assert set(st.tensors) == {"a.w", "b"} and torch.equal(st.tensors["b"], torch.full((3, 2), 1.0))
             assert st.state_meta == {"epoch": 4} and st.stage == 1
 
-            await _good(c, n)
+            await good(c, n)
             assert c.bytes_sent > act.numel() * 4 + shard.numel() * 4 and c.bytes_received > 0
             assert n.server.outcomes["OK"] == 6
     run(main())
@@ -210,10 +79,10 @@ def test_byte_counters_and_concurrency(wallets, tmp_path):
     async def main():
         async with Env(wallets, tmp_path) as env:
             c, ep, hk = env.client, env.node.server.endpoint, env.node.server.hotkey
-            msg = Forward(activations=torch.randn(B, S, D))
+            msg = Hop(data=torch.randn(B, S, D))
             body_len = len(encode(msg))
-            outs = await asyncio.gather(*[c.call(ep, hk, "/forward", msg, ForwardResult) for _ in range(16)])
-            assert all(torch.equal(o.activations, msg.activations) for o in outs)
+            outs = await asyncio.gather(*[c.call(ep, hk, "/hop", msg, Hop) for _ in range(16)])
+            assert all(torch.equal(o.data, msg.data) for o in outs)
             assert c.bytes_sent == 16 * body_len and c.requests == 16 and c.retries == 0
             assert env.node.server.bytes_received == 16 * body_len
             assert c.bytes_received == env.node.server.bytes_sent
@@ -229,11 +98,11 @@ def test_small_round_trips_are_fast_nodelay(wallets, tmp_path):
 
     async def main():
         async with Env(wallets, tmp_path) as env:
-            await _good(env.client, env.node)
+            await good(env.client, env.node)
             times = []
             for _ in range(20):
                 t0 = time.perf_counter()
-                await _good(env.client, env.node)
+                await good(env.client, env.node)
                 times.append(time.perf_counter() - t0)
             assert statistics.median(times) < 0.030, times  # Nagle + delayed ACK would stall ~40 ms
     run(main())
@@ -243,83 +112,83 @@ def test_small_round_trips_are_fast_nodelay(wallets, tmp_path):
 
 async def _expect(node: Node, path: str, body: bytes, headers: dict | None, status: int, outcome: Outcome,
                   client: NeuronClient) -> None:
-    got_status, data = await _raw(node, path, body, headers)
+    got_status, data = await raw(node, path, body, headers)
     assert (got_status, data.get("outcome")) == (status, outcome.value), data
     assert isinstance(data.get("message"), str)
-    await _good(client, node)
+    await good(client, node)
 
 
-def _fwd_body(**kw) -> bytes:
-    return encode(Forward(activations=torch.randn(B, S, D), **kw))
+def _hop_body(**kw) -> bytes:
+    return encode(Hop(data=torch.randn(B, S, D), **kw))
 
 
 def test_auth_refusals(wallets, tmp_path):
     async def main():
         async with Env(wallets, tmp_path) as env:
             n, c, cw = env.node, env.client, wallets["client"]
-            body = _fwd_body()
+            body = _hop_body()
             # missing signature (no btauth headers at all), and with only the signature header dropped
-            await _expect(n, "/forward", body, None, 401, Outcome.MISSING_SIGNATURE, c)
-            h = _signed(cw, n, "/forward", body)
+            await _expect(n, "/hop", body, None, 401, Outcome.MISSING_SIGNATURE, c)
+            h = signed(cw, n, "/hop", body)
             h.pop(http_auth.HEADER_SIGNATURE)
-            await _expect(n, "/forward", body, h, 401, Outcome.MISSING_SIGNATURE, c)
+            await _expect(n, "/hop", body, h, 401, Outcome.MISSING_SIGNATURE, c)
             # empty signature
-            h = _signed(cw, n, "/forward", body)
+            h = signed(cw, n, "/hop", body)
             h[http_auth.HEADER_SIGNATURE] = ""
-            await _expect(n, "/forward", body, h, 401, Outcome.MISSING_SIGNATURE, c)
+            await _expect(n, "/hop", body, h, 401, Outcome.MISSING_SIGNATURE, c)
             # truncated / non-hex signature
             for sig in ("0x1234", "0xzz"):
-                h = _signed(cw, n, "/forward", body)
+                h = signed(cw, n, "/hop", body)
                 h[http_auth.HEADER_SIGNATURE] = sig
-                await _expect(n, "/forward", body, h, 401, Outcome.BAD_SIGNATURE, c)
+                await _expect(n, "/hop", body, h, 401, Outcome.BAD_SIGNATURE, c)
             # bad signature: a valid signature of another request
-            h = _signed(cw, n, "/forward", body)
-            h[http_auth.HEADER_SIGNATURE] = _signed(cw, n, "/forward", b"other")[http_auth.HEADER_SIGNATURE]
-            await _expect(n, "/forward", body, h, 401, Outcome.BAD_SIGNATURE, c)
+            h = signed(cw, n, "/hop", body)
+            h[http_auth.HEADER_SIGNATURE] = signed(cw, n, "/hop", b"other")[http_auth.HEADER_SIGNATURE]
+            await _expect(n, "/hop", body, h, 401, Outcome.BAD_SIGNATURE, c)
             # signed by someone else than the claimed hotkey
-            h = _signed(wallets["stranger"], n, "/forward", body)
+            h = signed(wallets["stranger"], n, "/hop", body)
             h[http_auth.HEADER_HOTKEY] = cw.hotkey.ss58_address
-            await _expect(n, "/forward", body, h, 401, Outcome.BAD_SIGNATURE, c)
+            await _expect(n, "/hop", body, h, 401, Outcome.BAD_SIGNATURE, c)
             # body changed after signing
-            h = _signed(cw, n, "/forward", body)
-            await _expect(n, "/forward", _fwd_body(), h, 401, Outcome.BAD_SIGNATURE, c)
+            h = signed(cw, n, "/hop", body)
+            await _expect(n, "/hop", _hop_body(), h, 401, Outcome.BAD_SIGNATURE, c)
             # signed for another path
-            h = _signed(cw, n, "/backward", body)
-            await _expect(n, "/forward", body, h, 401, Outcome.BAD_SIGNATURE, c)
+            h = signed(cw, n, "/ack", body)
+            await _expect(n, "/hop", body, h, 401, Outcome.BAD_SIGNATURE, c)
             # stale / future nonce
-            h = _signed(cw, n, "/forward", body, nonce_ns=time.time_ns() - 60 * 10**9)
-            await _expect(n, "/forward", body, h, 401, Outcome.STALE_REQUEST, c)
-            h = _signed(cw, n, "/forward", body, nonce_ns=time.time_ns() + 60 * 10**9)
-            await _expect(n, "/forward", body, h, 401, Outcome.CLOCK_SKEW, c)       # a clock ahead, not staleness
+            h = signed(cw, n, "/hop", body, nonce_ns=time.time_ns() - 60 * 10**9)
+            await _expect(n, "/hop", body, h, 401, Outcome.STALE_REQUEST, c)
+            h = signed(cw, n, "/hop", body, nonce_ns=time.time_ns() + 60 * 10**9)
+            await _expect(n, "/hop", body, h, 401, Outcome.CLOCK_SKEW, c)       # a clock ahead, not staleness
             # wrong receiver, and no receiver
-            h = _signed(cw, n, "/forward", body, receiver=wallets["stranger"].hotkey.ss58_address)
-            await _expect(n, "/forward", body, h, 421, Outcome.WRONG_RECEIVER, c)
-            h = http_auth.sign(cw, method="POST", path="/forward", body=body)
-            await _expect(n, "/forward", body, h, 421, Outcome.WRONG_RECEIVER, c)
+            h = signed(cw, n, "/hop", body, receiver=wallets["stranger"].hotkey.ss58_address)
+            await _expect(n, "/hop", body, h, 421, Outcome.WRONG_RECEIVER, c)
+            h = http_auth.sign(cw, method="POST", path="/hop", body=body)
+            await _expect(n, "/hop", body, h, 421, Outcome.WRONG_RECEIVER, c)
             # replayed nonce
-            h = _signed(cw, n, "/forward", body)
-            status, _ = await _raw(n, "/forward", body, h)
+            h = signed(cw, n, "/hop", body)
+            status, _ = await raw(n, "/hop", body, h)
             assert status == 200
-            await _expect(n, "/forward", body, h, 401, Outcome.REPLAYED_NONCE, c)
-            assert n.received["forward"][0].activations.shape == (B, S, D)
+            await _expect(n, "/hop", body, h, 401, Outcome.REPLAYED_NONCE, c)
+            assert n.received["hop"][0].data.shape == (B, S, D)
     run(main())
 
 
 def test_replay_refused_after_restart(wallets, tmp_path):
     async def main():
         store = tmp_path / "nonces.sqlite"
-        body = _fwd_body()
+        body = _hop_body()
         node = Node(wallets, store)
         await node.server.start()
-        h = _signed(wallets["client"], node, "/forward", body)
-        assert (await _raw(node, "/forward", body, h))[0] == 200
+        h = signed(wallets["client"], node, "/hop", body)
+        assert (await raw(node, "/hop", body, h))[0] == 200
         await node.server.stop()
 
         node2 = Node(wallets, store)                # same hotkey, same nonce store file, new port
         await node2.server.start()
         client = NeuronClient(wallets["client"])
         try:
-            await _expect(node2, "/forward", body, h, 401, Outcome.REPLAYED_NONCE, client)
+            await _expect(node2, "/hop", body, h, 401, Outcome.REPLAYED_NONCE, client)
         finally:
             await client.close()
             await node2.server.stop()
@@ -339,7 +208,7 @@ def test_authorizer_refusals(wallets, tmp_path):
                         await c.call(ep, hk, path, msg, rtype, retries=3, backoff_s=0.01)
                     assert (ei.value.status, ei.value.outcome) == (403, outcome)
                     assert c.requests == 1 and c.retries == 0          # 4xx is never retried
-                await _good(env.client, n)
+                await good(env.client, n)
             async with NeuronClient(wallets["limited"]) as c:          # limited may call other routes
                 await c.call(ep, hk, "/health", Health(), Health)
     run(main())
@@ -354,53 +223,52 @@ def test_body_refusals(wallets, tmp_path):
                 with pytest.raises(ProtocolError) as ei:
                     await c.call(ep, hk, path, msg, rtype, retries=2)
                 assert (ei.value.status, ei.value.outcome) == (status, outcome), ei.value
-                await _good(c, n)
+                await good(c, n)
 
             nan = torch.randn(B, S, D)
             nan[0, 0, 0] = float("nan")
             inf = torch.randn(B, S, D)
             inf[1, 2, 3] = float("inf")
-            await refused("/forward", Forward(activations=torch.randn(B, S + 1, D)), ForwardResult, 422, Outcome.BAD_SHAPE)
-            await refused("/forward", Forward(activations=torch.randn(5, S, D)), ForwardResult, 422, Outcome.BAD_SHAPE)
-            await refused("/forward", Forward(activations=torch.randn(B, S, D).double()), ForwardResult, 422,
-                          Outcome.BAD_DTYPE)
-            await refused("/forward", Forward(activations=torch.randn(B, S, D), targets=torch.zeros(B, S)),
-                          ForwardResult, 422, Outcome.BAD_DTYPE)
-            await refused("/forward", Forward(activations=nan), ForwardResult, 422, Outcome.NON_FINITE)
-            await refused("/forward", Forward(activations=inf), ForwardResult, 422, Outcome.NON_FINITE)
+            await refused("/hop", Hop(data=torch.randn(B, S + 1, D)), Hop, 422, Outcome.BAD_SHAPE)
+            await refused("/hop", Hop(data=torch.randn(5, S, D)), Hop, 422, Outcome.BAD_SHAPE)
+            await refused("/hop", Hop(data=torch.randn(B, S, D).double()), Hop, 422, Outcome.BAD_DTYPE)
+            await refused("/hop", Hop(data=torch.randn(B, S, D), scales=torch.zeros(B, S, dtype=torch.float64)),
+                          Hop, 422, Outcome.BAD_DTYPE)
+            await refused("/hop", Hop(data=nan), Hop, 422, Outcome.NON_FINITE)
+            await refused("/hop", Hop(data=inf), Hop, 422, Outcome.NON_FINITE)
             await refused("/merge", MergePayload(shard=torch.tensor([1.0, float("-inf")])), MergePayload, 422,
                           Outcome.NON_FINITE)
             await refused("/health", Health(spec_version=99), Health, 426, Outcome.SPEC_VERSION)
-            await refused("/health", Forward(activations=torch.randn(B, S, D)), Health, 400, Outcome.MALFORMED)
+            await refused("/health", Hop(data=torch.randn(B, S, D)), Health, 400, Outcome.MALFORMED)
             await refused("/merge", MergePayload(shard=torch.zeros(MAX_BODY // 4 + 10)), MergePayload, 413,
                           Outcome.BODY_TOO_LARGE)
             assert c.retries == 0
 
             # hash mismatch: the tensor bytes changed before signing (integrity of the payload itself)
-            tampered = bytearray(_fwd_body())
+            tampered = bytearray(encode(MergePayload(shard=torch.randn(B * S * D))))
             tampered[-1] ^= 0x40
             tampered = bytes(tampered)
-            await _expect(n, "/forward", tampered, _signed(cw, n, "/forward", tampered), 400, Outcome.HASH_MISMATCH, c)
+            await _expect(n, "/merge", tampered, signed(cw, n, "/merge", tampered), 400, Outcome.HASH_MISMATCH, c)
             # malformed: random bytes, pickle, torch.save
             junk = torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes()
-            await _expect(n, "/forward", junk, _signed(cw, n, "/forward", junk), 400, Outcome.MALFORMED, c)
-            pk = pickle.dumps({"activations": torch.randn(B, S, D)})
-            await _expect(n, "/forward", pk, _signed(cw, n, "/forward", pk), 400, Outcome.MALFORMED, c)
+            await _expect(n, "/hop", junk, signed(cw, n, "/hop", junk), 400, Outcome.MALFORMED, c)
+            pk = pickle.dumps({"data": torch.randn(B, S, D)})
+            await _expect(n, "/hop", pk, signed(cw, n, "/hop", pk), 400, Outcome.MALFORMED, c)
             buf = io.BytesIO()
-            torch.save({"activations": torch.randn(B, S, D)}, buf)
+            torch.save({"data": torch.randn(B, S, D)}, buf)
             ts = buf.getvalue()
-            await _expect(n, "/forward", ts, _signed(cw, n, "/forward", ts), 400, Outcome.MALFORMED, c)
-            await _expect(n, "/forward", b"", _signed(cw, n, "/forward", b""), 400, Outcome.MALFORMED, c)
+            await _expect(n, "/hop", ts, signed(cw, n, "/hop", ts), 400, Outcome.MALFORMED, c)
+            await _expect(n, "/hop", b"", signed(cw, n, "/hop", b""), 400, Outcome.MALFORMED, c)
             # over the limit: a Content-Length over it is refused before authentication; a chunked body
             # is read (up to the limit) only once its headers authenticate and authorize the caller
             big = b"\0" * (MAX_BODY + 1)
-            await _expect(n, "/forward", big, None, 413, Outcome.BODY_TOO_LARGE, c)
+            await _expect(n, "/hop", big, None, 413, Outcome.BODY_TOO_LARGE, c)
 
             async def chunks():
                 for _ in range(8):
                     yield b"\0" * (MAX_BODY // 4)
-            await _expect(n, "/forward", chunks(), None, 401, Outcome.MISSING_SIGNATURE, c)
-            await _expect(n, "/forward", chunks(), _signed(cw, n, "/forward", b"x"), 413, Outcome.BODY_TOO_LARGE, c)
+            await _expect(n, "/hop", chunks(), None, 401, Outcome.MISSING_SIGNATURE, c)
+            await _expect(n, "/hop", chunks(), signed(cw, n, "/hop", b"x"), 413, Outcome.BODY_TOO_LARGE, c)
             assert n.server.outcomes["BODY_TOO_LARGE"] == 3
     run(main())
 
@@ -413,14 +281,14 @@ def test_handler_faults_and_routes(wallets, tmp_path):
                 await c.call(ep, hk, "/fail", Health(), Health, retries=2, backoff_s=0.01)
             assert (ei.value.status, ei.value.outcome) == (500, Outcome.INTERNAL)
             assert c.retries == 0
-            await _good(c, n)
+            await good(c, n)
             with pytest.raises(ProtocolError) as ei:
                 await c.call(ep, hk, "/nope", Health(), Health)
             assert (ei.value.status, ei.value.outcome) == (404, Outcome.UNKNOWN_ROUTE)
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"http://{ep}/health") as r:
                     assert r.status == 404 and (await r.json())["outcome"] == "UNKNOWN_ROUTE"
-            await _good(c, n)
+            await good(c, n)
     run(main())
 
 
@@ -435,7 +303,7 @@ def test_retries_on_503_only(wallets, tmp_path):
             with pytest.raises(ProtocolError) as ei:
                 await c.call(ep, hk, "/busy", Health(), Health, retries=1, backoff_s=0.01)
             assert (ei.value.status, ei.value.outcome) == (503, Outcome.BUSY)
-            await _good(c, n)
+            await good(c, n)
     run(main())
 
 
@@ -455,7 +323,7 @@ def test_transport_errors(wallets, tmp_path):
             with pytest.raises(TransportError) as ei:
                 await c.call(dead, hk, "/health", Health(), Health, timeout_s=1, retries=2, backoff_s=0.01)
             assert ei.value.attempts == 3 and c.retries - before == 2
-            await _good(c, n)
+            await good(c, n)
     run(main())
 
 
@@ -532,7 +400,7 @@ def test_large_state_download(wallets, tmp_path):
             n.state = state
             n.server.routes["/state"].handler = state
             st = await c.call(ep, hk, "/state", StateRequest(), StateResponse)
-            assert all(_bits(st.tensors[k]) == _bits(v) for k, v in big.items())
+            assert all(bits(st.tensors[k]) == bits(v) for k, v in big.items())
             assert c.bytes_received > 4 * 256 * 1024 * 4
-            await _good(c, n)
+            await good(c, n)
     run(main())

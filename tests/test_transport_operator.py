@@ -13,10 +13,10 @@ import time
 import pytest
 from bittensor import http_auth
 
-from iota_subnet.protocol import Forward, Health, Outcome, encode
+from iota_subnet.protocol import Health, Hop, Outcome, encode
 from iota_subnet.transport import NeuronClient, NeuronServer, SqliteNonceStore
 from iota_subnet.utils.sqlite_file import CorruptStateError
-from test_transport import Node, _good, _signed, wallets  # noqa: F401 (fixture)
+from support.transport import Node, good, signed, wallets  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,9 +44,9 @@ async def _response(reader: asyncio.StreamReader, timeout: float) -> tuple[int, 
     return status, (json.loads(body) if status != 200 else {"bytes": len(body)})
 
 
-def _forward_body() -> bytes:
+def _hop_body() -> bytes:
     import torch
-    return encode(Forward(activations=torch.randn(4, 16, 8)))
+    return encode(Hop(data=torch.randn(4, 16, 8)))
 
 
 def test_slow_upload_is_judged_fresh_when_it_started(wallets, tmp_path):
@@ -57,10 +57,10 @@ def test_slow_upload_is_judged_fresh_when_it_started(wallets, tmp_path):
         node = Node(wallets, tmp_path / "n.sqlite", max_age=2.0, allowed_skew=0.5)
         await node.server.start()
         try:
-            body = _forward_body()
+            body = _hop_body()
             assert len(body) > 2000
-            headers = _signed(wallets["client"], node, "/forward", body)
-            reader, writer = await _open(node, "/forward", headers, len(body))
+            headers = signed(wallets["client"], node, "/hop", body)
+            reader, writer = await _open(node, "/hop", headers, len(body))
             t0 = time.monotonic()
             for i in range(0, len(body), 256):                  # ~3 s for the body: beyond max_age = 2 s
                 writer.write(body[i:i + 256])
@@ -70,22 +70,22 @@ def test_slow_upload_is_judged_fresh_when_it_started(wallets, tmp_path):
             writer.close()
             assert time.monotonic() - t0 > 2.5
             assert status == 200, data
-            assert node.received["forward"][0].activations.shape == (4, 16, 8)
+            assert node.received["hop"][0].data.shape == (4, 16, 8)
 
-            stale = _signed(wallets["client"], node, "/forward", body, nonce_ns=time.time_ns() - 3 * 10**9)
-            reader, writer = await _open(node, "/forward", stale, len(body))
+            stale = signed(wallets["client"], node, "/hop", body, nonce_ns=time.time_ns() - 3 * 10**9)
+            reader, writer = await _open(node, "/hop", stale, len(body))
             status, data = await _response(reader, 5)          # refused before the body is sent
             writer.close()
             assert (status, data["outcome"]) == (401, Outcome.STALE_REQUEST.value)
             assert "sign again" in data["message"]
-            ahead = _signed(wallets["client"], node, "/forward", body, nonce_ns=time.time_ns() + 5 * 10**9)
-            reader, writer = await _open(node, "/forward", ahead, len(body))
+            ahead = signed(wallets["client"], node, "/hop", body, nonce_ns=time.time_ns() + 5 * 10**9)
+            reader, writer = await _open(node, "/hop", ahead, len(body))
             status, data = await _response(reader, 5)
             writer.close()
             assert (status, data["outcome"]) == (401, Outcome.CLOCK_SKEW.value)
             assert "clock" in data["message"] and "ahead" in data["message"]
             async with NeuronClient(wallets["client"]) as c:
-                await _good(c, node)
+                await good(c, node)
         finally:
             await node.server.stop()
     run(main())
@@ -99,9 +99,9 @@ def test_caller_is_authorized_from_headers_before_the_body_is_read(wallets, tmp_
         await node.server.start()
         try:
             length = 200_000                                     # within the limit, never sent
-            for who, path, status, outcome in (("stranger", "/forward", 403, Outcome.UNREGISTERED_HOTKEY),
+            for who, path, status, outcome in (("stranger", "/hop", 403, Outcome.UNREGISTERED_HOTKEY),
                                                ("limited", "/merge", 403, Outcome.FORBIDDEN)):
-                headers = _signed(wallets[who], node, path, b"\0" * length)
+                headers = signed(wallets[who], node, path, b"\0" * length)
                 reader, writer = await _open(node, path, headers, length)
                 writer.write(b"\0" * 100)
                 await writer.drain()
@@ -121,14 +121,14 @@ def test_in_flight_requests_are_capped_per_caller(wallets, tmp_path):
         node = Node(wallets, tmp_path / "n.sqlite", max_inflight_per_caller=2)
         await node.server.start()
         try:
-            body = _forward_body()
+            body = _hop_body()
             held = []
             for _ in range(2):
-                h = _signed(wallets["client"], node, "/forward", body)
-                held.append((await _open(node, "/forward", h, len(body)), body))
+                h = signed(wallets["client"], node, "/hop", body)
+                held.append((await _open(node, "/hop", h, len(body)), body))
             await asyncio.sleep(0.3)
-            h = _signed(wallets["client"], node, "/forward", body)
-            reader, writer = await _open(node, "/forward", h, len(body))
+            h = signed(wallets["client"], node, "/hop", body)
+            reader, writer = await _open(node, "/hop", h, len(body))
             status, data = await _response(reader, 3)
             writer.close()
             assert (status, data["outcome"]) == (429, Outcome.TOO_MANY_REQUESTS.value)
@@ -141,7 +141,7 @@ def test_in_flight_requests_are_capped_per_caller(wallets, tmp_path):
                 writer.close()
                 assert status == 200
             async with NeuronClient(wallets["client"]) as c:
-                await _good(c, node)
+                await good(c, node)
         finally:
             await node.server.stop()
     run(main())
@@ -159,34 +159,34 @@ def test_corrupt_nonce_store_is_refused_and_a_fresh_one_refuses_older_nonces(wal
     assert str(path) in str(e.value) and "move it aside" in str(e.value)
     assert path.read_bytes() == junk
     # a real database with a damaged page
-    good = tmp_path / "damaged.sqlite"
-    s = SqliteNonceStore(good)
+    damaged = tmp_path / "damaged.sqlite"
+    s = SqliteNonceStore(damaged)
     for i in range(3000):
         s.check_and_store(f"hk{i}", time.time_ns())
     s.close()
-    raw = bytearray(good.read_bytes())
+    raw = bytearray(damaged.read_bytes())
     for off in range(4096 * 3, 4096 * 3 + 200):
         raw[off] ^= 0xFF
-    good.write_bytes(bytes(raw))
+    damaged.write_bytes(bytes(raw))
     with pytest.raises(CorruptStateError):
-        SqliteNonceStore(good)
+        SqliteNonceStore(damaged)
 
     async def main():
-        body = _forward_body()
+        body = _hop_body()
         fresh_path = tmp_path / "fresh.sqlite"
         probe = NeuronServer(wallets["server"], "127.0.0.1", 0, None, None)      # only to sign for its hotkey
-        signed_before = http_auth.sign(wallets["client"], method="POST", path="/forward", body=body,
+        signed_before = http_auth.sign(wallets["client"], method="POST", path="/hop", body=body,
                                        receiver_ss58=probe.hotkey)
         await asyncio.sleep(0.05)
         node = Node(wallets, fresh_path)
         await node.server.start()
         try:
-            reader, writer = await _open(node, "/forward", signed_before, len(body))
+            reader, writer = await _open(node, "/hop", signed_before, len(body))
             status, data = await _response(reader, 5)
             writer.close()
             assert (status, data["outcome"]) == (401, Outcome.REPLAYED_NONCE.value)
             async with NeuronClient(wallets["client"]) as c:
-                await _good(c, node)
+                await good(c, node)
         finally:
             await node.server.stop()
     run(main())

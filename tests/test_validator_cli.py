@@ -100,7 +100,7 @@ def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, ca
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("flag, value, needle", [("--check-rate", "5", "--check-rate must be in [0, 1]"),
+@pytest.mark.parametrize("flag, value, needle", [("--clasp-paths", "0", "--clasp-paths must be >= 1"),
                                                  ("--hop-timeout", "0", "--hop-timeout must be > 0"),
                                                  ("--audit-timeout", "-1", "--audit-timeout must be > 0")])
 def test_cli_refuses_out_of_range_values(tmp_home, tmp_path, flag, value, needle):

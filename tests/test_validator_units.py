@@ -12,7 +12,7 @@ import pytest
 
 from iota_subnet.config import load_config
 from iota_subnet.model import PipelineStage
-from iota_subnet.validator.driver import sample_start, steps_of
+from iota_subnet.validator.lanes import sample_start, steps_of
 from iota_subnet.validator.routing import Replica, Router, discover, parse_commitment, served_endpoint
 from iota_subnet.validator.scoring import Ledger, MinerRecord, compute_weights, stage_compute_shares
 from iota_subnet.validator.state import StateError, ValidatorState
@@ -89,12 +89,12 @@ def test_reroute_cooldown_backoff_and_probe():
     r = Router(2, cooldown_base_s=2.0, cooldown_max_s=10.0, clock=clock, rng=random.Random(0))
     r.update(topo([2, 3]))
     a = r.lane_member(0, 1)
-    assert r.route(0, 1).key == a.key
+    assert r.is_available(a)
     assert r.record_failure(a, "timeout") == 2.0
     assert not r.is_available(a)
-    alt = r.route(0, 1)
+    alt = r.choose(1)                        # the lane's hops of stage 1 go to another replica
     assert alt is not None and alt.key != a.key and alt.stage == 1
-    assert r.route(0, 1, exclude=[x.key for x in r.replicas[1] if x.key != a.key]) is None
+    assert r.choose(1, exclude=[x.key for x in r.replicas[1] if x.key != a.key]) is None
     assert r.probe_due() == [] and r.next_probe_in() == pytest.approx(2.0)
     clock.t += 2.0
     assert r.probe_due() == [a]
@@ -115,7 +115,7 @@ def test_reroute_cooldown_backoff_and_probe():
     r.update(moved)                          # it served a new endpoint (restarted): probed at once
     assert r.probe_due() == [r.get(a.key)] and r.get(a.key).endpoint == "127.0.0.1:9"
     r.mark_healthy(a)
-    assert r.is_available(a) and r.route(0, 1).key == a.key
+    assert r.is_available(a) and r.lane_member(0, 1).key == a.key
     r.record_success(a, 100, 1.0)
     assert r.health[a.key].consecutive_failures == 0
     snap = {s["uid"]: s for s in r.snapshot()}
@@ -170,7 +170,8 @@ def test_a_barred_miner_gets_no_hop_and_its_lane_goes_to_a_spare():
     assert not r.is_available(r.get(cheat.key)) and r.lane_member(1, 0).uid == 3
     r.bar([other.key])                          # no spare in stage 1: its lane's hops go to the other replica
     assert r.reassign_vacant(2) == [] and r.n_lanes == 2 and r.lane_member(0, 1).key == other.key
-    assert all(r.route(0, 1).uid == 5 for _ in range(50)) and r.route(1, 1).uid == 5
+    assert not r.is_available(r.lane_member(0, 1)) and all(r.choose(1).uid == 5 for _ in range(50))
+    assert r.lane_member(1, 1).uid == 5 and r.is_available(r.lane_member(1, 1))
     assert {x["uid"]: x["barred"] for x in r.snapshot()} == {1: False, 2: True, 3: False, 4: True, 5: False}
 
 
@@ -201,11 +202,18 @@ def test_step_split_between_validators_and_addressing():
     assert list(steps_of(0, 1, 0, 4)) == [0, 1, 2, 3]
     assert list(steps_of(0, 2, 0, 5)) == [0, 2, 4] and list(steps_of(1, 2, 0, 5)) == [1, 3]
     assert list(steps_of(1, 3, 2, 9)) == [4, 7]
-    from iota_subnet.validator.driver import OPEN_ENDED_STEPS
+    from iota_subnet.validator.lanes import OPEN_ENDED_STEPS
     open_ended = steps_of(1, 3, 2, OPEN_ENDED_STEPS)            # an open-ended run: lazily, no list
     assert open_ended[:3] == range(4, 13, 3) and len(open_ended) > 10**15
     starts = {sample_start(l, k, m, 3, 8, 2) for l in range(3) for k in range(4) for m in range(4)}
     assert starts == set(range(0, 3 * 4 * 8, 2))   # every row once, no overlap between lanes
+
+
+def test_sample_addressing_matches_colocated_with_one_lane():
+    # one lane: step k, micro-batch m reads rows k*B + m*mb, like the co-located trainer
+    assert [sample_start(0, k, m, 1, 8, 4) for k in range(2) for m in range(2)] == [0, 4, 8, 12]
+    # two lanes interleave whole steps
+    assert sample_start(1, 0, 0, 2, 8, 4) == 8 and sample_start(0, 1, 1, 2, 8, 4) == 20
 
 
 # ------------------------------------------------------------------------------------------ scoring

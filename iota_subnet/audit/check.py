@@ -90,8 +90,7 @@ class Tolerances:
     @classmethod
     def for_precision(cls, precision: str) -> "Tolerances":
         """``fp32`` (CPU, or GPU with TF32 off): output 1e-4 (honest: ~1e-6); ``bf16`` (autocast):
-        output 2e-2 (honest on ``tiny``: see ``scripts/bench_audit.py``), the whole-stage replay's
-        bound (:data:`iota_subnet.validator.verification.TOLERANCES`)."""
+        output 2e-2 (honest on ``tiny``: see ``scripts/bench_audit.py``)."""
         if precision == "fp32":
             return cls(1e-4, 1e-4)
         if precision == "bf16":

@@ -341,8 +341,3 @@ class TraceLayout:
     def trace_bytes(self) -> int:
         """Bytes of the fp32 trace the miner keeps for the audit (round 1 tensors)."""
         return sum(e.rows * e.width * 4 for e in self.trace.values())
-
-
-def expected_loss_scale(layout: TraceLayout) -> float:
-    """d(loss / micro_per_step) / d(logit) scale of the tail: ``1 / (N * micro_per_step)``."""
-    return 1.0 / (layout.dims.N * layout.micro_per_step)

@@ -184,8 +184,8 @@ class ValidatorSource:
             h = self.health_state.get(uid) or {}
             led = ledger.get(str(uid)) or {}
             sc = by_uid_score.get(uid) or {}
-            flagged = bool(r.get("barred") or (sc.get("checks") or {}).get("flagged")
-                           or (sc.get("clasp") or {}).get("flagged") or (sc.get("audits") or {}).get("flagged"))
+            flagged = bool(r.get("barred") or (sc.get("clasp") or {}).get("flagged")
+                           or (sc.get("audits") or {}).get("flagged"))
             if flagged:
                 state = "flagged"
             elif not r.get("available"):

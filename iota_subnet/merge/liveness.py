@@ -39,9 +39,6 @@ class PeerLiveness:
         for p in peers:
             self.suspects.pop(p, None)
 
-    def is_suspect(self, peer: str) -> bool:
-        return peer in self.suspects
-
     def ask_timeout(self, peer: str, left_s: float) -> float:
         """How long to wait for ``peer``'s join answer with ``left_s`` seconds left before the deadline."""
         cap = self.probe_s if peer in self.suspects else left_s

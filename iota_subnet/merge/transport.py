@@ -51,11 +51,6 @@ class InProcessTransport:
     def view(self, me: str) -> "_View":
         return _View(self, me)
 
-    def reset_counters(self) -> None:
-        self.sent.clear()
-        self.received.clear()
-        self.max_body = 0
-
     async def _call(self, me: str, peer: str, route: str, msg: Message, rtype: type) -> tuple[Any, int, int]:
         if me in self.dead:
             raise PeerUnreachable(f"{me[:10]} is dead")

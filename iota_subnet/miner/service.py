@@ -2,8 +2,8 @@
 
 Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
 
-* ``/forward``  Forward -> ForwardResult   (validators with a permit)
-* ``/backward`` Backward -> BackwardResult (validators with a permit; same caller as the forward)
+* ``/tickets``, ``/hop``: the data plane (:mod:`iota_subnet.miner.dataplane_http`): tickets from
+  validators with a permit to a stage-0 miner, hops between the miners a ticket names
 * ``/state``    StateRequest -> StateResponse (validators, and miners of the same stage)
 * ``/audit/trace``, ``/audit/project``, ``/audit/open`` (validators): the three rounds of a hop audit
   over the audit window (:mod:`iota_subnet.miner.hop_store`, :mod:`iota_subnet.miner.hop_audit_routes`);
@@ -20,8 +20,7 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
   ``GET /ops/bandwidth`` (``iota-subnet doctor``'s peer probes, :mod:`iota_subnet.doctor.probe`)
 
 Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
-while a stage computes. Micro-batches are keyed by (caller hotkey, micro-batch id): one
-validator cannot backpropagate through another's forward.
+while a stage computes.
 """
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ from typing import Any, Optional
 
 import torch
 from loguru import logger
-from prometheus_client import Counter
 
 from iota_subnet.chain import Chain
 from iota_subnet.chain.publisher import ChainPublisher
@@ -49,13 +47,12 @@ from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
 from iota_subnet.miner.parts import MinerParts
-from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
+from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.utils.aio import StopRequested, until_stopped
-from iota_subnet.protocol import (Backward, BackwardResult, Forward, ForwardResult, Health, MergeAuditRequest,
-                                  MergeEvidence, MergeJoin, MergePayload, MergeResultRequest, Outcome, ProtocolError,
-                                  StateChunkRequest, StateRequest, StateResponse, UpdateAuditRequest, backward_contract,
-                                  forward_contract, merge_payload_contract)
+from iota_subnet.protocol import (Health, MergeAuditRequest, MergeEvidence, MergeJoin, MergePayload,
+                                  MergeResultRequest, Outcome, ProtocolError, StateChunkRequest, StateRequest,
+                                  StateResponse, UpdateAuditRequest, merge_payload_contract)
 from iota_subnet.dashboard import DashboardServer, MinerSource
 from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.telemetry import NeuronMetrics
@@ -167,8 +164,6 @@ class MinerService:
         self.merge_client: Optional[NeuronClient] = None
         self._sync_task: Optional[asyncio.Task] = None
         self._merge_task: Optional[asyncio.Task] = None
-        self.m_requests = Counter("iota_miner_requests", "compute requests completed, by route and outcome",
-                                  ["route", "outcome"], registry=self.metrics.registry)
 
     # ---- chain view ----------------------------------------------------------------------------
     async def refresh(self, force: bool = False) -> None:
@@ -244,7 +239,7 @@ class MinerService:
         n = self._neurons.get(hotkey)
         if n is None:
             raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid {self.netuid}")
-        if (route in ("/forward", "/backward", "/evidence", "/tickets") or route.startswith("/audit/")) \
+        if (route in ("/evidence", "/tickets") or route.startswith("/audit/")) \
                 and not n.validator_permit:
             raise ProtocolError(Outcome.FORBIDDEN, f"{route} is for validators with a permit; uid {n.uid} has none")
         if route == "/state" and not (n.validator_permit or self._stages.get(hotkey) == self.stage):
@@ -290,14 +285,9 @@ class MinerService:
         T, mb = self.cfg.data.seq_len, MAX_MICRO_BATCH_ROWS
         b, _ = bottleneck_dims(self.cfg.model, self.cfg.pipeline)
         spec = self.worker.spec
-        fwd_contract = forward_contract(first=spec.is_head, last=spec.is_tail, seq_len=T, width=b, max_batch=mb,
-                                        vocab_size=self.cfg.model.vocab_size)
-        bwd_contract = backward_contract(seq_len=T, width=b, max_batch=mb)
         self.server = NeuronServer(self.wallet, self.host, await self._listen_port(), authorizer=self.authorize,
                                    nonce_store_path=self.out / "nonces.sqlite",
                                    max_body_bytes=mb * T * max(b, 2) * 4 * 2 + (1 << 20))
-        self.server.add_route("/forward", self._forward, Forward, lambda: fwd_contract)
-        self.server.add_route("/backward", self._backward, Backward, lambda: bwd_contract)
         self.server.add_route("/state", self._state, StateRequest, None)
         self.server.add_route("/health", self._health, Health, None)
         self._setup_audits()
@@ -816,44 +806,6 @@ class MinerService:
             await asyncio.wait_for(self._gate.wait(), timeout=mc.join_timeout_s + 3 * mc.phase_timeout_s)
         except asyncio.TimeoutError:
             raise ProtocolError(Outcome.BUSY, "merging with the other replicas") from None
-
-    async def _forward(self, msg: Forward, ctx) -> ForwardResult:
-        self._check_header(msg)
-        key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
-        if self.merge is not None:
-            if msg.keep_for_backward and not self.merge.in_sync:
-                raise ProtocolError(Outcome.NOT_READY, "syncing the stage's merged weights from peers")
-            # training and evaluation pause while the replicas merge (an evaluation must not see
-            # merged weights on one stage and unmerged ones on the next); with merge.overlap training goes on
-            await self._await_merge(training=msg.keep_for_backward)
-        out = await self._compute(self.worker.forward, key, msg.activations, msg.targets, train=msg.keep_for_backward)
-        if msg.keep_for_backward:
-            self._maybe_merge()
-        self.m_requests.labels("/forward", "OK").inc()
-        stats = {"weights_step": float(out.get("weights_step", self.worker.inner_step)),
-                 "weights_merges": float(out.get("weights_merges", self.worker.merges)),
-                 "bf16": 1.0 if self.worker.precision == "bf16" else 0.0}
-        return ForwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
-                             inner_step=self.worker.inner_step, activations=out.get("activations"),
-                             grad=out.get("grad"), loss=out.get("loss"), stats=stats)
-
-    async def _backward(self, msg: Backward, ctx) -> BackwardResult:
-        self._check_header(msg)
-        key = f"{ctx.caller_hotkey}:{msg.microbatch_id}"
-        w = self.worker
-        try:
-            g, used, merges = await self._compute(lambda: (w.backward(key, msg.grad), w.last_weights_step,
-                                                           w.last_weights_merges))
-        except UnknownMicrobatch:
-            raise ProtocolError(Outcome.UNKNOWN_MICROBATCH,
-                                f"no pending forward for micro-batch {msg.microbatch_id} (never seen or evicted)") from None
-        except ValueError as e:
-            raise ProtocolError(Outcome.BAD_SHAPE, str(e)) from None
-        self._maybe_merge()
-        self.m_requests.labels("/backward", "OK").inc()
-        return BackwardResult(run_id=self.run_id, stage=self.stage, microbatch_id=msg.microbatch_id,
-                              inner_step=self.worker.inner_step, grad=g, stats={"weights_step": float(used),
-                                                                                  "weights_merges": float(merges)})
 
     async def _state(self, msg: StateRequest, ctx) -> StateResponse:
         if msg.stage != self.stage:

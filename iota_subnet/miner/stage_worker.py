@@ -82,7 +82,7 @@ class StageWorker:
         #: the stage as torch.compile'd (``train.compile``), else None (eager)
         self.compiled = torch.compile(self.module, backend=t.compile) if t.compile else None
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
-        #: step after every ``micro_per_step`` accumulated backward passes (the relay driver); the
+        #: step after every ``micro_per_step`` accumulated backward passes (standalone use); the
         #: data plane (:mod:`iota_subnet.miner.dataplane`) sets it False and calls :meth:`step` itself
         #: once every micro-batch of the lane step has been accumulated
         self.auto_step = True
@@ -100,7 +100,7 @@ class StageWorker:
         self.trained_tokens = 0
         self.fingerprint = config_fingerprint(cfg.model, cfg.pipeline, stage)
         self.lock = threading.RLock()
-        #: inner step of the weights the last backward used (reported to validators for spot checks)
+        #: inner step of the weights the last backward used (named in the hop's receipt)
         self.last_weights_step = 0
         #: weights replaced from outside the inner optimizer (replica merges, state syncs): with the
         #: inner step it names the weights a result was computed with
@@ -141,7 +141,7 @@ class StageWorker:
         required) ``{"loss": float, "grad": [B, T, b]}``: the tail does its backward at once and
         returns the activation gradient for the previous stage. With ``train=False`` nothing is
         cached or accumulated (evaluation) and the tail returns only the loss. Every result also
-        carries ``weights_step``: the inner step of the weights used (spot checks replay with them).
+        carries ``weights_step``: the inner step of the weights used (receipts and audits name it).
 
         ``accumulate=False`` (a micro-batch this stage serves without training on it: another lane's,
         or one it already accumulated): the tail returns the input gradient without touching the
@@ -332,7 +332,7 @@ class StageWorker:
     def weights_replaced(self) -> None:
         """Call (under :attr:`lock`) after overwriting the weights from outside (a replica merge,
         a state sync): cached forwards are recomputed at their backward, and results name the new
-        weights (``weights_merges``) so spot checks never compare them with an older snapshot."""
+        weights (``weights_merges``) so audits never check them against older weights."""
         with self.lock:
             self.version += 1
             self.merges += 1

@@ -159,12 +159,6 @@ class UpdateStore:
         self.served = 0
 
     # ---- compute thread ----------------------------------------------------------------------
-    def _moment(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        st = self.opt.state.get(p)
-        if st and key in st:
-            return st[key]
-        return torch.zeros_like(p)
-
     def _state_tensors(self, kind: str) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
         """The live tensors of ``kind`` ("w", "m", "v") and their identities ``(data_ptr, version)``;
         a moment AdamW has not created yet is zeros with identity ``(0, -1)`` (never reused)."""

@@ -71,7 +71,7 @@ def _cmd_scores(a: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sc = sub.add_parser("scores", help="explain a validator's scores: per miner work, spot checks, CLASP, weight, why")
+    sc = sub.add_parser("scores", help="explain a validator's scores: per miner work, audits, CLASP, weight, why")
     sc.add_argument("--validator-state", required=True,
                     help="the validator's output folder or its validator.sqlite")
     sc.add_argument("--uid", type=int, default=None, help="only this miner")

@@ -59,5 +59,5 @@ def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], 
         miner += ["--emulate-gpu", str(emulate_gpu), "--mfu", repr(emu.mfu)]
         if gpu_mem is not None:
             miner += ["--gpu-mem", repr(float(gpu_mem))]
-        validator += ["--check-rate", "0", "--clasp-interval", "0", "--no-audits"]
+        validator += ["--clasp-interval", "0", "--no-audits"]
     return str(spec), (emu.to_json() if emu is not None else None), miner, validator

@@ -109,7 +109,6 @@ class RunSummary:
             "final_loss": sum(m["loss"] for m in last) / len(last) if last else None, "final_loss_window": 10,
             "val_loss": sum(val_losses) / len(val_losses) if val_losses else None,
             "wire_bytes": wire, "wire_bytes_per_token": wire / tokens if tokens else None,
-            "data_plane": st[0].get("data_plane") if st else None,
             "validator_bytes": validator_bytes,
             "validator_bytes_per_token": validator_bytes / tokens if tokens else None,
             "miner_bytes": miner_bytes, "miner_bytes_per_token": miner_bytes / tokens if tokens else None,

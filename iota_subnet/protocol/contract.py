@@ -133,42 +133,6 @@ class TensorContract:
 
 # ---------------------------------------------------------------------------------------------- ready-made contracts
 
-def activation_spec(seq_len: int, width: int, max_batch: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
-                    required: bool = True) -> TensorSpec:
-    """Float activations (or their gradients) ``[batch <= max_batch, seq_len, width]``."""
-    return TensorSpec(dtypes=dtypes, shape=(-1, seq_len, width), max_shape=(max_batch, -1, -1),
-                      min_shape=(1, -1, -1), required=required)
-
-
-def token_spec(seq_len: int, max_batch: int, vocab_size: Optional[int] = None, required: bool = True) -> TensorSpec:
-    """int64 token ids ``[batch <= max_batch, seq_len]`` in ``[0, vocab_size)``."""
-    return TensorSpec(dtypes=(torch.int64,), shape=(-1, seq_len), max_shape=(max_batch, -1), min_shape=(1, -1),
-                      min_value=0 if vocab_size is not None else None,
-                      max_value=vocab_size - 1 if vocab_size is not None else None, required=required)
-
-
-def forward_contract(*, first: bool, last: bool, seq_len: int, width: int, max_batch: int,
-                     vocab_size: Optional[int] = None, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
-    """What a stage accepts as :class:`~iota_subnet.protocol.messages.Forward`: token ids into the first stage,
-    activations otherwise; ``targets`` required by the last stage (and refused elsewhere)."""
-    specs = {"activations": token_spec(seq_len, max_batch, vocab_size) if first
-             else activation_spec(seq_len, width, max_batch, dtypes)}
-    if last:
-        specs["targets"] = token_spec(seq_len, max_batch, vocab_size)
-    return TensorContract(specs)
-
-
-def backward_contract(*, seq_len: int, width: int, max_batch: int,
-                      dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
-    """:class:`~iota_subnet.protocol.messages.Backward` (``grad``), also usable for ``BackwardResult``."""
-    return TensorContract({"grad": activation_spec(seq_len, width, max_batch, dtypes)})
-
-
-def merge_contract(*, max_numel: int, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> TensorContract:
-    """:class:`~iota_subnet.protocol.messages.MergePayload`: a 1-D shard of at most ``max_numel`` values."""
-    return TensorContract({"shard": TensorSpec(dtypes=dtypes, shape=(-1,), max_shape=(max_numel,))})
-
-
 def merge_payload_contract(*, max_numel: int, block: int = 256) -> TensorContract:
     """A merge contribution: ``shard`` float [n <= max_numel] or int8 [n] (then ``scales`` float32
     [ceil(n / block)] required by the receiver's own check), 1-D."""

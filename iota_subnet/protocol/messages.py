@@ -8,12 +8,6 @@ travel as safetensors tensors; every other field travels as JSON in the safetens
 Shapes (``b`` is the boundary width after the bottleneck):
 
 ============== ================================================================================
-Forward        ``activations``: int64 token ids [batch, seq] into stage 0, else float [batch, seq, b];
-               ``targets`` (optional): int64 [batch, seq], sent to the last stage for the loss
-ForwardResult  ``activations``: [batch, seq, b] (not for the last stage); ``loss`` and ``grad``
-               [batch, seq, b] (last stage: it runs its backward at once)
-Backward       ``grad``: d loss / d stage output, [batch, seq, b]
-BackwardResult ``grad``: d loss / d stage input, [batch, seq, b]; ``None`` from stage 0
 MergePayload   ``shard``: float [n] (or int8 [n] with ``scales`` float32 [ceil(n / block)]), slice
                ``[offset, offset + n)`` of a stage's flat pseudo-gradient (see :mod:`iota_subnet.merge`)
 MergeJoin      no tensors: a replica's merge readiness (request and reply)
@@ -86,37 +80,6 @@ class Message:
     @classmethod
     def json_fields(cls) -> dict[str, dataclasses.Field]:
         return {f.name: f for f in dataclasses.fields(cls) if "tensor" not in f.metadata}
-
-
-@dataclass(kw_only=True)
-class Forward(Message):
-    TYPE: ClassVar[str] = "Forward"
-    activations: Optional[torch.Tensor] = tensor_field(required=True)
-    targets: Optional[torch.Tensor] = tensor_field()
-    keep_for_backward: bool = True
-
-
-@dataclass(kw_only=True)
-class ForwardResult(Message):
-    TYPE: ClassVar[str] = "ForwardResult"
-    activations: Optional[torch.Tensor] = tensor_field()
-    #: from the last stage only: d loss / d its input [batch, seq, b] (it runs its backward at once)
-    grad: Optional[torch.Tensor] = tensor_field()
-    loss: Optional[float] = None
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(kw_only=True)
-class Backward(Message):
-    TYPE: ClassVar[str] = "Backward"
-    grad: Optional[torch.Tensor] = tensor_field(required=True)
-
-
-@dataclass(kw_only=True)
-class BackwardResult(Message):
-    TYPE: ClassVar[str] = "BackwardResult"
-    grad: Optional[torch.Tensor] = tensor_field()
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -402,7 +365,7 @@ class AuditOpening(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Forward, ForwardResult, Backward, BackwardResult, MergePayload, MergeJoin, MergeAck,
+    c.TYPE: c for c in (MergePayload, MergeJoin, MergeAck,
                         MergeResultRequest, MergeResult, StateChunkRequest, StateChunk,
                         StateRequest, StateResponse, Health, MergeEvidence, TicketBatch, TicketAck, Hop, HopAck,
                         ReceiptBatch, ReceiptAck, AuditTraceRequest, AuditTraceCommit, AuditProjectRequest,

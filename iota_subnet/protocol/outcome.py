@@ -43,10 +43,6 @@ class Outcome(str, enum.Enum):
     INTERNAL = "INTERNAL"
 
     @property
-    def http_status(self) -> int:
-        return HTTP_STATUS[self]
-
-    @property
     def retryable(self) -> bool:
         """True for outcomes where the same request may succeed later (503s)."""
         return self in (Outcome.BUSY, Outcome.NOT_READY, Outcome.TOO_MANY_REQUESTS)

@@ -35,7 +35,6 @@ from typing import Literal, Optional
 
 import pydantic
 
-RECEIPT_STATUSES = ("ok", "failed", "stale", "expired")
 #: Receipts accepted per batch (a miner flushes every half second or every 256).
 MAX_RECEIPTS_PER_BATCH = 4096
 

@@ -229,9 +229,6 @@ class ChaosInjector:
         return [c for c in self.net.children if c.kind == "miner" and c.alive() and not getattr(c, "left", False)
                 and not self._down(c) and (stage is None or c.stage == stage)]
 
-    def _faulted(self, child) -> bool:
-        return any(f.target == child.name and f.recovered_at is None for f in self.open)
-
     def _down(self, child) -> bool:
         """A fault on ``child`` the harness has not undone yet (a kill not yet restarted)."""
         return any(f.target == child.name and f.undone_at is None for f in self.open)

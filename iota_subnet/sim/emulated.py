@@ -47,9 +47,6 @@ from iota_subnet.plan import StagePlan, meta_stage, require_fit, stage_flops, st
 from iota_subnet.protocol import Outcome, ProtocolError
 from iota_subnet.utils.atomic import atomic_write_json
 
-#: Wire dtypes an emulated stage can emit.
-WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 class InFlightLimitExceeded(ProtocolError):
     """A forward would hold more micro-batches than the emulated device's memory allows (BUSY, 503)."""
@@ -396,12 +393,6 @@ class EmulatedStageWorker:
                 f"{self.timing.forward_s * toks * 1e3:.1f} ms + backward {self.timing.backward_s * toks * 1e3:.1f} ms "
                 f"per {toks}-token micro-batch (emulated time)")
 
-
-def wire_dtype_of(name: str) -> torch.dtype:
-    """``bf16`` | ``fp32`` -> dtype (ConfigError otherwise)."""
-    if name not in WIRE_DTYPES:
-        raise ConfigError(f"wire dtype {name!r}: use one of {', '.join(WIRE_DTYPES)}")
-    return WIRE_DTYPES[name]
 
 
 def make_emulated_worker(cfg: RunConfig, stage: int, emulation: Emulation, *,

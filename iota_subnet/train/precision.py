@@ -5,9 +5,9 @@ Where a miner's stage worker or the co-located trainer settles on its device, :f
 * on CUDA with ``bf16`` (autocast, fp32 master weights): lets the fp32 matmuls and convolutions that
   autocast leaves in fp32 run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32`` and
   ``torch.backends.cudnn.allow_tf32``; 10-bit mantissa, relative error ~1e-3, well inside the bf16
-  replay tolerance of 2e-2, :data:`iota_subnet.validator.verification.TOLERANCES`);
-* on CUDA with ``fp32``: turns TF32 off. An fp32 run is verified against IEEE fp32 (replay
-  tolerance 1e-3, hop-audit output tolerance 1e-4, :meth:`iota_subnet.audit.check.Tolerances.for_precision`);
+  hop-audit output tolerance of 2e-2, :meth:`iota_subnet.audit.check.Tolerances.for_precision`);
+* on CUDA with ``fp32``: turns TF32 off. An fp32 run is verified against IEEE fp32 (hop-audit
+  output tolerance 1e-4, :meth:`iota_subnet.audit.check.Tolerances.for_precision`);
   TF32 matmuls reach ~1e-3 over a stage, so an honest miner would fail them. The hop-audit trace
   turns TF32 off for the same reason (:mod:`iota_subnet.audit.trace`);
 * warns when an fp32 run of more than :data:`iota_subnet.config.LARGE_MODEL_PARAMS` parameters

@@ -139,11 +139,6 @@ class Route:
         return self.contract_fn()
 
 
-def refusal(outcome: Outcome, message: str = "") -> web.Response:
-    err = ProtocolError(outcome, message)
-    return web.json_response(err.to_json(), status=err.status)
-
-
 def _set_nodelay(request: web.Request) -> None:
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None

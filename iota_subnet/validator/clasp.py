@@ -24,13 +24,13 @@ Flag (both must hold, and ``n_in >= min_n``)
       alone has probability ~3e-4 per tempo under a normal approximation);
     * ``excess >= rel_threshold x mean probe loss`` (default 0.05: pathways through it lose at
       least 5 % more; unmerged honest replicas differ by their data and drift, measured ``< 1 %``
-      on the tiny model, see ``tests/test_adversaries.py``).
+      on the tiny model).
 
-    Miners already flagged by spot checks are excluded first (``exclude``): their pathways are
+    Miners already flagged by audits are excluded first (``exclude``): their pathways are
     dropped, so an obvious cheater does not inflate its stage peers' contrast.
 
 Limits: probes are forward-only, so a miner that behaves honestly whenever
-``keep_for_backward=False`` escapes CLASP (spot checks sample training hops only, so it does not
+``keep_for_backward=False`` escapes CLASP (audits sample training hops only, so it does not
 escape those); a downstream replica trained on a cheater's outputs may lose more on honest
 inputs, which is why CLASP lowers the quality factor (``clasp_penalty``) rather than zeroing it.
 """

@@ -38,7 +38,7 @@ from iota_subnet.protocol import (Health, ProtocolError, ReceiptAck, ReceiptBatc
 from iota_subnet.protocol.receipt import MAX_RECEIPTS_PER_BATCH, Receipt, parse_receipt
 from iota_subnet.transport import TransportError
 
-from .driver import LaneStepResult, MicrobatchResult, sample_start, steps_of
+from .lanes import LaneStepResult, MicrobatchResult, sample_start, steps_of
 from .pacing import LanePacer
 from .routing import Replica, Router
 from .scoring import Ledger
@@ -76,9 +76,8 @@ class ControlPlane:
     (tickets, health probes); ``keypair``: the validator's wallet (signs tickets); ``dataset``: only its
     ``n_val_rows`` is used (the miners read the rows themselves).
 
-    Same driving interface as the relay :class:`~.driver.PipelineDriver`: :meth:`run`, :meth:`evaluate`,
-    :meth:`clasp_round`, :meth:`probe`, and the counters ``tokens``, ``reroutes``, ``failures``,
-    ``microbatches_ok``, ``microbatches_failed``.
+    Driving interface: :meth:`run`, :meth:`evaluate`, :meth:`clasp_round`, :meth:`probe`, and the
+    counters ``tokens``, ``reroutes``, ``failures``, ``microbatches_ok``, ``microbatches_failed``.
 
     ``pace_every``: the merge window the lanes are paced by (default ``merge.every_steps``; 0: no
     pacing): the step closing a window waits until every live lane is there, at most twice
@@ -137,7 +136,6 @@ class ControlPlane:
         self.pacer = LanePacer(cfg.merge.every_steps if pace_every is None else pace_every, pace_stall_s,
                                max_hold_s=2 * cfg.merge.join_timeout_s)
         self._probe_lock = asyncio.Lock()
-        self.probe_client = client
         self.tokens = 0
         self.reroutes = 0
         self.failures = 0

@@ -1,13 +1,11 @@
-"""Explained scores: per miner its work, spot checks, CLASP attribution, quality, score, weight and why.
+"""Explained scores: per miner its work, audits, CLASP attribution, quality, score, weight and why.
 
 Built by the validator at every weights round (:func:`build`), stored in its state file (``meta``
 key ``scores``), served as JSON (``GET /scores`` on ``--port``), written into ``status.json``
 (``scores``) and shown by ``iota-subnet scores --validator-state PATH`` (:func:`load`, :func:`format_table`).
 
 One row (``miners[]``): ``uid, hotkey, stage, work`` (verified work units: tokens x stage compute
-share), ``tokens, completed, failures`` (hops that failed), ``checks`` (``sampled, passed, failed,
-unverifiable, no_snapshot, stale_checks, stale_failed, max_err_passed, flagged``), ``clasp``
-(``n_in, excess`` nats, ``rel_excess, z, flagged`` or null), ``audits`` (``passed, failed,
+share), ``tokens, completed, failures`` (hops that failed), ``clasp`` (``n_in, excess`` nats, ``rel_excess, z, flagged`` or null), ``audits`` (``passed, failed,
 refused, timed_out, excused, flagged, audits, by_kind`` or null: :mod:`.audit_policy`), ``quality``
 (0..1), ``rate`` (verified work per tempo), ``freshness`` (0..1), ``stale`` (its score is not
 current and costs weight), ``score``, ``weight`` (the latest weight this validator computed for the
@@ -22,23 +20,15 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 
-def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: Mapping[int, str],
+def build(ledger: Any, attribution: Mapping, board: Any, current: Mapping[int, str],
           block: Optional[int] = None, audits: Any = None) -> dict:
     rows = []
     for key, rec in sorted(ledger.records.items()):
         if current and current.get(rec.uid) != rec.hotkey:
             continue
-        st = checker.stats.get(key) if checker is not None else None
         a = attribution.get(key)
         e = board.entries.get(key) if board is not None else None
         why = list(e.why) if e is not None else []
-        if st is not None and st.flagged:
-            why = [(f"flagged by the merge redundancy check: {r[len('merge: '):]}" if r.startswith("merge:")
-                    else f"flagged by spot checks: {r}") for r in st.reasons] + [
-                w for w in why if not w.startswith(("spot check", "merge check"))]
-        elif st is not None and st.passed:
-            why.append(f"{st.passed} of {st.sampled} sampled hops replayed within tolerance "
-                       f"(max rel err {st.max_err_passed:.1e})")
         au = audits.stats.get(key) if audits is not None else None
         if au is not None and au.flagged:
             why = [f"flagged by audits: {r}" for r in au.reasons] + [w for w in why if not w.startswith("audit:")]
@@ -51,9 +41,6 @@ def build(ledger: Any, checker: Any, attribution: Mapping, board: Any, current: 
         rows.append({
             "uid": rec.uid, "hotkey": rec.hotkey, "stage": rec.stage, "work": rec.work, "tokens": rec.tokens,
             "completed": rec.completed, "failures": rec.failures,
-            "checks": None if st is None else {k: getattr(st, k) for k in (
-                "sampled", "passed", "failed", "unverifiable", "no_snapshot", "stale_checks", "stale_failed",
-                "max_err_passed", "flagged")},
             "clasp": None if a is None else {k: getattr(a, k) for k in ("n_in", "excess", "rel_excess", "z", "flagged")},
             "audits": audits.summary(key) if audits is not None else None,
             "quality": e.quality if e is not None else None, "score": e.score if e is not None else None,
@@ -90,13 +77,11 @@ def format_table(d: Mapping) -> str:
              f"{'uid':>4} {'stage':>5} {'work total':>10} {'checks ok/fail/skip':>19} {'CLASP excess (z)':>17} "
              f"{'quality':>7} {'weight':>7}  why  (~: stale score, losing weight)"]
     for m in d.get("miners", []):
-        c = m.get("checks") or {}
         cl = m.get("clasp")
         cls = f"{cl['excess']:+.3f} ({cl['z']:+.1f})" + ("!" if cl.get("flagged") else "") if cl else "-"
         a = m.get("audits") or {}
-        chk = (f"{c.get('passed', 0) + a.get('passed', 0)}/"
-               f"{c.get('failed', 0) + a.get('failed', 0) + a.get('refused', 0) + a.get('timed_out', 0)}/"
-               f"{c.get('unverifiable', 0) + c.get('no_snapshot', 0) + a.get('excused', 0)}")
+        chk = (f"{a.get('passed', 0)}/{a.get('failed', 0) + a.get('refused', 0) + a.get('timed_out', 0)}/"
+               f"{a.get('excused', 0)}")
         q = m.get("quality")
         lines.append(f"{m['uid']:>4} {m['stage']:>5} {m['work']:>10.1f} {chk:>19} {cls:>17} "
                      f"{(f'{q:.2f}' if q is not None else '-'):>7} {m.get('weight', 0.0):>7.4f}"

@@ -21,14 +21,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     v.add_argument("--data", default=None, help="data source (default: FineWeb-Edu online, else an offline corpus)")
     v.add_argument("--cache-dir", default=None)
     v.add_argument("--lanes", type=int, default=None, help="drive at most this many lanes")
-    v.add_argument("--hop-timeout", type=float, default=30.0, help="seconds per forward/backward hop")
+    v.add_argument("--hop-timeout", type=float, default=30.0, help="seconds a miner has to answer a request for merge evidence")
     v.add_argument("--sync-interval", type=float, default=5.0, help="seconds between metagraph syncs")
     v.add_argument("--min-lanes", type=int, default=1,
                    help="wait (up to 10 minutes) for this many complete lanes before driving")
-    v.add_argument("--check-rate", type=float, default=0.1,
-                   help="fraction of forward/backward hops replayed as spot checks (0: off)")
-    v.add_argument("--snapshot-every", type=int, default=1,
-                   help="lane steps between /state snapshots used by the replays (1: checks are blind)")
     v.add_argument("--clasp-interval", type=float, default=5.0,
                    help="seconds between CLASP probe rounds (random pathways, forward only; 0: off)")
     v.add_argument("--clasp-paths", type=int, default=6, help="pathways per CLASP probe round")
@@ -38,21 +34,18 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="tempos without verified work before a miner's score is stale and loses weight")
     v.add_argument("--burn-uid", type=int, default=0,
                    help="uid that receives the weight stale scores lose (0: the subnet owner's; -1: none)")
-    v.add_argument("--data-plane", choices=("p2p", "relay"), default="p2p",
-                   help="p2p (default): miners pass activations to each other, this validator issues tickets and "
-                        "reads receipts; relay (legacy): every activation goes through this validator")
     v.add_argument("--wire-dtype", choices=("bf16", "fp32", "int8"), default="bf16",
-                   help="activations and gradients on the wire between miners (p2p)")
+                   help="activations and gradients on the wire between miners")
     v.add_argument("--ticket-lookahead", type=int, default=8, help="lane steps of tickets a head miner holds ahead")
     v.add_argument("--stall", type=float, default=30.0,
                    help="at most this many seconds without progress before a lane step's micro-batches are re-issued "
                         "(less when lane steps are fast: 5 x the mean lane-step time, at least 3 s)")
     v.add_argument("--no-audits", dest="audits", action="store_false",
-                   help="(p2p) do not audit miners' hops and inner steps (nothing but CLASP is then verified)")
+                   help="do not audit miners' hops and inner steps (nothing but CLASP is then verified)")
     v.add_argument("--audits-per-tempo", type=int, default=1,
-                   help="(p2p) hop audits and update audits of every miner per tempo")
+                   help="hop audits and update audits of every miner per tempo")
     v.add_argument("--audit-timeout", type=float, default=30.0,
-                   help="(p2p) seconds a miner has to answer each round of an audit (it recomputes a hop: "
+                   help="seconds a miner has to answer each round of an audit (it recomputes a hop: "
                         "independent of --hop-timeout, which only sets how fast dead training hops are routed around)")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
@@ -61,9 +54,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 def options_from(a: argparse.Namespace) -> ValidatorOptions:
     from iota_subnet.config import load_config
-    for name, ok, want in (("--check-rate", 0 <= a.check_rate <= 1, "in [0, 1]"),
-                           ("--snapshot-every", a.snapshot_every >= 1, ">= 1"),
-                           ("--lanes", a.lanes is None or a.lanes >= 1, ">= 1"),
+    for name, ok, want in (("--lanes", a.lanes is None or a.lanes >= 1, ">= 1"),
                            ("--min-lanes", a.min_lanes >= 1, ">= 1"),
                            ("--hop-timeout", a.hop_timeout > 0, "> 0"),
                            ("--sync-interval", a.sync_interval > 0, "> 0"),
@@ -89,11 +80,11 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             chain_timeout_s=a.chain_timeout,
                             n_lanes=a.lanes, hop_timeout_s=a.hop_timeout, sync_interval_s=a.sync_interval,
                             exit_when_done=a.exit_when_done,
-                            check_rate=a.check_rate, min_lanes=a.min_lanes, snapshot_every=a.snapshot_every,
+                            min_lanes=a.min_lanes,
                             clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_window=a.score_window,
                             stale_grace=a.stale_grace, burn_uid=None if a.burn_uid < 0 else a.burn_uid,
                             host=a.host, external_ip=check_external_ip(a.network, a.external_ip, a.allow_private_ip),
-                            data_plane=a.data_plane, wire_dtype=a.wire_dtype,
+                            wire_dtype=a.wire_dtype,
                             ticket_lookahead=a.ticket_lookahead, stall_s=a.stall, audits=a.audits,
                             audits_per_tempo=a.audits_per_tempo, audit_timeout_s=a.audit_timeout)
 

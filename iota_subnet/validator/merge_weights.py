@@ -3,8 +3,8 @@
 Validators decide them from their scores and publish them in their run commitment (the ``mw``
 entry of :class:`iota_subnet.protocol.commitment.RunCommitment`, which also advertises the run).
 
-Rule (:func:`compute_merge_weights`): a replica this validator caught cheating (a failed spot
-check or audit, including a merge accusation the validator verified itself, see
+Rule (:func:`compute_merge_weights`): a replica this validator caught cheating (a failed
+audit, including a merge accusation the validator verified itself, see
 :mod:`.merge_audit`) gets 0; every other replica keeps the default 1.0 (equal weights
 among the replicas that reached the merge, which means they did the epoch's inner steps). Weights
 proportional to verified work are not used: lanes' work differs by a few percent from tempo to

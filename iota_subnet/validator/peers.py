@@ -1,7 +1,7 @@
 """Which validators this one coordinates with.
 
 Lane step ``k`` of every lane belongs to validator ``k mod V`` over the *coordinating* validators,
-ordered by hotkey (see :mod:`.driver`). On a live subnet most validator-permit holders run other
+ordered by hotkey (see :mod:`.lanes`). On a live subnet most validator-permit holders run other
 code, or nothing at all; counting them would leave their steps undriven and make this validator
 wait for turns that never come. A permit holder coordinates only when
 

@@ -343,15 +343,6 @@ class Router:
         weights = [max(self.throughput(r), 1e-9) for r in cands]
         return self.rng.choices(cands, weights=weights, k=1)[0]
 
-    def route(self, lane: int, stage: int, exclude: Iterable[Key] = ()) -> Optional[Replica]:
-        """The replica for a hop: the lane's own member when available and not excluded, else a
-        SWARM choice among the other replicas of the stage."""
-        ex = set(exclude)
-        r = self.lane_member(lane, stage)
-        if r is not None and r.key not in ex and self.is_available(r):
-            return r
-        return self.choose(stage, ex)
-
     def snapshot(self) -> list[dict]:
         """JSON-ready view of every replica (status output)."""
         out = []

@@ -207,7 +207,7 @@ class Scoreboard:
       when their lanes' steps fall on different sides of tempo boundaries or one lane ends a tempo
       before the other (today's exponential average froze a 2.5x gap in ``make localnet``);
       a newcomer is scored on its own span from its first tempo;
-    * ``quality``: product of the factors given (spot checks, audits: 0 when flagged; CLASP), in [0, 1];
+    * ``quality``: product of the factors given (audits: 0 when flagged; CLASP), in [0, 1];
     * ``freshness`` = ``2^-max(0, lag - grace) x 2^-max(0, quiet - grace)``: ``lag`` counts the
       tempos in which this validator verified others' work but none of the miner's (a miner that
       stopped, or that no lane reaches), ``quiet`` the tempos in which this validator verified no

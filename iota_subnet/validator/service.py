@@ -7,22 +7,21 @@ committed), wait until every stage has a replica of our run.
 
 Then, concurrently:
 
-* the driver runs ``steps`` lane steps per lane (this validator's share of them, see
-  :mod:`.driver`), then evaluates through lane 0 (``train.eval_batches`` micro-batches);
+* the control plane (:mod:`.control`) drives ``steps`` lane steps per lane (this validator's share
+  of them, see :mod:`.lanes`), then evaluates through lane 0 (``train.eval_batches`` micro-batches);
 * the metagraph + commitments are re-read every ``sync_interval_s`` (routing, uid -> hotkey) and
   failed replicas whose cooldown is over are probed with ``/health``;
 * weights are set every tempo (when ``block - last_set >= max(tempo, weights_rate_limit)``) with
   ``version_key``; a refusal is logged and retried at the next check;
 * ``status.json`` is rewritten (atomically) every ``status_interval_s``; ``metrics.jsonl`` gets a row
   per completed lane step;
-* verification: in the data plane (p2p), audits (:mod:`.auditing`): every miner's hops are audited
-  at least ``audits_per_tempo`` times per tempo, and its inner steps (update audits), chosen after
-  its receipts are in, over the verification client, every ``audit_interval_s``; outcomes go to the
-  :class:`~.audit_policy.AuditPolicy`. Relay mode (legacy): a ``check_rate`` fraction of hops is
-  replayed against ``/state`` snapshots (:mod:`.verification`). A CLASP probe round (:mod:`.clasp`)
-  runs every ``clasp_interval_s``; at each
-  weights round the :class:`~.scoring.Scoreboard` is updated (quality 0 for a miner flagged by spot
-  checks, ``clasp_penalty`` for one flagged by CLASP) and the weights come from it; the explained
+* verification: audits (:mod:`.auditing`): every miner's hops are audited at least
+  ``audits_per_tempo`` times per tempo, and its inner steps (update audits), chosen after its
+  receipts are in, over the verification client, every ``audit_interval_s``; outcomes go to the
+  :class:`~.audit_policy.AuditPolicy`. A CLASP probe round (:mod:`.clasp`) runs every
+  ``clasp_interval_s``; at each weights round the :class:`~.scoring.Scoreboard` is updated (quality
+  0 for a miner flagged by audits, ``clasp_penalty`` for one flagged by CLASP) and the weights come
+  from it; the explained
   scores (:mod:`.explain`) go to the state file, ``status.json`` (``scores``) and, with ``port > 0``,
   ``GET http://HOST:PORT/scores`` (JSON, read-only, unauthenticated).
 
@@ -37,7 +36,7 @@ microbatches_failed, live_miners, stage_replicas, replicas (per replica: uid, ho
 lane, available, throughput, successes, failures), miners (per uid: hotkey, stage, work, tokens,
 completed, failures, reroutes), probe_loss (latest CLASP round: round, loss, paths), dashboard (its
 URL or null), val_loss, done, weights_set_blocks, last_weights, scores, verification_bytes (bodies and
-headers of every verification request), audits (p2p: ``audits, failed, bytes, cpu_s, recent`` and
+headers of every verification request), audits (``audits, failed, bytes, cpu_s, recent`` and
 ``per_tempo``: tempo -> hotkey -> hop audits; null when off), elapsed_s, updated_at``.
 """
 from __future__ import annotations
@@ -47,7 +46,6 @@ import json
 import math
 import os
 import random
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +84,13 @@ from .merge_audit import MergeAuditor, record_verdicts
 from .merge_weights import MergeOversight
 from .clasp import attribute, quality_factors
 from .control import ControlPlane
-from .driver import OPEN_ENDED_STEPS, LaneStepResult, PipelineDriver
+from .lanes import OPEN_ENDED_STEPS, LaneStepResult
 from .peers import PeerView, alive_blocks_for, coordinating_validators, heartbeat_due, run_fingerprints
 from .routing import Router, discover
 from .reveals import PendingReveals
 from .scoring import Ledger, Scoreboard, stage_compute_shares, with_burn
 from .state import StateError, ValidatorState
 from .update_audit import UpdateAuditor
-from .verification import SpotChecker
 
 #: Version key sent with the weights (from the package version); the chain refuses keys older than
 #: the subnet's ``weights_version``, and the validator stops at start when it is older.
@@ -128,12 +125,10 @@ class ValidatorOptions:
     dashboard_port: Optional[int] = None  # the web dashboard and GET /metrics (None: off; 0: any free port)
     host: str = "0.0.0.0"
     external_ip: str = "127.0.0.1"  # published on chain (ServeAxon) so miners can deliver receipts
-    data_plane: str = "p2p"  # "p2p": miners pass tensors to each other; "relay": through this validator (legacy)
-    wire_dtype: str = "bf16"  # activations and gradients on the wire (p2p): bf16, fp32 or int8
+    wire_dtype: str = "bf16"  # activations and gradients on the wire (miner to miner): bf16, fp32 or int8
     ticket_lookahead: int = 8  # lane steps of tickets a head miner holds ahead
     stall_s: float = 30.0  # at most this long without progress before a lane step's micro-batches are re-issued
-    check_rate: float = 0.1  # relay mode: fraction of hops replayed (spot checks); 0 = off
-    audits: bool = True  # p2p: hop and update audits of every miner (off: nothing is verified but CLASP)
+    audits: bool = True  # hop and update audits of every miner (off: nothing is verified but CLASP)
     audits_per_tempo: int = 1  # hop audits (and update audits) of each miner per tempo
     audit_interval_s: float = 2.0  # seconds between audit rounds (each audits the miners still due)
     # seconds a miner has to answer each round of an audit (a trace recomputation, not a training hop:
@@ -142,7 +137,6 @@ class ValidatorOptions:
     # seconds before each re-ask of an audit request whose connection dropped or timed out (a link
     # that blips for a few seconds must not fail an honest miner's audit); () = none
     audit_retry_s: tuple[float, ...] = (5.0, 15.0)
-    snapshot_every: int = 1  # lane steps between /state snapshots (1 = blind checks)
     clasp_interval_s: float = 5.0  # seconds between CLASP probe rounds; 0 = off
     clasp_paths: int = 6  # pathways per CLASP round
     clasp_window: int = 600  # most recent probes used for attribution
@@ -220,10 +214,10 @@ class ValidatorService:
         self.uid: Optional[int] = None
         self.router: Optional[Router] = None
         self.saved_slots = ""   # the lane assignment as last written to the state (JSON)
-        self.driver: Optional[PipelineDriver] = None
+        self.driver: Optional[ControlPlane] = None
         self.state: Optional[ValidatorState] = None
         self.client: Optional[NeuronClient] = None
-        self.verify_client: Optional[NeuronClient] = None   # audits, spot checks, merge evidence, lane probes
+        self.verify_client: Optional[NeuronClient] = None   # audits, merge evidence
         self.metrics: Optional[MetricsWriter] = None
         self.current: dict[int, str] = {}  # uid -> hotkey (metagraph)
         self.validators: list[str] = []
@@ -247,13 +241,13 @@ class ValidatorService:
         self.stop_event = asyncio.Event()
         self._tempo = 0
         self._rate_limit = 0
-        self.checker: Optional[SpotChecker] = None
         #: outcomes of audits (update audits, hop audits, merge checks) and their excuses
         self.audits = AuditPolicy()
+        self._verification_loaded = False   # audit records read from the state (see _load_verification)
         self.merge_oversight: Optional[MergeOversight] = None   # when the run merges replicas (see start())
         self.merge_auditor: Optional[MergeAuditor] = None       # checks merge accusations, likewise
         self.ledger: Optional[Ledger] = None                    # verified work per miner (see start())
-        self.auditing: Optional[AuditScheduler] = None   # p2p audits (see _train)
+        self.auditing: Optional[AuditScheduler] = None   # audits (see _train)
         self._numel: dict[int, int] = {}
         self.board = Scoreboard(window=opts.score_window, grace=opts.stale_grace)
         self.probes: list[dict] = []
@@ -310,7 +304,7 @@ class ValidatorService:
         self.router = Router(self.cfg.pipeline.stages)
         self._load_lane_slots()
         self.client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)         # training hops
-        self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # spot checks, CLASP
+        self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # audits, merge evidence
         if self.cfg.merge.enabled:
             self.merge_oversight = MergeOversight(o.run_id)
             self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel)
@@ -479,8 +473,7 @@ class ValidatorService:
             "losses": {str(k): v for k, v in sorted(self.lane_loss.items())},
             "reroutes": d.reroutes if d else 0, "failures": d.failures if d else 0,
             # seconds each lane was held at a merge window's last step for the slowest lane (pacing)
-            "lane_held_s": {str(k): round(v, 1) for k, v in sorted(d.pacer.held_s.items())}
-            if isinstance(d, ControlPlane) else {},
+            "lane_held_s": {str(k): round(v, 1) for k, v in sorted(d.pacer.held_s.items())} if d else {},
             "microbatches_ok": d.microbatches_ok if d else 0, "microbatches_failed": d.microbatches_failed if d else 0,
             "live_miners": sum(1 for r in self.router.live_replicas() if self.router.is_available(r)) if self.router else 0,
             "stage_replicas": self.router.stage_counts() if self.router else [],
@@ -498,11 +491,10 @@ class ValidatorService:
             "scores": self.explained.get("miners", []),
             "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
             # every byte this validator sent or received on the training path (tickets, receipts, health
-            # probes; relay mode: the tensors too), HTTP headers included
+            # probes), HTTP headers included
             "validator_bytes": (self.client.total_bytes if self.client else 0)
             + (self.server.route_bytes.get("/receipts", 0) if self.server else 0),
-            "data_plane": self.opts.data_plane,
-            # every byte of verification (audits, spot checks, merge evidence), HTTP headers included
+            # every byte of verification (audits, merge evidence), HTTP headers included
             "verification_bytes": self.verify_client.total_bytes if self.verify_client is not None else 0,
             "verification_bytes_by_path": dict(self.verify_client.bytes_by_path) if self.verify_client is not None
             else {},
@@ -624,8 +616,8 @@ class ValidatorService:
         return n
 
     def _flagged(self) -> set[tuple[int, str]]:
-        """(uid, hotkey) of every miner flagged as a cheater by spot checks or audits."""
-        return (self.checker.flagged() if self.checker is not None else set()) | self.audits.flagged()
+        """(uid, hotkey) of every miner flagged as a cheater by audits."""
+        return self.audits.flagged()
 
     def _bar_flagged(self) -> None:
         """Bar newly flagged miners from routing (:meth:`.routing.Router.bar`) and save the flags at
@@ -642,10 +634,9 @@ class ValidatorService:
             self._save_flags()
 
     def _save_flags(self) -> None:
-        """Save the spot-check and audit records (flags included), once they were loaded (a start-up
-        that failed before :meth:`_load_verification` must not overwrite them with empty ones)."""
-        if self.checker is not None:
-            self.state.set_meta("spot_checks", json.dumps(self.checker.to_dict()))
+        """Save the audit records (flags included), once they were loaded (a start-up that failed
+        before :meth:`_load_verification` must not overwrite them with empty ones)."""
+        if self._verification_loaded:
             self.state.set_meta("audits", json.dumps(self.audits.to_dict()))
 
     async def _publish_merge_weights(self) -> None:
@@ -720,22 +711,14 @@ class ValidatorService:
         total = o.steps if o.steps is not None else OPEN_ENDED_STEPS
         self.validator_index = self.validators.index(self.hotkey)
         self.n_validators = len(self.validators)
-        self.checker.single_validator = self.n_validators == 1
-        if o.data_plane == "relay":
-            self.driver = PipelineDriver(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
-                                         dataset=self.dataset, ledger=self.ledger, n_lanes=self.n_lanes,
-                                         validator_index=self.validator_index, n_validators=self.n_validators,
-                                         hop_timeout_s=o.hop_timeout_s, tag=self.hotkey[:6], verifier=self.checker)
-        else:
-            self.auditing = self._make_auditing() if o.audits else None
-            self.driver = ControlPlane(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
-                                       keypair=self.wallet, dataset=self.dataset, ledger=self.ledger,
-                                       n_lanes=self.n_lanes, validator_index=self.validator_index,
-                                       n_validators=self.n_validators, tag=self.hotkey[:6],
-                                       lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype,
-                                       on_receipt=self.auditing.on_receipt if self.auditing else None,
-                                       on_hop=self.auditing.on_hop if self.auditing else None)
-        self.driver.probe_client = self.verify_client
+        self.auditing = self._make_auditing() if o.audits else None
+        self.driver = ControlPlane(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
+                                   keypair=self.wallet, dataset=self.dataset, ledger=self.ledger,
+                                   n_lanes=self.n_lanes, validator_index=self.validator_index,
+                                   n_validators=self.n_validators, tag=self.hotkey[:6],
+                                   lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype,
+                                   on_receipt=self.auditing.on_receipt if self.auditing else None,
+                                   on_hop=self.auditing.on_hop if self.auditing else None)
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {} coordinating: steps k with "
                     "k % {} == {}; {})", self.n_lanes, self.next_steps, o.steps if o.steps is not None else "open-ended",
                     self.validator_index, self.n_validators, self.n_validators, self.validator_index,
@@ -775,7 +758,7 @@ class ValidatorService:
                  asyncio.create_task(self._every(self.opts.weights_check_s, self._weights_round, "weights"))]
         if self.opts.clasp_interval_s > 0:
             loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
-        if self.opts.audits and self.opts.data_plane == "p2p":
+        if self.opts.audits:
             loops.append(asyncio.create_task(self._every(self.opts.audit_interval_s, self._audit_round, "audits")))
         try:
             await self._serve()
@@ -802,7 +785,7 @@ class ValidatorService:
 
     # ---------------------------------------------------------------- verification and scores
     def _make_auditing(self) -> AuditScheduler:
-        """The p2p audit scheduler: receipts in, audits over the verification client, outcomes into
+        """The audit scheduler: receipts in, audits over the verification client, outcomes into
         :attr:`audits` (the policy that scoring reads)."""
         ds = self.dataset
 
@@ -848,12 +831,7 @@ class ValidatorService:
             self.saved_slots = raw
 
     def _load_verification(self) -> None:
-        o = self.opts
-        self.checker = SpotChecker(self.cfg, run_id=o.run_id, client=self.verify_client, rate=o.check_rate,
-                                   snapshot_every=o.snapshot_every, state_timeout_s=o.hop_timeout_s)
-        raw = self.state.get_meta("spot_checks")
-        if raw:
-            self.checker.load_dict(json.loads(raw))
+        self._verification_loaded = True
         raw = self.state.get_meta("scoreboard")
         if raw:
             self.board = Scoreboard.from_dict(json.loads(raw))
@@ -888,22 +866,13 @@ class ValidatorService:
     def update_scores(self, block: Optional[int] = None) -> dict[int, float]:
         """One tempo's scoring: CLASP attribution, quality factors, Scoreboard update, weights
         (uid -> weight, summing to 1, or empty), explained scores. See :mod:`.scoring`."""
-        flagged = self.checker.flagged() if self.checker is not None else set()
-        self.attribution = attribute(self.probes[-self.opts.clasp_window:], exclude=flagged | self.audits.flagged())
+        self.attribution = attribute(self.probes[-self.opts.clasp_window:], exclude=self.audits.flagged())
         qf = quality_factors(self.attribution, self.opts.clasp_penalty)
-        quality = {}
-        for key in self.ledger.records:
-            f, why = qf.get(key, (1.0, []))
-            if key in flagged:
-                reasons = self.checker.stats[key].reasons
-                label = "merge check failed" if reasons and all(r.startswith("merge:") for r in reasons) \
-                    else "spot check failed"
-                f, why = 0.0, [f"{label}: " + "; ".join(reasons)] + list(why)
-            quality[key] = (f, why)
+        quality = {key: qf.get(key, (1.0, [])) for key in self.ledger.records}
         quality = merge_quality(quality, self.audits.quality())
         self.board.update(self.ledger, quality, unrouted=self._unrouted())
         weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
-        self.explained = explain.build(self.ledger, self.checker, self.attribution, self.board, self.current, block,
+        self.explained = explain.build(self.ledger, self.attribution, self.board, self.current, block,
                                        audits=self.audits)
         return with_burn(weights, self._burn_uid())
 
@@ -958,7 +927,7 @@ class ValidatorService:
         async def receipts(msg: ReceiptBatch, ctx):
             if msg.run_id != self.opts.run_id:
                 raise ProtocolError(Outcome.FORBIDDEN, f"this validator drives run {self.opts.run_id!r}")
-            if not isinstance(self.driver, ControlPlane):
+            if self.driver is None:
                 raise ProtocolError(Outcome.NOT_READY, "not driving lanes yet")
             if self.auditing is not None and msg.updates:
                 self.auditing.on_updates(ctx.caller_hotkey, msg.updates[:MAX_UPDATES_PER_BATCH])

@@ -49,7 +49,7 @@ class StateError(RuntimeError):
 
 
 class ValidatorState:
-    """SQLite persistence of accounting and driver progress. Thread-safe (one connection, a lock).
+    """SQLite persistence of accounting and lane progress. Thread-safe (one connection, a lock).
 
     Raises :class:`~iota_subnet.utils.sqlite_file.CorruptStateError` when the file is corrupt."""
 

@@ -83,7 +83,7 @@ class P2PNet:
                     run_id=RUN, sync_interval_s=0.5, status_interval_s=0.2, weights_check_s=0.3, hop_timeout_s=10,
                     audit_timeout_s=10, audit_retry_s=(0.5, 1.0),
                     exit_when_done=True, wait_miners_s=30, min_lanes=self.replicas, host="127.0.0.1",
-                    clasp_interval_s=0, check_rate=0.0, stall_s=5.0)
+                    clasp_interval_s=0, stall_s=5.0)
         base.update(kw)
         return ValidatorOptions(**base)
 

@@ -162,11 +162,11 @@
     if (!sc) { card.hidden = true; return; }
     card.hidden = false;
     const rows = (sc.miners || []).map(m => {
-      const c = m.checks || {};
+      const a = m.audits || {};
       const cl = m.clasp;
-      const flagged = c.flagged || (cl && cl.flagged);
+      const flagged = a.flagged || (cl && cl.flagged);
       return [String(m.uid), String(m.stage), fmt(m.work, 1),
-              `${c.passed || 0}/${c.failed || 0}/${(c.unverifiable || 0) + (c.no_snapshot || 0)}`,
+              `${a.passed || 0}/${(a.failed || 0) + (a.refused || 0) + (a.timed_out || 0)}/${a.excused || 0}`,
               cl ? `${cl.excess >= 0 ? "+" : ""}${fmt(cl.excess, 3)} (${fmt(cl.z, 1)})${cl.flagged ? "!" : ""}` : "-",
               m.quality === null || m.quality === undefined ? "-" : fmt(m.quality, 2), fmt(m.weight || 0, 4),
               el("span", { class: "badge " + (flagged ? "bad" : "ok"), text: flagged ? "flagged" : "ok" }),
