@@ -163,3 +163,48 @@ def test_with_burn():
     assert with_burn({1: 0.5, 2: 0.5}, 0) == {1: 0.5, 2: 0.5}
     assert with_burn({}, 7) == {7: 1.0}
     assert with_burn({1: 0.25}, None) == {1: 0.25}
+
+
+def test_every_lane_stalled_for_two_tempos_decays_weights_to_burn():
+    """Tried: a lane stuck on a miner whose output was refused, the other lane stuck on a NaN tail:
+    both lanes stood still for 300 s, yet micro-batches of the stuck steps still credited a little
+    work, so no score went quiet and the renormalised weights paid the sender a normal share."""
+    led = Ledger([0.5, 0.5])
+    cur = {1: "a", 2: "b", 3: "c"}
+    board = Scoreboard()
+    for _ in range(4):                          # lanes progress
+        for uid, hk, s in ((1, "a", 0), (2, "b", 0), (3, "c", 1)):
+            led.record(uid, hk, s).work += 3.0
+        board.update(led, lanes_stalled=False)
+    full = with_burn(board.weights([0.5, 0.5], cur), burn_uid=0)
+    assert full.get(0, 0.0) == pytest.approx(0.0, abs=1e-9)
+    published = []
+    for _ in range(4):                          # every lane stalled; a trickle of work still verified
+        led.record(3, "c", 1).work += 0.5
+        board.update(led, lanes_stalled=True)
+        published.append(with_burn(board.weights([0.5, 0.5], cur), burn_uid=0))
+    assert board.quiet == 0 and board.stalled == 4
+    assert published[0].get(0, 0.0) == pytest.approx(0.0, abs=1e-9)     # one stalled tempo is free
+    for a, b in zip(published, published[1:]):                           # from the second: decay to burn
+        assert b[0] > a.get(0, 0.0) and all(b[u] < a[u] for u in (1, 2, 3))
+    assert published[-1][0] >= 0.85
+    for uid, hk, s in ((1, "a", 0), (2, "b", 0), (3, "c", 1)):         # the lanes move again: full weights
+        led.record(uid, hk, s).work += 3.0
+    board.update(led, lanes_stalled=False)
+    assert board.stalled == 0 and sum(board.weights([0.5, 0.5], cur).values()) == pytest.approx(1.0)
+    assert Scoreboard.from_dict(board.to_dict()).stalled == 0
+
+
+def test_the_validator_counts_a_tempo_stalled_only_while_it_drives_unfinished_lanes():
+    from types import SimpleNamespace
+
+    from iota_subnet.validator.service import ValidatorService
+    v = SimpleNamespace(steps_done={0: 2, 1: 2}, next_steps={0: 2, 1: 2}, driver=object(),
+                        opts=SimpleNamespace(steps=5), _steps_at_update=None)
+    stalled = lambda: ValidatorService._lanes_stalled(v)   # noqa: E731
+    assert not stalled()                       # first update: nothing to compare with
+    assert stalled()                           # no lane step since
+    v.steps_done[1] += 1
+    assert not stalled()
+    v.next_steps = {0: 5, 1: 5}                # every lane finished: not stalled (quiet covers it)
+    assert not stalled()

@@ -6,7 +6,10 @@ Routes (signed POSTs, btauth/1)
     ``/hop``      Hop -> HopAck              miners named on the hop's ticket (see :mod:`.tickets`)
 
 A refused hop or ticket gets a typed 4xx (``BAD_TICKET``, ``TICKET_EXPIRED``, ``NOT_ON_ROUTE``,
-``BAD_SHAPE``, ``BAD_DTYPE``, ...) and nothing is computed; the miner keeps serving.
+``BAD_SHAPE``, ``BAD_DTYPE``, ...) and nothing is computed; the miner keeps serving. A hop whose
+data does not match the root its sender committed (``info["root"]``) is ``HASH_MISMATCH``. A hop
+refused for a fault its signed bytes prove goes to the ticket's validator as evidence against its
+sender (:mod:`.refusals`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from iota_subnet.transport import NeuronClient, TransportError
 
 from .dataplane import DataPlane, RowSource, commit_wire
 from .hop_store import HopStore
+from .refusals import RefusalReporter
 from .tickets import TicketChecker
 
 #: Tickets accepted in one /tickets request.
@@ -60,6 +64,8 @@ class DataPlaneNode:
         #: hops to other miners (data plane bytes) and receipts to validators (control plane bytes)
         self.hop_client = NeuronClient(wallet)
         self.receipt_client = NeuronClient(wallet)
+        #: hops this miner refused for a provable fault go to their ticket's validator as evidence
+        self.refusals = RefusalReporter(run_id=run_id, client=self.receipt_client, endpoint=self._endpoint)
         self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
                                send=self._send, post_receipts=self._post_receipts, rows=rows,
                                max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s, hops=hops,
@@ -72,7 +78,8 @@ class DataPlaneNode:
 
     def mount(self, server: Any) -> None:
         T, b = self.cfg.data.seq_len, self.width
-        server.add_route("/hop", self._hop_route, Hop, hop_contract(seq_len=T, width=b, max_batch=self.max_rows))
+        server.add_route("/hop", self._hop_route, Hop, hop_contract(seq_len=T, width=b, max_batch=self.max_rows),
+                         on_refused=self.refusals.on_refused)
         server.add_route("/tickets", self._tickets_route, TicketBatch, None)
 
     def start(self) -> None:
@@ -80,6 +87,7 @@ class DataPlaneNode:
 
     async def stop(self) -> None:
         await self.plane.stop()
+        await self.refusals.close()
         await self.hop_client.close()
         await self.receipt_client.close()
 
@@ -151,6 +159,9 @@ class DataPlaneNode:
             if msg.direction == "forward" and self.stage == 0:
                 raise ProtocolError(Outcome.NOT_ON_ROUTE, "stage 0 reads its own token rows; it takes no forward hop")
         root = await commit_wire(msg.data, msg.scales) if msg.data is not None else ""
+        claimed = msg.info.get("root")
+        if claimed is not None and claimed != root:
+            raise ProtocolError(Outcome.HASH_MISMATCH, "hop data does not match the root its sender committed")
         return self.plane.accept_hop(msg, t, root)
 
     # ---------------------------------------------------------------- outbound
@@ -195,4 +206,5 @@ class DataPlaneNode:
         d = self.plane.status()
         d["hop_client"] = self.hop_client.stats()
         d["receipt_client"] = self.receipt_client.stats()
+        d["refusals_reported"] = dict(self.refusals.counts)
         return d

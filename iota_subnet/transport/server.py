@@ -122,6 +122,9 @@ _CTX_KEY = web.RequestKey("iota_ctx", RequestContext)
 
 Handler = Callable[[Message, RequestContext], Union[Message, Awaitable[Message]]]
 Authorizer = Callable[[str, str], Union[None, Awaitable[None]]]
+#: ``on_refused(caller_hotkey, request_headers, path, body, error)``: a request whose signature
+#: verified was refused while decoding or by its handler (the body is exactly the signed one)
+RefusalHook = Callable[[str, Any, str, bytes, ProtocolError], Any]
 ContractFn = Union[Callable[[], Optional[TensorContract]], TensorContract, None]
 
 
@@ -132,6 +135,7 @@ class Route:
     message_type: type[Message]
     contract_fn: ContractFn = None
     max_body_bytes: Optional[int] = None     #: this route's body limit (None: the server's)
+    on_refused: Optional[RefusalHook] = None
 
     def contract(self) -> Optional[TensorContract]:
         if self.contract_fn is None or isinstance(self.contract_fn, TensorContract):
@@ -210,17 +214,20 @@ class NeuronServer:
 
     # ------------------------------------------------------------------ routes
     def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None,
-                  *, max_body_bytes: Optional[int] = None) -> None:
+                  *, max_body_bytes: Optional[int] = None, on_refused: Optional[RefusalHook] = None) -> None:
         """Serve POST ``path``: bodies decode to ``message_type`` checked against ``contract_fn``;
         ``max_body_bytes`` overrides the server's body limit for this route (merge payloads of a
-        whole stage are far larger than an activation)."""
+        whole stage are far larger than an activation). ``on_refused`` (see :data:`RefusalHook`) is
+        told of every authenticated request of this route refused by decoding or by the handler
+        (a hop receiver keeps the signed body as evidence against its sender)."""
         if not path.startswith("/"):
             raise ValueError(f"route path must start with '/': {path!r}")
         if path in self.routes:
             raise ValueError(f"route {path} registered twice")
         if self._runner is not None:
             raise RuntimeError("add routes before start()")
-        route = Route(path, handler, message_type, contract_fn, None if max_body_bytes is None else int(max_body_bytes))
+        route = Route(path, handler, message_type, contract_fn, None if max_body_bytes is None else int(max_body_bytes),
+                      on_refused)
         self.routes[path] = route
 
         async def _aiohttp_handler(request: web.Request) -> web.StreamResponse:
@@ -390,6 +397,7 @@ class NeuronServer:
         self.header_bytes_received += hdr
         self.route_bytes[route.path] += hdr
         claim: Optional[tuple[str, int]] = None
+        signed: Optional[tuple[str, bytes]] = None      # (caller, body) once the signature verified
         limit = route.max_body_bytes or self.max_body_bytes
         try:
             if request.content_length is not None and request.content_length > limit:
@@ -414,6 +422,7 @@ class NeuronServer:
             big = len(body) > OFFLOAD_BYTES
             caller = (await asyncio.to_thread(self._verify, request, body, started_ns) if big
                       else self._verify(request, body, started_ns))
+            signed = (caller.hotkey_ss58, body)
             contract = route.contract()
             if big:
                 msg = await asyncio.to_thread(decode, body, route.message_type, contract, max_body_bytes=limit)
@@ -425,6 +434,11 @@ class NeuronServer:
                                                  body_bytes=len(body), received_at=t0)
             return await handler(request)
         except ProtocolError as e:
+            if signed is not None and route.on_refused is not None:
+                try:
+                    route.on_refused(signed[0], request.headers, request.raw_path, signed[1], e)
+                except Exception:  # noqa: BLE001 - a report hook must not change the answer
+                    logger.exception("on_refused hook of {} failed", route.path)
             return self._refuse(e, request)
         except (asyncio.CancelledError, web.HTTPException):
             raise

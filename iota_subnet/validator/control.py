@@ -113,6 +113,8 @@ class ControlPlane:
         #: observers (the audit scheduler): every accepted receipt (ticket, receipt, reporter's hotkey),
         #: and every training hop outcome per miner ((uid, hotkey), ok)
         self.on_receipt, self.on_hop = on_receipt, on_hop
+        #: proven refusals (:class:`~.blame.BlameBook`): who refused a micro-batch's hop is not unreachable
+        self.blame: Optional[Any] = None
         self.mb = cfg.train.micro_batch
         self.micro_per_step = cfg.train.batch_size // self.mb
         self.width = bottleneck_dims(cfg.model, cfg.pipeline)[0]
@@ -263,11 +265,13 @@ class ControlPlane:
         return ReceiptAck(run_id=self.run_id, accepted=accepted)
 
     def _note_unreachable(self, r: Receipt) -> None:
-        """Miners a stage could not reach (it may have used an alternate): cooldown, probe, count."""
+        """Miners a stage could not reach (it may have used an alternate): cooldown, probe, count. A
+        miner that proved it refused the micro-batch's hop (:mod:`.blame`) is not charged."""
         reps = self._by_hotkey()
+        excused = self.blame.refusers(r.id) if self.blame is not None else set()
         for hk in r.unreachable:
             rep = reps.get(hk)
-            if rep is not None:
+            if rep is not None and hk not in excused:
                 self.router.record_failure(rep, r.error or f"unreachable from stage {r.stage}")
                 self.ledger.fail(rep.uid, rep.hotkey, rep.stage)
                 self.failures += 1

@@ -208,11 +208,15 @@ class Scoreboard:
       before the other (today's exponential average froze a 2.5x gap in ``make localnet``);
       a newcomer is scored on its own span from its first tempo;
     * ``quality``: product of the factors given (audits: 0 when flagged; CLASP), in [0, 1];
-    * ``freshness`` = ``2^-max(0, lag - grace) x 2^-max(0, quiet - grace)``: ``lag`` counts the
-      tempos in which this validator verified others' work but none of the miner's (a miner that
-      stopped, or that no lane reaches), ``quiet`` the tempos in which this validator verified no
-      work at all (everyone stale alike: after a run, with no lanes); ``grace`` tempos of either
-      are free (lanes finish a little apart). ``stale`` = freshness < 1 (shown in explanations);
+    * ``freshness`` = ``2^-max(0, lag - grace) x 2^-max(0, quiet - grace) x 2^-max(0, stalled -
+      stall_grace)``: ``lag`` counts the tempos in which this validator verified others' work but
+      none of the miner's (a miner that stopped, or that no lane reaches), ``quiet`` the tempos in
+      which this validator verified no work at all (everyone stale alike: after a run, with no
+      lanes); ``grace`` tempos of either are free (lanes finish a little apart). ``stalled`` counts
+      the consecutive tempos in which every lane this validator drives was stalled (no lane step
+      completed; work may still trickle in from micro-batches of steps that never complete): from
+      the second such tempo every score halves per tempo, so stale scores are not renormalised
+      into pay. ``stale`` = freshness < 1 (shown in explanations);
     * ``score`` = rate x quality x freshness.
 
     Weights (:meth:`weights`): each stage's budget is proportional to its compute share (over the
@@ -232,12 +236,15 @@ class Scoreboard:
     tempo: int = 0              # updates so far
     active: int = 0             # updates in which any verified work was credited
     quiet: int = 0              # consecutive updates without any verified work
+    stalled: int = 0            # consecutive updates in which every driven lane was stalled
+    stall_grace: int = 1        # stalled updates that are free (a lane step may span a tempo boundary)
 
     def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None,
-               unrouted: Iterable[Key] = ()) -> None:
+               unrouted: Iterable[Key] = (), lanes_stalled: bool = False) -> None:
         """One tempo. ``quality``: key -> (factor, reasons); ``unrouted``: miners this validator gave
         no work this tempo by its own choice (e.g. the lane they serve finished its steps): their
-        ``lag`` does not grow."""
+        ``lag`` does not grow; ``lanes_stalled``: this validator drives lanes and none of them
+        completed a step since the previous update."""
         quality = quality or {}
         unrouted = set(unrouted)
         W, grace = max(1, int(self.window)), max(0, int(self.grace))
@@ -257,6 +264,8 @@ class Scoreboard:
             self.quiet = 0
         else:
             self.quiet += 1
+        self.stalled = self.stalled + 1 if lanes_stalled else 0
+        stall = 2.0 ** -max(0, self.stalled - max(0, int(self.stall_grace)))
         lo = self.active - W + 1
         for key, e in self.entries.items():
             e.new_work = new.get(key, 0.0)
@@ -271,7 +280,7 @@ class Scoreboard:
             e.rate = _finite(sum(b[1] for b in e.bins) / span) if span else 0.0
             q, why = quality.get(key, (1.0, []))
             e.quality = min(1.0, _finite(q))
-            e.freshness = self.relative_freshness(e) * 2.0 ** -max(0, self.quiet - grace)
+            e.freshness = self.relative_freshness(e) * 2.0 ** -max(0, self.quiet - grace) * stall
             e.stale = e.freshness < 1.0
             e.score = _finite(e.rate * e.quality * e.freshness)
             e.updates += 1
@@ -287,6 +296,8 @@ class Scoreboard:
                     parts.append(f"{e.lag} tempo(s) without its verified work while others' was verified")
                 if self.quiet > grace:
                     parts.append(f"no work verified by this validator for {self.quiet} tempo(s)")
+                if stall < 1.0:
+                    parts.append(f"every lane stalled for {self.stalled} tempo(s)")
                 e.why.append(f"stale ({'; '.join(parts)}): weight x{e.freshness:.3g}, the rest is burned")
 
     def relative_freshness(self, e: ScoreEntry) -> float:
@@ -326,13 +337,13 @@ class Scoreboard:
 
     def to_dict(self) -> dict:
         return {"window": self.window, "grace": self.grace, "tempo": self.tempo, "active": self.active,
-                "quiet": self.quiet, "entries": [e.to_dict() for e in self.entries.values()]}
+                "quiet": self.quiet, "stalled": self.stalled, "entries": [e.to_dict() for e in self.entries.values()]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Scoreboard":
         """Read a saved board (unknown keys, e.g. of the older exponential-average board, are ignored)."""
         sb = cls(window=int(d.get("window", 16)), grace=int(d.get("grace", 2)), tempo=int(d.get("tempo", 0)),
-                 active=int(d.get("active", 0)), quiet=int(d.get("quiet", 0)))
+                 active=int(d.get("active", 0)), quiet=int(d.get("quiet", 0)), stalled=int(d.get("stalled", 0)))
         known = {f.name for f in dataclasses.fields(ScoreEntry)}
         for row in d.get("entries", []):
             e = ScoreEntry(**{k: v for k, v in row.items() if k in known})

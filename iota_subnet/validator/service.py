@@ -67,6 +67,7 @@ from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.protocol import MergeAuditResponse, Outcome, ProtocolError, ReceiptBatch
 from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment
 from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
+from iota_subnet.protocol.refusal import MAX_REPORT_BODY_BYTES, RefusalAck, RefusalReport
 from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient, NeuronServer
@@ -83,6 +84,7 @@ from .auditing import AuditScheduler
 from .merge_audit import MergeAuditor, record_verdicts
 from .merge_weights import MergeOversight
 from .clasp import attribute, quality_factors
+from .blame import BlameBook
 from .control import ControlPlane
 from .lanes import OPEN_ENDED_STEPS, LaneStepResult
 from .peers import PeerView, alive_blocks_for, coordinating_validators, heartbeat_due, run_fingerprints
@@ -225,6 +227,7 @@ class ValidatorService:
         self.n_lanes = 0
         self.next_steps: dict[int, int] = {}
         self.steps_done: dict[int, int] = {}
+        self._steps_at_update: Optional[int] = None     # lane steps done at the last scores update
         self.lane_loss: dict[int, Optional[float]] = {}
         self.lane_tokens: dict[int, int] = {}
         self.val_loss: Optional[float] = None
@@ -480,6 +483,7 @@ class ValidatorService:
             "replicas": self.router.snapshot() if self.router else [],
             # miners flagged as cheaters, out of routing for good ([uid, hotkey])
             "barred": sorted(list(k) for k in self.router.barred) if self.router else [],
+            "blame": self.driver.blame.status() if getattr(self.driver, "blame", None) is not None else {},
             "probe_loss": self.last_probe, "dashboard": self.dashboard.url if self.dashboard else None,
             "val_loss": self.val_loss, "done": self.done, "weights_set_blocks": list(self.weights_blocks),
             "last_weights": {str(k): v for k, v in self.last_weights.items()},
@@ -719,6 +723,8 @@ class ValidatorService:
                                    lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype,
                                    on_receipt=self.auditing.on_receipt if self.auditing else None,
                                    on_hop=self.auditing.on_hop if self.auditing else None)
+        # refused output: its sender is charged (flag: weight 0)
+        self.driver.blame = BlameBook(self.driver, flag=lambda k, s, why: self.audits.stat(*k, s).flag(why))
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {} coordinating: steps k with "
                     "k % {} == {}; {})", self.n_lanes, self.next_steps, o.steps if o.steps is not None else "open-ended",
                     self.validator_index, self.n_validators, self.n_validators, self.validator_index,
@@ -870,11 +876,20 @@ class ValidatorService:
         qf = quality_factors(self.attribution, self.opts.clasp_penalty)
         quality = {key: qf.get(key, (1.0, [])) for key in self.ledger.records}
         quality = merge_quality(quality, self.audits.quality())
-        self.board.update(self.ledger, quality, unrouted=self._unrouted())
+        self.board.update(self.ledger, quality, unrouted=self._unrouted(), lanes_stalled=self._lanes_stalled())
         weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
         self.explained = explain.build(self.ledger, self.attribution, self.board, self.current, block,
                                        audits=self.audits)
         return with_burn(weights, self._burn_uid())
+
+    def _lanes_stalled(self) -> bool:
+        """This validator drives lanes that are not finished, and none completed a step since the last update."""
+        done = sum(self.steps_done.values())
+        driving = self.driver is not None and any(self.opts.steps is None or n < self.opts.steps
+                                                  for n in self.next_steps.values())
+        stalled = driving and self._steps_at_update is not None and done <= self._steps_at_update
+        self._steps_at_update = done
+        return stalled
 
     def _unrouted(self) -> set:
         """Miners of lanes this validator has finished driving (no work for them by its own choice)."""
@@ -913,7 +928,8 @@ class ValidatorService:
 
     async def _serve(self) -> None:
         """The validator's own server: miners deliver receipts (``/receipts``, signed, registered
-        hotkeys); ``GET /scores`` is public and read-only. Its endpoint is published on chain."""
+        hotkeys) and evidence of hops they refused (``/refusals``, :mod:`.blame`); ``GET /scores`` is
+        public and read-only. Its endpoint is published on chain."""
         async def scores(_request):
             return web.json_response(self.explained or {"miners": []})
 
@@ -933,11 +949,23 @@ class ValidatorService:
                 self.auditing.on_updates(ctx.caller_hotkey, msg.updates[:MAX_UPDATES_PER_BATCH])
             return self.driver.on_receipts(msg, ctx.caller_hotkey)
 
+        async def refusals(msg: RefusalReport, ctx):
+            blame = getattr(self.driver, "blame", None)
+            if msg.run_id != self.opts.run_id or blame is None:
+                raise ProtocolError(Outcome.NOT_READY, "not driving lanes of this run")
+            return RefusalAck(run_id=self.opts.run_id, verdict=blame.on_report(msg, ctx.caller_hotkey))
+
+        def refused_receipts(*args):
+            blame = getattr(self.driver, "blame", None)
+            if blame is not None:
+                blame.on_refused_receipts(*args)
+
         # --port, else the port already served on chain (a restart then re-publishes nothing)
         want = int(self.opts.port) or await self.publisher.served_port(self.opts.external_ip)
         self.server = NeuronServer(self.wallet, self.opts.host, want, authorizer=authorize,
                                    nonce_store_path=self.out / "nonces.sqlite", max_body_bytes=8 << 20)
-        self.server.add_route("/receipts", receipts, ReceiptBatch, None)
+        self.server.add_route("/receipts", receipts, ReceiptBatch, None, on_refused=refused_receipts)
+        self.server.add_route("/refusals", refusals, RefusalReport, None, max_body_bytes=MAX_REPORT_BODY_BYTES)
         self.server.add_public_get("/scores", scores)
         self.server.add_public_get("/metrics", self.prom.handler)
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers

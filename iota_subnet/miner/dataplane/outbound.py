@@ -4,7 +4,11 @@ A part of :class:`~iota_subnet.miner.dataplane.plane.DataPlane`. Outbound hops g
 priority queue (backward and abort before forward, then by step and index) drained by a few
 concurrent senders. A forward tries the next stage's candidates in the ticket's order (the route's
 miner, then its alternates); when none accepts it the micro-batch fails: an ``abort`` hop travels
-back along the path and a ``failed`` receipt names the unreachable miners.
+back along the path and a ``failed`` receipt names the unreachable miners. A refusal of the hop's
+content (:data:`~iota_subnet.protocol.refusal.PROVABLE`: non-finite, wrong shape or dtype, content
+not matching the root the hop commits in ``info["root"]``) is this stage's fault, not the
+receiver's: no other candidate is tried (each would refuse the same bytes) and nobody is named
+unreachable.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from loguru import logger
 
 from iota_subnet.audit.commit import wire_root
 from iota_subnet.protocol import Hop, ProtocolError, Ticket
+from iota_subnet.protocol.refusal import PROVABLE
 
 from .tracking import Pending
 
@@ -60,9 +65,12 @@ class HopSending:
         task.add_done_callback(self._tasks.discard)
 
     def _hop(self, t: Ticket, stage: int, direction: str, path: list[str], wire, loss: Optional[float] = None,
-             reason: str = "") -> Hop:
+             reason: str = "", root: str = "") -> Hop:
+        """``root``: :func:`commit_wire` of ``wire``, committed in ``info["root"]`` (signed with the hop)."""
         data, scales = (wire if wire is not None else (None, None))
         info = {"loss": loss} if loss is not None else {}
+        if root:
+            info["root"] = root
         return Hop(run_id=t.run_id, stage=stage, microbatch_id=t.microbatch_id, inner_step=self.worker.inner_step,
                    ticket=t.to_json(), direction=direction, path=list(path), reason=reason, data=data,
                    scales=scales, info=info)
@@ -74,10 +82,15 @@ class HopSending:
             if cand == self.me:
                 continue
             try:
-                await self.send(cand, self._hop(t, nxt, "forward", path, wire))
+                await self.send(cand, self._hop(t, nxt, "forward", path, wire, root=sha))
             except (ProtocolError, Exception) as e:  # noqa: BLE001 - transport or refusal: try the next one
                 if isinstance(e, asyncio.CancelledError):
                     raise
+                if isinstance(e, ProtocolError) and e.outcome in PROVABLE:
+                    self.counts["refused_content"] += 1
+                    self._fail(t, path, f"{cand[:10]} refused this stage's forward: {e.outcome.value}: "
+                                        f"{e.message[:160]}", abort=True, unreachable=failed)
+                    return
                 errors.append(f"{cand[:10]}: {type(e).__name__}: {str(e)[:120]}")
                 failed.append(cand)
                 self.counts["send_failures"] += 1
@@ -95,11 +108,16 @@ class HopSending:
         prev = path[-1]
         try:
             sha = await commit_wire(*wire)
-            await self.send(prev, self._hop(t, self.stage - 1, "backward", path, wire, loss=loss))
+            await self.send(prev, self._hop(t, self.stage - 1, "backward", path, wire, loss=loss, root=sha))
             self.counts["hops_out_backward"] += 1
             self._receipt(t, bout=sha, **receipt)
         except asyncio.CancelledError:
             raise
+        except ProtocolError as e:
+            self.counts["send_failures"] += 1
+            content = e.outcome in PROVABLE          # this stage's output was refused: not the receiver's fault
+            self._receipt(t, status="failed", error=f"backward to {prev[:10]} refused: {e.outcome.value}: "
+                                                    f"{str(e.message)[:160]}", unreachable=[] if content else [prev])
         except Exception as e:  # noqa: BLE001
             self.counts["send_failures"] += 1
             self._receipt(t, status="failed", error=f"backward to {prev[:10]} failed: {type(e).__name__}: {str(e)[:160]}",
