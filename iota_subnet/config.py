@@ -293,7 +293,13 @@ class MergeConfig:
     ``quantization``: merge payloads as ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax scales
     over ``int8_block`` values); accumulation is always fp32.
     ``join_timeout_s``: how long a replica waits at a merge boundary for its peers;
-    ``phase_timeout_s``: deadline of each all-reduce phase; ``max_attempts``: tries per epoch before the
+    ``phase_timeout_s``: the fixed part of each all-reduce phase's deadline, to which the time the
+    phase's payload takes at ``assumed_uplink_bps`` is added twice (:mod:`iota_subnet.merge.deadlines`;
+    default 10 Mbit/s, conservative for a datacenter uplink: at ``8b`` an int8 scatter of 1.64 GB per
+    replica declared at 100 Mbit/s gets 30 + 2 x 131 = 292 s); within it a transfer is cut only when no
+    byte of it moved for ``progress_timeout_s`` (default 10 s: a stopped or dead peer costs one
+    progress timeout; a live one streaming a 4 MB chunk moves bytes every few milliseconds whatever its
+    rate). ``max_attempts``: tries per epoch before the
     merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
     since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
     requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk;
@@ -317,6 +323,8 @@ class MergeConfig:
     int8_block: int = 256
     join_timeout_s: float = 30.0
     phase_timeout_s: float = 30.0
+    assumed_uplink_bps: float = 10e6
+    progress_timeout_s: float = 10.0
     max_attempts: int = 2
     min_work_steps: int = 1
     max_concurrent_transfers: int = 2
@@ -342,9 +350,9 @@ class MergeConfig:
             raise ConfigError(f"merge.quantization {self.quantization!r} unknown; choose one of {list(MERGE_QUANTIZATIONS)}")
         if not isinstance(self.int8_block, int) or self.int8_block < 16:
             raise ConfigError(f"merge.int8_block must be an integer >= 16, got {self.int8_block!r}")
-        for k in ("join_timeout_s", "phase_timeout_s"):
+        for k in ("join_timeout_s", "phase_timeout_s", "progress_timeout_s", "assumed_uplink_bps"):
             if not (isinstance(getattr(self, k), (int, float)) and getattr(self, k) > 0):
-                raise ConfigError(f"merge.{k} must be a positive number of seconds, got {getattr(self, k)!r}")
+                raise ConfigError(f"merge.{k} must be a positive number (seconds, bit/s), got {getattr(self, k)!r}")
         for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "sync_window", "chunk_numel"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -27,9 +27,10 @@ from iota_subnet.protocol import (MergeAck, MergePayload, MergeResult, MergeResu
 from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.progress import Progress
 
+from .deadlines import phase_deadline_s, scatter_bytes
 from .outer import dequantize, outer_step, quantize, weighted_mean
 from .plan import MergePlan
-from .serve import _Session, _ShardReduce
+from .serve import STILL_REDUCING, _Session, _ShardReduce
 
 if TYPE_CHECKING:
     from .report import MergeReport
@@ -93,22 +94,39 @@ class AllReduceAttempt:
             except Exception as e:  # noqa: BLE001 - a refusal or an unreachable peer
                 return r, e
         streams = [(r, s) for s in range(plan.num_shards) for r in dict.fromkeys(plan.reducers[s]) if r != self.me]
+        t_start = time.monotonic()
+        # results are asked for until the reducers' own deadline has passed (their waits end by then)
+        gather_deadline = t_start + phase_deadline_s(self.cfg, scatter_bytes(
+            len(plan.participants), plan.total_numel, quant, block)) + min(self.cfg.progress_timeout_s,
+                                                                self.cfg.phase_timeout_s)
         reducers = asyncio.gather(*(self._reduce(sess, s) for s in mine))
-        send_res = await asyncio.gather(*(stream(r, s) for r, s in streams))
-        unreachable: set[str] = set()
-        late = False
-        for item in send_res:
-            if item is None:
-                continue
-            r, e = item
-            if isinstance(e, ProtocolError) and e.outcome == Outcome.LATE:
-                late = True
-            else:
-                unreachable.add(r)
-            logger.warning(f"merge: contribution to {r[:10]} failed: {e}")
-        await reducers
-        if late:
-            return False, [], "a reducer refused as LATE (it merged or closed this attempt)"
+        sending = [asyncio.ensure_future(stream(r, s)) for r, s in streams]
+        try:
+            await reducers
+            # the streams to live reducers end as their shards are reduced; one to a stopped reducer
+            # is cut by its progress timeout (in _call): neither holds the gather
+            await asyncio.wait(sending, timeout=0) if sending else None
+            unreachable: set[str] = set()
+            late = False
+            for t in sending:
+                if not t.done() or t.result() is None:
+                    continue
+                r, e = t.result()
+                if isinstance(e, ProtocolError) and e.outcome == Outcome.LATE:
+                    late = True
+                else:
+                    unreachable.add(r)
+                logger.warning(f"merge: contribution to {r[:10]} failed: {e}")
+            if late:
+                return False, [], "a reducer refused as LATE (it merged or closed this attempt)"
+            return await self._gather_apply(plan, sess, rep, unreachable, gather_deadline, carry)
+        finally:
+            for t in sending:
+                t.cancel()
+
+    async def _gather_apply(self, plan: MergePlan, sess: _Session, rep: "MergeReport", unreachable: set[str],
+                            gather_deadline: float, carry: Optional[torch.Tensor]) -> tuple[bool, list[str], str]:
+        """Gather + verify every shard, then apply all or nothing (steps 5 and 6)."""
 
         # gather + verify, applying the outer step chunk by chunk into the new anchor and momentum
         new_anchor = torch.empty_like(self.anchor)
@@ -125,12 +143,18 @@ class AllReduceAttempt:
             new_momentum[off:off + n] = mom
 
         async def result(r: str, s: int, c: int, with_tensor: bool) -> Any:
-            try:
-                return await self._call(r, "/merge/result", MergeResultRequest(
-                    run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt, plan_id=plan.plan_id,
-                    shard_index=s, chunk=c, with_tensor=with_tensor), MergeResult)
-            except Exception as e:  # noqa: BLE001
-                return e
+            while True:     # NOT_READY: the reducer is still reducing (it answers within its progress timeout)
+                try:
+                    return await self._call(r, "/merge/result", MergeResultRequest(
+                        run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
+                        plan_id=plan.plan_id, shard_index=s, chunk=c, with_tensor=with_tensor), MergeResult)
+                except ProtocolError as e:
+                    if (e.outcome != Outcome.NOT_READY or STILL_REDUCING not in str(e)
+                            or time.monotonic() >= gather_deadline):
+                        return e
+                    await asyncio.sleep(0.05)
+                except Exception as e:  # noqa: BLE001
+                    return e
 
         async def gather_one(s: int) -> None:
             a, b = plan.reducers[s]

@@ -29,8 +29,9 @@ cross between the module's device and the host):
    the outer step, :func:`.outer.outer_step`) as soon as every participant's chunk ``c`` is there;
    a reducer acknowledges a chunk only when the shard's reduced chunks are at most
    :data:`.serve.STREAM_WINDOW` behind it, so it buffers a bounded number of chunks per contributor. A
-   shard still missing a contributor after ``merge.phase_timeout_s`` is ``incomplete`` (its
-   ``missing`` list names who).
+   shard is ``incomplete`` (its ``missing`` list names who) when the contributors it waits for
+   moved no byte for ``merge.progress_timeout_s``, or at the phase deadline derived from the
+   scatter's bytes and the declared uplink rate (:mod:`.deadlines`).
 5. **gather + verify**: for every shard ``me`` fetches the mean chunk by chunk from one reducer and
    the hash from the other (``/merge/result``). Equal hashes (and chunks matching them): accepted.
    Different hashes, or chunks that do not match: ``me`` acts as the third party, fetches every
@@ -66,9 +67,10 @@ import torch
 from loguru import logger
 
 from iota_subnet.config import MergeConfig
-from iota_subnet.protocol import Message, MergeResult, tensor_sha256
+from iota_subnet.protocol import Message, MergeResult, payload_nbytes, tensor_sha256
 
 from .allreduce import AllReduceAttempt, sha256_of
+from .deadlines import LinkProgress, call_allowance_s, phase_deadline_s, scatter_bytes
 from .join import MergeJoining
 from .liveness import PeerLiveness
 from .params import ModuleParams
@@ -146,6 +148,11 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         self._bytes = [0, 0]
         self._lock = asyncio.Lock()                  # one merge at a time
         self.liveness = PeerLiveness(cfg.join_timeout_s)   # peers found gone: probed, not waited for
+        self.link = LinkProgress()                   # when bytes last moved to or from each peer
+        #: the transport reports bytes inside a message (then a call is cut on progress alone)
+        self._byte_progress = hasattr(transport, "on_progress")
+        if self._byte_progress:
+            transport.on_progress = self.link.note
 
     # ------------------------------------------------------------------ state
     def _work_total(self) -> float:
@@ -210,7 +217,31 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
     async def _call(self, peer: str, route: str, msg: Message, rtype: type) -> Any:
         if peer == self.me:
             raise RuntimeError("no self calls")
-        reply, sent, received = await self.transport.call(peer, route, msg, rtype)
+        if peer in self.link.stalled:
+            raise ConnectionError(f"{peer[:10]} moved no byte for a progress timeout in this attempt")
+        task = asyncio.ensure_future(self.transport.call(peer, route, msg, rtype))
+        t0 = time.monotonic()
+        pt = float(self.cfg.progress_timeout_s)
+        allowance = 0.0
+        if not self._byte_progress:         # no bytes seen inside a message: allow for its size
+            reply_bytes = 4 * self.cfg.chunk_numel if route in ("/merge/result", "/merge/contribution") else 0
+            allowance = call_allowance_s(self.cfg, payload_nbytes(msg) + reply_bytes)
+        try:
+            while True:
+                idle = self.link.idle_s([peer], t0)
+                left = max(pt - idle, t0 + allowance - time.monotonic())
+                if left <= 0:
+                    task.cancel()
+                    self.link.stalled.add(peer)
+                    raise ConnectionError(f"{peer[:10]}: no byte moved for {idle:.1f} s on {route}")
+                done, _ = await asyncio.wait({task}, timeout=max(0.01, left))
+                if done:
+                    break
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        reply, sent, received = task.result()
+        self.link.note(peer, sent + received)
         self._count(sent, received)
         return reply
 
@@ -245,6 +276,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                 while attempt + 1 < self.cfg.max_attempts:
                     attempt += 1
                     self.attempt_now = attempt
+                    self.link.stalled.clear()
                     rep.attempts = attempt + 1
                     if self.before_attempt is not None:
                         res = self.before_attempt()
@@ -345,16 +377,30 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                         await res
 
     async def _reduce(self, sess: _Session, s: int) -> None:
-        """Wait until shard ``s`` is reduced (chunks are reduced as they arrive, see :meth:`_advance`)
-        or the phase deadline passes, then publish the result."""
+        """Wait until shard ``s`` is reduced (chunks are reduced as they arrive, see :meth:`_advance`),
+        or the contributors holding up its next chunk moved no byte for ``merge.progress_timeout_s``,
+        or the phase deadline passes (:mod:`.deadlines`), then publish the result."""
         plan, red = sess.plan, sess.reduce[s]
-        deadline = time.monotonic() + self.cfg.phase_timeout_s
-        while not red.done and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        deadline = t0 + phase_deadline_s(self.cfg, scatter_bytes(len(plan.participants), plan.total_numel,
+                                                                 self.cfg.quantization, self.cfg.int8_block))
+        pt = float(self.cfg.progress_timeout_s)
+        reduced, since = red.reduced, t0
+        while not red.done:
+            now = time.monotonic()
+            if red.reduced != reduced:
+                reduced, since = red.reduced, now
+            owing = [p for p in plan.participants if red.got[p] <= red.reduced and p != self.me]
+            idle = self.link.idle_s(owing, since)
+            if idle >= pt or now >= deadline:
+                if idle >= pt:
+                    self.link.stalled.update(owing)
+                break
             red.progress.clear()
             try:
-                await asyncio.wait_for(red.progress.wait(), timeout=max(0.01, deadline - time.monotonic()))
+                await asyncio.wait_for(red.progress.wait(), timeout=max(0.01, min(pt - idle, deadline - now)))
             except asyncio.TimeoutError:
-                break
+                pass
         base = dict(run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
                     plan_id=plan.plan_id, shard_index=s)
         if not red.done:

@@ -28,11 +28,14 @@ from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult
                                   Outcome, ProtocolError, payload_nbytes)
 from iota_subnet.protocol.codec import host_bytes
 
+from .deadlines import phase_deadline_s, scatter_bytes
 from .outer import dequantize, outer_step, weighted_mean
 from .plan import MergePlan
 
 #: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
 MAX_SESSIONS = 6
+#: What a ``NOT_READY`` answer to ``/merge/result`` says while the shard is being reduced (ask again).
+STILL_REDUCING = "is still being reduced"
 #: Chunks a contributor may run ahead of a shard's reduced chunks before the reducer delays its acks.
 STREAM_WINDOW = 2
 
@@ -84,6 +87,7 @@ class MergeServing:
         """Serve a peer's merge request (``route`` in ``/merge/join``, ``/merge/contribute``,
         ``/merge/result``, ``/merge/contribution``). Raises ProtocolError for refusals. Tensor bytes
         served and received here count in this replica's merge byte totals."""
+        self.link.note(caller, payload_nbytes(msg))
         reply = await self._handle(route, msg, caller)
         self._count(payload_nbytes(reply), payload_nbytes(msg))
         return reply
@@ -127,8 +131,11 @@ class MergeServing:
     def _prune(self) -> None:
         # A finished attempt's results stay served for a while: a slower peer may still be gathering.
         for key, sess in list(self.sessions.items()):
-            if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s
-                                                                                     + self.cfg.phase_timeout_s):
+            phase = self.cfg.phase_timeout_s if sess.plan is None else phase_deadline_s(self.cfg, scatter_bytes(
+                len(sess.plan.participants), sess.plan.total_numel, self.cfg.quantization, self.cfg.int8_block))
+            if self.current is not None and key[:2] == self.current[:2]:
+                continue
+            if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s + phase):
                 sess.closed = True
                 del self.sessions[key]
 
@@ -166,13 +173,16 @@ class MergeServing:
 
     async def _throttle(self, msg: MergePayload) -> None:
         """Backpressure: acknowledge chunk ``c`` only once this replica has a plan for it and the shard's
-        reduced chunks are at most :data:`STREAM_WINDOW` behind (or the phase deadline passes)."""
+        reduced chunks are at most :data:`STREAM_WINDOW` behind, or after half the progress timeout
+        (an ack held longer would look like a stalled reducer to the sender; the sender may then run
+        one chunk further ahead, :mod:`.deadlines`)."""
         sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))
         if sess is None:
             return
-        deadline = time.monotonic() + self.cfg.phase_timeout_s
+        cap = min(self.cfg.phase_timeout_s, self.cfg.progress_timeout_s / 2)
+        deadline = time.monotonic() + cap
         try:
-            await asyncio.wait_for(sess.planned.wait(), timeout=self.cfg.phase_timeout_s)
+            await asyncio.wait_for(sess.planned.wait(), timeout=cap)
         except asyncio.TimeoutError:
             return
         red = sess.reduce.get(msg.shard_index)
@@ -243,11 +253,19 @@ class MergeServing:
             if self._late(msg.epoch, msg.attempt):
                 raise ProtocolError(Outcome.LATE, f"merge epoch {msg.epoch} attempt {msg.attempt} is closed")
             raise ProtocolError(Outcome.NOT_READY, f"no merge session for plan {msg.plan_id}")
+        cap = min(self.cfg.phase_timeout_s, self.cfg.progress_timeout_s / 2)
+        if sess.plan is None:           # contributions arrived, but this replica does not run this plan (yet)
+            try:
+                await asyncio.wait_for(sess.planned.wait(), timeout=cap)
+            except asyncio.TimeoutError:
+                raise ProtocolError(Outcome.NOT_READY, f"not running plan {msg.plan_id}") from None
+        if msg.shard_index not in sess.reduce:
+            raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")
         ev = sess.ready_event(msg.shard_index)
-        try:
-            await asyncio.wait_for(ev.wait(), timeout=self.cfg.phase_timeout_s)
+        try:    # answered within half the progress timeout: the caller asks again (see .deadlines)
+            await asyncio.wait_for(ev.wait(), timeout=cap)
         except asyncio.TimeoutError:
-            raise ProtocolError(Outcome.NOT_READY, f"shard {msg.shard_index} not reduced yet") from None
+            raise ProtocolError(Outcome.NOT_READY, f"shard {msg.shard_index} {STILL_REDUCING}") from None
         res = sess.results.get(msg.shard_index)
         if res is None:
             raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")

@@ -4,8 +4,12 @@
   message is encoded and decoded with the wire codec (safetensors + JSON, the same validation as
   over HTTP), so the byte counts are the exact body sizes HTTP would carry (headers excluded).
   ``kill(hotkey)`` makes a peer unreachable; ``stall(hotkey)`` makes it accept calls and never
-  answer (a SIGSTOPped process): callers give up after ``timeout_s``, as an HTTP client would;
-  ``delay`` adds latency.
+  answer (a SIGSTOPped process): callers give up after ``timeout_s``, as an HTTP client would
+  (a stalled peer moves no byte); ``delay`` adds latency; ``shape(hotkey, uplink)`` sends a
+  replica's requests and replies through its own emulated uplink
+  (:class:`~iota_subnet.transport.shaping.UplinkShaper`). Bytes are reported as they cross a shaped
+  link, piece by piece, to both ends' ``on_progress(peer, nbytes)`` (a view's attribute, set by the
+  engine: :mod:`.deadlines`).
 * :class:`HttpTransport`: signed HTTP through :class:`~iota_subnet.transport.NeuronClient`; peers
   resolved from hotkey to ``ip:port`` by ``resolve(hotkey)``.
 """
@@ -36,6 +40,26 @@ class InProcessTransport:
         self.sent: dict[str, int] = {}
         self.received: dict[str, int] = {}
         self.max_body = 0                    # largest message body seen (bytes)
+        self.uplinks: dict[str, Any] = {}    # hotkey -> UplinkShaper
+        self.views: dict[str, "_View"] = {}
+
+    def shape(self, hotkey: str, uplink: Any) -> None:
+        """Send ``hotkey``'s requests and replies through ``uplink`` (an UplinkShaper; None: unshaped)."""
+        if uplink is None:
+            self.uplinks.pop(hotkey, None)
+        else:
+            self.uplinks[hotkey] = uplink
+
+    def _progress(self, a: str, b: str, nbytes: int) -> None:
+        for x, y in ((a, b), (b, a)):
+            v = self.views.get(x)
+            if v is not None and v.on_progress is not None:
+                v.on_progress(y, nbytes)
+
+    async def _cross(self, src: str, dst: str, nbytes: int) -> None:
+        up = self.uplinks.get(src)
+        if up is not None:
+            await up.transmit(nbytes, lambda n: self._progress(src, dst, n))
 
     def register(self, hotkey: str, handler: Callable[..., Any]) -> None:
         self.handlers[hotkey] = handler
@@ -49,7 +73,10 @@ class InProcessTransport:
         (self.stalled.add if stalled else self.stalled.discard)(hotkey)
 
     def view(self, me: str) -> "_View":
-        return _View(self, me)
+        v = self.views.get(me)
+        if v is None:
+            v = self.views[me] = _View(self, me)
+        return v
 
     async def _call(self, me: str, peer: str, route: str, msg: Message, rtype: type) -> tuple[Any, int, int]:
         if me in self.dead:
@@ -68,11 +95,15 @@ class InProcessTransport:
                 await asyncio.sleep(0.05)
             if peer in self.stalled:
                 raise PeerUnreachable(f"{peer[:10]} did not answer in {self.timeout_s:.1f} s")
+        await self._cross(me, peer, len(body))
         req = decode(body, type(msg), merge_payload_contract(max_numel=1 << 31) if route == "/merge/contribute" else None)
         reply = await h(route, req, me)
         if peer in self.dead:
             raise PeerUnreachable(f"{peer[:10]} died while answering")
         rbody = encode(reply)
+        await self._cross(peer, me, len(rbody))
+        if peer in self.dead:
+            raise PeerUnreachable(f"{peer[:10]} died while answering")
         self.max_body = max(self.max_body, len(body), len(rbody))
         for k, n in ((me, len(body)), (peer, len(rbody))):
             self.sent[k] = self.sent.get(k, 0) + n
@@ -84,6 +115,7 @@ class InProcessTransport:
 class _View:
     def __init__(self, net: InProcessTransport, me: str):
         self.net, self.me = net, me
+        self.on_progress: Optional[Callable[[str, int], None]] = None
 
     async def call(self, peer: str, route: str, msg: Message, response_type: type) -> tuple[Any, int, int]:
         return await self.net._call(self.me, peer, route, msg, response_type)
@@ -92,18 +124,31 @@ class _View:
 class HttpTransport:
     """Signed HTTP calls to peers. ``client``: a :class:`~iota_subnet.transport.NeuronClient`;
     ``resolve(hotkey) -> "ip:port" | None``. Refusals arrive as ProtocolError; an unknown or
-    unreachable peer raises :class:`PeerUnreachable` / ``TransportError``."""
+    unreachable peer raises :class:`PeerUnreachable` / ``TransportError``.
 
-    def __init__(self, client: Any, resolve: Callable[[str], Optional[str]], timeout_s: float = 30.0):
+    A call may take ``timeout_s`` plus twice the time its bytes take at ``bytes_per_s`` (the
+    declared uplink, bytes/s; None: ``timeout_s`` only): the request body, and ``reply_bytes`` more
+    for the routes whose reply carries a chunk (``/merge/result``, ``/merge/contribution``), so a
+    large chunk on a slow link is not cut by a fixed timeout."""
+
+    def __init__(self, client: Any, resolve: Callable[[str], Optional[str]], timeout_s: float = 30.0, *,
+                 bytes_per_s: Optional[float] = None, reply_bytes: int = 0):
         self.client, self.resolve, self.timeout_s = client, resolve, timeout_s
+        self.bytes_per_s, self.reply_bytes = bytes_per_s, int(reply_bytes)
+
+    def call_timeout_s(self, route: str, body_bytes: int) -> float:
+        if not self.bytes_per_s:
+            return self.timeout_s
+        n = body_bytes + (self.reply_bytes if route in ("/merge/result", "/merge/contribution") else 0)
+        return self.timeout_s + 2.0 * n / self.bytes_per_s
 
     async def call(self, peer: str, route: str, msg: Message, response_type: type) -> tuple[Any, int, int]:
         ep = self.resolve(peer)
         if not ep:
             raise PeerUnreachable(f"no endpoint for {peer[:10]}")
         body = encode(msg) if payload_nbytes(msg) < (256 << 10) else await asyncio.to_thread(encode, msg)
-        reply = await self.client.call_raw(ep, peer, route, body, response_type, timeout_s=self.timeout_s, retries=1,
-                                           backoff_s=0.1)
+        reply = await self.client.call_raw(ep, peer, route, body, response_type,
+                                           timeout_s=self.call_timeout_s(route, len(body)), retries=1, backoff_s=0.1)
         # received: tensor bytes of the reply (+ its small JSON header, not counted)
         return reply, len(body), payload_nbytes(reply)
 

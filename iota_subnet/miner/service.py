@@ -383,7 +383,8 @@ class MinerService:
     def _setup_merge(self) -> None:
         mc = self.cfg.merge
         self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
-        transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
+        transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5,
+                                  bytes_per_s=mc.assumed_uplink_bps / 8, reply_bytes=4 * mc.chunk_numel)
         self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block)
         self.merge = self.parts.make_merge_engine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,

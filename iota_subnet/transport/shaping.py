@@ -258,9 +258,11 @@ class UplinkShaper:
     def wire_size(self, nbytes: int) -> int:
         return nbytes + (segment_overhead(nbytes) if self.count_segments else 0)
 
-    async def transmit(self, nbytes: int) -> None:
+    async def transmit(self, nbytes: int, on_bytes: Optional[Callable[[int], None]] = None) -> None:
         """Wait until a message of ``nbytes`` (HTTP head + body) has crossed this uplink: its bytes
-        released by the bucket, then the one-way delay. Raises :class:`LinkDown` while partitioned."""
+        released by the bucket, then the one-way delay. ``on_bytes(n)``: called as each piece of
+        ``n`` wire bytes leaves (progress, as a socket's peer sees bytes arrive). Raises
+        :class:`LinkDown` while partitioned."""
         self._poll_control()
         if self.down:
             with self._lock:
@@ -275,6 +277,7 @@ class UplinkShaper:
             t0 = self._clock()
             left = wire
             pending: Optional[float] = None      # when the previously booked chunk has left
+            pending_n = 0
             while left > 0:
                 chunk = min(left, self.chunk_bytes)
                 left -= chunk
@@ -283,8 +286,12 @@ class UplinkShaper:
                 leaves = self._clock() + self._reserve(chunk)
                 if pending is not None:
                     await self._sleep_until(pending)
-                pending = leaves
+                    if on_bytes is not None:
+                        on_bytes(pending_n)
+                pending, pending_n = leaves, chunk
             await self._sleep_until(pending)
+            if on_bytes is not None:
+                on_bytes(pending_n)
             with self._lock:
                 self.wait_s += self._clock() - t0
         if self.link.delay_s > 0:
