@@ -52,6 +52,7 @@ from iota_subnet.miner.emulated import Emulation, EmulatedStageWorker
 from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.miner.update_store import UpdateAuditRoute
+from iota_subnet.utils.spill import SpillDir
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.plan import require_fit
 from iota_subnet.utils.aio import StopRequested, until_stopped
@@ -75,12 +76,13 @@ MAX_MICRO_BATCH_ROWS = 64
 
 
 def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int, emulation: Optional[Emulation] = None,
-                audit_window: int = 0) -> tuple[StageWorker | EmulatedStageWorker, Optional[int]]:
+                audit_window: int = 0, audit_spill: Any = None) -> tuple[StageWorker | EmulatedStageWorker, Optional[int]]:
     """The stage's compute: a real :class:`StageWorker`, or with ``emulation`` (``--emulate-gpu``) an
     :class:`EmulatedStageWorker` that only sleeps as long as the emulated device would compute. Also
     returns how many micro-batches it can keep waiting for their backward (the memory plan's bound on
     a GPU, real or emulated; None on the CPU). ``audit_window``: inner steps a real worker keeps for
-    update audits (an emulated one has no weights to audit)."""
+    update audits (an emulated one has no weights to audit); ``audit_spill``: the
+    :class:`~iota_subnet.utils.spill.SpillDir` its copies go to (None: host memory)."""
     if emulation is None:
         bound, cache = None, None
         if torch.device(device).type == "cuda":     # refuse a stage that does not fit, with the plan
@@ -91,7 +93,7 @@ def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: int, em
             logger.info(f"stage {stage} fits {props.name}: {p.total_bytes / 2**30:.1f} of "
                         f"{props.total_memory / 2**30:.1f} GiB planned, up to {bound} micro-batches in flight")
         return StageWorker(cfg, stage, device=device, seed=cfg.train.seed, total_steps=total_steps, cache=cache,
-                           audit_window=audit_window), bound
+                           audit_window=audit_window, audit_spill=audit_spill), bound
     w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
     logger.warning(f"EMULATION, no training: {w.describe()}")
     return w, w.cache.max_entries
@@ -326,7 +328,8 @@ class MinerService:
         self.check_fingerprints()
         self.stage = self.choose_stage()
         self.worker, bound = make_worker(self.cfg, self.stage, device=self.device, total_steps=self.total_steps,
-                                         emulation=self.emulation, audit_window=self.audit_window)
+                                         emulation=self.emulation, audit_window=self.audit_window,
+                                         audit_spill=self._audit_spill())
         await self._load_weights()
         if self.adversary:
             from iota_subnet.miner.adversary import install
@@ -425,6 +428,14 @@ class MinerService:
         return rows
 
     # ---- audits (iota_subnet.miner.update_store, iota_subnet.merge.claims) -------------------------
+    def _audit_spill(self) -> Optional[SpillDir]:
+        """Where audit copies go once hashed (``<out>/audit-spill``; None when audits are off)."""
+        if self.audit_window <= 0 or self.emulation is not None:
+            return None
+        if getattr(self, "spill", None) is None:
+            self.spill = SpillDir(self.out / "audit-spill")
+        return self.spill
+
     def _setup_audits(self) -> None:
         """Hop audits (``/audit/trace|project|open``) over the last ``audit_window`` weights versions
         and ``/audit/update`` over the last ``audit_window`` inner steps (validators; real stage workers
@@ -432,8 +443,9 @@ class MinerService:
         if not isinstance(self.worker, StageWorker) or self.audit_window <= 0:
             return
         self.hops = HopStore(self.audit_window, shared=self.worker.updates.weights_version
-                             if self.worker.updates is not None else None)
-        self.hop_routes = HopAuditRoutes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage)
+                             if self.worker.updates is not None else None, spill=self._audit_spill())
+        self.hop_routes = HopAuditRoutes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage,
+                                         device=self.worker.device)
         update_route = (UpdateAuditRoute(self.worker.updates, self.run_id, self.stage)
                         if self.worker.updates is not None else None)
         if self.adversary == "dodge":
@@ -456,7 +468,8 @@ class MinerService:
         mc = self.cfg.merge
         self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5)
-        self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block)
+        self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block,
+                                  spill=self._audit_spill())
         self.merge = MergeEngine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
@@ -649,6 +662,9 @@ class MinerService:
 
     async def _run_merge(self, epoch: int) -> None:
         try:
+            updates = getattr(self.worker, "updates", None)
+            if updates is not None:          # the last step's audit copies leave host memory before the merge's
+                await asyncio.to_thread(updates.settle)      # buffers arrive (iota_subnet.host_plan)
             rep = await self.merge.merge(epoch, self._peers)     # re-read after each attempt's refresh
             self.metrics.observe_merge(rep.status, rep.wall_s, rep.bytes_sent, rep.bytes_received)
             if rep.status == "late":        # a peer holds a newer merged state (not necessarily this epoch's)
