@@ -73,6 +73,7 @@ from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommi
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 
+from .deadlines import DeadlineRates, hop_round_work, update_audit_work
 from .audit_policy import AuditPolicy
 from .routing import Replica
 from .update_audit import HTTP_HEADER_BYTES, SUPERSEDED, UpdateAuditor
@@ -193,6 +194,8 @@ class AuditScheduler:
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
         self.sampling = sampling.validate()
         self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
+        #: round deadlines from the work asked (``timeout_s`` is their floor): :mod:`.deadlines`
+        self.deadlines = DeadlineRates(floor_s=self.timeout_s)
         self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
         self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
         self.concurrency = max(1, int(concurrency))
@@ -530,7 +533,7 @@ class AuditScheduler:
         A request that fails on the transport is sent again unchanged after each of ``retry_delays_s``
         (:meth:`_reask`)."""
         lay = aud.layout
-        kw = dict(timeout_s=self.timeout_s, retries=0)
+        kw = dict(timeout_s=self.deadlines.deadline_s(*hop_round_work(self.cfg, rep.stage, lay.direction)), retries=0)
 
         async def call(ep, hk, path, msg, typ, **kw2):
             delays = deque(self.retry_delays_s)
@@ -603,9 +606,11 @@ class AuditScheduler:
         delays, sent = deque(self.retry_delays_s), 0
         rec.started = time.monotonic()
         req = self.update_auditor.plan(rep.stage, commit)
+        sizes = {p.name: p.row_numel for p in self.update_auditor.layout(rep.stage)}
+        deadline = self.deadlines.deadline_s(*update_audit_work([sizes.get(str(n), 0) for n, _ in req.rows]))
         while True:      # the same request again after a transport failure: same rows, nothing new revealed
             res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
-                                                  timeout_s=self.timeout_s, req=req)
+                                                  timeout_s=deadline, req=req)
             if res.outcome != "timeout" or not await self._reask(rep, rec, f"step {commit.step}", res.detail, delays):
                 break
             sent += res.bytes
