@@ -1,5 +1,6 @@
-"""Audit state that fits: spilled update-store copies open exactly as in memory, the host figure of
-the plan matches a real tiny stage's measured memory, prover device, deadlines grow with the work."""
+"""Audit state that fits: spilled update-store copies still open, a real tiny stage's memory growth
+over steady steps stays under the plan's update-store bound (+15 %), the 8b head stage's host peak
+fits 96 GB, the prover runs on the worker's device, deadlines grow with the work."""
 from __future__ import annotations
 
 import gc
@@ -90,3 +91,15 @@ def test_deadlines_grow_with_work():
     if more[0] >= less[0] and more[1] >= less[1]:
         assert d.deadline_s(*more) > d.deadline_s(*less)
     assert d.deadline_s(*update_audit_work([4096] * 8)) > d.deadline_s(*update_audit_work([256]))
+
+
+def test_8b_head_stage_host_peak_fits_96_gb():
+    from iota_subnet.plan import plan_stage
+    cfg = load_config("configs/8b.yaml")
+    p = plan_stage(cfg, 0, 80 << 30)
+    h = p.host
+    assert h["peak_bytes"] <= 96e9 and h["d2h_bytes_per_step"] == 16 * p.params
+    assert h["audit_window_versions"] >= 2 and h["audit_window_s"] > 0
+    for k in ("update_store_bytes", "hop_store_bytes", "merge_steady_bytes", "merge_transient_bytes",
+              "merge_audit_bytes", "checkpoint_snapshot_bytes", "sync_donor_bytes"):
+        assert k in h
