@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig
 from iota_subnet.hardware import GIB, Accelerator
+from iota_subnet.host_plan import host_plan
 from iota_subnet.config import bottleneck_dims
 from iota_subnet.model.llama import block_flops_per_token
 from iota_subnet.config import split_layers
@@ -355,6 +356,7 @@ class StagePlan:
     forward_flops_per_token: int
     train_flops_per_token: int
     precision: str = "bf16"                 # train.precision the activations were measured at
+    host: Optional[dict] = None             # host memory, disk and device -> host bytes (iota_subnet.host_plan)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -425,7 +427,8 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
         rows_in_flight=int(max_mb) * rows, activation_cache_bound_bytes=int(max_mb) * act.saved_bytes if holds else 0,
         total_bytes=total, gpu_mem_bytes=int(gpu_mem_bytes), fits=bool(total <= gpu_mem_bytes and max_mb >= needed),
         forward_flops_per_token=flops.forward, train_flops_per_token=flops.train(ckpt),
-        precision=cfg.train.precision)
+        precision=cfg.train.precision,
+        host=host_plan(cfg, stage, P, [tuple(p.shape) for p in m.parameters()], flops.train(ckpt)).to_json())
 
 
 def plan(cfg: RunConfig, gpu_mem_bytes: int, *, stages: Optional[int] = None, checkpointing: Optional[bool] = None,

@@ -92,16 +92,19 @@ def coords(run_id: str, stage: int, epoch: int, attempt: int, plan_id: str, shar
 @dataclass
 class _Kept:
     flat: torch.Tensor
+    spilled: str            # spill file name ("" when in host memory)
     tree: MerkleTree
     claim: dict
 
 
 class MergeClaims:
     """Miner side of merge claims (see the module docstring). ``keypair``: this replica's hotkey
-    (``wallet.hotkey``); ``chunk``: values per chunk; ``keep_epochs``: merge epochs kept for audits."""
+    (``wallet.hotkey``); ``chunk``: values per chunk; ``keep_epochs``: merge epochs kept for audits;
+    ``spill``: a :class:`~iota_subnet.utils.spill.SpillDir` the kept slices and means are written to
+    (read back through a memory map; None: host memory)."""
 
     def __init__(self, keypair: Any, run_id: str, stage: int, *, chunk: int = CHUNK_NUMEL, keep_epochs: int = MERGE_AUDIT_KEEP_EPOCHS,
-                 int8_block: int = 256):
+                 int8_block: int = 256, spill: Any = None):
         self.keypair, self.run_id, self.stage = keypair, run_id, int(stage)
         self.me = keypair.ss58_address
         self.chunk, self.keep_epochs, self.int8_block = int(chunk), int(keep_epochs), int(int8_block)
@@ -110,6 +113,18 @@ class MergeClaims:
         self.means: dict[tuple, _Kept] = {}               # (epoch, attempt, plan_id, shard) -> mean I served
         self.received: dict[tuple, dict[str, dict]] = {}  # (epoch, attempt, plan_id, shard) -> sender -> claim
         self.served = 0
+        self.spill = spill
+
+    def _keep(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """A kept copy of ``x`` (fp32, flat): on disk with ``spill`` (in memory if writing fails)."""
+        flat = x.detach().float().reshape(-1)
+        if self.spill is not None:
+            try:
+                fname, views = self.spill.put({"flat": flat}, tag="merge")
+                return views["flat"], fname
+            except OSError:
+                pass
+        return flat.clone(), ""
 
     # ---- engine observer ------------------------------------------------------------------------
     def on_contributions(self, plan: Any, slices: Mapping[int, torch.Tensor], payloads: list[MergePayload]
@@ -128,7 +143,7 @@ class MergeClaims:
             claims[s] = claim
             key = (plan.epoch, plan.attempt, plan.plan_id, s)
             with self._lock:
-                self.contributions[key] = _Kept(x.detach().float().clone(), tree, claim)
+                self.contributions[key] = _Kept(*self._keep(x), tree, claim)
                 self.received.setdefault(key, {})[self.me] = claim
         for m in payloads:
             m.info = {**m.info, "claim": claims[m.shard_index]}
@@ -179,19 +194,21 @@ class MergeClaims:
                             **({"chunk_numel": int(chunk_numel)} if chunk_numel is not None else {})}, self.keypair)
         res.info = {**res.info, "claim": claim, "contrib_claims": {p: got[p] for p in res.contributors if p in got}}
         with self._lock:
-            self.means[key] = _Kept(served.detach().float().clone(), tree, claim)
+            self.means[key] = _Kept(*self._keep(served), tree, claim)
 
     def _prune(self, epoch: int) -> None:
         with self._lock:
             for d in (self.contributions, self.means, self.received):
                 for k in [k for k in d if k[0] <= epoch - self.keep_epochs]:
-                    del d[k]
+                    gone = d.pop(k)
+                    if isinstance(gone, _Kept) and gone.spilled and self.spill is not None:
+                        self.spill.drop(gone.spilled)
 
     # ---- validators ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(k.flat.numel() * 4 for d in (self.contributions, self.means) for k in d.values())
+            return sum(k.flat.numel() * 4 for d in (self.contributions, self.means) for k in d.values() if not k.spilled)
 
     def open(self, msg: MergeAuditRequest) -> MergeAuditResponse:
         """Chunks (with proofs) of a kept slice or mean and its signed claim. Raises ProtocolError:

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from iota_subnet.audit import codec
 from iota_subnet.audit.layout import LayoutError, TraceLayout
 from iota_subnet.audit.prover import HopProver, OpenRequestError
@@ -63,8 +65,11 @@ class HopAuditRoutes:
     ``max_per_caller`` of one validator."""
 
     def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, max_sessions: int = 8,
-                 max_per_caller: int = 2, session_ttl_s: float = 180.0, commit_wait_s: float = 30.0):
+                 max_per_caller: int = 2, session_ttl_s: float = 180.0, commit_wait_s: float = 30.0,
+                 device: Any = "cpu"):
         self.store, self.cfg, self.run_id, self.stage = store, cfg, run_id, int(stage)
+        #: where traces run: the stage's own device (its GPU when it has one), in fp32
+        self.device = torch.device(device)
         self.max_sessions, self.max_per_caller = int(max_sessions), int(max_per_caller)
         self.session_ttl_s, self.commit_wait_s = float(session_ttl_s), float(commit_wait_s)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
@@ -84,6 +89,10 @@ class HopAuditRoutes:
         server.add_route("/audit/trace", self.trace, AuditTraceRequest, None)
         server.add_route("/audit/project", self.project, AuditProjectRequest, None)
         server.add_route("/audit/open", self.open, AuditOpenRequest, None)
+
+    def prover(self, layout: Any, weights: Any, hop: Any) -> HopProver:
+        """The prover of one audit of ``hop``: its trace runs on :attr:`device`."""
+        return HopProver(layout, weights, hop.inputs(layout.direction), device=self.device)
 
     def _check(self, msg: Any) -> None:
         if msg.run_id != self.run_id or msg.stage != self.stage:
@@ -172,7 +181,7 @@ class HopAuditRoutes:
         if weights.root.hex() != msg.weights_root:
             raise ProtocolError(Outcome.HASH_MISMATCH, f"weights version {list(version)} has root "
                                                        f"{weights.root.hex()[:16]}, not {msg.weights_root[:16]}")
-        prover = HopProver(layout, weights, hop.inputs(layout.direction))
+        prover = self.prover(layout, weights, hop)
         try:
             troots, wroots = await asyncio.to_thread(prover.commit)
         except ValueError as e:

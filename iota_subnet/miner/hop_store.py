@@ -42,6 +42,7 @@ import torch
 
 from iota_subnet.audit.commit import WeightsCommitment, WireTensor, host_snapshot, weights_commitment
 from iota_subnet.audit.prover import HopInputs
+from iota_subnet.utils.spill import SpillDir
 
 Version = tuple[int, int]
 
@@ -92,6 +93,7 @@ class _Version:
         self.future = future
         self.own = own              # False: the copy belongs to ``shared``'s owner (not counted in nbytes)
         self.at = time.time()
+        self.spilled = ""           # spill file of an own copy once on disk
 
 
 class HopStore:
@@ -101,11 +103,13 @@ class HopStore:
     background hashing threads (hashlib releases the GIL on large rows). ``shared(version)``: a
     future of that version's :class:`~iota_subnet.audit.commit.WeightsCommitment` already being
     built elsewhere, or None (:meth:`iota_subnet.miner.update_store.UpdateStore.weights_version`:
-    the weights after an inner step are committed once, for both kinds of audit).
+    the weights after an inner step are committed once, for both kinds of audit). ``spill``: own
+    copies go to disk once hashed (:mod:`iota_subnet.utils.spill`; host memory then holds at most
+    the copy being hashed).
     """
 
     def __init__(self, keep_versions: int = DEFAULT_KEEP_VERSIONS, *, max_hops: int = 1024, hash_threads: int = 1,
-                 shared: Optional[Callable[[Version], Optional[Future]]] = None):
+                 shared: Optional[Callable[[Version], Optional[Future]]] = None, spill: Optional[SpillDir] = None):
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self.keep_versions = int(keep_versions)
@@ -115,6 +119,7 @@ class HopStore:
         self._versions: "OrderedDict[Version, _Version]" = OrderedDict()
         self._hops: "OrderedDict[str, HopRecord]" = OrderedDict()
         self.shared = shared
+        self.spill = spill
         self.snapshots = 0
         self.shared_versions = 0    # versions whose commitment came from ``shared`` (no copy, no hashing)
         self.snapshot_s = 0.0       # compute-thread seconds spent copying weights (the critical path)
@@ -136,16 +141,31 @@ class HopStore:
             snap = host_snapshot(worker.module.state_dict())
             self.snapshot_s += time.perf_counter() - t0
             self.snapshots += 1
-            fut = self.pool.submit(weights_commitment, snap)
+            fut = None
+        entry = _Version(fut, own)
+        if own:
+            entry.future = self.pool.submit(self._commit, snap, entry)
         with self._lock:
-            self._versions[v] = _Version(fut, own)
+            self._versions[v] = entry
             while len(self._versions) > self.keep_versions:
-                self._versions.popitem(last=False)
+                gone = self._versions.popitem(last=False)[1]
+                if gone.own and self.spill is not None:
+                    gone.future.add_done_callback(lambda _f, g=gone: self.spill.drop(g.spilled))
             kept = set(self._versions)
             for mb in [mb for mb, h in self._hops.items()
                        if h.version not in kept and (h.bversion is None or h.bversion not in kept)]:
                 del self._hops[mb]
         return v
+
+    def _commit(self, snap: dict[str, torch.Tensor], entry: _Version) -> WeightsCommitment:
+        """Hash an own snapshot, then (with ``spill``) move it to disk (it stays in memory if that fails)."""
+        wc = weights_commitment(snap)
+        if self.spill is not None:
+            try:
+                entry.spilled, wc.tensors = self.spill.put(wc.tensors, tag="hop")
+            except OSError:
+                pass
+        return wc
 
     # ---- event loop ------------------------------------------------------------------------------
     def record_forward(self, microbatch_id: str, *, wire_format: str, x: torch.Tensor, version: Version,
@@ -207,7 +227,7 @@ class HopStore:
         """Host bytes of the weights copies this store made (trees, hop tensors and shared copies not
         counted)."""
         with self._lock:
-            futs = [v.future for v in self._versions.values() if v.own]
+            futs = [v.future for v in self._versions.values() if v.own and not v.spilled]
         total = 0
         for f in futs:
             if f.done() and f.exception() is None:

@@ -74,7 +74,8 @@ def plan_cache(cfg: RunConfig, p: Any) -> ActivationCache:
 
 def service_worker(svc: "MinerService", stage: int) -> tuple[StageWorker, Optional[int]]:
     """The default ``make_worker``: :func:`make_worker` with the service's device, schedule and audit window."""
-    return make_worker(svc.cfg, stage, device=svc.device, total_steps=svc.total_steps, audit_window=svc.audit_window)
+    return make_worker(svc.cfg, stage, device=svc.device, total_steps=svc.total_steps, audit_window=svc.audit_window,
+                       audit_spill=svc.audit_spill())
 
 
 @dataclass

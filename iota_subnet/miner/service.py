@@ -48,6 +48,7 @@ from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
 from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker
+from iota_subnet.utils.spill import SpillDir
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.protocol import (Health, MergeAuditRequest, MergeEvidence, MergeJoin, MergePayload,
@@ -128,6 +129,7 @@ class MinerService:
         #: (:class:`~iota_subnet.miner.update_store.UpdateStore`); 0: off (validators then count every
         #: audit of this miner as refused)
         self.audit_window = int(audit_window)
+        self.spill: Optional[SpillDir] = None       # audit copies on disk (:meth:`audit_spill`), made at start
         self.hops: Optional[HopStore] = None
         self.hop_routes: Optional[HopAuditRoutes] = None
         self.hotkey: str = wallet.hotkey.ss58_address
@@ -356,6 +358,14 @@ class MinerService:
         return rows
 
     # ---- audits (iota_subnet.miner.update_store, iota_subnet.merge.claims) -------------------------
+    def audit_spill(self) -> Optional[SpillDir]:
+        """Where audit copies go once hashed (``<out>/audit-spill``; None when audits are off)."""
+        if self.audit_window <= 0:
+            return None
+        if self.spill is None:
+            self.spill = SpillDir(self.out / "audit-spill")
+        return self.spill
+
     def _setup_audits(self) -> None:
         """Hop audits (``/audit/trace|project|open``) over the last ``audit_window`` weights versions
         and ``/audit/update`` over the last ``audit_window`` inner steps (validators; real stage workers
@@ -363,8 +373,9 @@ class MinerService:
         if not self.worker.has_weights or self.audit_window <= 0:
             return
         self.hops = HopStore(self.audit_window, shared=self.worker.updates.weights_version
-                             if self.worker.updates is not None else None)
-        self.hop_routes = self.parts.make_hop_audit_routes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage)
+                             if self.worker.updates is not None else None, spill=self.audit_spill())
+        self.hop_routes = self.parts.make_hop_audit_routes(self.hops, self.cfg, run_id=self.run_id, stage=self.stage,
+                                                           device=self.worker.device)
         update_route = (self.parts.make_update_audit_route(self.worker.updates, self.run_id, self.stage)
                         if self.worker.updates is not None else None)
         self.hop_routes.mount(self.server)
@@ -385,7 +396,8 @@ class MinerService:
         self.merge_client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
         transport = HttpTransport(self.merge_client, self._endpoint_of, timeout_s=mc.phase_timeout_s + 5,
                                   bytes_per_s=mc.assumed_uplink_bps / 8, reply_bytes=4 * mc.chunk_numel)
-        self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block)
+        self.claims = MergeClaims(self.wallet.hotkey, self.run_id, self.stage, int8_block=mc.int8_block,
+                                  spill=self.audit_spill())
         self.merge = self.parts.make_merge_engine(self.hotkey, mc, ModuleParams(self.worker.module, self.worker.lock,
                                                                 on_write=self.worker.weights_replaced), transport,
                                  run_id=self.run_id, stage=self.stage, weights_fn=self._merge_weights,
@@ -587,6 +599,9 @@ class MinerService:
 
     async def _run_merge(self, epoch: int) -> None:
         try:
+            updates = getattr(self.worker, "updates", None)
+            if updates is not None:          # the last step's audit copies leave host memory before the merge's
+                await asyncio.to_thread(updates.settle)      # buffers arrive (iota_subnet.host_plan)
             rep = await self.merge.merge(epoch, self._peers)     # re-read after each attempt's refresh
             self.metrics.observe_merge(rep.status, rep.wall_s, rep.bytes_sent, rep.bytes_received)
             if rep.status == "late":        # a peer holds a newer merged state (not necessarily this epoch's)

@@ -36,6 +36,7 @@ from iota_subnet.audit.update import clip_coef
 from iota_subnet.config import RunConfig
 from iota_subnet.miner.activation_cache import ActivationCache, SavedTensorMeter
 from iota_subnet.miner.update_store import UpdateStore
+from iota_subnet.utils.spill import SpillDir
 from iota_subnet.model import PipelineStage
 from iota_subnet.train.checkpoint import (checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
@@ -55,7 +56,8 @@ class StageWorker:
 
     ``total_steps``: length of the learning-rate schedule in inner steps. ``audit_window``: inner
     steps kept for update audits (:class:`~iota_subnet.miner.update_store.UpdateStore`; 0 = no
-    commitments, e.g. in benchmarks of the compute alone).
+    commitments, e.g. in benchmarks of the compute alone); ``audit_spill``: where the update store
+    spills its copies (:mod:`iota_subnet.utils.spill`; None: host memory).
 
     :meth:`compute_forward`, :meth:`backward`, :meth:`step` and :meth:`apply_update` are the parts a
     subclass may override.
@@ -66,7 +68,7 @@ class StageWorker:
 
     def __init__(self, cfg: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int = 0,
                  total_steps: Optional[int] = None, cache: Optional[ActivationCache] = None,
-                 audit_window: int = 0):
+                 audit_window: int = 0, audit_spill: Optional[SpillDir] = None):
         self.cfg, self.stage = cfg, stage
         self.device = prepare_device(device, cfg)      # TF32 by train.precision on CUDA
         torch.manual_seed(seed + 1000 * stage)       # same init as build_stages(cfg, seed)
@@ -109,8 +111,8 @@ class StageWorker:
         #: the run's compute precision (``train.precision``; validators read it from the run config)
         self.precision = cfg.train.precision
         #: commitments to every inner step and what update audits open (None: off)
-        self.updates: Optional[UpdateStore] = (UpdateStore(self.module, self.opt, keep_steps=audit_window)
-                                               if audit_window > 0 else None)
+        self.updates: Optional[UpdateStore] = (UpdateStore(self.module, self.opt, keep_steps=audit_window,
+                                                           spill=audit_spill) if audit_window > 0 else None)
         #: seconds spent computing (forward, backward, inner steps); stage utilisation = busy_s / wall
         self.busy_s = 0.0
         self._busy_depth = 0

@@ -7,15 +7,22 @@ plus a CUDA event on GPU; a clone on CPU); Merkle trees are built on ``hash_work
 threads (hashlib releases the GIL), and the :class:`~iota_subnet.protocol.UpdateCommit` of a step is
 ready when they finish (:meth:`take_commitments`, :meth:`commitment`).
 
-What is kept (``keep_steps`` = K most recent steps): the host copies of weights, ``exp_avg``,
-``exp_avg_sq`` before and after each kept step and its accumulated gradient, plus their Merkle
-trees (about 64 bytes per row). The state after step k is the state before step k + 1 (shared, not
-copied twice) unless the weights were replaced in between (a merge, a state sync: only the replaced
-kind is copied again). Bytes: ``(3 (K + 1) + K) x 4 x P`` for P parameters (fp32), i.e. 44 bytes
-per parameter at K = 2. Figures (K = 2): ``tiny`` stage 1 (2.37 M parameters) 104 MB; ``1b`` middle
-stage (~244 M) 10.7 GB; ``8b`` middle stage (~0.87 B) 38 GB, ``8b`` head or tail (~1.40 B) 62 GB of
-host RAM (the GPU holds 16 bytes per parameter for the live state). :attr:`UpdateStore.nbytes`
-reports the live figure.
+What is kept (``keep_steps`` = K most recent steps): copies of weights, ``exp_avg``, ``exp_avg_sq``
+before and after each kept step and its accumulated gradient, plus their Merkle trees (about 64
+bytes per row). A validator checks a committed step on a few rows it draws after the commitment
+(:mod:`iota_subnet.audit.update`), so the miner must be able to open *any* row of all seven kinds of
+every kept step: all of it is kept, exactly (fp32; a bf16 copy would not reproduce the committed
+rows). The state after step k is the state before step k + 1 (shared, not copied twice) unless the
+weights were replaced in between (a merge, a state sync: only the replaced kind is copied again).
+Copied per step: the state after it and its gradient, ``16 x P`` bytes for P parameters (fp32;
+``+ 4 P`` after weights were replaced; device -> host on GPU): :attr:`UpdateStore.last_copy_bytes`.
+Kept: ``(3 (K + 1) + K) x 4 x P`` bytes. Without ``spill`` all of it is host memory (76 bytes per
+parameter at K = 4: 123 GB for the ``8b`` head stage, 1.62 B parameters). With ``spill`` (what the
+miner runs) each copy is written to disk once hashed and read back through a memory map
+(:mod:`iota_subnet.utils.spill`), and :meth:`UpdateStore.begin` waits until the previous step's
+copies are on disk: host memory holds one step's copies (``16 P``, ``20 P`` after a weights
+replacement, ``28 P`` at the first step) plus trees; the disk holds the kept bytes above.
+:attr:`UpdateStore.nbytes` / :attr:`UpdateStore.disk_bytes` report the live figures.
 
 The weights kinds (``w0``, ``w1``) commit matrices by rows and by columns, exactly as the weights
 version root of hop receipts (:func:`iota_subnet.audit.commit.weights_commitment`): ``w1`` of step k
@@ -43,6 +50,7 @@ import torch
 
 from iota_subnet.audit.commit import WeightsCommitment, weights_commitment
 from iota_subnet.audit.merkle import MerkleTree, as_rows, combine_roots
+from iota_subnet.utils.spill import SpillDir
 from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAuditRequest, UpdateAuditResponse,
                                   UpdateCommit, opening_key, proof_tensor)
 
@@ -68,6 +76,7 @@ class _Copies:
         self.root: Optional[bytes] = None
         self.weights: Optional[WeightsCommitment] = None     # weights kinds: rows and columns (build)
         self.future: Optional[Future] = None
+        self.spilled = ""                                    # spill file name once on disk
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -84,7 +93,25 @@ class _Copies:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.host.values())
 
-    def build(self, shapes: dict[str, tuple], columns: bool = False) -> bytes:
+    def build(self, shapes: dict[str, tuple], columns: bool = False, spill: Optional[SpillDir] = None) -> bytes:
+        """Hash (and with ``spill``, then move the copies to disk: :meth:`_spill`); returns the root."""
+        root = self._hash(shapes, columns)
+        if spill is not None:
+            try:
+                self._spill(spill)
+            except OSError:              # disk full or not writable: the copy stays in host memory
+                pass
+        return root
+
+    def _spill(self, spill: SpillDir) -> None:
+        """Replace the host copies by memory-mapped views of one spill file (same values)."""
+        fname, views = spill.put(self.host, tag="update")
+        self.host = views
+        if self.weights is not None:
+            self.weights.tensors = {n: views.get(n, t) for n, t in self.weights.tensors.items()}
+        self.spilled = fname
+
+    def _hash(self, shapes: dict[str, tuple], columns: bool = False) -> bytes:
         """Merkle trees and the combined root. ``columns`` (weights): matrices are also committed by
         columns, exactly as the weights version root of hop receipts is
         (:func:`~iota_subnet.audit.commit.weights_commitment`, kept in :attr:`weights`), so the root
@@ -134,11 +161,15 @@ class UpdateStore:
     """Commitments to, and openings of, a stage's last ``keep_steps`` inner optimizer steps.
 
     ``module`` / ``opt``: the stage and its AdamW (``torch.optim.AdamW``); ``on_commit(commit)``:
-    called from a hashing thread when a step's commitment is ready (optional).
+    called from a hashing thread when a step's commitment is ready (optional). ``spill``: a
+    :class:`~iota_subnet.utils.spill.SpillDir`; given, every copy goes to disk once hashed and at
+    most one step's copies are in host memory (:meth:`begin` waits for the previous step's hashing
+    and spilling; bound: :func:`iota_subnet.host_plan.update_store_bytes`).
     """
 
     def __init__(self, module: torch.nn.Module, opt: torch.optim.Optimizer, *, keep_steps: int = 2,
-                 hash_workers: int = 2, on_commit: Optional[Callable[[UpdateCommit], Any]] = None):
+                 hash_workers: int = 2, on_commit: Optional[Callable[[UpdateCommit], Any]] = None,
+                 spill: Optional[SpillDir] = None):
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
         self.module, self.opt = module, opt
@@ -155,8 +186,15 @@ class UpdateStore:
         self._records: "OrderedDict[int, _Record]" = OrderedDict()
         self._last: dict[str, _Copies] = {}         # "w", "m", "v" after the last step
         self._untaken: list[UpdateCommit] = []
+        self.spill = spill
+        self._inflight: Optional[_Record] = None
         self.commits = 0
         self.served = 0
+        #: bytes copied from the stage's tensors (device -> host on GPU) by the last step, and in all
+        self.last_copy_bytes = 0
+        self.copy_bytes = 0
+        #: compute-thread seconds :meth:`begin` waited for the previous step's hashing and spilling
+        self.wait_s = 0.0
 
     # ---- compute thread ----------------------------------------------------------------------
     def _state_tensors(self, kind: str) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
@@ -178,9 +216,20 @@ class UpdateStore:
     def _same(c: Optional[_Copies], ids: list[tuple[int, int]]) -> bool:
         return c is not None and c.versions == ids and (0, -1) not in ids
 
+    def settle(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until the last step's copies are hashed (and spilled); True when they are."""
+        rec = self._inflight
+        return True if rec is None else rec.done.wait(timeout_s)
+
     def begin(self, step: int, merges: int) -> _Pending:
         """Before clipping and ``opt.step()`` (under the worker lock): copy the accumulated gradient
-        and, unless unchanged since the last step, the weights and moments."""
+        and, unless unchanged since the last step, the weights and moments. With ``spill``, first
+        waits until the previous step's copies are on disk (bounds the host copies to one step's)."""
+        if self.spill is not None:
+            t0 = time.perf_counter()
+            self.settle()
+            self.wait_s += time.perf_counter() - t0
+        self.last_copy_bytes = 0
         before: dict[str, _Copies] = {}
         for kind in ("w", "m", "v"):
             ts, versions = self._state_tensors(kind)
@@ -188,7 +237,7 @@ class UpdateStore:
             if self._same(last, versions):
                 before[kind] = last                 # unchanged since it was copied after the last step
             else:
-                before[kind] = _Copies(self.names, ts, versions)
+                before[kind] = self._copies(ts, versions)
         grads, no_grad = [], []
         for n, p in zip(self.names, self.params):
             if p.grad is None:
@@ -196,7 +245,13 @@ class UpdateStore:
                 grads.append(torch.zeros_like(p))
             else:
                 grads.append(p.grad)
-        return _Pending(int(step), int(merges), before, _Copies(self.names, grads, [(0, -1)] * len(grads)), no_grad)
+        return _Pending(int(step), int(merges), before, self._copies(grads, [(0, -1)] * len(grads)), no_grad)
+
+    def _copies(self, tensors: list[torch.Tensor], versions: list[tuple[int, int]]) -> _Copies:
+        c = _Copies(self.names, tensors, versions)
+        self.last_copy_bytes += c.nbytes
+        self.copy_bytes += c.nbytes
+        return c
 
     def finish(self, pending: _Pending, *, lr: float, grad_norm: float, clip_coef: float, skipped: bool) -> None:
         """After ``opt.step()`` (under the worker lock): copy the state after the step and queue the
@@ -208,7 +263,7 @@ class UpdateStore:
             if self._same(prev, versions):
                 after[kind] = prev
             else:
-                after[kind] = _Copies(self.names, ts, versions)
+                after[kind] = self._copies(ts, versions)
         self._last = after
         steps = [int(st["step"]) for st in (self.opt.state.get(p) for p in self.params) if st and "step" in st]
         adam_step = max(steps) if steps else 0
@@ -218,18 +273,35 @@ class UpdateStore:
                       {"lr": float(lr), "grad_norm": float(grad_norm), "clip_coef": float(clip_coef),
                        "skipped": bool(skipped), "adam_step": adam_step, "no_grad": pending.no_grad,
                        "at": time.time()})
+        gone: list[_Copies] = []
         with self._lock:
-            self._records.pop(rec.step, None)         # a step seen again (restart): the new one counts
+            old = self._records.pop(rec.step, None)   # a step seen again (restart): the new one counts
+            if old is not None:
+                gone += old.kinds.values()
             self._records[rec.step] = rec
             while len(self._records) > self.keep_steps:
-                self._records.popitem(last=False)
+                gone += self._records.popitem(last=False)[1].kinds.values()
+            kept = {id(c) for r in self._records.values() for c in r.kinds.values()}
+        kept.update(id(c) for c in self._last.values())
+        if self.spill is not None:
+            for c in {id(c): c for c in gone if id(c) not in kept}.values():
+                self._discard(c)
         futures = []
         weights = {id(kinds["w0"]), id(kinds["w1"])}
         for c in dict.fromkeys(kinds.values()):      # each distinct copy once
             if c.future is None:
-                c.future = self.pool.submit(c.build, self.shapes, id(c) in weights)
+                c.future = self.pool.submit(c.build, self.shapes, id(c) in weights, self.spill)
             futures.append(c.future)
+        self._inflight = rec
         self.pool.submit(self._seal, rec, futures)
+
+    def _discard(self, c: _Copies) -> None:
+        """Remove the spill file of a copy no kept step uses (once its hashing is over)."""
+        def drop(_f: Future) -> None:
+            self.spill.drop(c.spilled)
+        if c.future is None:
+            return
+        c.future.add_done_callback(drop)
 
     def _seal(self, rec: _Record, futures: list[Future]) -> None:
         try:
@@ -305,11 +377,17 @@ class UpdateStore:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held (distinct copies of the kept steps and the latest state)."""
+        """Host memory bytes held (distinct copies of the kept steps and the latest state that are
+        not spilled to disk)."""
         with self._lock:
             copies = {id(c): c for rec in self._records.values() for c in rec.kinds.values()}
         copies.update({id(c): c for c in self._last.values()})
-        return sum(c.nbytes for c in copies.values())
+        return sum(c.nbytes for c in copies.values() if not c.spilled)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of spill files on disk (0 without ``spill``)."""
+        return 0 if self.spill is None else self.spill.disk_bytes
 
     def open(self, step: int, merges: int, rows: Sequence[Sequence[Any]], kinds: Sequence[str],
              wait_s: float = 5.0) -> UpdateAuditResponse:

@@ -22,6 +22,7 @@ from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommi
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 
+from ..deadlines import hop_round_work
 from ..routing import Replica
 from ..update_audit import HTTP_HEADER_BYTES
 from .inputs import HopCandidate
@@ -140,7 +141,7 @@ class HopAudits:
         A request that fails on the transport is sent again unchanged after each of ``retry_delays_s``
         (:meth:`_reask`)."""
         lay = aud.layout
-        kw = dict(timeout_s=self.timeout_s, retries=0)
+        kw = dict(timeout_s=self.deadlines.deadline_s(*hop_round_work(self.cfg, rep.stage, lay.direction)), retries=0)
 
         async def call(ep, hk, path, msg, typ, **kw2):
             delays = deque(self.retry_delays_s)

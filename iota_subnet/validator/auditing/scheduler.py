@@ -24,6 +24,7 @@ from iota_subnet.protocol import Health, ProtocolError, Ticket
 from iota_subnet.transport import TransportError
 
 from ..audit_policy import AuditPolicy
+from ..deadlines import DeadlineRates
 from ..routing import Replica
 from ..update_audit import UpdateAuditor
 from .hops import HopAudits
@@ -62,6 +63,8 @@ class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
         self.sampling = sampling.validate()
         self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
+        #: round deadlines from the work asked (``timeout_s`` is their floor): :mod:`..deadlines`
+        self.deadlines = DeadlineRates(floor_s=self.timeout_s)
         self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
         self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
         self.concurrency = max(1, int(concurrency))

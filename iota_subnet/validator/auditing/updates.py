@@ -14,6 +14,7 @@ from typing import Optional
 
 from iota_subnet.protocol import UpdateCommit
 
+from ..deadlines import update_audit_work
 from ..routing import Replica
 from .records import AuditRecord
 
@@ -54,9 +55,11 @@ class UpdateAudits:
         delays, sent = deque(self.retry_delays_s), 0
         rec.started = time.monotonic()
         req = self.update_auditor.plan(rep.stage, commit)
+        sizes = {p.name: p.row_numel for p in self.update_auditor.layout(rep.stage)}
+        deadline = self.deadlines.deadline_s(*update_audit_work([sizes.get(str(n), 0) for n, _ in req.rows]))
         while True:      # the same request again after a transport failure: same rows, nothing new revealed
             res = await self.update_auditor.audit(self.client, rep.endpoint, rep.hotkey, rep.stage, commit,
-                                                  timeout_s=self.timeout_s, req=req)
+                                                  timeout_s=deadline, req=req)
             if res.outcome != "timeout" or not await self._reask(rep, rec, f"step {commit.step}", res.detail, delays):
                 break
             sent += res.bytes
