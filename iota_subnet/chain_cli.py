@@ -1,5 +1,5 @@
 """Subcommands ``chain metagraph`` and ``register`` of ``iota-subnet`` (an entry point: with
-``--chain-db`` they open the devnet file, through :func:`iota_subnet.neuron_common.open_network_chain`)."""
+``--chain-db`` they open the devnet file, through :func:`iota_subnet.entry.chain.open_network_chain`)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from pathlib import Path
 
 def _cmd_metagraph(a: argparse.Namespace) -> int:
     from iota_subnet.chain import metagraph_json
-    from iota_subnet.neuron_common import open_network_chain
+    from iota_subnet.entry.chain import open_network_chain
 
     async def go():
         if a.chain_db:
@@ -43,7 +43,7 @@ def _cmd_metagraph(a: argparse.Namespace) -> int:
 
 def _cmd_register(a: argparse.Namespace) -> int:
     from iota_subnet.chain import RegistrationCostError
-    from iota_subnet.neuron_common import open_network_chain
+    from iota_subnet.entry.chain import open_network_chain
     from iota_subnet.wallets import load_wallet
 
     wallet = load_wallet(a.wallet_name, a.wallet_hotkey, a.wallet_path)

@@ -68,20 +68,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "default: off)")
 
 
-async def open_network_chain(network: str, chain_db: Optional[str] = None, *,
-                             timeout_s: float = DEFAULT_CHAIN_TIMEOUT_S):
-    """The :class:`~iota_subnet.chain.Chain` that ``--network`` / ``--chain-db`` name: ``devnet`` opens
-    the devnet file (:func:`iota_subnet.devnet.open_devnet`), any other network the SDK's endpoint
-    (:func:`iota_subnet.chain.open_chain`; ``chain_db`` is ignored there). ``timeout_s`` bounds the
-    connection and every read. Raises :class:`~iota_subnet.chain.ChainError` (a missing devnet file
-    included) or :class:`~iota_subnet.chain.ChainTimeout`."""
-    if network == "devnet":
-        from iota_subnet.devnet import open_devnet
-        return await open_devnet(chain_db, timeout_s=timeout_s)
-    from iota_subnet.chain import open_chain
-    return await open_chain(network, timeout_s=timeout_s)
-
-
 def link_arg(text: str):
     """argparse type of ``--link``: a :class:`~iota_subnet.transport.shaping.LinkSpec` (exit 2 if malformed)."""
     from iota_subnet.config import ConfigError

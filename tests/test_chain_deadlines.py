@@ -112,10 +112,10 @@ def test_sigterm_stops_a_neuron_stuck_on_a_silent_chain(tmp_home, tmp_path, role
         common = ["--network", ep.url, "--chain-timeout", "600", "--wallet-name", "w", "--wallet-path",
                   str(tmp_home / "wallets"), "--config", "configs/tiny.yaml", "--out", str(tmp_path / "out")]
         if role == "miner":
-            proc = _start(["iota_subnet.miner.main", *common, "--external-ip", "127.0.0.1", "--allow-private-ip"],
+            proc = _start(["iota_subnet.entry.miner", *common, "--external-ip", "127.0.0.1", "--allow-private-ip"],
                           tmp_home, log)
         else:
-            proc = _start(["iota_subnet.validator.main", *common, "--external-ip", "127.0.0.1", "--allow-private-ip"],
+            proc = _start(["iota_subnet.entry.validator", *common, "--external-ip", "127.0.0.1", "--allow-private-ip"],
                           tmp_home, log)
         try:
             deadline = time.monotonic() + 240                   # wait for it to be connecting

@@ -322,9 +322,9 @@ def test_partitioned_neurons_fail_fast_over_http(tmp_path):
 def test_localnet_children_get_their_link_flags(tmp_path):
     """Every localnet neuron is started with --link, --time-scale and its own --link-control file (the
     chaos harness's partition / slow), and the neurons' parsers accept them."""
-    from iota_subnet.miner.main import build_parser as miner_parser
+    from iota_subnet.entry.miner import build_parser as miner_parser
     from iota_subnet.network.localnet import LocalNet
-    from iota_subnet.validator.main import build_parser as validator_parser
+    from iota_subnet.entry.validator import build_parser as validator_parser
     net = LocalNet(stages=2, replicas=1, validators=1, config="configs/tiny.yaml", data="x.txt", steps=2,
                    out=tmp_path / "ln", link="20mbit:100ms", time_scale=2.0)
     net.miner_wallets = {(s, 0): None for s in range(2)}

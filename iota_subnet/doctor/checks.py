@@ -258,7 +258,7 @@ async def chain_checks(o: DoctorOptions, wallet: Any) -> tuple[list[Check], Opti
     from bittensor import http_auth
 
     from iota_subnet.chain import ChainError
-    from iota_subnet.neuron_common import open_network_chain
+    from iota_subnet.entry.chain import open_network_chain
     out: list[Check] = []
     t0 = time.perf_counter()
     try:

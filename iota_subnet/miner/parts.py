@@ -26,7 +26,7 @@ event loop once the service has its stage and uid.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from loguru import logger
@@ -39,8 +39,6 @@ from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.miner.update_store import UpdateAuditRoute
 from iota_subnet.plan import require_fit
 
-if TYPE_CHECKING:
-    from iota_subnet.miner.service import MinerService
 
 
 def make_worker(cfg: RunConfig, stage: int, *, device: str, total_steps: Optional[int], audit_window: int = 0,
@@ -72,7 +70,7 @@ def plan_cache(cfg: RunConfig, p: Any) -> ActivationCache:
                            max_entries=max(1, p.microbatches_in_flight_max))
 
 
-def service_worker(svc: "MinerService", stage: int) -> tuple[StageWorker, Optional[int]]:
+def service_worker(svc: Any, stage: int) -> tuple[StageWorker, Optional[int]]:
     """The default ``make_worker``: :func:`make_worker` with the service's device, schedule and audit window."""
     return make_worker(svc.cfg, stage, device=svc.device, total_steps=svc.total_steps, audit_window=svc.audit_window,
                        audit_spill=svc.audit_spill())
@@ -82,7 +80,7 @@ def service_worker(svc: "MinerService", stage: int) -> tuple[StageWorker, Option
 class MinerParts:
     """Factories of a miner's parts (see the module docstring); every default is the production part."""
 
-    make_worker: Callable[["MinerService", int], tuple[Any, Optional[int]]] = service_worker
+    make_worker: Callable[[Any, int], tuple[Any, Optional[int]]] = service_worker
     make_merge_engine: Callable[..., MergeEngine] = MergeEngine
     make_hop_audit_routes: Callable[..., HopAuditRoutes] = HopAuditRoutes
     make_update_audit_route: Callable[[Any, str, int], Callable] = UpdateAuditRoute

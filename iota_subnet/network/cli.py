@@ -48,7 +48,7 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
 def _cmd_miner(a: argparse.Namespace) -> int:
     import asyncio
 
-    from iota_subnet.miner.main import run_miner
+    from iota_subnet.entry.miner import run_miner
     from iota_subnet.neuron_common import setup_process
     setup_process(a, "miner")
     return asyncio.run(run_miner(a))
@@ -117,12 +117,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run emulated links and compute this many times slower (host CPU headroom)")
     p.set_defaults(func=_cmd_localnet)
 
-    from iota_subnet.miner.main import build_parser as miner_parser
+    from iota_subnet.entry.miner import build_parser as miner_parser
     m = sub.add_parser("miner", help="run a miner (same options as neurons/miner.py)")
     miner_parser(m)
     m.set_defaults(func=_cmd_miner)
     try:
-        from iota_subnet.validator.main import build_parser as validator_parser, run_validator_cli
+        from iota_subnet.entry.validator import build_parser as validator_parser, run_validator_cli
     except ImportError:
         return
     v = sub.add_parser("validator", help="run a validator (same options as neurons/validator.py)")

@@ -142,7 +142,7 @@ class LocalNet(NeuronProcesses, RunSummary):
     def _miner_child(self, s: int, r: int, w) -> Child:
         name = f"miner-s{s}-r{r}"
         out = self.out / "miners" / name
-        argv = [sys.executable, "-m", "iota_subnet.miner.main", *self._common(name), "--stage", str(s), "--out",
+        argv = [sys.executable, "-m", "iota_subnet.entry.miner", *self._common(name), "--stage", str(s), "--out",
                 str(out), "--no-register", "--data", str(self.data), "--link-control", str(out / "link-control.json"),
                 "--allow-data-fallback", *self.extra_miner_args]
         if self.adversary_pos == (s, r):
@@ -156,7 +156,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         for v, w in enumerate(self.val_wallets):
             name = f"validator{v}"
             out = self.out / "validators" / name
-            argv = [py, "-m", "iota_subnet.validator.main", *self._common(name), "--out", str(out),
+            argv = [py, "-m", "iota_subnet.entry.validator", *self._common(name), "--out", str(out),
                     "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
                     str(out / "link-control.json"), "--allow-data-fallback", "--dashboard-port", "0",
                     *self.extra_validator_args]

@@ -194,7 +194,7 @@ class ValidatorService:
     """One validator. ``wallet``/``chain``/``cfg``/``dataset`` (and its ``fingerprints``) may be
     injected (tests). Without ``chain``, :meth:`start` opens one with
     ``chain_opener(opts.network, opts.chain_db, timeout_s=opts.chain_timeout_s)`` (the entry point
-    passes :func:`iota_subnet.neuron_common.open_network_chain`, which opens a devnet file too),
+    passes :func:`iota_subnet.entry.chain.open_network_chain`, which opens a devnet file too),
     or, without an opener, the SDK's endpoint for ``opts.network``."""
 
     def __init__(self, opts: ValidatorOptions, *, wallet: Any = None, chain: Optional[Chain] = None,

@@ -9,8 +9,9 @@ from pathlib import Path
 from loguru import logger
 
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS
-from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop,
-                                       open_network_chain, run_id_for, setup_process, until_stopped)
+from iota_subnet.entry.chain import open_network_chain
+from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop, run_id_for,
+                                       setup_process, until_stopped)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from iota_subnet.neuron_common import add_common_args, check_external_ip, open_network_chain, run_id_for, setup_process
+from iota_subnet.entry.chain import open_network_chain
+from iota_subnet.neuron_common import add_common_args, check_external_ip, run_id_for, setup_process
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, run_validator
 from iota_subnet.validator.state import StateError
 
