@@ -164,6 +164,10 @@ class MinerService:
         self.sync_report: Optional[dict] = None   # the latest state sync (status.json merge.sync)
         self.claims: Optional[MergeClaims] = None
         self.merge_client: Optional[NeuronClient] = None
+        #: set while no merge runs (compute waits on it unless ``merge.overlap``); the last epoch closed
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._last_epoch = -1
         self._sync_task: Optional[asyncio.Task] = None
         self._merge_task: Optional[asyncio.Task] = None
 
@@ -409,8 +413,6 @@ class MinerService:
         self._load_merge_state()
         self.donor = SnapshotDonor(self.run_id, self.stage, mc.sync_chunk_numel, mc.max_concurrent_transfers)
         self.donor.publish(self.merge.anchor, self.merge.momentum, self.merge.merged_epoch, self.worker.inner_step)
-        self._gate = asyncio.Event()
-        self._gate.set()
         self._last_epoch = self._epoch_at(self.worker.inner_step)
         P = self.merge.params.numel
         self.server.add_route("/merge/join", self._merge_route, MergeJoin, None)
