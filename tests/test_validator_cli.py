@@ -76,7 +76,11 @@ def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, ca
                 except (FileNotFoundError, json.JSONDecodeError):
                     continue
                 if st.get("done") and st.get("weights_set_blocks"):
-                    break
+                    # rows set before any verified work put everything on the burn uid (the
+                    # validator's own here): wait for the row set after the work was verified
+                    row = dict(await chain.weights(NETUID)).get(0, [])
+                    if {u for u, _ in row} & {1, 2, 3}:
+                        break
             if proc.returncode is not None:
                 err = (await proc.stderr.read()).decode()[-3000:]
                 pytest.fail(f"validator exited early ({proc.returncode}): {err}")
