@@ -815,8 +815,8 @@ class MinerService:
 
     async def _await_merge(self, training: bool = False) -> None:
         """Wait for a running replica merge to finish; BUSY (503) if it outlasts its own deadlines.
-        With ``merge.overlap`` training goes on during a merge (``training``: a training forward, or
-        ``/state``) and only evaluation waits."""
+        With ``merge.overlap`` training goes on during a merge (``training``: a training forward) and
+        only evaluation waits. ``/state`` and the audit routes never wait: they read kept state."""
         if self._gate.is_set() or (training and self.cfg.merge.overlap):
             return
         mc = self.cfg.merge
@@ -828,10 +828,9 @@ class MinerService:
     async def _state(self, msg: StateRequest, ctx) -> StateResponse:
         if msg.stage != self.stage:
             raise ProtocolError(Outcome.FORBIDDEN, f"this miner serves stage {self.stage}, not {msg.stage}")
-        if self.merge is not None:
-            # a snapshot taken mid-merge would name weights the next step no longer uses (with
-            # merge.overlap hops are named by (step, merges), so those hops are unverifiable, not failed)
-            await self._await_merge(training=True)
+        # never waits for a running merge: the merge writes the weights in one piece under the
+        # worker's lock, so the snapshot is the state before or after it, named by state_meta's
+        # (step, merges)
 
         def snapshot():
             with self.worker.lock:
