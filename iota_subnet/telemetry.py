@@ -11,7 +11,10 @@ One :class:`NeuronMetrics` per process. It is fed three ways, so the services ne
   ``status()`` dict, the same one ``status.json`` holds) is mapped to gauges and counters by
   :func:`validator_families` or :func:`miner_families`;
 
-plus two event hooks for merges (:meth:`NeuronMetrics.observe_merge`). Every name, unit and
+plus two event hooks for merges (:meth:`NeuronMetrics.observe_merge`). The status's ``tasks`` (the
+neuron's :class:`~iota_subnet.utils.supervise.Supervisor`) become ``iota_task_restarts_total``,
+``iota_task_failures_total`` and ``iota_task_consecutive_failures`` by task, for both roles;
+:func:`health_handler` serves ``GET /health`` from the same supervisor. Every name, unit and
 label is listed in the README (section *Metrics*). Nothing secret is exported: hotkeys and uids
 are public on chain; no keys, paths or endpoints.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Optional
 
 from aiohttp import web
 from loguru import logger
@@ -86,7 +89,11 @@ class NeuronMetrics:
 
     def watch(self, status: Callable[[], Mapping[str, Any]]) -> None:
         """Export ``status()`` (read at every scrape) through this role's mapping."""
-        families = validator_families if self.role == "validator" else miner_families
+        role = validator_families if self.role == "validator" else miner_families
+
+        def families(st: Mapping[str, Any]) -> Iterator[Metric]:
+            yield from role(st)
+            yield from task_families(st)
         c = _StatusCollector(status, families)
         self.registry.register(c)
         self._watched.append(c)
@@ -194,6 +201,37 @@ def _gauge(name: str, doc: str, value: Any, labels: Optional[dict] = None) -> Op
 def _counter(name: str, doc: str, value: Any) -> Optional[CounterMetricFamily]:
     v = _num(value)
     return CounterMetricFamily(name, doc, value=max(0.0, v)) if v is not None else None
+
+
+def task_families(st: Mapping[str, Any]) -> Iterator[Metric]:
+    """The supervised tasks of a status (``st["tasks"]``: name -> :meth:`Supervisor.status` record) as
+    counters of restarts and failures and a gauge of consecutive failures, labelled by task."""
+    tasks = st.get("tasks")
+    if not isinstance(tasks, Mapping):
+        return
+    for key, name, doc, cls in (
+            ("restarts", "iota_task_restarts", "restarts of a supervised long-lived task after an exception",
+             CounterMetricFamily),
+            ("failures", "iota_task_failures", "exceptions that ended a run of a supervised task", CounterMetricFamily),
+            ("consecutive_failures", "iota_task_consecutive_failures", "failures of a supervised task since its "
+             "last stable run (the neuron is unhealthy from the supervisor's threshold on)", GaugeMetricFamily)):
+        fam = cls(name, doc, labels=["task"])
+        for task, rec in sorted(tasks.items()):
+            v = _num((rec or {}).get(key))
+            if v is not None:
+                fam.add_metric([str(task)], v)
+        yield fam
+
+
+def health_handler(supervisor: Any) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``GET /health`` of a neuron from its :class:`~iota_subnet.utils.supervise.Supervisor`: 200
+    ``{"status": "ok", "tasks": ...}``, or 503 ``{"status": "unhealthy", "failing": [names], "tasks": ...}``
+    while a task has failed the supervisor's ``unhealthy_after`` times in a row."""
+    async def health(_request: web.Request) -> web.Response:
+        failing = supervisor.failing()
+        body = {"status": "unhealthy" if failing else "ok", "failing": failing, "tasks": supervisor.status()}
+        return web.json_response(body, status=503 if failing else 200)
+    return health
 
 
 def validator_families(st: Mapping[str, Any]) -> Iterator[Metric]:

@@ -9,25 +9,9 @@ import pytest
 from loguru import logger
 
 from iota_subnet.utils.supervise import Supervisor
+from support.faults import FaultySupervisor
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FaultySupervisor(Supervisor):
-    """Every spawned factory raises on its first ``fail_times`` calls, then runs as given."""
-
-    def __init__(self, *a, fail_times: int = 1, **kw):
-        super().__init__(*a, **kw)
-        self.fail_times = fail_times
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, name, factory):
-        async def faulty():
-            self.calls[name] = self.calls.get(name, 0) + 1
-            if self.calls[name] <= self.fail_times:
-                raise RuntimeError(f"injected fault {self.calls[name]} in {name}")
-            return await factory()
-        return faulty
 
 
 def test_a_task_that_raises_once_is_logged_restarted_and_counted():
@@ -128,3 +112,25 @@ def test_spawning_a_running_name_twice_is_refused():
         await sup.stop()
 
     asyncio.run(main())
+
+
+def test_stop_by_name_leaves_the_others_running_and_a_task_in_backoff_stops_cleanly():
+    async def main():
+        sup = FaultySupervisor("miner", base_backoff_s=30.0, max_backoff_s=30.0, fail_times=1, only={"sender0"})
+
+        async def loop():
+            await asyncio.sleep(3600)
+
+        for n in ("dataplane", "sender0", "chain"):
+            sup.spawn(n, loop)
+        await asyncio.sleep(0.05)
+        in_backoff = sup.status()["sender0"]["state"]
+        await sup.stop(names=["dataplane", "sender0"])
+        states = {n: r["state"] for n, r in sup.status().items()}
+        await sup.stop()
+        return in_backoff, states, sup.status()["chain"]["state"]
+
+    in_backoff, states, chain = asyncio.run(main())
+    assert in_backoff == "backoff"
+    assert states == {"dataplane": "stopped", "sender0": "stopped", "chain": "running"}
+    assert chain == "stopped"

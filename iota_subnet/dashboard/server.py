@@ -7,10 +7,12 @@ Routes (GET only; anything else is 405):
   loads nothing from other hosts (its Content-Security-Policy forbids it), so it works offline;
 * ``/api/snapshot``: the source's :meth:`snapshot` (JSON);
 * ``/metrics``: Prometheus metrics, when a :class:`~iota_subnet.telemetry.NeuronMetrics` is given;
-* ``/healthz``: ``ok``;
+* ``/healthz``: ``ok``; 503 with ``{"status": "unhealthy", "failing": [task names]}`` while a task of
+  its supervisor (the neuron's) keeps failing;
 * ``/ops/reach``, ``/ops/bandwidth``: ``iota-subnet doctor``'s peer probes.
 
-A background task calls the source's ``sample()`` every ``sample_every_s`` seconds.
+A background task (``dashboard``, supervised: restarted after an exception) calls the source's
+``sample()`` every ``sample_every_s`` seconds.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from loguru import logger
 
 from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.transport import start_site
+from iota_subnet.utils.supervise import Supervisor
 
 STATIC = Path(__file__).resolve().parent / "static"
 #: Only this origin's scripts, styles and data: no CDN, no third-party requests.
@@ -45,10 +48,11 @@ async def _headers(request: web.Request, handler):
 
 class DashboardServer:
     """Serve ``source`` (a :class:`~.sources.ValidatorSource` or :class:`~.sources.MinerSource`) on
-    ``host:port`` (port 0: any free port; :attr:`url` tells which after :meth:`start`)."""
+    ``host:port`` (port 0: any free port; :attr:`url` tells which after :meth:`start`). ``supervisor``:
+    runs the sampler (the neuron's, so ``/healthz`` tells the neuron's health; None: one of its own)."""
 
     def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 0, *, metrics: Any = None,
-                 sample_every_s: float = 1.0):
+                 sample_every_s: float = 1.0, supervisor: Optional[Supervisor] = None):
         self.source = source
         self.host, self.port = host, int(port)
         self.metrics = metrics
@@ -63,7 +67,7 @@ class DashboardServer:
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.app.router.add_get(path, handler)
         self._runner: Optional[web.AppRunner] = None
-        self._task: Optional[asyncio.Task] = None
+        self.sup = supervisor if supervisor is not None else Supervisor("dashboard")
 
     @property
     def url(self) -> str:
@@ -79,15 +83,12 @@ class DashboardServer:
         if runner.addresses:
             self.port = int(runner.addresses[0][1])
         await self.source.sample()
-        self._task = asyncio.create_task(self._sampler())
+        self.sup.spawn("dashboard", self._sampler)
         logger.info("dashboard on {}", self.url)
         return self.url
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self.sup.stop(names=["dashboard"])
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -110,6 +111,9 @@ class DashboardServer:
                             content_type="application/json")
 
     async def _healthz(self, _request: web.Request) -> web.Response:
+        failing = self.sup.failing()
+        if failing:
+            return web.json_response({"status": "unhealthy", "failing": failing}, status=503)
         return web.Response(text="ok")
 
 

@@ -23,6 +23,7 @@ from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, Protocol
 from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
 from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
 from iota_subnet.transport import NeuronClient, TransportError
+from iota_subnet.utils.supervise import Supervisor
 
 from .dataplane import DataPlane, RowSource, commit_wire
 from .hop_store import HopStore
@@ -42,7 +43,8 @@ class DataPlaneNode:
     (a running replica merge); ``after_compute()``: called after each (starts merges that are due).
     ``hops``: the audit window (receipts name weights version roots); ``boot``: the process's start
     time (in receipts); ``updates``: the stage's :class:`~iota_subnet.miner.update_store.UpdateStore`,
-    whose commitments travel to every validator with the next receipt batch.
+    whose commitments travel to every validator with the next receipt batch. ``supervisor``: runs
+    and restarts the data plane's loops (see :class:`~iota_subnet.miner.dataplane.DataPlane`).
     """
 
     def __init__(self, worker: Any, wallet: Any, *, cfg: Any, run_id: str, stage: int, width: int, max_rows: int,
@@ -51,7 +53,7 @@ class DataPlaneNode:
                  rows: Optional[RowSource] = None, gate: Optional[Callable[[], Awaitable[None]]] = None,
                  after_compute: Optional[Callable[[], None]] = None, max_in_flight: int = 8,
                  hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5, hops: Optional[HopStore] = None,
-                 boot: Optional[float] = None, updates: Optional[Any] = None):
+                 boot: Optional[float] = None, updates: Optional[Any] = None, supervisor: Optional[Supervisor] = None):
         self.wallet, self.run_id, self.stage, self.cfg = wallet, run_id, stage, cfg
         self.me: str = wallet.hotkey.ss58_address
         self.width, self.max_rows = width, max_rows
@@ -69,7 +71,7 @@ class DataPlaneNode:
         self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
                                send=self._send, post_receipts=self._post_receipts, rows=rows,
                                max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s, hops=hops,
-                               boot=boot)
+                               boot=boot, supervisor=supervisor)
         self.updates = updates
         #: update commitments taken from the store (newest last) and, per validator, how many it was sent
         self._commits: list[dict] = []

@@ -12,12 +12,17 @@ Routes (all signed POSTs, btauth/1; see :mod:`iota_subnet.protocol.messages`):
   MergeAuditRequest -> MergeAuditResponse (validators, with merging): chunks of a merge slice or mean
   this replica signed (:mod:`iota_subnet.merge.claims`). Both answer from stored copies, never
   waiting for the compute thread or a running merge.
-* ``/health``   Health -> Health           (any registered hotkey; ``ready`` is False while syncing)
+* ``/health``   Health -> Health           (any registered hotkey; ``ready`` is False while syncing; 503
+  while a supervised task keeps failing, :mod:`iota_subnet.miner.health`); ``GET /health`` the same, public
 * ``/merge/join|contribute|result|contribution``, ``/state/chunk``: replica merging and state sync
   (replicas of the same stage only; see :mod:`iota_subnet.merge`), when ``merge`` is configured;
   ``/evidence`` (validators): the merge mismatch evidence this replica recorded
 * ``GET /metrics`` Prometheus text (unauthenticated; names in the README), ``GET /ops/reach`` and
   ``GET /ops/bandwidth`` (``iota-subnet doctor``'s peer probes, :mod:`iota_subnet.doctor.probe`)
+
+Every long-lived task (the data plane's loops, the chain round of :meth:`MinerService.run`, merges,
+catch-up, the dashboard) runs under the miner's one :class:`~iota_subnet.utils.supervise.Supervisor`:
+logged and restarted after an exception, shown in ``status.json`` (``tasks``) and the metrics.
 
 Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
 while a stage computes.
@@ -45,6 +50,7 @@ from iota_subnet.merge.transport import HttpTransport
 from iota_subnet.miner.catch_up import catch_up
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
+from iota_subnet.miner.health import miner_health
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
 from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker
@@ -56,7 +62,7 @@ from iota_subnet.protocol import (Health, MergeAuditRequest, MergeEvidence, Merg
                                   StateResponse, UpdateAuditRequest, merge_payload_contract)
 from iota_subnet.dashboard import DashboardServer, MinerSource
 from iota_subnet.transport.probe import PeerProbe
-from iota_subnet.telemetry import NeuronMetrics
+from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.protocol.commitment import (MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError,
                                              merge_weights_from_commitments)
 from iota_subnet.train.checkpoint import CheckpointError, read_checkpoint, sweep_stray_temporaries, tensors_bytes
@@ -64,6 +70,7 @@ from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
 from iota_subnet.transport.shaping import compute_slowdown
 from iota_subnet.utils.atomic import atomic_write_bytes, atomic_write_json
 from iota_subnet.utils.run_folder import hand_over
+from iota_subnet.utils.supervise import Supervisor
 
 #: Largest micro-batch (rows) a miner accepts; bounds the memory one request can claim.
 MAX_MICRO_BATCH_ROWS = 64
@@ -88,7 +95,8 @@ class MinerService:
     ``run_epoch``: with ``run_id``, identifies the run. ``fingerprints``: the tokenizer and data
     fingerprints when this miner loads the run's data; then it refuses to join a run whose
     validators advertise others. ``parts``: the factories of its worker, merge engine and audit
-    routes (:class:`~iota_subnet.miner.parts.MinerParts`; None: the production parts).
+    routes (:class:`~iota_subnet.miner.parts.MinerParts`; None: the production parts). ``supervisor``:
+    runs and restarts its long-lived tasks (None: ``Supervisor("miner")``).
     """
 
     def __init__(self, cfg: RunConfig, wallet: Any, chain: Chain, *, netuid: int, run_id: str,
@@ -100,7 +108,7 @@ class MinerService:
                  data: Optional[str] = None, cache_dir: Optional[str] = None, allow_data_fallback: bool = False,
                  max_in_flight: Optional[int] = None, hop_timeout_s: float = 30.0, dataset: Any = None,
                  audit_window: int = DEFAULT_KEEP_VERSIONS, parts: Optional[MinerParts] = None,
-                 dashboard_port: Optional[int] = None):
+                 dashboard_port: Optional[int] = None, supervisor: Optional[Supervisor] = None):
         self.cfg, self.wallet, self.chain = cfg, wallet, chain
         self.netuid, self.run_id, self.requested_stage = netuid, run_id, stage
         self.run_epoch = int(run_epoch)
@@ -170,6 +178,7 @@ class MinerService:
         self._last_epoch = -1
         self._sync_task: Optional[asyncio.Task] = None
         self._merge_task: Optional[asyncio.Task] = None
+        self.sup = supervisor if supervisor is not None else Supervisor("miner")
 
     # ---- chain view ----------------------------------------------------------------------------
     async def refresh(self, force: bool = False) -> None:
@@ -307,11 +316,12 @@ class MinerService:
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s, hops=self.hops, boot=self.started_at,
-                                  updates=self.worker.updates)
+                                  updates=self.worker.updates, supervisor=self.sup)
         for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
         self.server.add_public_get("/metrics", self.metrics.handler)
+        self.server.add_public_get("/health", health_handler(self.sup))
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.server.add_public_get(path, handler)
         self.metrics.instrument(self.server.app)
@@ -331,11 +341,11 @@ class MinerService:
                     f"(layers {spec.layers.start}-{spec.layers.stop - 1}, {self.worker.module.param_count():,} params) "
                     f"on {self.external_ip}:{self.port}, inner step {self.worker.inner_step}")
         if self.merge is not None:
-            self._sync_task = asyncio.create_task(self._catch_up())
+            self._sync_task = self.sup.spawn("catch-up", self._catch_up)
         self.node.start()
         if self.dashboard_port is not None:
             self.dashboard = DashboardServer(MinerSource(status=self.status), self.host, self.dashboard_port,
-                                             metrics=self.metrics)
+                                             metrics=self.metrics, supervisor=self.sup)
             await self.dashboard.start()
         self.write_status()
         return self.port
@@ -597,7 +607,7 @@ class MinerService:
     def _start_merge(self, epoch: int) -> None:
         self._last_epoch = epoch
         self._gate.clear()
-        self._merge_task = asyncio.create_task(self._run_merge(epoch))
+        self._merge_task = self.sup.spawn("merge", lambda: self._run_merge(epoch))
 
     async def _run_merge(self, epoch: int) -> None:
         try:
@@ -687,32 +697,38 @@ class MinerService:
         return dict(got[1].tensors) if got is not None else {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set: refresh the chain view, checkpoint, write status."""
+        """Serve until ``stop`` is set; the supervised task ``chain`` refreshes the chain view,
+        publishes, checkpoints and writes status every second (a round in progress may end first)."""
         try:
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
-                try:
-                    await until_stopped(self.refresh(), stop)
-                    await until_stopped(self.publisher.sync(), stop)
-                except StopRequested:
-                    break
-                except Exception as e:  # noqa: BLE001 - a chain hiccup must not stop serving (next round retries)
-                    logger.warning(f"chain round skipped: {type(e).__name__}: {e}")
-                if self.merge is not None and self.cfg.merge.every_blocks:
-                    try:
-                        epoch = await self.chain.block() // self.cfg.merge.every_blocks - 1
-                        if epoch > self._last_epoch and (self._merge_task is None or self._merge_task.done()):
-                            self._start_merge(epoch)
-                    except Exception as e:  # noqa: BLE001
-                        logger.warning(f"block-clock merge check failed: {e}")
-                if self.worker.inner_step - self._last_ckpt_step >= self.checkpoint_every:
-                    await self.checkpoint()
-                self.write_status()
+            chain = self.sup.spawn("chain", lambda: self._chain_rounds(stop))
+            await stop.wait()
+            await asyncio.wait([chain], timeout=10.0)
         finally:
             await self.stop()
+
+    async def _chain_rounds(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await until_stopped(self.refresh(), stop)
+                await until_stopped(self.publisher.sync(), stop)
+            except StopRequested:
+                return
+            except Exception as e:  # noqa: BLE001 - a chain hiccup must not stop serving (next round retries)
+                logger.warning(f"chain round skipped: {type(e).__name__}: {e}")
+            if self.merge is not None and self.cfg.merge.every_blocks:
+                try:
+                    epoch = await self.chain.block() // self.cfg.merge.every_blocks - 1
+                    if epoch > self._last_epoch and (self._merge_task is None or self._merge_task.done()):
+                        self._start_merge(epoch)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning(f"block-clock merge check failed: {e}")
+            if self.worker.inner_step - self._last_ckpt_step >= self.checkpoint_every:
+                await self.checkpoint()
+            self.write_status()
 
     async def checkpoint(self, wait: bool = False) -> None:
         """Snapshot weights + optimizer state on the compute thread (host copies only), then serialise
@@ -738,9 +754,7 @@ class MinerService:
                      f"for the host snapshot)")
 
     async def stop(self) -> None:
-        for t in (self._merge_task, self._sync_task):
-            if t is not None and not t.done():
-                t.cancel()
+        await self.sup.stop()
         if self.node is not None:
             await self.node.stop()
         if self.dashboard is not None:
@@ -765,7 +779,7 @@ class MinerService:
         w = self.worker
         d = {"hotkey": self.hotkey, "uid": self.uid, "stage": self.stage, "port": self.port,
              "run_id": self.run_id, "run_epoch": self.run_epoch, "chain": self.publisher.status(),
-             "uptime_s": round(time.time() - self.started_at, 1)}
+             "uptime_s": round(time.time() - self.started_at, 1), "tasks": self.sup.status()}
         d.update(self.parts.status)
         if self.dashboard is not None:
             d["dashboard"] = self.dashboard.url
@@ -843,21 +857,4 @@ class MinerService:
                              state_meta=meta)
 
     async def _health(self, msg: Health, ctx) -> Health:
-        w = self.worker
-        ready = self.merge is None or self.merge.in_sync
-        return Health(run_id=self.run_id, stage=self.stage, inner_step=w.inner_step,
-                      status="ok" if ready else "syncing", ready=ready,
-                      hotkey=self.hotkey, uptime_s=time.time() - self.started_at,
-                      stats={"stage": self.stage, "inner_step": w.inner_step, "forwards": w.forwards,
-                             "backwards": w.backwards, "tokens": w.tokens, "cache_bytes": w.cache.bytes,
-                             "evictions_ttl": w.cache.evictions["ttl"], "evictions_bytes": w.cache.evictions["bytes"],
-                             **self._merge_health()})
-
-    def _merge_health(self) -> dict[str, float]:
-        """Merge figures for ``/health`` (validators' dashboards show them); empty when merging is off."""
-        if self.merge is None:
-            return {}
-        m = self.merge.status()
-        return {"merges": m["merges"], "merged_epoch": m["merged_epoch"], "merges_abandoned": m["abandoned"],
-                "merge_last_wall_s": float((m["last"] or {}).get("wall_s") or 0.0)}
-
+        return miner_health(self)

@@ -26,7 +26,7 @@ import asyncio
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from loguru import logger
 
@@ -115,15 +115,21 @@ class Supervisor:
                     f"{self.owner}: task {rec.name!r} failed ({rec.consecutive} in a row, {rec.failures} in all); "
                     f"restarting in {delay:.1f} s\n{''.join(traceback.format_exception(e)).rstrip()}")
                 rec.state = "backoff"
-                await asyncio.sleep(delay)
+                try:
+                    await asyncio.sleep(delay)
+                except asyncio.CancelledError:
+                    rec.state = "stopped"
+                    raise
                 rec.restarts += 1
                 continue
             rec.state, rec.consecutive = "done", 0
             return
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
-        """Cancel every task and wait up to ``timeout_s`` seconds for them to end."""
-        live = [t for t in self.tasks.values() if not t.done()]
+    async def stop(self, timeout_s: float = 5.0, names: Optional[Iterable[str]] = None) -> None:
+        """Cancel every task (or those named in ``names``: a part stopping its own loops) and wait up
+        to ``timeout_s`` seconds for them to end."""
+        wanted = set(self.tasks) if names is None else set(names)
+        live = [t for n, t in self.tasks.items() if n in wanted and not t.done()]
         for t in live:
             t.cancel()
         if live:

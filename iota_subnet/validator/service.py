@@ -28,6 +28,12 @@ Then, concurrently:
 After the steps and the evaluation, weights keep being set every tempo until SIGTERM / SIGINT
 (or, with ``exit_when_done``, until the first weights after the evaluation are set).
 
+Every loop above, the lane driving (``train``) and the dashboard's sampler run under the validator's
+one :class:`~iota_subnet.utils.supervise.Supervisor`: an exception escaping one is logged with its
+traceback and the loop restarts after a backoff; ``status.json`` (``tasks``), the metrics
+(``iota_task_restarts_total``) and the public ``GET /health`` (503 naming the task once one keeps
+failing) show it. A :class:`ValidatorError` of the lane driving (no complete pipeline) still stops it.
+
 status.json fields: ``hotkey, uid, run_id, netuid, lanes, lane_members, steps_done (per lane),
 next_step (per lane), total_steps, validator_index, n_validators, tokens, tokens_per_s, loss (mean of
 the last step of each lane), losses (per lane), reroutes, failures, lane_held_s (p2p: seconds each
@@ -37,11 +43,13 @@ lane, available, throughput, successes, failures), miners (per uid: hotkey, stag
 completed, failures, reroutes), probe_loss (latest CLASP round: round, loss, paths), dashboard (its
 URL or null), val_loss, done, weights_set_blocks, last_weights, scores, verification_bytes (bodies and
 headers of every verification request), audits (``audits, failed, bytes, cpu_s, recent`` and
-``per_tempo``: tempo -> hotkey -> hop audits; null when off), elapsed_s, updated_at``.
+``per_tempo``: tempo -> hotkey -> hop audits; null when off), elapsed_s, updated_at, tasks`` (per
+supervised task: state, restarts, failures, consecutive_failures, last_error, last_error_at).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -63,7 +71,7 @@ from iota_subnet.data import DataError, build_dataset, fingerprints
 from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.model import PipelineStage
 from iota_subnet.neuron_common import stop_signals
-from iota_subnet.telemetry import NeuronMetrics
+from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.protocol import MergeAuditResponse, Outcome, ProtocolError, ReceiptBatch
 from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment
 from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
@@ -74,6 +82,7 @@ from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 from iota_subnet.utils.run_folder import hand_over
+from iota_subnet.utils.supervise import Supervisor
 from iota_subnet.version import __version__, weights_version_key
 from iota_subnet.wallets import WalletError
 from iota_subnet.wallets import load_wallet as _load_wallet
@@ -195,11 +204,13 @@ class ValidatorService:
     injected (tests). Without ``chain``, :meth:`start` opens one with
     ``chain_opener(opts.network, opts.chain_db, timeout_s=opts.chain_timeout_s)`` (the entry point
     passes :func:`iota_subnet.entry.chain.open_network_chain`, which opens a devnet file too),
-    or, without an opener, the SDK's endpoint for ``opts.network``."""
+    or, without an opener, the SDK's endpoint for ``opts.network``. ``supervisor``: runs and restarts
+    its long-lived tasks (None: ``Supervisor("validator")``)."""
 
     def __init__(self, opts: ValidatorOptions, *, wallet: Any = None, chain: Optional[Chain] = None,
                  cfg: Optional[RunConfig] = None, dataset: Any = None, fingerprints: Optional[Fingerprints] = None,
-                 chain_opener: Optional[Callable[..., Awaitable[Chain]]] = None):
+                 chain_opener: Optional[Callable[..., Awaitable[Chain]]] = None,
+                 supervisor: Optional[Supervisor] = None):
         self.opts = opts
         self._chain_opener = chain_opener
         self.out = Path(opts.out).expanduser()
@@ -237,7 +248,7 @@ class ValidatorService:
         self.weights_blocks: list[int] = []
         self.last_weights: dict[int, float] = {}
         self.reveals = PendingReveals()      # commit-reveal: commits not yet seen revealed
-        self._fatal: Optional[ValidatorError] = None   # why a loop stopped the validator
+        self._fatal: Optional[Exception] = None   # why a loop stopped the validator
         self.started = time.time()
         self.elapsed_offset = 0.0
         self.tokens_at_start = 0
@@ -265,6 +276,7 @@ class ValidatorService:
         self.prom.watch(self.status)
         self.dashboard: Optional[DashboardServer] = None
         self._dashboard_client: Optional[NeuronClient] = None
+        self.sup = supervisor if supervisor is not None else Supervisor("validator")
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> None:
@@ -504,7 +516,7 @@ class ValidatorService:
             else {},
             "audits": self.auditing.status() | {"per_tempo": {str(k): v for k, v in self.auditing.per_tempo().items()}}
             if self.auditing is not None else None,
-            "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(),
+            "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(), "tasks": self.sup.status(),
         }
 
     def write_status(self) -> None:
@@ -693,8 +705,25 @@ class ValidatorService:
         if landed and self.done and self.opts.exit_when_done:
             self.stop_event.set()
 
+    async def _drive(self) -> None:
+        """The supervised task ``train``: :meth:`_train`. A :class:`ValidatorError` (no complete
+        pipeline) or :class:`StateError` (a state of another run) stops the validator (raised by
+        :meth:`run`) instead of restarting it."""
+        try:
+            await self._train()
+        except (ValidatorError, StateError) as e:
+            logger.error("{}", e)
+            self._fatal = e
+            self.stop_event.set()
+
     async def _train(self) -> None:
         o = self.opts
+        if self.auditing is not None:      # a restart after an exception: the last attempt's parts go first
+            await self.auditing.close()
+            self.auditing = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         available = await self.wait_for_lanes()
         if self.stop_event.is_set():
             return
@@ -759,30 +788,26 @@ class ValidatorService:
             await self.close()
             raise ValidatorError(str(e)) from None
         self.write_status()
-        loops = [asyncio.create_task(self._every(self.opts.status_interval_s, self.write_status, "status")),
-                 asyncio.create_task(self._every(self.opts.sync_interval_s, self._sync_and_probe, "metagraph sync")),
-                 asyncio.create_task(self._every(self.opts.weights_check_s, self._weights_round, "weights"))]
-        if self.opts.clasp_interval_s > 0:
-            loops.append(asyncio.create_task(self._every(self.opts.clasp_interval_s, self._clasp_round, "CLASP")))
-        if self.opts.audits:
-            loops.append(asyncio.create_task(self._every(self.opts.audit_interval_s, self._audit_round, "audits")))
+        o = self.opts
+        loops = [("status", o.status_interval_s, self.write_status),
+                 ("metagraph", o.sync_interval_s, self._sync_and_probe),
+                 ("weights", o.weights_check_s, self._weights_round)]
+        if o.clasp_interval_s > 0:
+            loops.append(("clasp", o.clasp_interval_s, self._clasp_round))
+        if o.audits:
+            loops.append(("audits", o.audit_interval_s, self._audit_round))
         try:
+            for name, period, fn in loops:
+                self.sup.spawn(name, functools.partial(self._every, period, fn, name))
             await self._serve()
             await self._serve_dashboard()
-            train = asyncio.create_task(self._train())
-            stop = asyncio.create_task(self.stop_event.wait())
-            loops += [train, stop]
-            await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if train.done() and train.exception() is not None:
-                raise train.exception()
+            self.sup.spawn("train", self._drive)
             await self.stop_event.wait()
             if self._fatal is not None:
                 raise self._fatal
         finally:
             self.stop_event.set()
-            for t in loops:
-                t.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await self.sup.stop(timeout_s=60.0)
             await self.close()
         return 0
 
@@ -968,6 +993,7 @@ class ValidatorService:
         self.server.add_route("/refusals", refusals, RefusalReport, None, max_body_bytes=MAX_REPORT_BODY_BYTES)
         self.server.add_public_get("/scores", scores)
         self.server.add_public_get("/metrics", self.prom.handler)
+        self.server.add_public_get("/health", health_handler(self.sup))
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.server.add_public_get(path, handler)
         self.prom.instrument(self.server.app)
@@ -992,7 +1018,8 @@ class ValidatorService:
         src = ValidatorSource(status=self.status, metrics_path=self.out / "metrics.jsonl", chain=self.chain,
                               netuid=self.opts.netuid, network=self.opts.network,
                               health=health_poller(self._dashboard_client, self.opts.run_id))
-        self.dashboard = DashboardServer(src, self.opts.host, self.opts.dashboard_port, metrics=self.prom)
+        self.dashboard = DashboardServer(src, self.opts.host, self.opts.dashboard_port, metrics=self.prom,
+                                         supervisor=self.sup)
         self.prom.instrument(self.dashboard.app)
         await self.dashboard.start()
         self.write_status()

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Optional
 from loguru import logger
 
 from iota_subnet.protocol import Hop, HopAck, Ticket
+from iota_subnet.utils.supervise import Supervisor
 
 from ..hop_store import HopStore
 from .admission import HeadAdmission
@@ -43,6 +44,8 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
     (:class:`~iota_subnet.miner.hop_store.HopStore`): every training hop is recorded there and
     receipts name the root of the weights version each used (None: no hop audits, ``wroot`` empty).
     ``boot``: unix time this process started (in every receipt: a restart announces itself).
+    ``supervisor``: runs the compute loop (``dataplane``), the receipt flusher (``receipts``) and the
+    senders (``sender0``, ...) and restarts one that fails (the miner's own; None: one of its own).
     """
 
     def __init__(self, worker: Any, *, me: str, n_stages: int, compute: Callable[[Callable[[], Any]], Awaitable[Any]],
@@ -50,7 +53,7 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
                  post_receipts: Callable[[str, list[dict]], Awaitable[None]], rows: Optional[RowSource] = None,
                  max_in_flight: int = 8, receipt_interval_s: float = 0.5, wire_dtype: Optional[str] = None,
                  senders: int = 2, clock: Callable[[], float] = time.time, hops: Optional[HopStore] = None,
-                 boot: Optional[float] = None):
+                 boot: Optional[float] = None, supervisor: Optional[Supervisor] = None):
         self.worker, self.me = worker, me
         self.stage, self.n_stages = int(worker.stage), int(n_stages)
         self.is_head, self.is_tail = self.stage == 0, self.stage == self.n_stages - 1
@@ -78,9 +81,11 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
         self._out: list[tuple] = []
         self._out_ready = asyncio.Event()
         self.n_senders = max(1, int(senders))
-        self._senders: list[asyncio.Task] = []
-        self._runner: Optional[asyncio.Task] = None
-        self._flusher: Optional[asyncio.Task] = None
+        self.sup = supervisor if supervisor is not None else Supervisor(f"stage {self.stage} data plane")
+        #: the supervised loops of this data plane: name -> factory (started by :meth:`start`)
+        self.loops: dict[str, Callable[[], Awaitable[None]]] = {
+            "dataplane": self._run, "receipts": self._flush_loop,
+            **{f"sender{i}": self._send_loop for i in range(self.n_senders)}}
         self._stopping = False
         #: counters (status, metrics, benchmarks): seconds of compute, hops in/out, wire bytes
         self.busy_s = 0.0
@@ -88,18 +93,19 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._runner = asyncio.create_task(self._run(), name="dataplane")
-        self._flusher = asyncio.create_task(self._flush_loop(), name="receipts")
-        self._senders = [asyncio.create_task(self._send_loop(), name=f"sender{i}") for i in range(self.n_senders)]
+        """Start :attr:`loops` under the supervisor (an exception restarts a loop, logged)."""
+        for name, factory in self.loops.items():
+            self.sup.spawn(name, factory)
 
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
         self._out_ready.set()
-        tasks = [t for t in (self._runner, self._flusher, *self._senders, *self._tasks) if t is not None]
+        tasks = list(self._tasks)
         for t in tasks:
             if not t.done():
                 t.cancel()
+        await self.sup.stop(names=self.loops)
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.flush_receipts()
 
