@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from iota_subnet.merge.claims import (CONTRIBUTION, MergeClaims, chunk_tree, sign_claim, statement, verify_claim)
+from iota_subnet.merge.claims import (CONTRIBUTION, RESULT, MergeClaims, chunk_tree, sign_claim, statement, verify_claim)
 from iota_subnet.protocol import (MERGE_AUDIT_KEEP_EPOCHS, MergeAuditRequest, MergeAuditResponse, MergePayload, Outcome, ProtocolError,
                                   tensor_sha256)
 from iota_subnet.transport import NeuronClient
@@ -177,7 +177,7 @@ def test_poisoning_reducer_accusation_upheld(tmp_path, tmp_home):
             # the poisoner's signed claim describes what it served: a validator's own chunk check shows it
             ev = next(e for s in (a, b) for e in s.merge.reports)
             claim = ev["results"][p.hotkey]["claim"]
-            assert verify_claim(claim, p.hotkey, "iota-merge-result/1")
+            assert verify_claim(claim, p.hotkey, RESULT)
         finally:
             await net.close()
     asyncio.run(main())

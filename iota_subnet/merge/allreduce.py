@@ -6,7 +6,9 @@
 * **scatter**: the pseudo-gradient ``anchor - weights`` (host float32 [P]) is cut by the plan and
   quantized; each slice streams, chunk by chunk, to both reducers of its shard;
 * **gather + verify**: for every shard the mean is fetched chunk by chunk from one reducer and its
-  hash from the other; equal hashes (and chunks matching them) accept the shard;
+  hash from the other; equal hashes and equal contributions roots (the same contributors, weights
+  and inputs; each result's metadata is O(1) in the number of replicas) and chunks matching them
+  accept the shard;
 * **third-party recompute** (:meth:`AllReduceAttempt._recompute`): when the reducers disagree, every
   participant's chunks are fetched, the mean recomputed and used, and evidence naming the reducer(s)
   whose hash differs is recorded (``engine.reports``, for validators);
@@ -217,8 +219,7 @@ class AllReduceAttempt:
                     reasons.append(f"shard {s}: {r[:10]} unreachable ({type(res).__name__})")
                     return
             hashes = {r: c.mean_sha256 for r, c in claims.items()}
-            agree = len(set(hashes.values())) == 1 and len({(tuple(c.contributors), tuple(c.weights))
-                                                             for c in claims.values()}) == 1
+            agree = len(set(hashes.values())) == 1 and len({c.contributions_root for c in claims.values()}) == 1
             if agree and chunks_ok and served_digest == next(iter(hashes.values())):
                 done.add(s)
                 return
@@ -234,7 +235,7 @@ class AllReduceAttempt:
             ev = {"epoch": plan.epoch, "attempt": plan.attempt, "plan_id": plan.plan_id, "shard": s,
                   "reducers": [a, b], "claimed_sha256": hashes, "served_sha256": served, "recomputed_sha256": digest,
                   "wrong": wrong, "reporter": self.me, "stage": self.stage, "run_id": self.run_id,
-                  "contribution_sha256": {r: dict(zip(c.contributors, c.contribution_sha256)) for r, c in claims.items()},
+                  "contributions_root": {r: c.contributions_root for r, c in claims.items()},
                   "results": {r: dict(c.info) for r, c in claims.items() if c.info},   # reducers' signed claims
                   "time": time.time()}
             self.reports.append(ev)

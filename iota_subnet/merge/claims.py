@@ -9,11 +9,17 @@ Two statements, each a canonical JSON object signed with the replica's hotkey (s
   root of its chunks (:func:`chunk_tree`: rows of :data:`CHUNK_NUMEL` values, the last shorter).
   It travels in ``MergePayload.info["claim"]``; a reducer refuses a slice whose claim is unsigned,
   signed by another hotkey, for other coordinates, or does not match the slice (``FORBIDDEN``).
-* **result claim** (by a reducer): ``t="iota-merge-result/1", run, stage, epoch, attempt, plan_id,
-  shard, offset, numel, contributors, weights, contribution_sha256, mean_sha256, mean_root, by``
-  over the mean it serves. It travels in ``MergeResult.info["claim"]`` with the contributors'
-  claims it used (``info["contrib_claims"]``), so a result is self-contained evidence: the
-  reporters of a mismatch pass it on, and nobody can forge it.
+* **result claim** (by a reducer): ``t="iota-merge-result/2", run, stage, epoch, attempt, plan_id,
+  shard, offset, numel, n, contributions_root, claims_root, mean_sha256, mean_root, chunk_numel, by``
+  over the mean it serves. Its size does not grow with the number of replicas: ``n`` contributors,
+  ``contributions_root`` (:func:`contributions_root`) binds who contributed, with which weight and
+  the sha256 of the values used from each, ``claims_root`` (:func:`claims_root`) binds the
+  contributors' signed claims it used. It travels in ``MergeResult.info["claim"]`` (a replica
+  gathering N shards receives O(N) claim bytes, not O(N^2)); the list itself (the records:
+  ``contributors``, ``weights``, ``contribution_sha256``, ``contrib_claims``) is kept with the mean
+  and served to validators with it (``/audit/merge``), where it must hash to the signed roots: the
+  reducer cannot alter a contributor's claim, nor the list, after signing without the mismatch
+  landing on its own signature.
 
 :class:`MergeClaims` is the miner side: the merge engine calls it as its ``observer`` (sign outgoing
 slices, check incoming ones, sign results), and it keeps, for the last ``keep_epochs`` merge epochs,
@@ -29,6 +35,7 @@ the means it served (about 2 / N of the stage per attempt).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -47,7 +54,7 @@ CHUNK_NUMEL = 8192
 MAX_AUDIT_CHUNKS = 256
 
 CONTRIBUTION = "iota-merge-contribution/1"
-RESULT = "iota-merge-result/1"
+RESULT = "iota-merge-result/2"
 
 
 def n_chunks(numel: int, chunk: int = CHUNK_NUMEL) -> int:
@@ -84,6 +91,40 @@ def verify_claim(claim: Any, signer: str, kind: str) -> bool:
         return False
 
 
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def contributions_root(contributors: list[str], weights: list[float], contribution_sha256: list[str]) -> str:
+    """sha256 (hex) of the canonical JSON ``[contributors, weights, contribution_sha256]`` (the three
+    lists in the plan's participant order; weights as floats)."""
+    return _digest([list(contributors), [float(w) for w in weights], list(contribution_sha256)])
+
+
+def claims_root(contributors: list[str], contrib_claims: Mapping[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON list, per contributor in order, of the sha256 of its signed
+    contribution claim (canonical JSON, ``sig`` included; ``""`` where the reducer holds none)."""
+    return _digest([_digest(contrib_claims[p]) if isinstance(contrib_claims.get(p), Mapping) else ""
+                    for p in contributors])
+
+
+def records_match(claim: Mapping[str, Any], records: Any) -> bool:
+    """True when ``records`` (``contributors``, ``weights``, ``contribution_sha256``, ``contrib_claims``)
+    hash to the roots of the signed result ``claim`` (and list ``n`` contributors)."""
+    if not isinstance(records, Mapping):
+        return False
+    parts, weights, hashes = records.get("contributors"), records.get("weights"), records.get("contribution_sha256")
+    cc = records.get("contrib_claims")
+    if not (isinstance(parts, list) and isinstance(weights, list) and isinstance(hashes, list)
+            and isinstance(cc, Mapping) and len(parts) == len(weights) == len(hashes) == claim.get("n")):
+        return False
+    try:
+        return (contributions_root(parts, weights, hashes) == claim.get("contributions_root")
+                and claims_root(parts, cc) == claim.get("claims_root"))
+    except (TypeError, ValueError):
+        return False
+
+
 def coords(run_id: str, stage: int, epoch: int, attempt: int, plan_id: str, shard: int) -> dict:
     return {"run": run_id, "stage": int(stage), "epoch": int(epoch), "attempt": int(attempt), "plan_id": plan_id,
             "shard": int(shard)}
@@ -95,6 +136,7 @@ class _Kept:
     spilled: str            # spill file name ("" when in host memory)
     tree: MerkleTree
     claim: dict
+    records: Optional[dict] = None     # a mean's: contributors, weights, contribution_sha256, contrib_claims
 
 
 class MergeClaims:
@@ -172,29 +214,35 @@ class MergeClaims:
         with self._lock:
             self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = dict(c)
 
-    def on_result(self, res: MergeResult, served: torch.Tensor, offset: int, chunk_numel: Optional[int] = None) -> None:
+    def on_result(self, res: MergeResult, served: torch.Tensor, offset: int, chunk_numel: Optional[int] = None, *,
+                  contributors: list[str], weights: list[float], contribution_sha256: list[str]) -> None:
         """Sign a result this replica computed (``served``: the mean it serves; ``chunk_numel``: the
-        plan's streaming chunk, part of its plan id) and keep the mean."""
+        plan's streaming chunk, part of its plan id; the contributors in the plan's order, their
+        weights and the sha256 of the values used from each) and keep the mean with its records.
+        Sets ``res.info["claim"]``."""
         key = (res.epoch, res.attempt, res.plan_id, res.shard_index)
         tree = chunk_tree(served, self.chunk)
         with self._lock:
             got = dict(self.received.get(key, {}))
-        for p, digest in zip(res.contributors, res.contribution_sha256):
+        for p, digest in zip(contributors, contribution_sha256):
             if p in got and got[p].get("sha256") != digest:
                 # the chunks this sender streamed are not the slice it signed: its claim is not evidence
                 logger.warning(f"merge claims: {p[:10]}'s chunks of shard {res.shard_index} do not match its "
                                f"signed contribution claim")
                 got.pop(p)
+        used = {p: got[p] for p in contributors if p in got}
+        records = {"contributors": list(contributors), "weights": [float(w) for w in weights],
+                   "contribution_sha256": list(contribution_sha256), "contrib_claims": used}
         claim = sign_claim({"t": RESULT, **coords(self.run_id, self.stage, res.epoch, res.attempt, res.plan_id,
                                                   res.shard_index),
-                            "offset": int(offset), "numel": int(served.numel()), "contributors": list(res.contributors),
-                            "weights": [float(w) for w in res.weights],
-                            "contribution_sha256": list(res.contribution_sha256), "mean_sha256": res.mean_sha256,
+                            "offset": int(offset), "numel": int(served.numel()), "n": len(contributors),
+                            "contributions_root": contributions_root(contributors, weights, contribution_sha256),
+                            "claims_root": claims_root(contributors, used), "mean_sha256": res.mean_sha256,
                             "mean_root": tree.root.hex(),
                             **({"chunk_numel": int(chunk_numel)} if chunk_numel is not None else {})}, self.keypair)
-        res.info = {**res.info, "claim": claim, "contrib_claims": {p: got[p] for p in res.contributors if p in got}}
+        res.info = {**res.info, "claim": claim}
         with self._lock:
-            self.means[key] = _Kept(*self._keep(served), tree, claim)
+            self.means[key] = _Kept(*self._keep(served), tree, claim, records)
 
     def _prune(self, epoch: int) -> None:
         with self._lock:
@@ -211,7 +259,8 @@ class MergeClaims:
             return sum(k.flat.numel() * 4 for d in (self.contributions, self.means) for k in d.values() if not k.spilled)
 
     def open(self, msg: MergeAuditRequest) -> MergeAuditResponse:
-        """Chunks (with proofs) of a kept slice or mean and its signed claim. Raises ProtocolError:
+        """Chunks (with proofs) of a kept slice or mean and its signed claim (``claim["claim"]``; a
+        mean's also with its records, see the module docstring). Raises ProtocolError:
         LATE (not kept: another plan, or an epoch out of the window), BAD_SHAPE (chunk indices),
         MALFORMED (``what``)."""
         if msg.what not in ("contribution", "mean"):
@@ -232,13 +281,9 @@ class MergeClaims:
             i = int(i)
             chunks[str(i)] = kept.flat[i * self.chunk:(i + 1) * self.chunk].clone()
             proofs[str(i)] = proof_tensor(kept.tree.proof(i))
-        claim = dict(kept.claim)
-        if msg.what == "mean":
-            with self._lock:
-                got = dict(self.received.get(key, {}))
-            claim = {"claim": claim, "contrib_claims": {p: got[p] for p in kept.claim["contributors"] if p in got}}
-        else:
-            claim = {"claim": claim}
+        claim = {"claim": dict(kept.claim)}
+        if msg.what == "mean":          # the records the signed roots bind (O(N): once per audit)
+            claim.update(kept.records or {})
         self.served += 1
         return MergeAuditResponse(run_id=self.run_id, stage=self.stage, claim=claim, chunks=chunks, proofs=proofs)
 

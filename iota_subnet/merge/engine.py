@@ -33,7 +33,8 @@ cross between the module's device and the host):
    moved no byte for ``merge.progress_timeout_s``, or at the phase deadline derived from the
    scatter's bytes and the declared uplink rate (:mod:`.deadlines`).
 5. **gather + verify**: for every shard ``me`` fetches the mean chunk by chunk from one reducer and
-   the hash from the other (``/merge/result``). Equal hashes (and chunks matching them): accepted.
+   the hash from the other (``/merge/result``). Equal hashes and contributions roots (and chunks
+   matching them): accepted.
    Different hashes, or chunks that do not match: ``me`` acts as the third party, fetches every
    participant's chunks (``/merge/contribution``), recomputes the mean, uses it and records evidence
    naming the reducer(s) whose hash differs (:attr:`MergeEngine.reports`).
@@ -70,6 +71,7 @@ from iota_subnet.config import MergeConfig
 from iota_subnet.protocol import Message, MergeResult, payload_nbytes, tensor_sha256
 
 from .allreduce import AllReduceAttempt, sha256_of
+from .claims import contributions_root
 from .deadlines import LinkProgress, call_allowance_s, phase_deadline_s, scatter_bytes
 from .join import MergeJoining
 from .liveness import PeerLiveness
@@ -411,15 +413,16 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
             honest = red.means
             served = self.mean_to_serve(s, honest)
             sess.honest[s], sess.served[s] = honest, served
-            sess.results[s] = MergeResult(**base, status="ok", contributors=order,
-                                          weights=[plan.weight(p) for p in order],
-                                          contribution_sha256=[red.contribution_h[p].hexdigest() for p in order],
+            weights = [plan.weight(p) for p in order]
+            hashes = [red.contribution_h[p].hexdigest() for p in order]
+            sess.results[s] = MergeResult(**base, status="ok", contributions_root=contributions_root(order, weights, hashes),
                                           mean_sha256=sha256_of(served), shard_sha256=red.shard_h.hexdigest(),
                                           momentum_sha256=red.momentum_h.hexdigest(),
                                           chunk_sha256=[tensor_sha256(t) for t in served])
             if self.observer is not None:
                 await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0],
-                                        plan.chunk_numel)
+                                        plan.chunk_numel, contributors=order, weights=weights,
+                                        contribution_sha256=hashes)
         sess.ready_event(s).set()
 
     def mean_to_serve(self, shard_index: int, mean: list[torch.Tensor]) -> list[torch.Tensor]:

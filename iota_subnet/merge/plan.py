@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Optional, Sequence
 
 
@@ -103,11 +104,17 @@ class MergePlan:
         """Shards ``hotkey`` reduces."""
         return [s for s, pair in enumerate(self.reducers) if hotkey in pair]
 
+    @cached_property
+    def _rank(self) -> dict[str, int]:
+        return {hk: i for i, hk in enumerate(self.participants)}
+
     def primary_for(self, hotkey: str, shard: int) -> str:
-        """Which reducer of ``shard`` a non-reducer fetches the mean from (load spread evenly)."""
+        """Which reducer of ``shard`` a non-reducer fetches the mean from: the first when its rank
+        among the sorted participants plus ``shard`` is even, else the second, so each reducer serves
+        half of the shard's gatherers (within one), and no replica sends more than about 3P
+        (:meth:`expected_bytes`; a draw per gatherer put some reducers at 3.25P with 32 replicas)."""
         a, b = self.reducers[shard]
-        h = hashlib.sha256(f"{self.plan_id}|{hotkey}|{shard}".encode()).digest()[0]
-        return a if h % 2 == 0 else b
+        return a if (self._rank[hotkey] + shard) % 2 == 0 else b
 
     def expected_bytes(self, bytes_per_value: float = 4.0) -> dict[str, float]:
         """Payload bytes per replica per merge (tensor data only), averaged over replicas.

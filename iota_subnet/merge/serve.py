@@ -106,12 +106,11 @@ class MergeServing:
         raise ProtocolError(Outcome.UNKNOWN_ROUTE, f"no merge route {route}")
 
     def _on_join(self, msg: MergeJoin) -> MergeJoin:
-        cur = self.current
         return MergeJoin(run_id=self.run_id, stage=self.stage, epoch=msg.epoch, attempt=max(self.attempt_now, 0),
                          ready_epoch=self.ready_epoch, merged_epoch=self.merged_epoch,
                          closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
                                                                  if a >= self.cfg.max_attempts]),
-                         participants=list(cur[2]) if cur else [], in_sync=self.in_sync, work=self.ready_work,
+                         in_sync=self.in_sync, work=self.ready_work,
                          inner_step=self._inner_step())
 
     def _late(self, epoch: int, attempt: int) -> bool:

@@ -9,7 +9,9 @@
   replica's requests and replies through its own emulated uplink
   (:class:`~iota_subnet.transport.shaping.UplinkShaper`). Bytes are reported as they cross a shaped
   link, piece by piece, to both ends' ``on_progress(peer, nbytes)`` (a view's attribute, set by the
-  engine: :mod:`.deadlines`).
+  engine: :mod:`.deadlines`). Per replica (as caller and as callee), ``sent`` / ``received`` count
+  whole bodies and ``sent_dense`` / ``received_dense`` the tensor bytes in them; the difference is
+  the metadata (JSON header, safetensors framing).
 * :class:`HttpTransport`: signed HTTP through :class:`~iota_subnet.transport.NeuronClient`; peers
   resolved from hotkey to ``ip:port`` by ``resolve(hotkey)``.
 """
@@ -39,9 +41,20 @@ class InProcessTransport:
         self.delay_s = delay_s
         self.sent: dict[str, int] = {}
         self.received: dict[str, int] = {}
+        self.sent_dense: dict[str, int] = {}     # tensor bytes of those bodies
+        self.received_dense: dict[str, int] = {}
         self.max_body = 0                    # largest message body seen (bytes)
         self.uplinks: dict[str, Any] = {}    # hotkey -> UplinkShaper
         self.views: dict[str, "_View"] = {}
+
+    def counts(self, hotkey: str) -> dict[str, int]:
+        """Bytes ``hotkey`` sent and received (requests and replies): ``sent``/``received`` whole
+        bodies, ``*_dense`` their tensor bytes, ``*_meta`` the rest (metadata)."""
+        out = {"sent": self.sent.get(hotkey, 0), "received": self.received.get(hotkey, 0),
+               "sent_dense": self.sent_dense.get(hotkey, 0), "received_dense": self.received_dense.get(hotkey, 0)}
+        out["sent_meta"] = out["sent"] - out["sent_dense"]
+        out["received_meta"] = out["received"] - out["received_dense"]
+        return out
 
     def shape(self, hotkey: str, uplink: Any) -> None:
         """Send ``hotkey``'s requests and replies through ``uplink`` (an UplinkShaper; None: unshaped)."""
@@ -109,6 +122,11 @@ class InProcessTransport:
             self.sent[k] = self.sent.get(k, 0) + n
         for k, n in ((peer, len(body)), (me, len(rbody))):
             self.received[k] = self.received.get(k, 0) + n
+        dq, dr = payload_nbytes(msg), payload_nbytes(reply)
+        for k, n in ((me, dq), (peer, dr)):
+            self.sent_dense[k] = self.sent_dense.get(k, 0) + n
+        for k, n in ((peer, dq), (me, dr)):
+            self.received_dense[k] = self.received_dense.get(k, 0) + n
         return decode(rbody, rtype), len(body), len(rbody)
 
 

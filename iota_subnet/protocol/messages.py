@@ -108,8 +108,9 @@ class MergePayload(Message):
 class MergeJoin(Message):
     """Merge readiness of a replica. ``ready_epoch``: the epoch it waits to merge (-1: none);
     ``merged_epoch``: the last epoch it applied; ``closed_epoch``: the last epoch it finished,
-    merged or not (one it gave up on is not worth waiting for); ``attempt``/``participants``: its
-    current plan."""
+    merged or not (one it gave up on is not worth waiting for); ``attempt``: its current attempt.
+    ``participants``: always empty (a list of N hotkeys in each of N answers made a replica's join
+    O(N^2) bytes; nobody read it), kept so that older peers still decode the answer."""
     TYPE: ClassVar[str] = "MergeJoin"
     epoch: int = 0
     attempt: int = 0
@@ -151,17 +152,18 @@ class MergeResult(Message):
     """A reducer's result for one shard. ``status``: ``ok`` | ``incomplete`` (``missing`` names the
     contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``) of the
     whole shard; ``chunk_sha256``: of each chunk of the mean, in order; ``mean``: chunk ``chunk`` of
-    the mean (when asked with ``with_tensor``). ``contribution_sha256``: per contributor (same order
-    as ``contributors``), of the dequantized values it used: the evidence a third party checks."""
+    the mean (when asked with ``with_tensor``). ``contributions_root``: one digest over the
+    contributors, their weights and the sha256 of the dequantized values it used from each
+    (:func:`iota_subnet.merge.claims.contributions_root`): two reducers that agree on it reduced the
+    same inputs; the list itself is not sent (it would make every result O(N), every replica's
+    gather O(N^2)): validators fetch it from the reducer's audit copy (``/audit/merge``)."""
     TYPE: ClassVar[str] = "MergeResult"
     epoch: int = 0
     attempt: int = 0
     plan_id: str = ""
     shard_index: int = 0
     status: str = "ok"
-    contributors: list[str] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    contribution_sha256: list[str] = field(default_factory=list)
+    contributions_root: str = ""
     missing: list[str] = field(default_factory=list)
     mean_sha256: str = ""
     shard_sha256: str = ""

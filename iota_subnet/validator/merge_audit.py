@@ -8,10 +8,13 @@ accusation (reporter R names reducer A for shard s of a plan):
 1. A's result claim must be in the report, signed by A, for exactly the reported coordinates, and
    quoted faithfully (``claimed_sha256[A]`` = its ``mean_sha256``). Otherwise the accusation rests
    on nothing A said: **false** (R penalised).
-2. The plan A names must be the plan those participants and weights give
-   (:class:`~iota_subnet.merge.plan.MergePlan`: plan id, shard bounds, A a reducer of s), and every
-   contribution A says it used must carry its contributor's signed claim with the same hash.
-   Otherwise A published a result it cannot back: **upheld** (A penalised).
+2. A's claim lists no contributors, only roots over them (the result messages stay O(1) in the
+   number of replicas): the validator fetches the records from A (``/audit/merge``, what
+   ``mean``: contributors, weights, the hashes of the inputs, the contributors' signed claims); they
+   must hash to the roots A signed. The plan A names must be the plan those participants and
+   weights give (:class:`~iota_subnet.merge.plan.MergePlan`: plan id, shard bounds, A a reducer of
+   s), and every contribution A says it used must carry its contributor's signed claim with the same
+   hash. Otherwise A published a result it cannot back: **upheld** (A penalised).
 3. The validator fetches chunks of A's served mean and of every contributor's slice
    (``/audit/merge``, Merkle proofs against the signed roots), first ``sample_chunks`` random
    ones, and recomputes the weighted mean on them (fp32, the participants' order, the plan's
@@ -38,7 +41,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 import torch
 
 from iota_subnet.audit.merkle import leaf_hash, verify_proof
-from iota_subnet.merge.claims import CONTRIBUTION, MAX_AUDIT_CHUNKS, RESULT, n_chunks, verify_claim
+from iota_subnet.merge.claims import CONTRIBUTION, MAX_AUDIT_CHUNKS, RESULT, n_chunks, records_match, verify_claim
 from iota_subnet.merge.outer import weighted_mean
 from iota_subnet.merge.plan import MergePlan, epoch_seed
 from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, ProtocolError, proof_from_tensor,
@@ -121,9 +124,12 @@ class MergeAuditor:
             return false("the accused's claim is for other coordinates than the report")
         if (report.get("claimed_sha256") or {}).get(accused) != claim.get("mean_sha256"):
             return false("the report misquotes the hash the accused signed")
-        # 2. the plan and the contributions the accused says it used
+        # 2. the records the accused signed the roots of, the plan and the contributions it says it used
         stage, epoch, attempt, shard = int(claim["stage"]), int(claim["epoch"]), int(claim["attempt"]), int(claim["shard"])
-        parts, weights = list(claim.get("contributors") or []), list(claim.get("weights") or [])
+        records = await self._records(accused, claim, fetch)
+        if not records_match(claim, records):
+            return upheld("the contributions it serves do not hash to the roots it signed")
+        parts, weights = list(records["contributors"]), list(records["weights"])
         try:
             plan = MergePlan.make(epoch, attempt, epoch_seed(self.run_id, stage, epoch), parts,
                                   int(self.stage_numel(stage)), dict(zip(parts, weights)),
@@ -134,8 +140,8 @@ class MergeAuditor:
                 or tuple(plan.bounds[shard]) != (claim.get("offset"), claim.get("numel"))
                 or accused not in plan.reducers[shard] or len(weights) != len(parts)):
             return upheld("its claim's contributors, weights or bounds are not the plan's")
-        contribs = info.get("contrib_claims") if isinstance(info.get("contrib_claims"), Mapping) else {}
-        hashes = list(claim.get("contribution_sha256") or [])
+        contribs = records["contrib_claims"]
+        hashes = list(records["contribution_sha256"])
         if len(hashes) != len(parts):
             return upheld("its claim lists a hash per contributor")
         for p, h in zip(parts, hashes):
@@ -166,6 +172,23 @@ class MergeAuditor:
                 v.outcome, v.detail = "unresolved", f"{who[:10]}'s claim is inconsistent"
                 return v
         return false(f"all {n} chunk(s) of the accused's mean equal the mean of the signed contributions")
+
+    async def _records(self, accused: str, claim: Mapping, fetch: Fetch) -> Any:
+        """The records behind ``claim`` (see :mod:`iota_subnet.merge.claims`), as the accused serves
+        them with its kept mean. Raises _Silent when it does not answer, or answers for another claim."""
+        req = MergeAuditRequest(run_id=self.run_id, stage=int(claim["stage"]), epoch=int(claim["epoch"]),
+                                attempt=int(claim["attempt"]), plan_id=str(claim["plan_id"]),
+                                shard_index=int(claim["shard"]), what="mean", chunks=[])
+        try:
+            resp = await fetch(accused, req)
+        except ProtocolError as e:
+            raise _Silent(accused, "refused", f"{e.outcome.value}: {e.message}"[:160]) from None
+        except Exception as e:  # noqa: BLE001 - unreachable / timed out
+            raise _Silent(accused, "timeout", f"{type(e).__name__}: {e}"[:160]) from None
+        got = resp.claim or {}
+        if got.get("claim") != dict(claim):
+            raise _Silent(accused, "failed", "answered for a result claim other than the signed one")
+        return got
 
     async def _check_chunks(self, claim, contribs, parts, weights, idx, fetch, v) -> tuple[Any, dict]:
         """Fetch chunks ``idx`` of the accused's mean and of every contribution (in parts of
