@@ -291,7 +291,11 @@ class MergeConfig:
     2311.08105: lr 0.7, Nesterov momentum 0.9, tuned for H in the hundreds) with H = 10 and 15 merges
     on ``tiny``: val loss 5.635 vs 5.956 (docs/BENCHMARKS.md, "Merging").
     ``quantization``: merge payloads as ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax scales
-    over ``int8_block`` values); accumulation is always fp32.
+    over ``int8_block`` values); accumulation is always fp32. ``gather_quantization``: the encoding of
+    the reduced mean pseudo-gradient each reducer serves in the gather (``same``: as ``quantization``;
+    or one of its values). A reducer rounds its mean to that encoding before its outer step and before
+    hashing, so every replica applies the same rounded mean bit for bit (int8 gather: 1.02 bytes per
+    value instead of 4).
     ``join_timeout_s``: how long a replica waits at a merge boundary for its peers;
     ``phase_timeout_s``: the fixed part of each all-reduce phase's deadline, to which the time the
     phase's payload takes at ``assumed_uplink_bps`` is added twice (:mod:`iota_subnet.merge.deadlines`;
@@ -320,6 +324,7 @@ class MergeConfig:
     outer_momentum: float = 0.0
     nesterov: bool = True
     quantization: str = "none"
+    gather_quantization: str = "same"
     int8_block: int = 256
     join_timeout_s: float = 30.0
     phase_timeout_s: float = 30.0
@@ -337,6 +342,11 @@ class MergeConfig:
     def enabled(self) -> bool:
         return self.every_steps > 0 or self.every_blocks > 0
 
+    @property
+    def gather_quant(self) -> str:
+        """The gather's encoding: ``gather_quantization``, or ``quantization`` when that is ``same``."""
+        return self.quantization if self.gather_quantization == "same" else self.gather_quantization
+
     def validate(self) -> "MergeConfig":
         for k in ("every_steps", "every_blocks", "min_work_steps"):
             v = getattr(self, k)
@@ -348,6 +358,9 @@ class MergeConfig:
             raise ConfigError(f"merge.outer_momentum must be in [0, 1), got {self.outer_momentum!r} (DiLoCo uses 0.9)")
         if self.quantization not in MERGE_QUANTIZATIONS:
             raise ConfigError(f"merge.quantization {self.quantization!r} unknown; choose one of {list(MERGE_QUANTIZATIONS)}")
+        if self.gather_quantization not in ("same",) + MERGE_QUANTIZATIONS:
+            raise ConfigError(f"merge.gather_quantization {self.gather_quantization!r} unknown; choose one of "
+                              f"{['same', *MERGE_QUANTIZATIONS]}")
         if not isinstance(self.int8_block, int) or self.int8_block < 16:
             raise ConfigError(f"merge.int8_block must be an integer >= 16, got {self.int8_block!r}")
         for k in ("join_timeout_s", "phase_timeout_s", "progress_timeout_s", "assumed_uplink_bps"):

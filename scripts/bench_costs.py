@@ -2,14 +2,16 @@
 
 For ``8b`` (A100, 100 Mbit/s) and ``100b`` (H200, 1 Gbit/s, MFU 0.47) by default, computed from the
 code's own formulas: training FLOPs per token and host holders from :mod:`iota_subnet.plan` /
-:mod:`iota_subnet.host_plan` (meta device, nothing allocated), merge bytes from
-:func:`iota_subnet.merge.deadlines.scatter_bytes` plus the fp32 means of the gather. Paths:
+:mod:`iota_subnet.host_plan` (meta device, nothing allocated), merge bytes from the merge plan
+itself (:class:`iota_subnet.merge.plan.MergePlan`: who sends which shard to whom). Paths:
 
 * ``compute``: ``train FLOPs/token x tokens per lane step / (peak x MFU)`` seconds;
 * ``hops``: the stage's uplink per lane step (activation out + activation gradient out per row,
   ``d / ratio`` values per token in the wire dtype) / uplink rate; overlapped with compute;
-* ``merge``: uplink bytes of one merge (int8 scatter to both reducers of each shard, fp32 means
-  served to the other replicas) / rate, divided by ``merge.every_steps``;
+* ``merge``: uplink bytes of one merge for the replica that sends the most (its slice of every shard
+  to both reducers in ``merge.quantization``, the means it serves as a shard's primary reducer in
+  ``merge.gather_quantization``; at N = 2 both replicas reduce every shard and nothing is gathered)
+  / rate, divided by ``merge.every_steps``;
 * ``audits``: ``--audit-bytes-per-token`` (default 100 B, the measured ``tiny`` figure) x tokens
   / rate (the validator's link; a miner serves its share);
 * ``update store``: ``16 P`` bytes device -> host per inner step at ``--pcie-gbps`` and the same to
@@ -31,13 +33,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from iota_subnet.config import load_config  # noqa: E402
 from iota_subnet.hardware import GIB, GPUS  # noqa: E402
-from iota_subnet.merge.deadlines import scatter_bytes  # noqa: E402
+from iota_subnet.merge.deadlines import bytes_per_value  # noqa: E402
+from iota_subnet.merge.plan import MergePlan  # noqa: E402
 from iota_subnet.plan import meta_stage, plan_stage  # noqa: E402
 
 ROWS = {  # name: (config, stages, accelerator, mfu, link bits/s, replicas)
     "8b": ("configs/8b.yaml", 8, "a100", 0.5, 100e6, 2),
     "100b": ("configs/100b.yaml", 16, "h200", 0.47, 1e9, 3),
 }
+
+
+def merge_bytes_sent(n: int, numel: int, quant: str, gather_quant: str, block: int = 256) -> float:
+    """Payload bytes the busiest of ``n`` replicas sends in one merge of ``numel`` values: its slice of
+    each shard to the shard's reducers (not itself), and each mean it serves as the primary of a
+    gatherer (:meth:`MergePlan.primary_for`)."""
+    parts = [f"replica{i:04d}" for i in range(n)]
+    plan = MergePlan.make(0, 0, b"bench", parts, numel)
+    sq, gq = bytes_per_value(quant, block), bytes_per_value(gather_quant, block)
+    sent = dict.fromkeys(parts, 0.0)
+    for s, (_, size) in enumerate(plan.bounds):
+        reducers = set(plan.reducers[s])
+        for p in parts:
+            sent[p] += sq * size * len(reducers - {p})
+            if p not in reducers:
+                sent[plan.primary_for(p, s)] += gq * size
+    return max(sent.values())
 
 
 def costs(name: str, audit_b_per_token: float, pcie_gbps: float, disk_gbps: float) -> dict:
@@ -51,7 +71,8 @@ def costs(name: str, audit_b_per_token: float, pcie_gbps: float, disk_gbps: floa
     compute_s = p.train_flops_per_token * tokens / (acc.peak_flops * mfu)
     wire_values = cfg.model.dim // cfg.pipeline.compression_ratio
     hop_bytes = 2 * tokens * wire_values * 2                                 # bf16 activation + gradient out
-    merge_bytes = scatter_bytes(n, P, cfg.merge.quantization) + (n - 1) / n * P * 4
+    mc = cfg.merge
+    merge_bytes = merge_bytes_sent(n, P, mc.quantization, mc.gather_quant, mc.int8_block)
     out = {"config": name, "accelerator": acc.name, "mfu": mfu, "link_mbit_s": link_bps / 1e6, "replicas": n,
            "stage_params": P, "tokens_per_lane_step": tokens, "compute_s": compute_s, "paths": {}}
 
@@ -61,7 +82,7 @@ def costs(name: str, audit_b_per_token: float, pcie_gbps: float, disk_gbps: floa
 
     path_row("hops", hop_bytes, hop_bytes / rate, note="uplink, overlapped with compute")
     path_row("merge", merge_bytes, merge_bytes / rate, cfg.merge.every_steps,
-             note=f"{cfg.merge.quantization} scatter + fp32 means, N={n}")
+             note=f"{mc.quantization} scatter + {mc.gather_quant} means, N={n}, busiest replica")
     path_row("merge at H=10", merge_bytes, merge_bytes / rate, 10, note="the bench row's H")
     path_row("audits", audit_b_per_token * tokens, audit_b_per_token * tokens / rate,
              note=f"{audit_b_per_token:.0f} B/token on the validator's link")

@@ -9,6 +9,7 @@ import torch
 
 from iota_subnet.config import ConfigError, MergeConfig, load_config
 from iota_subnet.merge import MergeEngine, MergePlan, ModuleParams, dequantize, epoch_seed, outer_step, quantize
+from iota_subnet.merge.outer import rounding_bound
 from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import MergePayload, Outcome, ProtocolError, tensor_sha256
 from iota_subnet.sim.adversary import TamperingMergeEngine
@@ -18,12 +19,12 @@ pytestmark = pytest.mark.timeout(60)
 HK = [f"5Hotkey{i:02d}" for i in range(8)]
 
 
-def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None):
+def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None, hidden=32):
     net = transport or InProcessTransport()
     engines, mods = [], []
     for i in range(n):
         torch.manual_seed(seed)                         # same init on every replica (as StageWorker)
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        m = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 8))
         mods.append(m)
         if tamper and tamper[0] == i:       # a reducer serving tamper(shard, mean) (the cheater suite's engine)
             e = TamperingMergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
@@ -162,6 +163,43 @@ def test_merge_bit_identical_and_correct(n, quant):
     with pytest.raises(ProtocolError) as ei:
         engines[0]._on_contribute(MergePayload(epoch=0, plan_id="x", total_numel=P, shard=torch.zeros(3)), HK[1])
     assert ei.value.outcome == Outcome.LATE and ei.value.status == 410
+
+
+# bytes sent per replica at N = 3 (MergePlan.expected_bytes): int8 scatter 4/3 x 1.016 P, gather 1/3 P x
+# 4 (fp32), 2 (bf16) or 1.016 (int8): ratios 0.63 and 0.75 to the fp32 gather (no gather at N = 2: both
+# replicas reduce every shard)
+@pytest.mark.parametrize("gq,max_ratio", [("int8", 0.66), ("bf16", 0.78)])
+def test_quantized_gather_rounds_the_mean_once_and_sends_fewer_bytes(gq, max_ratio):
+    """``merge.gather_quantization``: reducers round the mean to the gather's encoding before the outer
+    step and send it encoded; replicas stay bit-identical, the result is within the rounding bound of
+    the fp32 gather's, and (int8 scatter in both) the bytes sent fall (int8 gather: ~1.02 B per value
+    instead of 4)."""
+    res = {}
+    for g in ("none", gq):
+        cfg = MergeConfig(every_steps=1, quantization="int8", gather_quantization=g, **FAST)
+        assert cfg.validate().gather_quant == g
+        net, engines, mods = make_replicas(3, cfg, hidden=4096)     # 102k values: bytes beyond the headers
+        anchor = engines[0].anchor.clone()
+        reps = asyncio.run(merge_all(engines, 0))
+        assert all(r.status == "merged" for r in reps), [r.reason for r in reps]
+        ws = [flat(m) for m in mods]
+        assert all(torch.equal(ws[0], w) for w in ws[1:])
+        res[g] = (anchor, ws[0], sum(r.bytes_sent for r in reps))
+    anchor, w_none, b_none = res["none"]
+    _, w_q, b_q = res[gq]
+    step = 0.7 * (1 + 0.9)                   # Nesterov from zero momentum: anchor - lr (1 + mu) mean
+    mean = (anchor - w_none) / step
+    if gq == "int8":        # int8 blocks start at each shard's start: bound by the absmax of any block around a value
+        near = torch.nn.functional.max_pool1d(mean.abs()[None, None], 511, stride=1, padding=255)[0, 0]
+        bound = step * near / 254 * 1.001 + 1e-6
+    else:
+        bound = step * rounding_bound(mean, gq) * 1.001 + 1e-6
+    diff = (w_q - w_none).abs()
+    assert bool((diff <= bound).all()) and float(diff.max()) > 0, float((diff - bound).max())
+    assert b_q < max_ratio * b_none, (b_q, b_none)
+    assert MergeConfig(gather_quantization="same", quantization="bf16").gather_quant == "bf16"
+    with pytest.raises(ConfigError, match="gather_quantization"):
+        MergeConfig(gather_quantization="fp4").validate()
 
 
 def test_tampered_shard_detected_and_merge_correct():

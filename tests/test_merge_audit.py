@@ -28,7 +28,7 @@ from iota_subnet.validator.merge_weights import MergeOversight, penalised_from_e
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.scoring import Ledger, Scoreboard
 from iota_subnet.validator.update_audit import UpdateAuditor
-from support.merge_net import RUN, Net, merge_epoch, train_locally
+from support.merge_net import OVR, RUN, Net, merge_epoch, train_locally
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -91,7 +91,7 @@ async def _verify(net, mo: MergeOversight, collect: bool = True):
 
         async def fetch(hk, req):
             return await cl.call(eps[hk], hk, "/audit/merge", req, MergeAuditResponse, retries=0, timeout_s=20)
-        auditor = MergeAuditor(RUN, lambda stage: numel, sample_chunks=2)
+        auditor = MergeAuditor(RUN, lambda stage: numel, sample_chunks=2, gather_quant=net.cfg.merge.gather_quant)
         verdicts = await mo.verify(auditor, fetch, limit=20)
         bytes_ = cl.bytes_sent + cl.bytes_received
     return verdicts, bytes_
@@ -106,9 +106,14 @@ def _scores(net, policy):
     return board.weights([1.0], {s.uid: s.hotkey for s in net.svcs})
 
 
-async def _accusers_net(tmp_path):
+def _ovr(quant: str) -> dict:
+    """The merge nets' config with ``merge.quantization`` (the gather follows it: ``same``)."""
+    return {**OVR, "merge": {**OVR["merge"], "quantization": quant}}
+
+
+async def _accusers_net(tmp_path, quant: str = "none"):
     """One honest replica and two colluding accusers (``accuse``) of one stage."""
-    net = Net(tmp_path)
+    net = Net(tmp_path, ovr=_ovr(quant))
     await net.start(1)
     x = await net.add("accuse")
     y = await net.add("accuse")
@@ -117,9 +122,12 @@ async def _accusers_net(tmp_path):
     return net, net.svcs[0], x, y
 
 
-def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp_home):
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp_home, quant):
+    """With ``int8`` the honest reducer's mean is rounded to the int8 gather: the validator's check
+    allows that rounding (and only that) and still clears it."""
     async def main():
-        net, honest, x, y = await _accusers_net(tmp_path)
+        net, honest, x, y = await _accusers_net(tmp_path, quant)
         try:
             for k, s in enumerate(net.svcs):
                 train_locally(s, k)
@@ -153,9 +161,10 @@ def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp
     asyncio.run(main())
 
 
-def test_poisoning_reducer_accusation_upheld(tmp_path, tmp_home):
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_poisoning_reducer_accusation_upheld(tmp_path, tmp_home, quant):
     async def main():
-        net = Net(tmp_path)
+        net = Net(tmp_path, ovr=_ovr(quant))
         await net.start(3, adversary_last="poison")
         try:
             a, b, p = net.svcs

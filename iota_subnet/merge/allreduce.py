@@ -5,8 +5,8 @@
 
 * **scatter**: the pseudo-gradient ``anchor - weights`` (host float32 [P]) is cut by the plan and
   quantized; each slice streams, chunk by chunk, to both reducers of its shard;
-* **gather + verify**: for every shard the mean is fetched chunk by chunk from one reducer and its
-  hash from the other; equal hashes and equal contributions roots (the same contributors, weights
+* **gather + verify**: for every shard the mean (rounded by its reducers to ``merge.gather_quantization``
+  and sent in that encoding) is fetched chunk by chunk from one reducer and its hash from the other; equal hashes and equal contributions roots (the same contributors, weights
   and inputs; each result's metadata is O(1) in the number of replicas) and chunks matching them
   accept the shard;
 * **third-party recompute** (:meth:`AllReduceAttempt._recompute`): when the reducers disagree, every
@@ -29,8 +29,8 @@ from iota_subnet.protocol import (MergeAck, MergePayload, MergeResult, MergeResu
 from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.progress import Progress
 
-from .deadlines import phase_deadline_s, scatter_bytes
-from .outer import dequantize, outer_step, quantize, weighted_mean
+from .deadlines import bytes_per_value, phase_deadline_s, scatter_bytes
+from .outer import dequantize, outer_step, quantize, rounded, weighted_mean
 from .plan import MergePlan
 from .serve import STILL_REDUCING, _Session, _ShardReduce
 
@@ -195,8 +195,8 @@ class AllReduceAttempt:
                             if not isinstance(reply, MergeResult):
                                 got[prim] = reply           # unreachable mid-way
                                 break
-                        m = reply.mean
-                        if m is None or m.dtype != torch.float32 or m.numel() != n:
+                        m = self._decode_mean(reply)
+                        if m is None or m.numel() != n:
                             chunks_ok = False
                             break
                         for view in host_bytes(m):
@@ -246,12 +246,13 @@ class AllReduceAttempt:
                 apply_chunk(off, mean)
             done.add(s)
 
-        prog = Progress(4 * sum(plan.bounds[s][1] for s in range(plan.num_shards)), f"merge epoch {plan.epoch}: "
+        bpv = bytes_per_value(self.cfg.gather_quant, self.cfg.int8_block)
+        prog = Progress(int(bpv * sum(plan.bounds[s][1] for s in range(plan.num_shards))), f"merge epoch {plan.epoch}: "
                         "gather", "B", unit_scale=True, min_total=64 << 20)
 
         async def gather_counted(s: int) -> None:
             await gather_one(s)
-            prog.update(4 * plan.bounds[s][1])
+            prog.update(int(bpv * plan.bounds[s][1]))
         with prog:
             await asyncio.gather(*(gather_counted(s) for s in range(plan.num_shards)))
         if len(done) != plan.num_shards:
@@ -284,5 +285,16 @@ class AllReduceAttempt:
             await asyncio.gather(*(get(p) for p in plan.participants if p != self.me))
             if len(slices) != len(plan.participants):
                 return None
-            out.append(weighted_mean([(plan.weight(p), slices[p]) for p in plan.participants]))
+            mean = weighted_mean([(plan.weight(p), slices[p]) for p in plan.participants])
+            out.append(rounded(mean, self.cfg.gather_quant, self.cfg.int8_block)[0])     # as an honest reducer serves it
         return out
+
+    def _decode_mean(self, reply: MergeResult) -> Optional[torch.Tensor]:
+        """The float32 chunk of the mean a reducer served (``reply``), or None when it is missing or not
+        in this run's gather encoding."""
+        if reply.mean is None or reply.quant != self.cfg.gather_quant:
+            return None
+        try:
+            return dequantize(reply.mean, reply.mean_scales, reply.quant, self.cfg.int8_block)
+        except ValueError:
+            return None

@@ -75,6 +75,7 @@ from .claims import contributions_root
 from .deadlines import LinkProgress, call_allowance_s, phase_deadline_s, scatter_bytes
 from .join import MergeJoining
 from .liveness import PeerLiveness
+from .outer import rounded
 from .params import ModuleParams
 from .report import MergeReport
 from .plan import MergePlan, epoch_seed
@@ -412,7 +413,12 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
             order = list(plan.participants)
             honest = red.means
             served = self.mean_to_serve(s, honest)
-            sess.honest[s], sess.served[s] = honest, served
+            if served is honest:
+                wire = red.wire
+            else:                 # what a subclass serves travels in the gather's encoding too
+                pairs = [rounded(t, self.cfg.gather_quant, self.cfg.int8_block) for t in served]
+                served, wire = [x for x, _ in pairs], [w for _, w in pairs]
+            sess.honest[s], sess.served[s], sess.served_wire[s] = honest, served, wire
             weights = [plan.weight(p) for p in order]
             hashes = [red.contribution_h[p].hexdigest() for p in order]
             sess.results[s] = MergeResult(**base, status="ok", contributions_root=contributions_root(order, weights, hashes),
@@ -427,6 +433,6 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
 
     def mean_to_serve(self, shard_index: int, mean: list[torch.Tensor]) -> list[torch.Tensor]:
         """The mean pseudo-gradient of shard ``shard_index`` this replica, as its reducer, signs and
-        serves: ``mean`` itself (its chunks, float32, as reduced). A subclass may override it; the
+        serves: ``mean`` itself (its chunks, float32, as reduced and rounded to the gather's encoding). A subclass may override it; the
         replicas gathering the shard check what it serves against their own recomputation."""
         return mean

@@ -61,6 +61,31 @@ def quantize(x: torch.Tensor, mode: str, block: int = 256) -> tuple[torch.Tensor
     raise ValueError(f"unknown quantization {mode!r}; choose none, bf16 or int8")
 
 
+def rounded(x: torch.Tensor, mode: str, block: int = 256) -> tuple[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """``x`` (float32 [n]) as the wire will carry it: (``dequantize(quantize(x))``, the wire form).
+    Deterministic: equal inputs give equal bits on every replica."""
+    wire = quantize(x, mode, block)
+    return (x if mode == "none" else dequantize(wire[0], wire[1], mode, block)), wire
+
+
+def rounding_bound(x: torch.Tensor, mode: str, block: int = 256) -> torch.Tensor:
+    """Per value, an upper bound on ``|rounded(x) - x|`` (float32 [n]): 0 for ``none``, ``|x| / 256``
+    for ``bf16`` (8 significant bits, round to nearest), half the block's scale ``absmax / 127`` for
+    ``int8``."""
+    x = x.detach().float().reshape(-1)
+    if mode == "none":
+        return torch.zeros_like(x)
+    if mode == "bf16":
+        return x.abs() / 256.0
+    if mode == "int8":
+        n = x.numel()
+        nb = math.ceil(n / block) if n else 0
+        xp = torch.nn.functional.pad(x.abs(), (0, nb * block - n)).view(nb, block) if nb else x.view(0, block)
+        half = (xp.amax(dim=1, keepdim=True) / 254.0).expand(nb, block)
+        return half.reshape(-1)[:n].contiguous()
+    raise ValueError(f"unknown quantization {mode!r}; choose none, bf16 or int8")
+
+
 def dequantize(q: torch.Tensor, scales: Optional[torch.Tensor], mode: str, block: int = 256) -> torch.Tensor:
     """Inverse of :func:`quantize` (float32 [n]). Raises ValueError when dtype or scales do not fit ``mode``."""
     if mode == "none":

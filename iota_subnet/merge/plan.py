@@ -94,9 +94,9 @@ class MergePlan:
         return dict(self.weights)[hotkey]
 
     def chunks(self, shard: int) -> list[tuple[int, int]]:
-        """``(offset, numel)`` of the chunks of ``shard`` in order: ``chunk_numel`` values each from
-        the shard's start (a multiple of the int8 block, so chunked quantization equals whole-shard
-        quantization), the last one shorter."""
+        """``(offset, numel)`` of the chunks of ``shard`` in order: ``chunk_numel`` values each (a
+        multiple of the int8 block, so chunked quantization equals quantizing the whole shard from its
+        start) from the shard's start, the last one shorter."""
         off, n = self.bounds[shard]
         return [(off + o, min(self.chunk_numel, n - o)) for o in range(0, n, self.chunk_numel)] or [(off, 0)]
 

@@ -29,7 +29,7 @@ from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult
 from iota_subnet.protocol.codec import host_bytes
 
 from .deadlines import phase_deadline_s, scatter_bytes
-from .outer import dequantize, outer_step, weighted_mean
+from .outer import dequantize, outer_step, rounded, weighted_mean
 from .plan import MergePlan
 
 #: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
@@ -49,7 +49,8 @@ class _ShardReduce:
         self.got: dict[str, int] = {p: 0 for p in participants}  # chunks received per sender (in order)
         self.contribution_h = {p: hashlib.sha256() for p in self.got}
         self.reduced = 0                                        # chunks reduced so far
-        self.means: list[torch.Tensor] = []
+        self.means: list[torch.Tensor] = []                      # reduced chunks, rounded to the gather's encoding
+        self.wire: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []   # the same, encoded (values, scales)
         self.shard_h, self.momentum_h = hashlib.sha256(), hashlib.sha256()
         self.progress = asyncio.Event()
 
@@ -72,6 +73,7 @@ class _Session:
         self.results: dict[int, MergeResult] = {}                # header of each result (no tensor)
         self.honest: dict[int, list[torch.Tensor]] = {}          # means computed here (before mean_to_serve)
         self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
+        self.served_wire: dict[int, list[tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}   # encoded
         self.result_ready: dict[int, asyncio.Event] = {}
         self.closed = False
         self.created = time.monotonic()
@@ -227,13 +229,15 @@ class MergeServing:
             c = red.reduced
             box = red.inbox.pop(c)
             off, n = red.chunks[c]
-            mean = weighted_mean([(plan.weight(p), box[p]) for p in order])
+            mean, wire = rounded(weighted_mean([(plan.weight(p), box[p]) for p in order]), self.cfg.gather_quant,
+                                 self.cfg.int8_block)
             new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
                                   mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
             for h, t in ((red.shard_h, new), (red.momentum_h, mom)):
                 for view in host_bytes(t):
                     h.update(view)
             red.means.append(mean)
+            red.wire.append(wire)
             red.reduced += 1
         red.progress.set()
 
@@ -268,12 +272,14 @@ class MergeServing:
         res = sess.results.get(msg.shard_index)
         if res is None:
             raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")
-        served = sess.served.get(msg.shard_index)
+        served = sess.served_wire.get(msg.shard_index)
         if not msg.with_tensor or served is None:
             return res
         if not 0 <= msg.chunk < len(served):
             raise ProtocolError(Outcome.BAD_SHAPE, f"shard {msg.shard_index} has {len(served)} chunks, not {msg.chunk}")
-        return MergeResult(**{**res.__dict__, "chunk": msg.chunk, "mean": served[msg.chunk]})
+        values, scales = served[msg.chunk]
+        return MergeResult(**{**res.__dict__, "chunk": msg.chunk, "quant": self.cfg.gather_quant, "mean": values,
+                              "mean_scales": scales})
 
     def _on_contribution(self, msg: MergeResultRequest, caller: str) -> MergePayload:
         sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))

@@ -152,7 +152,9 @@ class MergeResult(Message):
     """A reducer's result for one shard. ``status``: ``ok`` | ``incomplete`` (``missing`` names the
     contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``) of the
     whole shard; ``chunk_sha256``: of each chunk of the mean, in order; ``mean``: chunk ``chunk`` of
-    the mean (when asked with ``with_tensor``). ``contributions_root``: one digest over the
+    the mean (when asked with ``with_tensor``), encoded as ``quant`` says (``none``: float32 [n];
+    ``bf16``; ``int8`` [n] with ``mean_scales`` float32 [ceil(n / block)]); the hashes are of the
+    decoded float32 values. ``contributions_root``: one digest over the
     contributors, their weights and the sha256 of the dequantized values it used from each
     (:func:`iota_subnet.merge.claims.contributions_root`): two reducers that agree on it reduced the
     same inputs; the list itself is not sent (it would make every result O(N), every replica's
@@ -170,7 +172,9 @@ class MergeResult(Message):
     momentum_sha256: str = ""
     chunk: int = 0
     chunk_sha256: list[str] = field(default_factory=list)
+    quant: str = "none"
     mean: Optional[torch.Tensor] = tensor_field()
+    mean_scales: Optional[torch.Tensor] = tensor_field()
 
 
 @dataclass(kw_only=True)

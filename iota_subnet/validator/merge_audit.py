@@ -18,7 +18,10 @@ accusation (reporter R names reducer A for shard s of a plan):
 3. The validator fetches chunks of A's served mean and of every contributor's slice
    (``/audit/merge``, Merkle proofs against the signed roots), first ``sample_chunks`` random
    ones, and recomputes the weighted mean on them (fp32, the participants' order, the plan's
-   weights; tolerance :data:`MEAN_RTOL`). A sampled chunk that differs: **upheld**. If all sampled
+   weights; tolerance :data:`MEAN_RTOL` of the chunk's largest value, plus, per value, the bound on
+   the rounding to the run's gather encoding, ``merge.gather_quantization``, that an honest reducer
+   applies: :func:`~iota_subnet.merge.outer.rounding_bound`, for int8 half of the chunk's absmax /
+   127). A sampled chunk that differs: **upheld**. If all sampled
    chunks agree, before penalising the reporter it checks the whole shard (all chunks, fetched in
    bounded parts, and the full hashes against the signed ``sha256``): all agree: **false**; any
    differ: **upheld**.
@@ -42,7 +45,7 @@ import torch
 
 from iota_subnet.audit.merkle import leaf_hash, verify_proof
 from iota_subnet.merge.claims import CONTRIBUTION, MAX_AUDIT_CHUNKS, RESULT, n_chunks, records_match, verify_claim
-from iota_subnet.merge.outer import weighted_mean
+from iota_subnet.merge.outer import rounding_bound, weighted_mean
 from iota_subnet.merge.plan import MergePlan, epoch_seed
 from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, ProtocolError, proof_from_tensor,
                                   tensor_sha256)
@@ -80,8 +83,9 @@ class MergeAuditor:
     are rebuilt from it); ``sample_chunks``: random chunks checked first; ``rng``: OS-seeded."""
 
     def __init__(self, run_id: str, stage_numel: Callable[[int], int], *, sample_chunks: int = 4,
-                 rng: Optional[random.Random] = None, chunks_per_request: int = 64):
+                 rng: Optional[random.Random] = None, chunks_per_request: int = 64, gather_quant: str = "none"):
         self.run_id = run_id
+        self.gather_quant = gather_quant
         self.stage_numel = stage_numel
         self.sample_chunks = max(1, int(sample_chunks))
         self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
@@ -216,8 +220,13 @@ class MergeAuditor:
             ref = weighted_mean([(w, got[p][i]) for p, w in zip(parts, weights)])
             mine = got[MEAN][i]
             v.chunks_checked += 1
+            if mine.shape != ref.shape:
+                bad.append(i)
+                continue
             tol = MEAN_RTOL * float(ref.abs().max()) if ref.numel() else 0.0
-            if mine.shape != ref.shape or float((mine - ref).abs().max()) > tol:
+            # int8 blocks of the audit chunk need not align with the reducer's: bound by the chunk's absmax
+            tol = tol + rounding_bound(ref, self.gather_quant, max(1, ref.numel())) * 1.001
+            if bool(((mine - ref).abs() > tol).any()):
                 bad.append(i)
         return bad, got
 
