@@ -33,28 +33,6 @@ from support.merge_net import OVR, RUN, Net, merge_epoch, train_locally
 pytestmark = pytest.mark.timeout(180)
 
 
-class AuditNet(Net):
-    """Net whose miners keep update audits (``MinerService(audit_window=2)``)."""
-
-    async def add(self, adversary=None, parts=None):
-        from iota_subnet.miner.service import MinerService
-        from iota_subnet.sim.adversary import adversary_parts
-        from iota_subnet.wallets import create_wallet
-        if adversary:
-            parts = adversary_parts(adversary, self.cfg)
-        i = len(self.svcs)
-        w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
-        await self.chain.register(w, 9)
-        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", parts=parts, audit_window=2)
-        await svc.start()
-        self.svcs.append(svc)
-        for s in self.svcs:
-            s._last_refresh = 0
-            await s.refresh(force=True)
-        return svc
-
-
 def test_claims_sign_verify_and_incoming_checks():
     from bittensor.sp_core import Keypair
     a, b = Keypair.create_from_uri("//Alice"), Keypair.create_from_uri("//Bob")
@@ -231,7 +209,7 @@ def test_audits_answer_while_a_merge_runs(tmp_path, tmp_home):
     """Tried: a validator's /state request to a replica running a merge waited the full 30 s. The
     audit routes answer from stored copies: merge gate closed and worker lock held, they still answer."""
     async def main():
-        net = AuditNet(tmp_path)
+        net = Net(tmp_path, audit_window=2)       # its miners keep update audits
         await net.start(2)
         a, b = net.svcs
         try:

@@ -13,7 +13,6 @@ import time
 import aiohttp
 import pytest
 
-from iota_subnet.devnet import add_stake, open_devnet
 from iota_subnet.miner.health import miner_health
 from iota_subnet.protocol import Outcome, ProtocolError
 from iota_subnet.validator.service import ValidatorService
@@ -30,17 +29,10 @@ MINER_ONE_SHOTS = {"catch-up", "merge"}
 VALIDATOR_TASKS = {"status", "metagraph", "weights", "clasp", "audits", "train", "dashboard"}
 
 
-async def _start(net: P2PNet, supervisor, **miner_kw) -> None:
-    """``net.start()`` with a supervisor of its own for each miner (``supervisor(stage)``)."""
-    net.chain = await open_devnet(net.db)
-    for w in net.vals:
-        await net.chain.register(w, NETUID)
-        add_stake(net.db, w.hotkey.ss58_address, w.coldkey.ss58_address, 100.0, netuid=NETUID)
-    for w in net.miner_wallets.values():
-        await net.chain.register(w, NETUID)
-    for (s, r) in net.miner_wallets:
-        await net.start_miner(s, r, supervisor=supervisor(s), **({"dashboard_port": 0} if s == 0 else {}),
-                              **miner_kw)
+def _per_miner(supervisor):
+    """``start(per_miner=...)`` arguments: a supervisor of its own for each miner (``supervisor(stage)``),
+    the dashboard on stage 0's miners."""
+    return lambda s, r: {"supervisor": supervisor(s), **({"dashboard_port": 0} if s == 0 else {})}
 
 
 async def _get(url: str) -> tuple[int, str]:
@@ -59,7 +51,7 @@ def test_every_task_raising_once_restarts_and_the_run_pays_every_miner(tmp_home,
             sups[stage] = FaultySupervisor(f"miner {stage}", base_backoff_s=0.05, fail_times=1)
             return sups[stage]
 
-        await _start(net, miner_sup)
+        await net.start(per_miner=_per_miner(miner_sup))
         stop = asyncio.Event()
         serving = [asyncio.create_task(m.run(stop)) for m in net.miners.values()]
         try:
@@ -112,7 +104,7 @@ def test_a_task_failing_on_every_start_makes_health_unhealthy_within_five_failur
             return FaultySupervisor(f"miner {stage}", base_backoff_s=0.01, max_backoff_s=0.05, fail_times=10 ** 9,
                                     only={"receipts"} if stage == 0 else ())
 
-        await _start(net, miner_sup)
+        await net.start(per_miner=_per_miner(miner_sup))
         vsup = FaultySupervisor("validator", base_backoff_s=0.01, max_backoff_s=0.05, fail_times=10 ** 9,
                                 only={"weights"})
         svc = ValidatorService(net.options(steps=None, wait_miners_s=60), wallet=net.vals[0], chain=net.chain,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
@@ -58,8 +58,10 @@ class P2PNet:
         self.validators: list[ValidatorService] = []
         self.chain = None
 
-    async def start(self, adversaries: Optional[dict] = None, **miner_kw) -> None:
-        """Register everyone and start the miners; ``adversaries``: (stage, replica) -> adversary kind."""
+    async def start(self, adversaries: Optional[dict] = None, per_miner: Optional[Callable[[int, int], dict]] = None,
+                    **miner_kw) -> None:
+        """Register everyone and start the miners; ``adversaries``: (stage, replica) -> adversary kind;
+        ``per_miner(stage, replica)``: more :meth:`start_miner` arguments for that miner."""
         self.chain = await open_devnet(self.db)
         for w in self.vals:
             await self.chain.register(w, NETUID)
@@ -68,7 +70,8 @@ class P2PNet:
             await self.chain.register(w, NETUID)
         for (s, r) in self.miner_wallets:
             kind = (adversaries or {}).get((s, r))
-            await self.start_miner(s, r, **miner_kw, **({"parts": adversary_parts(kind, self.cfg)} if kind else {}))
+            await self.start_miner(s, r, **miner_kw, **({"parts": adversary_parts(kind, self.cfg)} if kind else {}),
+                                   **(per_miner(s, r) if per_miner else {}))
 
     async def start_miner(self, s: int, r: int, **kw) -> MinerService:
         m = MinerService(self.cfg, self.miner_wallets[(s, r)], self.chain, netuid=NETUID, run_id=RUN, stage=s,

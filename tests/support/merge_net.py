@@ -30,8 +30,9 @@ def flat(svc):
 
 
 class Net:
-    def __init__(self, tmp, stage=1, ovr=OVR):
-        self.tmp, self.stage = tmp, stage
+    def __init__(self, tmp, stage=1, ovr=OVR, **miner_kw):
+        """``miner_kw``: more :class:`MinerService` arguments for every replica (e.g. ``audit_window``)."""
+        self.tmp, self.stage, self.miner_kw = tmp, stage, miner_kw
         self.db = tmp / "chain.db"
         create_devnet(self.db, 9, tempo=50, block_time=0.5, weights_rate_limit=1, max_validators=1)
         self.cfg = load_config("configs/tiny.yaml", ovr)
@@ -54,7 +55,8 @@ class Net:
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
         await self.chain.register(w, 9)
         svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", parts=parts, allow_data_fallback=True)
+                           host="127.0.0.1", external_ip="127.0.0.1", parts=parts, allow_data_fallback=True,
+                           **self.miner_kw)
         await svc.start()
         self.svcs.append(svc)
         for s in self.svcs:
