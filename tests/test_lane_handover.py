@@ -139,3 +139,70 @@ def test_with_the_departed_member_gone_the_spare_takes_the_stages_merged_state(t
     assert ack.status == "accepted"
     assert seen[0] == merged_hash, "the spare trained lane 0 with lane 1's weights"
     assert lane == 0
+
+
+def test_a_head_handed_another_lane_keeps_its_tickets_queued_until_it_holds_the_lanes_weights():
+    """The head's side (a real stage-0 StageWorker behind a real DataPlane, the next stage a recorder):
+    a head that trained lane 1 gets lane 0's tickets; it starts no forward of lane 0 before its
+    ``take_lane`` has set the lane's weights, then trains lane 0 from the lane's step."""
+    from iota_subnet.config import load_config
+    from iota_subnet.miner.dataplane import DataPlane
+    from iota_subnet.miner.stage_worker import StageWorker
+    from support.dataplane_net import OVR
+
+    HEAD, S1, S2, VALI = "5Head", "5Stage1", "5Stage2", "5Vali"
+
+    async def main():
+        cfg = load_config("configs/tiny.yaml", OVR)
+        worker = StageWorker(cfg, 0, seed=0, total_steps=20)
+        worker.lane, worker.inner_step = 1, 3                 # it trained lane 1 up to step 3
+        lane_weights = {k: v + 0.5 for k, v in worker.module.state_dict().items()}
+        forwards, released, hashes = [], asyncio.Event(), []
+
+        async def send(hotkey, hop):
+            if hop.direction == "forward":
+                forwards.append(hop)
+            return HopAck(run_id=hop.run_id, stage=hop.stage, microbatch_id=hop.microbatch_id, status="accepted")
+
+        async def post(validator, batch):
+            pass
+
+        async def take_lane(t):
+            await released.wait()
+            with worker.lock:
+                worker.module.load_state_dict(lane_weights)
+                worker.weights_replaced()
+                worker.inner_step, worker.lane = t.step, t.lane
+            return "test holder"
+
+        def rows(split, seed, start, n):
+            g = torch.Generator().manual_seed(seed * 1000 + start)
+            return torch.randint(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), generator=g)
+        compute = worker.compute_forward
+
+        def recorded(mb_id, x, targets=None, *, train=True, accumulate=True):
+            if train and accumulate:
+                hashes.append(weights_hash(torch.cat([p.detach().reshape(-1) for p in worker.module.parameters()])))
+            return compute(mb_id, x, targets, train=train, accumulate=accumulate)
+        worker.compute_forward = recorded
+        dp = DataPlane(worker, me=HEAD, n_stages=3, compute=lambda fn: asyncio.to_thread(fn), send=send,
+                       post_receipts=post, rows=rows, receipt_interval_s=0.05, take_lane=take_lane)
+        dp.start()
+        try:
+            now = time.time()
+            tickets = [Ticket(run_id="head-test", validator=VALI, lane=0, step=5, index=i, microbatch_id=f"l0-k5-m{i}",
+                              split="train", seed=1, start=20 + 2 * i, rows=cfg.train.micro_batch,
+                              seq_len=cfg.data.seq_len, width=64, wire_dtype="bf16", train=True, micro_per_step=2,
+                              route=(HEAD, S1, S2), issued_at=now, deadline=now + 3600) for i in range(2)]
+            dp.accept_tickets(tickets, base_steps={0: 5})
+            await asyncio.sleep(1.5)
+            waited = (len(forwards), len(dp.tickets), worker.inner_step, worker.lane)
+            released.set()
+            await until(lambda: len(forwards) == 2, 30)
+            want = weights_hash(torch.cat([lane_weights[k].reshape(-1) for k, _ in worker.module.named_parameters()]))
+            return waited, hashes, want, worker.lane, dp.counts["lanes_taken"]
+        finally:
+            await dp.stop()
+    waited, hashes, want, lane, taken = asyncio.run(main())
+    assert waited == (0, 2, 3, 1), waited          # nothing started, nothing skipped, before the weights are in
+    assert hashes == [want, want] and lane == 0 and taken == 1
