@@ -45,6 +45,8 @@ class DataPlaneNode:
     time (in receipts); ``updates``: the stage's :class:`~iota_subnet.miner.update_store.UpdateStore`,
     whose commitments travel to every validator with the next receipt batch. ``supervisor``: runs
     and restarts the data plane's loops (see :class:`~iota_subnet.miner.dataplane.DataPlane`).
+    ``take_lane(ticket)``: gives this replica a lane's weights before it trains in a lane it did not
+    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover).
     """
 
     def __init__(self, worker: Any, wallet: Any, *, cfg: Any, run_id: str, stage: int, width: int, max_rows: int,
@@ -53,7 +55,8 @@ class DataPlaneNode:
                  rows: Optional[RowSource] = None, gate: Optional[Callable[[], Awaitable[None]]] = None,
                  after_compute: Optional[Callable[[], None]] = None, max_in_flight: int = 8,
                  hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5, hops: Optional[HopStore] = None,
-                 boot: Optional[float] = None, updates: Optional[Any] = None, supervisor: Optional[Supervisor] = None):
+                 boot: Optional[float] = None, updates: Optional[Any] = None, supervisor: Optional[Supervisor] = None,
+                 take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None):
         self.wallet, self.run_id, self.stage, self.cfg = wallet, run_id, stage, cfg
         self.me: str = wallet.hotkey.ss58_address
         self.width, self.max_rows = width, max_rows
@@ -71,7 +74,7 @@ class DataPlaneNode:
         self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
                                send=self._send, post_receipts=self._post_receipts, rows=rows,
                                max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s, hops=hops,
-                               boot=boot, supervisor=supervisor)
+                               boot=boot, supervisor=supervisor, take_lane=take_lane)
         self.updates = updates
         #: update commitments taken from the store (newest last) and, per validator, how many it was sent
         self._commits: list[dict] = []

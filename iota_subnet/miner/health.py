@@ -28,10 +28,17 @@ def miner_health(svc: Any) -> Health:
     return Health(run_id=svc.run_id, stage=svc.stage, inner_step=w.inner_step,
                   status="ok" if ready else "syncing", ready=ready,
                   hotkey=svc.hotkey, uptime_s=time.time() - svc.started_at,
-                  stats={"stage": svc.stage, "inner_step": w.inner_step, "forwards": w.forwards,
+                  stats={"stage": svc.stage, "inner_step": w.inner_step, "lane": lane_of(w), "forwards": w.forwards,
                          "backwards": w.backwards, "tokens": w.tokens, "cache_bytes": w.cache.bytes,
                          "evictions_ttl": w.cache.evictions["ttl"], "evictions_bytes": w.cache.evictions["bytes"],
                          **merge_health(svc.merge)})
+
+
+def lane_of(worker: Any) -> int:
+    """The lane ``worker`` last trained in as the lane's own miner of its stage; -1: none yet (a
+    replica taking over a lane asks its stage peers for it: :mod:`iota_subnet.miner.lane_handover`)."""
+    lane = getattr(worker, "lane", None)
+    return -1 if lane is None else int(lane)
 
 
 def merge_health(merge: Any) -> dict[str, float]:

@@ -50,6 +50,7 @@ from iota_subnet.merge.transport import HttpTransport
 from iota_subnet.miner.catch_up import catch_up
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
+from iota_subnet.miner.lane_handover import take_lane
 from iota_subnet.miner.health import miner_health
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS, HopStore
 from iota_subnet.miner.parts import MinerParts
@@ -316,7 +317,8 @@ class MinerService:
                                   after_compute=self._maybe_merge,
                                   max_in_flight=in_flight_window(self.cfg, self.max_in_flight, bound),
                                   hop_timeout_s=self.hop_timeout_s, hops=self.hops, boot=self.started_at,
-                                  updates=self.worker.updates, supervisor=self.sup)
+                                  updates=self.worker.updates, supervisor=self.sup,
+                                  take_lane=(lambda t: take_lane(self, t)) if self.worker.has_weights else None)
         for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)

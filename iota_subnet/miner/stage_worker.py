@@ -94,6 +94,9 @@ class StageWorker:
         #: (from, to) inner steps of the last :meth:`skip_to` jump ((0, 0): none): merge boundaries in
         #: (from, to] were jumped over, not trained to
         self.last_skip: tuple[int, int] = (0, 0)
+        #: the lane this replica last trained in as the lane's own miner of its stage (None: none yet);
+        #: its weights are that lane's (the data plane takes a lane's weights before it trains in another)
+        self.lane: Optional[int] = None
         self.recomputes = 0
         self.pending = 0                    # backward passes accumulated since the last inner step
         self.forwards = self.backwards = 0
@@ -341,7 +344,8 @@ class StageWorker:
 
     # ---- state -------------------------------------------------------------------------------
     def meta(self) -> dict:
-        return {"step": self.inner_step, "merges": self.merges, "stage": self.stage, "config_fingerprint": self.fingerprint,
+        return {"step": self.inner_step, "merges": self.merges, "stage": self.stage, "lane": self.lane,
+                "config_fingerprint": self.fingerprint,
                 "forwards": self.forwards, "backwards": self.backwards, "tokens": self.tokens,
                 "trained_tokens": self.trained_tokens, "busy_s": round(self.busy_s, 3), "saved_at": time.time()}
 
@@ -383,6 +387,7 @@ class StageWorker:
             self.forwards, self.backwards = int(meta.get("forwards", 0)), int(meta.get("backwards", 0))
             self.tokens = int(meta.get("tokens", 0))
             self.trained_tokens = int(meta.get("trained_tokens", self.tokens))
+            self.lane = int(meta["lane"]) if isinstance(meta.get("lane"), int) else None
             self.pending = 0
         logger.info(f"stage {self.stage}: resumed from {path} at inner step {self.inner_step}")
         return True

@@ -33,6 +33,8 @@ class HeadAdmission:
         w = self.worker
         in_flight = sum(1 for p in self.pending.values() if p.ticket.train)
         members = sorted(k for k, t in self.tickets.items() if t.train and t.is_member(0, self.me))
+        if members and not self._lane_ready(self.tickets[members[0]]):
+            members = []            # the lane's weights first (:mod:`.handover`); its tickets wait here
         if members:
             lane, step, _ = members[0]
             if step < w.inner_step and not self.steps.busy(lane, step):

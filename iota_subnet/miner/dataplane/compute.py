@@ -40,10 +40,15 @@ class StageCompute:
             old = self.pending.pop(superseded, None)
             if old is not None:
                 self.worker.drop(self._key(old.ticket))
+        if ok:
+            w.lane = t.lane
         return ok
 
     async def _forward(self, task: _Task) -> None:
         t, w = task.ticket, self.worker
+        if not self._lane_ready(t):          # the lane's weights first (:mod:`.handover`)
+            self._park(task)
+            return
         accumulate = self._accumulates(t)
         targets = None
         t0 = time.perf_counter()

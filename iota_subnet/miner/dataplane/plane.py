@@ -22,6 +22,7 @@ from iota_subnet.utils.supervise import Supervisor
 from ..hop_store import HopStore
 from .admission import HeadAdmission
 from .compute import StageCompute
+from .handover import LaneHandover
 from .outbound import HopSending
 from .receipts import ReceiptBatching
 from .tracking import Pending, RowSource, StepTracker, _Task
@@ -30,7 +31,7 @@ from .tracking import Pending, RowSource, StepTracker, _Task
 SEEN_HOPS = 20_000
 
 
-class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
+class DataPlane(HeadAdmission, StageCompute, LaneHandover, HopSending, ReceiptBatching):
     """One stage's data-plane scheduler (see the package docstring, :mod:`iota_subnet.miner.dataplane`).
 
     ``worker``: a :class:`~iota_subnet.miner.stage_worker.StageWorker` (``auto_step`` is turned off once
@@ -46,6 +47,8 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
     ``boot``: unix time this process started (in every receipt: a restart announces itself).
     ``supervisor``: runs the compute loop (``dataplane``), the receipt flusher (``receipts``) and the
     senders (``sender0``, ...) and restarts one that fails (the miner's own; None: one of its own).
+    ``take_lane(ticket)``: awaitable that gives this replica the weights of ``ticket``'s lane before it
+    trains in a lane it did not train (:mod:`.handover`; returns how, for the log); None: no handover.
     """
 
     def __init__(self, worker: Any, *, me: str, n_stages: int, compute: Callable[[Callable[[], Any]], Awaitable[Any]],
@@ -53,8 +56,12 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
                  post_receipts: Callable[[str, list[dict]], Awaitable[None]], rows: Optional[RowSource] = None,
                  max_in_flight: int = 8, receipt_interval_s: float = 0.5, wire_dtype: Optional[str] = None,
                  senders: int = 2, clock: Callable[[], float] = time.time, hops: Optional[HopStore] = None,
-                 boot: Optional[float] = None, supervisor: Optional[Supervisor] = None):
+                 boot: Optional[float] = None, supervisor: Optional[Supervisor] = None,
+                 take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None):
         self.worker, self.me = worker, me
+        self.take_lane = take_lane
+        self._parked: list[_Task] = []          # forwards of a lane being taken (:mod:`.handover`)
+        self._taking: Optional[asyncio.Task] = None
         self.stage, self.n_stages = int(worker.stage), int(n_stages)
         self.is_head, self.is_tail = self.stage == 0, self.stage == self.n_stages - 1
         self.compute, self.send, self.post_receipts, self.rows = compute, send, post_receipts, rows
@@ -250,5 +257,6 @@ class DataPlane(HeadAdmission, StageCompute, HopSending, ReceiptBatching):
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
         return {"queued_tickets": len(self.tickets), "pending_backwards": len(self.pending),
+                "parked_for_lane": len(self._parked),
                 "queued_forwards": len(self._fwd), "queued_backwards": len(self._bwd),
                 "busy_s": round(self.busy_s, 3), "counts": dict(self.counts)}

@@ -1,0 +1,103 @@
+"""Where a replica handed a lane it did not train gets the lane's weights (the data plane's rule is
+in :mod:`iota_subnet.miner.dataplane.handover`).
+
+A lane's weights at a stage are those of the replica that trained the lane there last: the stage's
+latest merged state plus what that replica trained since (the replicas of a stage merge every
+``merge.every_steps`` inner steps; without merging, all it trained). In order of preference:
+
+1. ``holder``: the state (``/state``) of the stage peer that trained the lane last, found by asking
+   every stage peer's ``/health`` (``stats["lane"]``: the lane it last trained in as the lane's own
+   miner, ``stats["inner_step"]``: its step; the one with the highest step). A departed member that
+   is still reachable (unavailable to validators for a while, or moved to another slot) gives its
+   state this way. Its optimizer state does not travel: the taker's own moments go on.
+2. ``merged``: the stage's latest merged state (the anchor; pulled by state sync first when a peer
+   holds a later merged epoch than this replica). What the lane trained since that merge on a
+   member that is gone is lost.
+3. ``own``: no merging and no holder answers: this replica's own weights (logged; nothing else
+   holds the lane's).
+
+This replica's inner step becomes the lane's (the ticket's step); accumulated gradients are
+dropped; results computed from then on name the new weights (:meth:`StageWorker.weights_replaced`).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from loguru import logger
+
+from iota_subnet.miner.catch_up import stage_merged_epoch
+from iota_subnet.protocol import Health, ProtocolError, StateRequest, StateResponse, Ticket
+from iota_subnet.transport import NeuronClient, TransportError
+
+#: Seconds to wait for a stage peer's ``/health`` while looking for a lane's holder.
+ASK_TIMEOUT_S = 5.0
+#: Seconds to wait for the holder's ``/state`` (the stage's whole weights).
+STATE_TIMEOUT_S = 60.0
+
+
+async def lane_holder(svc: Any, lane: int, client: NeuronClient) -> Optional[tuple[str, int]]:
+    """(hotkey, inner step) of the stage peer of ``svc`` (a :class:`~iota_subnet.miner.service.MinerService`)
+    that trained ``lane`` last, among those that answer ``/health``; None when none did."""
+    async def ask(hk: str):
+        ep = svc._endpoint_of(hk)
+        if ep is None:
+            return None
+        try:
+            h = await client.call(ep, hk, "/health", Health(run_id=svc.run_id, stage=svc.stage), Health,
+                                  timeout_s=ASK_TIMEOUT_S, retries=0)
+        except (TransportError, ProtocolError, asyncio.TimeoutError) as e:
+            logger.info(f"stage {svc.stage}: {hk[:10]} does not answer /health ({e}); not asked for lane {lane}")
+            return None
+        if int(h.stats.get("lane", -1)) != lane:
+            return None
+        return hk, int(h.stats.get("inner_step", h.inner_step or 0))
+    found = [r for r in await asyncio.gather(*(ask(hk) for hk in svc._peers())) if r is not None]
+    return max(found, key=lambda r: r[1]) if found else None
+
+
+async def take_lane(svc: Any, t: Ticket) -> str:
+    """Give ``svc``'s worker the weights of ``t``'s lane (see the module docstring) and the lane's
+    step. Returns how (``holder <hotkey> at step k`` | ``merged epoch e`` | ``own``), for the log."""
+    w = svc.worker
+    tensors: Optional[dict] = None
+    how = "own"
+    async with NeuronClient(svc.wallet) as client:
+        found = await lane_holder(svc, t.lane, client)
+        if found is not None:
+            hk, step = found
+            try:
+                resp = await client.call(svc._endpoint_of(hk), hk, "/state",
+                                         StateRequest(run_id=svc.run_id, stage=svc.stage), StateResponse,
+                                         timeout_s=STATE_TIMEOUT_S, retries=1)
+                tensors, how = resp.tensors, f"holder {hk[:10]} at step {resp.state_meta.get('step', step)}"
+            except (TransportError, ProtocolError, asyncio.TimeoutError, TypeError) as e:
+                logger.warning(f"stage {svc.stage}: lane {t.lane}'s holder {hk[:10]} did not send its state: {e}")
+    if svc.merge is not None:
+        # the anchor too: the next merge's pseudo-gradient is taken against it
+        epochs, _ = await stage_merged_epoch(svc.merge, svc._peers(), ASK_TIMEOUT_S)
+        if epochs and max(epochs) > svc.merge.merged_epoch:
+            if not await svc.pull_merged_state(min_epoch=max(epochs)):
+                logger.warning(f"stage {svc.stage}: merged epoch {max(epochs)} not pulled for lane {t.lane}; "
+                               f"this replica's merged epoch {svc.merge.merged_epoch} stands")
+        if tensors is None:
+            how = f"merged epoch {svc.merge.merged_epoch} (the lane's training since it on a departed member is lost)"
+    if how == "own":
+        logger.warning(f"stage {svc.stage}: no replica holds lane {t.lane}'s weights and the run does not merge; "
+                       f"training it with this replica's own weights")
+
+    def apply():
+        with w.lock:
+            if tensors is not None:
+                w.module.load_state_dict(tensors, strict=True)
+                w.weights_replaced()
+            elif svc.merge is not None:
+                svc.merge.params.write(svc.merge.anchor)      # calls weights_replaced
+            w.opt.zero_grad(set_to_none=True)
+            w.pending = 0
+            if t.step != w.inner_step:
+                w.last_skip = (w.inner_step, int(t.step))
+            w.inner_step = int(t.step)
+            w.lane = int(t.lane)
+    await svc._compute(apply)
+    return how
