@@ -298,12 +298,13 @@ class MergeConfig:
     value instead of 4).
     ``join_timeout_s``: how long a replica waits at a merge boundary for its peers;
     ``phase_timeout_s``: the fixed part of each all-reduce phase's deadline, to which the time the
-    phase's payload takes at ``assumed_uplink_bps`` is added twice (:mod:`iota_subnet.merge.deadlines`;
-    default 10 Mbit/s, conservative for a datacenter uplink: at ``8b`` an int8 scatter of 1.64 GB per
-    replica declared at 100 Mbit/s gets 30 + 2 x 131 = 292 s); within it a transfer is cut only when no
-    byte of it moved for ``progress_timeout_s`` (default 10 s: a stopped or dead peer costs one
-    progress timeout; a live one streaming a 4 MB chunk moves bytes every few milliseconds whatever its
-    rate). ``max_attempts``: tries per epoch before the
+    phase's payload takes at a 64 kbit/s floor rate is added (:mod:`iota_subnet.merge.deadlines`: the
+    transports report bytes as they move, so a transfer still moving is never cut; the deadline only
+    bounds a peer that trickles); a transfer is cut when no byte of it moved for
+    ``progress_timeout_s`` (default 10 s: a stopped or dead peer costs one progress timeout; a live
+    one streaming a 4 MB chunk shows bytes every few hundred milliseconds whatever its rate).
+    ``assumed_uplink_bps``: the declared uplink (default 10 Mbit/s), used only for a transport that
+    reports no bytes inside a message (deadline ``phase_timeout_s + 2 x bytes / rate``). ``max_attempts``: tries per epoch before the
     merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
     since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
     requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk;

@@ -33,12 +33,12 @@ def test_donor_cap_covers_the_send_to_slow_joiners(tmp_home):
     sending = [0, 0]                                    # now, peak (responses over 1 MiB in the uplink)
     transmit = shaper.transmit
 
-    async def counted(nbytes):
+    async def counted(nbytes, on_bytes=None):
         big = nbytes > (1 << 20)
         sending[0] += big
         sending[1] = max(sending[1], sending[0])
         try:
-            await transmit(nbytes)
+            await transmit(nbytes, on_bytes)
         finally:
             sending[0] -= big
     shaper.transmit = counted

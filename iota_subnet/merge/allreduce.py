@@ -99,7 +99,7 @@ class AllReduceAttempt:
         t_start = time.monotonic()
         # results are asked for until the reducers' own deadline has passed (their waits end by then)
         gather_deadline = t_start + phase_deadline_s(self.cfg, scatter_bytes(
-            len(plan.participants), plan.total_numel, quant, block)) + min(self.cfg.progress_timeout_s,
+            len(plan.participants), plan.total_numel, quant, block), self._byte_progress) + min(self.cfg.progress_timeout_s,
                                                                 self.cfg.phase_timeout_s)
         reducers = asyncio.gather(*(self._reduce(sess, s) for s in mine))
         sending = [asyncio.ensure_future(stream(r, s)) for r, s in streams]

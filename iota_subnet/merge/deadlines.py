@@ -3,16 +3,18 @@
 A fixed phase deadline fails every merge whose payload takes longer than it at the replicas' uplink
 (at ``8b`` an int8 scatter is 1.64 GB per replica: 131 s at 100 Mbit/s, against 30 s). So:
 
-* **deadline** of a phase: ``merge.phase_timeout_s + 2 x bytes / rate``, ``bytes`` what one replica
-  sends in the phase (its scatter: :func:`scatter_bytes`) and ``rate`` the declared uplink
-  ``merge.assumed_uplink_bps`` (bit/s); a transfer moving at under half the declared rate is cut
-  there;
-* **progress**: within the deadline a wait is cut only when the peers it waits for moved no byte for
+* **progress**: a wait is cut when the peers it waits for moved no byte for
   ``merge.progress_timeout_s`` (:class:`LinkProgress`). Bytes, not messages: the transports report
-  the bytes of a message as they cross the link (the in-process transport's shaped links, piece by
-  piece), and every message a peer sends or answers counts as its bytes at the end. A transport
-  that reports no bytes inside a message (HTTP) gets a per-call allowance of ``2 x bytes / rate``
-  on top of the progress timeout (:func:`call_allowance_s`).
+  the bytes of a message as they cross the link, piece by piece (over HTTP both ends: the sender's
+  client as it sends, the receiver's server as the body arrives, :mod:`iota_subnet.transport.streaming`),
+  and every message a peer sends or answers counts as its bytes at the end;
+* **deadline** of a phase, a backstop against a peer that trickles: ``merge.phase_timeout_s +
+  bytes / FLOOR_RATE_BPS``, ``bytes`` what one replica sends in the phase (its scatter:
+  :func:`scatter_bytes`): a transfer still moving at :data:`FLOOR_RATE_BPS` (64 kbit/s) or more is
+  never cut, however large. A transport that reports no bytes inside a message gets the older
+  rule: ``merge.phase_timeout_s + 2 x bytes / merge.assumed_uplink_bps`` (a transfer under half the
+  declared rate is cut there) and a per-call allowance of ``2 x bytes / rate`` on top of the
+  progress timeout (:func:`call_allowance_s`).
 
 Waits on the serving side (a contribution's ack held for backpressure, a result request waiting for
 its shard) are capped at half the progress timeout and answered (the ack, or ``NOT_READY`` to ask
@@ -25,6 +27,8 @@ from typing import Callable, Iterable
 
 #: Safety factor on the time a payload takes at the declared uplink rate.
 RATE_SLACK = 2.0
+#: The slowest transfer a merge waits for when its transport reports bytes as they move (bit/s).
+FLOOR_RATE_BPS = 64e3
 
 
 def bytes_per_value(quant: str, int8_block: int = 256) -> float:
@@ -39,8 +43,12 @@ def scatter_bytes(num_participants: int, total_numel: int, quant: str, int8_bloc
     return (2 * n - 2) / n * total_numel * bytes_per_value(quant, int8_block)
 
 
-def phase_deadline_s(cfg, nbytes: float) -> float:
-    """Seconds a phase moving ``nbytes`` per replica may take: ``phase_timeout_s + 2 x bytes / rate``."""
+def phase_deadline_s(cfg, nbytes: float, byte_progress: bool = False) -> float:
+    """Seconds a phase moving ``nbytes`` per replica may take: ``phase_timeout_s + bytes / floor rate``
+    when the transport reports bytes as they move (``byte_progress``), else ``phase_timeout_s + 2 x
+    bytes / merge.assumed_uplink_bps``."""
+    if byte_progress:
+        return float(cfg.phase_timeout_s) + 8.0 * float(nbytes) / FLOOR_RATE_BPS
     return float(cfg.phase_timeout_s) + RATE_SLACK * 8.0 * float(nbytes) / float(cfg.assumed_uplink_bps)
 
 

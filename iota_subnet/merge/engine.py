@@ -386,7 +386,8 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         plan, red = sess.plan, sess.reduce[s]
         t0 = time.monotonic()
         deadline = t0 + phase_deadline_s(self.cfg, scatter_bytes(len(plan.participants), plan.total_numel,
-                                                                 self.cfg.quantization, self.cfg.int8_block))
+                                                                 self.cfg.quantization, self.cfg.int8_block),
+                                         self._byte_progress)
         pt = float(self.cfg.progress_timeout_s)
         reduced, since = red.reduced, t0
         while not red.done:

@@ -133,7 +133,8 @@ class MergeServing:
         # A finished attempt's results stay served for a while: a slower peer may still be gathering.
         for key, sess in list(self.sessions.items()):
             phase = self.cfg.phase_timeout_s if sess.plan is None else phase_deadline_s(self.cfg, scatter_bytes(
-                len(sess.plan.participants), sess.plan.total_numel, self.cfg.quantization, self.cfg.int8_block))
+                len(sess.plan.participants), sess.plan.total_numel, self.cfg.quantization, self.cfg.int8_block),
+                self._byte_progress)
             if self.current is not None and key[:2] == self.current[:2]:
                 continue
             if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s + phase):

@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 from iota_subnet.protocol import Message, ProtocolError, decode, encode, merge_payload_contract, payload_nbytes
 
+from .deadlines import FLOOR_RATE_BPS
+
 MERGE_ROUTES = ("/merge/join", "/merge/contribute", "/merge/result", "/merge/contribution")
 
 
@@ -144,20 +146,27 @@ class HttpTransport:
     ``resolve(hotkey) -> "ip:port" | None``. Refusals arrive as ProtocolError; an unknown or
     unreachable peer raises :class:`PeerUnreachable` / ``TransportError``.
 
-    A call may take ``timeout_s`` plus twice the time its bytes take at ``bytes_per_s`` (the
-    declared uplink, bytes/s; None: ``timeout_s`` only): the request body, and ``reply_bytes`` more
-    for the routes whose reply carries a chunk (``/merge/result``, ``/merge/contribution``), so a
-    large chunk on a slow link is not cut by a fixed timeout."""
+    Bytes are reported as they move, piece by piece, to ``on_progress(peer, nbytes)`` (set by the
+    engine: :mod:`.deadlines`), which cuts a call only when no byte of it moved for its progress
+    timeout; the receiving end sees the same pieces arrive (``NeuronServer.add_route(...,
+    on_body_bytes=...)``). So the HTTP timeout of a call is only a backstop against a link slower
+    than :data:`~iota_subnet.merge.deadlines.FLOOR_RATE_BPS`: ``timeout_s`` plus its bytes (the request body, and ``reply_bytes``
+    more for the routes whose reply carries a chunk: ``/merge/result``, ``/merge/contribution``) at
+    that rate. Without ``on_progress`` the bytes are charged at ``bytes_per_s`` (the declared
+    uplink, bytes/s; None: ``timeout_s`` only), twice."""
 
     def __init__(self, client: Any, resolve: Callable[[str], Optional[str]], timeout_s: float = 30.0, *,
                  bytes_per_s: Optional[float] = None, reply_bytes: int = 0):
         self.client, self.resolve, self.timeout_s = client, resolve, timeout_s
         self.bytes_per_s, self.reply_bytes = bytes_per_s, int(reply_bytes)
+        self.on_progress: Optional[Callable[[str, int], None]] = None
 
     def call_timeout_s(self, route: str, body_bytes: int) -> float:
+        n = body_bytes + (self.reply_bytes if route in ("/merge/result", "/merge/contribution") else 0)
+        if self.on_progress is not None:
+            return self.timeout_s + 8.0 * n / FLOOR_RATE_BPS
         if not self.bytes_per_s:
             return self.timeout_s
-        n = body_bytes + (self.reply_bytes if route in ("/merge/result", "/merge/contribution") else 0)
         return self.timeout_s + 2.0 * n / self.bytes_per_s
 
     async def call(self, peer: str, route: str, msg: Message, response_type: type) -> tuple[Any, int, int]:
@@ -165,8 +174,10 @@ class HttpTransport:
         if not ep:
             raise PeerUnreachable(f"no endpoint for {peer[:10]}")
         body = encode(msg) if payload_nbytes(msg) < (256 << 10) else await asyncio.to_thread(encode, msg)
+        cb = self.on_progress
         reply = await self.client.call_raw(ep, peer, route, body, response_type,
-                                           timeout_s=self.call_timeout_s(route, len(body)), retries=1, backoff_s=0.1)
+                                           timeout_s=self.call_timeout_s(route, len(body)), retries=1, backoff_s=0.1,
+                                           on_progress=None if cb is None else (lambda n: cb(peer, n)))
         # received: tensor bytes of the reply (+ its small JSON header, not counted)
         return reply, len(body), payload_nbytes(reply)
 

@@ -432,7 +432,8 @@ class MinerService:
         C = min(P, mc.chunk_numel)
         self.server.add_route("/merge/contribute", self._merge_route, MergePayload,
                               merge_payload_contract(max_numel=C, block=mc.int8_block),
-                              max_body_bytes=4 * C + 4 * (C // mc.int8_block + 1) + (1 << 20))
+                              max_body_bytes=4 * C + 4 * (C // mc.int8_block + 1) + (1 << 20),
+                              on_body_bytes=self.merge.link.note)      # a slow sender's bytes show progress
         self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)

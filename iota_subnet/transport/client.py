@@ -28,6 +28,7 @@ from loguru import logger
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .server import HEADER_REQUEST_NONCE, OFFLOAD_BYTES, RESPONSE_METHOD, response_sign_path
 from .shaping import DownlinkShaper, UplinkShaper, process_downlink, process_shaper, request_head_bytes
+from .streaming import PIECE_BYTES, body_pieces
 
 M = TypeVar("M", bound=Message)
 
@@ -146,8 +147,13 @@ class NeuronClient:
 
     async def call_raw(self, endpoint: str, receiver_hotkey: str, path: str, body: bytes, response_type: type[M],
                        timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2, *,
-                       response_contract: Optional[TensorContract] = None) -> M:
-        """:meth:`call` with an already-encoded body."""
+                       response_contract: Optional[TensorContract] = None,
+                       on_progress: Optional[Callable[[int], None]] = None) -> M:
+        """:meth:`call` with an already-encoded body. ``on_progress(n)``: called as ``n`` more bytes of
+        the request body have been sent and of the response body received (a body over
+        :data:`~iota_subnet.transport.streaming.PIECE_BYTES` then goes out in pieces,
+        :func:`~iota_subnet.transport.streaming.body_pieces`; so does every large body through an
+        emulated uplink, whose receiver sees it arrive as over a real link)."""
         session = self._get_session()
         url = f"http://{endpoint}{path}"
         attempts = max(1, int(retries) + 1)
@@ -163,7 +169,11 @@ class NeuronClient:
             t0 = time.perf_counter()
             try:
                 left = timeout_s
-                if self.shaper is not None:   # the emulated uplink, inside the request's deadline
+                payload: Any = body
+                if len(body) > PIECE_BYTES and (self.shaper is not None or on_progress is not None):
+                    payload = body_pieces(body, self.shaper, request_head_bytes("POST", path, headers), on_progress)
+                    headers["Content-Length"] = str(len(body))
+                elif self.shaper is not None:   # the emulated uplink, inside the request's deadline
                     await asyncio.wait_for(self.shaper.transmit(len(body) + request_head_bytes("POST", path, headers)),
                                            timeout_s)
                     left = max(1e-3, timeout_s - (time.perf_counter() - t0))
@@ -172,14 +182,15 @@ class NeuronClient:
                                              receiver_ss58=receiver_hotkey)
                     headers["Content-Type"] = "application/octet-stream"
                 timeout = aiohttp.ClientTimeout(total=left)
-                async with session.post(url, data=body, headers=headers, timeout=timeout) as resp:
+                async with session.post(url, data=payload, headers=headers, timeout=timeout) as resp:
+                    head_at_ns = time.time_ns()      # a response's freshness is judged when its head arrived
                     self.bytes_sent += len(body)
                     # request line, Host, Content-Length and our headers; the response's status line and headers
                     head_out = len(url) + 64 + sum(len(k) + len(v) + 4 for k, v in headers.items())
                     head_in = 17 + sum(len(k) + len(v) + 4 for k, v in resp.raw_headers)
                     self.header_bytes_sent += head_out
                     self.header_bytes_received += head_in
-                    data = await self._read(resp)
+                    data = await self._read(resp, on_progress)
                     if self.downlink is not None:   # the emulated downlink, inside the request's deadline
                         await asyncio.wait_for(self.downlink.receive(len(data) + head_in),
                                                max(1e-3, timeout_s - (time.perf_counter() - t0)))
@@ -187,7 +198,7 @@ class NeuronClient:
                     self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + len(body) + head_out + head_in + len(data)
                     if resp.status == 200:
                         if self.verify_responses:
-                            self._verify_response(resp, data, path, receiver_hotkey, headers)
+                            self._verify_response(resp, data, path, receiver_hotkey, headers, head_at_ns)
                         if len(data) > OFFLOAD_BYTES:
                             reply = await asyncio.to_thread(decode, data, response_type, response_contract)
                         else:
@@ -214,29 +225,31 @@ class NeuronClient:
         what = "timed out" if isinstance(last, asyncio.TimeoutError) else f"{type(last).__name__}: {last}"
         raise TransportError(endpoint, what, attempts) from last
 
-    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read(self, resp: aiohttp.ClientResponse, on_progress: Optional[Callable[[int], None]] = None) -> bytes:
         limit = self.max_response_bytes
-        if limit is None:
+        if limit is None and on_progress is None:
             return await resp.read()
         if resp.content_length is not None and resp.content_length > limit:
             raise ProtocolError(Outcome.BODY_TOO_LARGE, f"response of {resp.content_length} bytes > limit {limit}")
         chunks, size = [], 0
         async for chunk in resp.content.iter_chunked(1 << 20):
             size += len(chunk)
-            if size > limit:
+            if limit is not None and size > limit:
                 raise ProtocolError(Outcome.BODY_TOO_LARGE, f"response over the limit of {limit} bytes")
             chunks.append(chunk)
+            if on_progress is not None:
+                on_progress(len(chunk))
         return b"".join(chunks)
 
     def _verify_response(self, resp: aiohttp.ClientResponse, data: bytes, path: str, receiver_hotkey: str,
-                         request_headers: dict[str, str]) -> None:
+                         request_headers: dict[str, str], head_at_ns: Optional[int] = None) -> None:
         nonce = request_headers[http_auth.HEADER_NONCE]
         if resp.headers.get(HEADER_REQUEST_NONCE) != nonce:
             raise ProtocolError(Outcome.BAD_SIGNATURE, "response is not bound to this request")
         try:
             caller = http_auth.verify(resp.headers, data, method=RESPONSE_METHOD, path=response_sign_path(path, nonce),
                                       self_hotkey_ss58=self.hotkey, nonce_store=self._response_nonces,
-                                      max_age=30.0, allowed_skew=10.0)
+                                      max_age=30.0, allowed_skew=10.0, now_ns=head_at_ns)
         except http_auth.AuthError as e:
             raise ProtocolError(Outcome.BAD_SIGNATURE, f"response signature: {e}") from None
         if caller.hotkey_ss58 != receiver_hotkey:

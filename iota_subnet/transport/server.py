@@ -48,6 +48,7 @@ from loguru import logger
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import MemoryNonceStore, SqliteNonceStore
 from .shaping import DownlinkShaper, LinkDown, UplinkShaper, process_downlink, process_shaper, response_head_bytes
+from .streaming import PIECE_BYTES, body_pieces
 from iota_subnet.errors import UserError
 
 #: bittensor.http_auth exception -> outcome.
@@ -136,6 +137,8 @@ class Route:
     contract_fn: ContractFn = None
     max_body_bytes: Optional[int] = None     #: this route's body limit (None: the server's)
     on_refused: Optional[RefusalHook] = None
+    #: ``on_body_bytes(claimed_hotkey, n)`` as each piece of ``n`` body bytes arrives
+    on_body_bytes: Optional[Callable[[str, int], None]] = None
 
     def contract(self) -> Optional[TensorContract]:
         if self.contract_fn is None or isinstance(self.contract_fn, TensorContract):
@@ -214,12 +217,17 @@ class NeuronServer:
 
     # ------------------------------------------------------------------ routes
     def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None,
-                  *, max_body_bytes: Optional[int] = None, on_refused: Optional[RefusalHook] = None) -> None:
+                  *, max_body_bytes: Optional[int] = None, on_refused: Optional[RefusalHook] = None,
+                  on_body_bytes: Optional[Callable[[str, int], None]] = None) -> None:
         """Serve POST ``path``: bodies decode to ``message_type`` checked against ``contract_fn``;
         ``max_body_bytes`` overrides the server's body limit for this route (merge payloads of a
         whole stage are far larger than an activation). ``on_refused`` (see :data:`RefusalHook`) is
         told of every authenticated request of this route refused by decoding or by the handler
-        (a hop receiver keeps the signed body as evidence against its sender)."""
+        (a hop receiver keeps the signed body as evidence against its sender). ``on_body_bytes(hotkey,
+        n)`` is told of each piece of the body as it arrives, before the signature over the whole body
+        can be checked: the hotkey is the one the headers claim (bound to this receiver, fresh, not
+        replayed, authorized), so it serves a progress timeout (a merge's reducer waiting for a slow
+        sender), never blame."""
         if not path.startswith("/"):
             raise ValueError(f"route path must start with '/': {path!r}")
         if path in self.routes:
@@ -227,7 +235,7 @@ class NeuronServer:
         if self._runner is not None:
             raise RuntimeError("add routes before start()")
         route = Route(path, handler, message_type, contract_fn, None if max_body_bytes is None else int(max_body_bytes),
-                      on_refused)
+                      on_refused, on_body_bytes)
         self.routes[path] = route
 
         async def _aiohttp_handler(request: web.Request) -> web.StreamResponse:
@@ -286,7 +294,8 @@ class NeuronServer:
         logger.log(level, "refused {} from {}: {} {}", request.path, request.remote, err.outcome.value, err.message)
         return web.json_response(err.to_json(), status=err.status)
 
-    async def _read_body(self, request: web.Request, limit: int) -> bytes:
+    async def _read_body(self, request: web.Request, limit: int,
+                         on_bytes: Optional[Callable[[int], None]] = None) -> bytes:
         declared = request.content_length
         if declared is not None and declared > limit:
             raise ProtocolError(Outcome.BODY_TOO_LARGE, f"Content-Length {declared} > limit {limit}")
@@ -300,6 +309,8 @@ class NeuronServer:
             size += len(chunk)
             if size > limit:
                 raise ProtocolError(Outcome.BODY_TOO_LARGE, f"body over the limit of {limit} bytes")
+            if on_bytes is not None:
+                on_bytes(len(chunk))
         return b"".join(chunks)
 
     def _claim(self, request: web.Request, started_ns: int) -> tuple[str, int]:
@@ -360,6 +371,8 @@ class NeuronServer:
             resp = await self._serve(request, handler)
             if self.shaper is not None:   # the emulated uplink: every response, refusals included
                 body = resp.body if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)) else b""
+                if len(body) > PIECE_BYTES:       # in pieces, as the link releases them: the caller sees progress
+                    return await self._send_shaped(request, resp, bytes(body))
                 try:
                     await self.shaper.transmit(len(body) + response_head_bytes(resp.status, resp.headers))
                 except LinkDown:          # partitioned: the answer never leaves; the caller sees the connection drop
@@ -378,6 +391,27 @@ class NeuronServer:
                     fn()
                 except Exception:  # noqa: BLE001 - a release hook must not break the response
                     logger.exception("on_sent hook failed")
+
+    async def _send_shaped(self, request: web.Request, resp: web.Response, body: bytes) -> web.StreamResponse:
+        """Send ``resp`` (whose body is ``body``) through the emulated uplink in pieces
+        (:func:`~iota_subnet.transport.streaming.body_pieces`)."""
+        out = web.StreamResponse(status=resp.status, headers={k: v for k, v in resp.headers.items()
+                                                               if k.lower() != "content-length"})
+        out.content_length = len(body)
+        pieces = body_pieces(body, self.shaper, response_head_bytes(resp.status, resp.headers))
+        try:
+            first = await pieces.__anext__()     # the head leaves with the first piece
+            await out.prepare(request)
+            await out.write(first)
+            async for piece in pieces:
+                await out.write(piece)
+            await out.write_eof()
+        except OSError:           # partitioned (LinkDown) or the caller went away: the connection drops
+            if request.transport is not None:
+                request.transport.abort()
+        finally:
+            await pieces.aclose()
+        return out
 
     async def _serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
@@ -411,7 +445,8 @@ class NeuronServer:
             claim = (hotkey, nonce)
             self._pending_nonces.add(claim)
             self._inflight_by[hotkey] += 1
-            body = await self._read_body(request, limit)
+            on_bytes = route.on_body_bytes
+            body = await self._read_body(request, limit, None if on_bytes is None else (lambda n: on_bytes(hotkey, n)))
             if self.downlink is not None:   # the emulated downlink (freshness was judged when the head arrived)
                 try:
                     await self.downlink.receive(len(body) + hdr)
