@@ -102,3 +102,42 @@ class LanePacer:
         if waited > 0:
             self.held_s[lane] = self.held_s.get(lane, 0.0) + waited
         return waited
+
+
+class StallWatch:
+    """Whether every lane a validator drives stalled between two scores updates (tempos), for the
+    scoreboard's stall decay (:class:`~iota_subnet.validator.scoring.Scoreboard`).
+
+    Stalled: the validator drives lanes that are not finished and no lane step completed since the
+    previous update. Not stalled while some unfinished lane's next step opens a merge window (its
+    replicas merge before they train it: the lane waits at their merge gate) and a lane step
+    completed less than ``merge_allowance_s`` ago: a merge on a slow link pauses every lane for
+    minutes (a ``tiny_merge`` stage at 0.8 Mbit/s: 190 s, dozens of localnet tempos), which is
+    not a fault. ``every``: ``merge.every_steps`` (0: no merges); ``merge_allowance_s``: the longest
+    a merge may pause a lane (the merge's own deadlines, :mod:`iota_subnet.merge.deadlines`).
+    """
+
+    def __init__(self, every: int, merge_allowance_s: float, clock: Callable[[], float] = time.monotonic):
+        self.every = max(0, int(every))
+        self.merge_allowance_s = float(merge_allowance_s)
+        self.clock = clock
+        self.done_at_update: Optional[int] = None   # lane steps done at the previous update
+        self.progress_at = clock()                  # when a lane step last completed (as updates saw it)
+
+    def merging(self, next_steps, total: Optional[int]) -> bool:
+        """Some unfinished lane's next step is the first of a merge window."""
+        return self.every > 0 and any(n > 0 and n % self.every == 0 and (total is None or n < total)
+                                      for n in next_steps)
+
+    def update(self, done: int, next_steps, total: Optional[int], driving: bool) -> bool:
+        """One scores update: ``done`` lane steps completed so far, ``next_steps`` each lane's next
+        step, ``total`` the run's steps (None: open-ended), ``driving`` whether this validator drives
+        lanes. Returns whether every lane stalled since the previous update."""
+        now = self.clock()
+        before, self.done_at_update = self.done_at_update, done
+        if before is None or done > before:
+            self.progress_at = now
+            return False
+        if not driving:
+            return False
+        return not (self.merging(next_steps, total) and now - self.progress_at < self.merge_allowance_s)

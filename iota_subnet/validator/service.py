@@ -68,6 +68,7 @@ from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
 from iota_subnet.data import DataError, build_dataset, fingerprints
+from iota_subnet.merge.deadlines import phase_deadline_s
 from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.model import PipelineStage
 from iota_subnet.neuron_common import stop_signals
@@ -92,6 +93,7 @@ from .audit_policy import AuditPolicy, merge_quality
 from .auditing import AuditScheduler
 from .merge_audit import MergeAuditor, record_verdicts
 from .merge_weights import MergeOversight
+from .pacing import StallWatch
 from .clasp import attribute, quality_factors
 from .blame import BlameBook
 from .control import ControlPlane
@@ -238,7 +240,6 @@ class ValidatorService:
         self.n_lanes = 0
         self.next_steps: dict[int, int] = {}
         self.steps_done: dict[int, int] = {}
-        self._steps_at_update: Optional[int] = None     # lane steps done at the last scores update
         self.lane_loss: dict[int, Optional[float]] = {}
         self.lane_tokens: dict[int, int] = {}
         self.val_loss: Optional[float] = None
@@ -263,6 +264,8 @@ class ValidatorService:
         self.ledger: Optional[Ledger] = None                    # verified work per miner (see start())
         self.auditing: Optional[AuditScheduler] = None   # audits (see _train)
         self._numel: dict[int, int] = {}
+        #: whether every lane stalled between two scores updates (a merge's pause excepted)
+        self.stall = StallWatch(self.cfg.merge.every_steps if self.cfg.merge.enabled else 0, self._merge_allowance_s())
         self.board = Scoreboard(window=opts.score_window, grace=opts.stale_grace)
         self.probes: list[dict] = []
         self.clasp_rounds = 0
@@ -908,13 +911,21 @@ class ValidatorService:
         return with_burn(weights, self._burn_uid())
 
     def _lanes_stalled(self) -> bool:
-        """This validator drives lanes that are not finished, and none completed a step since the last update."""
-        done = sum(self.steps_done.values())
+        """This validator drives lanes that are not finished, and none completed a step since the last
+        update (a merge's pause excepted: :class:`~.pacing.StallWatch`)."""
         driving = self.driver is not None and any(self.opts.steps is None or n < self.opts.steps
                                                   for n in self.next_steps.values())
-        stalled = driving and self._steps_at_update is not None and done <= self._steps_at_update
-        self._steps_at_update = done
-        return stalled
+        return self.stall.update(sum(self.steps_done.values()), list(self.next_steps.values()), self.opts.steps,
+                                 driving)
+
+    def _merge_allowance_s(self) -> float:
+        """The longest a merge may pause the lanes: its join timeout plus the deadline of a scatter and a
+        gather of the largest stage in fp32 at the merge's floor rate (:mod:`iota_subnet.merge.deadlines`)."""
+        mc = self.cfg.merge
+        if not mc.enabled:
+            return 0.0
+        largest = max(self._stage_numel(s) for s in range(self.cfg.pipeline.stages))
+        return mc.join_timeout_s + phase_deadline_s(mc, 2 * 4 * largest, byte_progress=True)
 
     def _unrouted(self) -> set:
         """Miners of lanes this validator has finished driving (no work for them by its own choice)."""
