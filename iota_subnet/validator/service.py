@@ -264,8 +264,8 @@ class ValidatorService:
         self.ledger: Optional[Ledger] = None                    # verified work per miner (see start())
         self.auditing: Optional[AuditScheduler] = None   # audits (see _train)
         self._numel: dict[int, int] = {}
-        #: whether every lane stalled between two scores updates (a merge's pause excepted)
-        self.stall = StallWatch(self.cfg.merge.every_steps if self.cfg.merge.enabled else 0, self._merge_allowance_s())
+        #: whether every lane stalled between two scores updates (a merge's pause excepted; see start())
+        self.stall: Optional[StallWatch] = None
         self.board = Scoreboard(window=opts.score_window, grace=opts.stale_grace)
         self.probes: list[dict] = []
         self.clasp_rounds = 0
@@ -318,6 +318,7 @@ class ValidatorService:
         self.state = ValidatorState(self.out / "validator.sqlite")
         shares = stage_compute_shares(self.cfg)
         self.ledger = self.state.load_ledger(shares)
+        self.stall = StallWatch(self.cfg.merge.every_steps if self.cfg.merge.enabled else 0, self._merge_allowance_s())
         self.weights_blocks = self.state.weights_blocks()
         self.router = Router(self.cfg.pipeline.stages)
         self._load_lane_slots()
@@ -915,6 +916,8 @@ class ValidatorService:
         update (a merge's pause excepted: :class:`~.pacing.StallWatch`)."""
         driving = self.driver is not None and any(self.opts.steps is None or n < self.opts.steps
                                                   for n in self.next_steps.values())
+        if self.stall is None:
+            return False
         return self.stall.update(sum(self.steps_done.values()), list(self.next_steps.values()), self.opts.steps,
                                  driving)
 
