@@ -5,10 +5,13 @@ Traffic is routed around it and both lanes finish, but its upstream neighbour wa
 lane stalled, its hops timed out. Pay follows verified work per opportunity the validator gave, so
 the neighbour's weight must be at least 0.9 x its twin's (the first-stage miner of the healthy lane)
 x their verified-work ratio. (Before the fix: 0.03 against 0.23 at 269 vs 219 units in a local
-network; here the same gap comes from the lag and the stretched rate span of the stall tempos.)
+network. Here, before the fix, the neighbour's lag grew while its hops timed out, and its rate was
+its work over every tempo from its first to its last, the stalled ones included: about 0.6 x its
+twin's weight at equal work.)
 
 A real :class:`ControlPlane`, :class:`Router`, :class:`Ledger` and :class:`Scoreboard`; the miners
-are scripted (:mod:`support.blackhole`); a tempo is ``TEMPO_S`` of wall time.
+are scripted (:mod:`support.blackhole`); a tempo is ``TEMPO_S`` of wall time (a window long
+enough to hold the whole run); the rules themselves are checked on their own below.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.config import load_config
 from iota_subnet.validator.control import ControlPlane
+from iota_subnet.validator.hindrance import Hindrances
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger, Scoreboard
 from support.blackhole import ScriptedNet
@@ -111,3 +115,66 @@ def test_a_neighbour_slowed_by_a_black_hole_keeps_its_share_of_verified_work():
     # the black hole itself did less and is charged: it does not keep a share it did not work for
     assert r.ledger.records[r.hole.key].failures > 0
     assert r.weights.get(r.hole.uid, 0.0) < w_slowed
+
+
+# ------------------------------------------------------------------ the rules, one by one
+
+class _Ledger(Ledger):
+    def __init__(self):
+        super().__init__([1.0])
+
+
+def test_blocked_tempos_take_back_lag_and_leave_the_rate_at_the_unblocked_pace():
+    ledger, board = _Ledger(), Scoreboard(grace=1)
+    slowed, twin, gone = (1, "a"), (2, "b"), (3, "c")
+    t = 0.0
+
+    def tempo(work: dict, blocked=None):
+        nonlocal t
+        t += 10.0
+        for key, w in work.items():
+            ledger.credit(*key, 0, w)
+        board.update(ledger, blocked=blocked, at=t)
+
+    for _ in range(3):
+        tempo({slowed: 100, twin: 100, gone: 100})
+    start = t                                    # then its neighbour stops answering (and `gone` leaves)
+    for _ in range(3):
+        tempo({twin: 100})
+    assert board.entries[slowed].lag == 3 and board.entries[slowed].freshness < 1
+    tempo({slowed: 20, twin: 100}, blocked={slowed: start + 1.0})     # the fault is known: retroactively
+    e = board.entries[slowed]
+    assert e.lag == 0 and e.freshness == 1.0 and e.blocked == [4, 5, 6, 7]
+    assert e.rate == 320 / (3 + 0.2)            # 4 blocked tempos count as 20/100 of a tempo
+    assert board.entries[twin].rate == 100
+    tempo({slowed: 100, twin: 100}, blocked={slowed: t - 5.0})        # blocked, yet at full pace: counts 1
+    assert board.entries[slowed].rate == 420 / 4.2
+    for _ in range(3):
+        tempo({slowed: 100, twin: 100})
+    assert board.entries[slowed].rate == 720 / 7.2 == board.entries[twin].rate
+    g = board.entries[gone]                      # never blocked: it goes stale as before
+    assert g.lag == 8 and g.freshness < 0.1 and not g.blocked
+    w = board.weights([1.0], {1: "a", 2: "b", 3: "c"})
+    assert abs(w[1] - w[2]) < 1e-9 and w[3] < 0.01 * w[1]
+    assert Scoreboard.from_dict(board.to_dict()).to_dict() == board.to_dict()
+
+
+def test_a_claim_excuses_only_once_the_validator_found_the_culprit_down_and_never_a_charged_member():
+    t = [100.0]
+    h = Hindrances(clock=lambda: t[0])
+    keys = {hk: (i, hk) for i, hk in enumerate("abcxyz")}
+    h.worked("a", 104.0)
+    h.note(["a", "x", "c"], ["x"], since=102.0)           # a receipt names x unreachable: a claim
+    assert h.take(keys) == {}
+    t[0] = 110.0
+    h.down("x")                                          # the validator's own probe of x failed
+    assert h.take(keys) == {keys["a"]: 104.0, keys["c"]: 102.0}     # a worked until 104
+    assert h.take(keys) == {}
+    h.note(["b", "y"], ["y"], since=110.0)
+    h.up("y")                                            # y answers: the claim against it excuses nobody
+    h.down("y")
+    assert h.take(keys) == {}
+    h.note(["b", "z", "c"], ["z"], since=111.0, proven=True)     # seen by the validator: at once
+    t[0] = 112.0
+    h.charged("c")                                       # c failed itself meanwhile: not excused
+    assert h.take(keys) == {keys["b"]: 111.0}

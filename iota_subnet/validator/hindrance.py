@@ -81,5 +81,7 @@ class Hindrances:
         self._blocked = {}
         old = self.clock() - self.horizon_s
         self._charged = {h: t for h, t in self._charged.items() if t >= old}
+        self._worked = {h: t for h, t in self._worked.items() if t >= old}
+        self._down = {h: t for h, t in self._down.items() if t >= old}     # a later probe finds it again
         self._pending = {c: kept for c, ps in self._pending.items() if (kept := [p for p in ps if p[2] >= old])}
         return out
