@@ -142,6 +142,10 @@ class BlameBook:
         ``microbatch_id`` (if any) so that it is re-issued around that miner. Returns its key."""
         p = self.plane
         rep = next((r for r in p.router.live_replicas() if r.hotkey == hotkey), None)
+        fl = p.flights.get(microbatch_id) if microbatch_id else None
+        if fl is not None:      # the route's other miners lost the attempt to this miner's output
+            p.hindrances.note(fl.ticket.route, [hotkey], fl.issued, proven=True)
+        p.hindrances.charged(hotkey)
         if microbatch_id:
             p._flight_failed(microbatch_id, f"output of {hotkey[:10]} refused: {why}"[:300], unreachable=[hotkey])
         if rep is None:

@@ -38,6 +38,7 @@ from iota_subnet.protocol import (Health, ProtocolError, ReceiptAck, ReceiptBatc
 from iota_subnet.protocol.receipt import MAX_RECEIPTS_PER_BATCH, Receipt, parse_receipt
 from iota_subnet.transport import TransportError
 
+from .hindrance import Hindrances
 from .lanes import LaneStepResult, MicrobatchResult, sample_start, steps_of
 from .pacing import LanePacer
 from .routing import Replica, Router
@@ -115,6 +116,8 @@ class ControlPlane:
         self.on_receipt, self.on_hop = on_receipt, on_hop
         #: proven refusals (:class:`~.blame.BlameBook`): who refused a micro-batch's hop is not unreachable
         self.blame: Optional[Any] = None
+        #: miners held back by another miner's fault (:mod:`.hindrance`), taken by each scoring update
+        self.hindrances = Hindrances(clock)
         self.mb = cfg.train.micro_batch
         self.micro_per_step = cfg.train.batch_size // self.mb
         self.width = bottleneck_dims(cfg.model, cfg.pipeline)[0]
@@ -217,6 +220,9 @@ class ControlPlane:
                 self.router.record_failure(r, f"{type(e).__name__}: {e}")
                 self.ledger.fail(r.uid, r.hotkey, 0)
                 self.failures += 1
+                self.hindrances.charged(r.hotkey)
+                for t in ts:
+                    self.hindrances.note(t.route, [r.hotkey], self.flights[t.microbatch_id].issued, proven=True)
                 if self.on_hop is not None:
                     self.on_hop(r.key, False, None)
                 logger.warning("tickets to head {} failed: {}", r.short(), e)
@@ -269,12 +275,16 @@ class ControlPlane:
         miner that proved it refused the micro-batch's hop (:mod:`.blame`) is not charged."""
         reps = self._by_hotkey()
         excused = self.blame.refusers(r.id) if self.blame is not None else set()
+        fl = self.flights.get(r.id)
         for hk in r.unreachable:
             rep = reps.get(hk)
             if rep is not None and hk not in excused:
                 self.router.record_failure(rep, r.error or f"unreachable from stage {r.stage}")
                 self.ledger.fail(rep.uid, rep.hotkey, rep.stage)
                 self.failures += 1
+                self.hindrances.charged(hk)
+                if fl is not None:      # the route's other miners waited on it (a claim until probed)
+                    self.hindrances.note(fl.ticket.route, [hk], fl.issued)
                 if self.on_hop is not None:
                     self.on_hop(rep.key, False, None)
 
@@ -295,6 +305,12 @@ class ControlPlane:
         ev = self._lane_events.get(fl.ticket.lane)
         if ev is not None:
             ev.set()
+
+    def take_blocked(self) -> dict[tuple[int, str], float]:
+        """Miners blocked by another miner's fault since the last call: key -> since when (``clock``
+        seconds), for :meth:`~.scoring.Scoreboard.update` (:mod:`.hindrance`)."""
+        reps = self._by_hotkey()
+        return self.hindrances.take({hk: r.key for hk, r in reps.items()})
 
     def _maybe_done(self, fl: Flight) -> None:
         """A training micro-batch is done when the first stage reports its backward (the end of the
@@ -344,6 +360,7 @@ class ControlPlane:
                 continue
             self.ledger.forward_ok(rep.uid, rep.hotkey, s)
             self.ledger.credit(rep.uid, rep.hotkey, s, t.tokens)
+            self.hindrances.worked(hk, fl.arrived.get(s, self.clock()))
             if self.on_hop is not None:
                 # when its own receipt arrived, not now: a neighbour's receipt that completes the credit
                 # may come while this miner is partitioned, and read as "it served a hop just then"
@@ -742,8 +759,10 @@ class ControlPlane:
                         raise ProtocolError("NOT_READY", "syncing")
                 except (ProtocolError, TransportError) as e:
                     self.router.probe_failed(r, f"{type(e).__name__}: {e}")
+                    self.hindrances.down(r.hotkey)
                     return False
                 self.router.mark_healthy(r)
+                self.hindrances.up(r.hotkey)
                 logger.info("{} is healthy again", r.short())
                 return True
 

@@ -183,6 +183,8 @@ class ScoreEntry:
     weight: float = 0.0        # the latest weight this validator computed
     updates: int = 0
     bins: list = field(default_factory=list)   # [active tempo index, work] inside the window
+    blocked: list = field(default_factory=list)  # active tempo indices it was blocked by another's fault
+    lagged: list = field(default_factory=list)   # update times (clock s) its lag grew, since its last work
     why: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -202,11 +204,22 @@ class Scoreboard:
 
     * ``new_work``: verified work (tokens x stage compute share, :class:`Ledger`) since the last update;
     * ``rate`` = its verified work in the last ``window`` active tempos / the number of active tempos
-      from its first to its last tempo with work in that window: work per tempo while it was
-      working. Two replicas with the same verified work over the same span get the same rate, even
+      from its first to its last tempo with work in that window, where a tempo in which it was
+      *blocked* (below) counts only ``min(1, its work in that tempo / its rate in the tempos it was
+      not blocked in)``: work per tempo while it was working, at the pace it kept when nobody else
+      held it back. Two replicas with the same verified work over the same span get the same rate, even
       when their lanes' steps fall on different sides of tempo boundaries or one lane ends a tempo
       before the other (today's exponential average froze a 2.5x gap in ``make localnet``);
       a newcomer is scored on its own span from its first tempo;
+    * *blocked* (``blocked``: key -> since when, from the control plane, :mod:`.hindrance`): a miner
+      whose attempts were failed or slowed by another miner's fault (a neighbour that does not
+      answer, output proven bad) and that was not charged a failure itself since. Every tempo ending
+      after that time (this one included, earlier ones too: a fault is often known only after its
+      timeouts) counts in its rate span only in proportion to the work it verified in it (above),
+      and its ``lag`` does not grow in it (growth already counted there is taken back). So a miner
+      slowed by another's fault keeps its share of verified work, and gains nothing from the fault
+      (its rate stays its unblocked pace); a miner that is itself unreachable or failing is never
+      blocked and goes stale as before;
     * ``quality``: product of the factors given (audits: 0 when flagged; CLASP), in [0, 1];
     * ``freshness`` = ``2^-max(0, lag - grace) x 2^-max(0, quiet - grace) x 2^-max(0, stalled -
       stall_grace)``: ``lag`` counts the tempos in which this validator verified others' work but
@@ -238,15 +251,21 @@ class Scoreboard:
     quiet: int = 0              # consecutive updates without any verified work
     stalled: int = 0            # consecutive updates in which every driven lane was stalled
     stall_grace: int = 1        # stalled updates that are free (a lane step may span a tempo boundary)
+    history: list = field(default_factory=list)   # [time, active index or None] of the last window updates
 
     def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None,
-               unrouted: Iterable[Key] = (), lanes_stalled: bool = False) -> None:
+               unrouted: Iterable[Key] = (), lanes_stalled: bool = False,
+               blocked: Mapping[Key, float] | None = None, at: Optional[float] = None) -> None:
         """One tempo. ``quality``: key -> (factor, reasons); ``unrouted``: miners this validator gave
         no work this tempo by its own choice (e.g. the lane they serve finished its steps): their
         ``lag`` does not grow; ``lanes_stalled``: this validator drives lanes and none of them
-        completed a step since the previous update."""
+        completed a step since the previous update; ``blocked``: key -> clock seconds since which the
+        miner was held back by another miner's fault (see the class docstring); ``at``: this update's
+        time on the same clock (default ``time.time()``)."""
         quality = quality or {}
         unrouted = set(unrouted)
+        blocked = dict(blocked or {})
+        at = time.time() if at is None else float(at)
         W, grace = max(1, int(self.window)), max(0, int(self.grace))
         new: dict[Key, float] = {}
         for key, rec in ledger.records.items():
@@ -265,18 +284,26 @@ class Scoreboard:
         else:
             self.quiet += 1
         self.stalled = self.stalled + 1 if lanes_stalled else 0
+        self.history = (self.history + [[at, self.active if any_work else None]])[-W:]
         stall = 2.0 ** -max(0, self.stalled - max(0, int(self.stall_grace)))
         lo = self.active - W + 1
         for key, e in self.entries.items():
             e.new_work = new.get(key, 0.0)
+            since = blocked.get(key)
+            if since is not None:
+                self._excuse(e, float(since))
             if e.new_work > 0:
                 e.bins.append([self.active, e.new_work])
                 e.idle = e.lag = 0
+                e.lagged = []
             else:
                 e.idle += 1
-                e.lag += 1 if any_work and key not in unrouted else 0
+                if any_work and key not in unrouted and since is None:
+                    e.lag += 1
+                    e.lagged = (e.lagged + [at])[-W:]
             e.bins = [b for b in e.bins if b[0] >= lo]
-            span = (e.bins[-1][0] - e.bins[0][0] + 1) if e.bins else 0
+            e.blocked = [a for a in e.blocked if a >= lo]
+            span = self._span(e)
             e.rate = _finite(sum(b[1] for b in e.bins) / span) if span else 0.0
             q, why = quality.get(key, (1.0, []))
             e.quality = min(1.0, _finite(q))
@@ -285,6 +312,9 @@ class Scoreboard:
             e.score = _finite(e.rate * e.quality * e.freshness)
             e.updates += 1
             e.why = list(why) if why else []
+            if e.blocked:
+                e.why.append(f"held back by another miner's fault in {len(e.blocked)} tempo(s): not counted "
+                             f"against it")
             if e.new_work > 0:
                 e.why.append(f"verified work {e.new_work:.1f} units this tempo; rate {e.rate:.1f} per tempo over "
                              f"{span} tempo(s)")
@@ -299,6 +329,33 @@ class Scoreboard:
                 if stall < 1.0:
                     parts.append(f"every lane stalled for {self.stalled} tempo(s)")
                 e.why.append(f"stale ({'; '.join(parts)}): weight x{e.freshness:.3g}, the rest is burned")
+
+    @staticmethod
+    def _span(e: ScoreEntry) -> float:
+        """The tempos ``e``'s rate is taken over (see the class docstring): each active tempo from its
+        first to its last with work counts 1, except one it was blocked in: that counts
+        ``min(1, work in it / its rate in the tempos it was not blocked in)`` (1 when there were none)."""
+        if not e.bins:
+            return 0.0
+        first, last = e.bins[0][0], e.bins[-1][0]
+        blocked = {a for a in e.blocked if first <= a <= last}
+        n_free = last - first + 1 - len(blocked)
+        work_free = sum(w for a, w in e.bins if a not in blocked)
+        if not blocked or n_free <= 0 or work_free <= 0:
+            return float(last - first + 1)
+        free_rate = work_free / n_free
+        in_blocked = {a: w for a, w in e.bins if a in blocked}
+        return n_free + sum(min(1.0, in_blocked.get(a, 0.0) / free_rate) for a in blocked)
+
+    def _excuse(self, e: ScoreEntry, since: float) -> None:
+        """``e`` was blocked by another miner's fault from ``since`` on: the active tempos ending after
+        it leave its rate span, and the lag it accrued in them is taken back."""
+        for t, a in self.history:
+            if t > since and a is not None and a not in e.blocked:
+                e.blocked.append(a)
+        undo = sum(1 for t in e.lagged if t > since)
+        e.lagged = [t for t in e.lagged if t <= since]
+        e.lag = max(0, e.lag - undo)
 
     def relative_freshness(self, e: ScoreEntry) -> float:
         """``2^-max(0, lag - grace)``: the part of the freshness that one miner's absence explains."""
@@ -337,13 +394,14 @@ class Scoreboard:
 
     def to_dict(self) -> dict:
         return {"window": self.window, "grace": self.grace, "tempo": self.tempo, "active": self.active,
-                "quiet": self.quiet, "stalled": self.stalled, "entries": [e.to_dict() for e in self.entries.values()]}
+                "quiet": self.quiet, "stalled": self.stalled, "history": self.history, "entries": [e.to_dict() for e in self.entries.values()]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Scoreboard":
         """Read a saved board (unknown keys, e.g. of the older exponential-average board, are ignored)."""
         sb = cls(window=int(d.get("window", 16)), grace=int(d.get("grace", 2)), tempo=int(d.get("tempo", 0)),
-                 active=int(d.get("active", 0)), quiet=int(d.get("quiet", 0)), stalled=int(d.get("stalled", 0)))
+                 active=int(d.get("active", 0)), quiet=int(d.get("quiet", 0)), stalled=int(d.get("stalled", 0)),
+                 history=[list(h) for h in d.get("history", [])])
         known = {f.name for f in dataclasses.fields(ScoreEntry)}
         for row in d.get("entries", []):
             e = ScoreEntry(**{k: v for k, v in row.items() if k in known})

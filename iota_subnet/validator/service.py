@@ -905,7 +905,9 @@ class ValidatorService:
         qf = quality_factors(self.attribution, self.opts.clasp_penalty)
         quality = {key: qf.get(key, (1.0, [])) for key in self.ledger.records}
         quality = merge_quality(quality, self.audits.quality())
-        self.board.update(self.ledger, quality, unrouted=self._unrouted(), lanes_stalled=self._lanes_stalled())
+        d = self.driver
+        self.board.update(self.ledger, quality, unrouted=self._unrouted(), lanes_stalled=self._lanes_stalled(),
+                          blocked=d.take_blocked() if d is not None else None, at=d.clock() if d is not None else None)
         weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
         self.explained = explain.build(self.ledger, self.attribution, self.board, self.current, block,
                                        audits=self.audits)
