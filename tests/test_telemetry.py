@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from iota_subnet.protocol import Health, Outcome, ProtocolError
-from iota_subnet.telemetry import NeuronMetrics, miner_families, validator_families
+from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.transport import NeuronClient, NeuronServer
 
 pytestmark = pytest.mark.timeout(60)
