@@ -326,7 +326,8 @@ class ValidatorService:
         self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # audits, merge evidence
         if self.cfg.merge.enabled:
             self.merge_oversight = MergeOversight(o.run_id)
-            self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel, gather_quant=self.cfg.merge.gather_quant)
+            self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel, gather_quant=self.cfg.merge.gather_quant,
+                                              int8_block=self.cfg.merge.int8_block)
         self._load_verification()
         self.publisher = ChainPublisher(self.chain, self.wallet, o.netuid)
         self.publisher.set_commitment(self.advert())
