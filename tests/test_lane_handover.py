@@ -206,3 +206,17 @@ def test_a_head_handed_another_lane_keeps_its_tickets_queued_until_it_holds_the_
     waited, hashes, want, lane, taken = asyncio.run(main())
     assert waited == (0, 2, 3, 1), waited          # nothing started, nothing skipped, before the weights are in
     assert hashes == [want, want] and lane == 0 and taken == 1
+
+
+def test_a_holder_state_that_does_not_fit_the_stage_is_not_taken():
+    """Checked before anything is loaded: another name set, shape or dtype, or a non-finite value."""
+    import torch
+
+    from iota_subnet.miner.lane_handover import state_mismatch
+    own = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    assert state_mismatch(own, {"w": torch.ones(2, 3), "b": torch.ones(3)}) == ""
+    assert "names" in state_mismatch(own, {"w": torch.ones(2, 3)})
+    assert "shape" in state_mismatch(own, {"w": torch.ones(3, 2), "b": torch.ones(3)})
+    assert "shape" in state_mismatch(own, {"w": torch.ones(2, 3, dtype=torch.float64), "b": torch.ones(3)})
+    assert "non-finite" in state_mismatch(own, {"w": torch.full((2, 3), float("nan")), "b": torch.ones(3)})
+    assert "names" in state_mismatch(own, None)

@@ -69,7 +69,8 @@ async def _verify(net, mo: MergeOversight, collect: bool = True):
 
         async def fetch(hk, req):
             return await cl.call(eps[hk], hk, "/audit/merge", req, MergeAuditResponse, retries=0, timeout_s=20)
-        auditor = MergeAuditor(RUN, lambda stage: numel, sample_chunks=2, gather_quant=net.cfg.merge.gather_quant)
+        auditor = MergeAuditor(RUN, lambda stage: numel, sample_chunks=2, gather_quant=net.cfg.merge.gather_quant,
+                               int8_block=net.cfg.merge.int8_block)
         verdicts = await mo.verify(auditor, fetch, limit=20)
         bytes_ = cl.bytes_sent + cl.bytes_received
     return verdicts, bytes_
@@ -255,3 +256,21 @@ def test_audits_answer_while_a_merge_runs(tmp_path, tmp_home):
         finally:
             await net.close()
     asyncio.run(main())
+
+
+def test_the_audit_rounds_the_recomputed_mean_as_an_honest_reducer_does():
+    """int8 gather: an honest reducer's mean, rounded per block of the shard, agrees exactly; a mean
+    shifted on the small values of a chunk whose largest value is 1.0 (0.0039 on values of 1e-4, 39
+    times their size: inside half an int8 step of the chunk's largest value, the tolerance of a
+    bound over the whole chunk) differs."""
+    from iota_subnet.merge.claims import CHUNK_NUMEL
+    from iota_subnet.merge.outer import rounded
+    ref = torch.full((CHUNK_NUMEL,), 1e-4)
+    ref[0] = 1.0
+    auditor = MergeAuditor(RUN, lambda s: CHUNK_NUMEL, gather_quant="int8", int8_block=256)
+    honest = rounded(ref, "int8", 256)[0]
+    cheat = honest.clone()
+    cheat[256:] += 0.0039                   # blocks without the large value: their own scales are tiny
+    assert not auditor.differs(ref, honest)
+    assert auditor.differs(ref, cheat)
+    assert not MergeAuditor(RUN, lambda s: 1).differs(ref, ref.clone())     # fp32 gather: as before

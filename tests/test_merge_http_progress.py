@@ -48,7 +48,8 @@ async def _replicas(n: int, cfg: MergeConfig):
         async def route(msg, ctx, engine=engine):
             return await engine.handle(ctx.route, msg, ctx.caller_hotkey)
         server.add_route("/merge/join", route, MergeJoin)
-        server.add_route("/merge/contribute", route, MergePayload, on_body_bytes=engine.link.note)
+        server.add_route("/merge/contribute", route, MergePayload,
+                         on_body_bytes=lambda hk, remote, n, engine=engine: engine.link.moving(hk, n))
         server.add_route("/merge/result", route, MergeResultRequest)
         server.add_route("/merge/contribution", route, MergeResultRequest)
         await server.start()

@@ -115,3 +115,20 @@ def test_a_peer_stalled_mid_merge_costs_at_most_one_progress_timeout():
     assert wall <= 4.0 + pt, wall
     ws = [flat(m) for m in mods[:3]]
     assert all(torch.equal(ws[0], w) for w in ws[1:])
+
+
+def test_a_trickle_is_not_progress_but_the_floor_rate_is():
+    """Bytes inside a message count as progress once half of what the floor rate (64 kbit/s) moves in a
+    progress timeout has moved; a whole message always counts."""
+    from iota_subnet.merge.deadlines import LinkProgress
+    t = [0.0]
+    link = LinkProgress(clock=lambda: t[0], min_bytes=40_000)
+    for t[0] in (1.0, 5.0, 9.0):
+        link.moving("p", 1)                  # a byte now and then
+    t[0] = 10.0
+    assert link.idle_s(["p"], 0.0) == 10.0
+    link.moving("p", 39_997)                 # 40 kB in all: progress
+    assert link.idle_s(["p"], 0.0) == 0.0
+    t[0] = 12.0
+    link.note("p", 300)                      # a whole (small) message
+    assert link.idle_s(["p"], 0.0) == 0.0 and link.partial["p"] == 0

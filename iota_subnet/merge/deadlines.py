@@ -3,8 +3,9 @@
 A fixed phase deadline fails every merge whose payload takes longer than it at the replicas' uplink
 (at ``8b`` an int8 scatter is 1.64 GB per replica: 131 s at 100 Mbit/s, against 30 s). So:
 
-* **progress**: a wait is cut when the peers it waits for moved no byte for
-  ``merge.progress_timeout_s`` (:class:`LinkProgress`). Bytes, not messages: the transports report
+* **progress**: a wait is cut when the peers it waits for made no progress for
+  ``merge.progress_timeout_s`` (:class:`LinkProgress`: a whole message, or half of what the floor rate
+  moves in that time, so a peer trickling a byte now and then does not look alive). Bytes, not messages: the transports report
   the bytes of a message as they cross the link, piece by piece (over HTTP both ends: the sender's
   client as it sends, the receiver's server as the body arrives, :mod:`iota_subnet.transport.streaming`),
   and every message a peer sends or answers counts as its bytes at the end;
@@ -59,20 +60,35 @@ def call_allowance_s(cfg, nbytes: float) -> float:
 
 
 class LinkProgress:
-    """When bytes last moved between this replica and each peer (monotonic seconds), either way."""
+    """When each peer last made progress with this replica (monotonic seconds), either way: a whole
+    message (:meth:`note`), or ``min_bytes`` more of messages still on the wire (:meth:`moving`; a
+    peer that trickles a byte now and then to look alive does not count; the engine sets it to half
+    of what :data:`FLOOR_RATE_BPS` moves in a progress timeout)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, min_bytes: int = 1):
         self.clock = clock
+        self.min_bytes = max(1, int(min_bytes))
         self.last: dict[str, float] = {}
         self.bytes: dict[str, int] = {}
+        self.partial: dict[str, int] = {}       # bytes of messages in flight since the peer's last progress
         #: peers found stalled (no byte for a progress timeout) in the running attempt: calls to them
         #: fail at once instead of waiting out another progress timeout; cleared by their next byte
         self.stalled: set[str] = set()
 
     def note(self, peer: str, nbytes: int = 0) -> None:
+        """A whole message of ``nbytes`` to or from ``peer``: progress."""
         self.last[peer] = self.clock()
         self.bytes[peer] = self.bytes.get(peer, 0) + int(nbytes)
+        self.partial[peer] = 0
         self.stalled.discard(peer)
+
+    def moving(self, peer: str, nbytes: int) -> None:
+        """``nbytes`` more of a message still crossing the link: progress once ``min_bytes`` moved."""
+        got = self.partial.get(peer, 0) + int(nbytes)
+        if got >= self.min_bytes:
+            self.note(peer, got)
+        else:
+            self.partial[peer] = got
 
     def idle_s(self, peers: Iterable[str], since: float) -> float:
         """Seconds since any of ``peers`` last moved a byte, counting from ``since`` at the earliest

@@ -72,7 +72,7 @@ from iota_subnet.protocol import Message, MergeResult, payload_nbytes, tensor_sh
 
 from .allreduce import AllReduceAttempt, sha256_of
 from .claims import contributions_root
-from .deadlines import LinkProgress, call_allowance_s, phase_deadline_s, scatter_bytes
+from .deadlines import FLOOR_RATE_BPS, LinkProgress, call_allowance_s, phase_deadline_s, scatter_bytes
 from .join import MergeJoining
 from .liveness import PeerLiveness
 from .outer import rounded
@@ -151,11 +151,12 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         self._bytes = [0, 0]
         self._lock = asyncio.Lock()                  # one merge at a time
         self.liveness = PeerLiveness(cfg.join_timeout_s)   # peers found gone: probed, not waited for
-        self.link = LinkProgress()                   # when bytes last moved to or from each peer
+        #: when each peer last made progress: whole messages, or the floor rate's bytes inside them
+        self.link = LinkProgress(min_bytes=int(FLOOR_RATE_BPS / 8 * cfg.progress_timeout_s / 2))
         #: the transport reports bytes inside a message (then a call is cut on progress alone)
         self._byte_progress = hasattr(transport, "on_progress")
         if self._byte_progress:
-            transport.on_progress = self.link.note
+            transport.on_progress = self.link.moving
 
     # ------------------------------------------------------------------ state
     def _work_total(self) -> float:

@@ -133,8 +133,9 @@ class MergeServing:
         # A finished attempt's results stay served for a while: a slower peer may still be gathering.
         for key, sess in list(self.sessions.items()):
             phase = self.cfg.phase_timeout_s if sess.plan is None else phase_deadline_s(self.cfg, scatter_bytes(
-                len(sess.plan.participants), sess.plan.total_numel, self.cfg.quantization, self.cfg.int8_block),
-                self._byte_progress)
+                len(sess.plan.participants), sess.plan.total_numel, self.cfg.quantization, self.cfg.int8_block))
+            # (the declared-rate deadline: a closed attempt's results are kept for peers gathering late,
+            # not for as long as the floor rate allows a live one, which would fill the session table)
             if self.current is not None and key[:2] == self.current[:2]:
                 continue
             if key[0] < self.merged_epoch or time.monotonic() - sess.created > 4 * (self.cfg.join_timeout_s + phase):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
+import torch
 from loguru import logger
 
 from iota_subnet.miner.catch_up import stage_merged_epoch
@@ -49,11 +50,30 @@ async def lane_holder(svc: Any, lane: int, client: NeuronClient) -> Optional[tup
         except (TransportError, ProtocolError, asyncio.TimeoutError) as e:
             logger.info(f"stage {svc.stage}: {hk[:10]} does not answer /health ({e}); not asked for lane {lane}")
             return None
-        if int(h.stats.get("lane", -1)) != lane:
+        try:
+            if int(h.stats.get("lane", -1)) != lane:
+                return None
+            return hk, int(h.stats.get("inner_step", h.inner_step or 0))
+        except (AttributeError, TypeError, ValueError, OverflowError):      # a malformed answer: not a holder
+            logger.info(f"stage {svc.stage}: {hk[:10]} answered /health with malformed stats; not asked for lane {lane}")
             return None
-        return hk, int(h.stats.get("inner_step", h.inner_step or 0))
     found = [r for r in await asyncio.gather(*(ask(hk) for hk in svc._peers())) if r is not None]
     return max(found, key=lambda r: r[1]) if found else None
+
+
+def state_mismatch(own: dict, got: Any) -> str:
+    """Why a peer's stage state ``got`` (name -> tensor) cannot replace ``own`` (this stage's
+    ``state_dict``): missing or extra names, another shape or dtype, a non-finite value; "" when it fits.
+    Checked before anything is loaded (``load_state_dict`` copies what fits before it raises)."""
+    if not isinstance(got, dict) or set(got) != set(own):
+        return "other tensor names"
+    for name, x in own.items():
+        y = got[name]
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+            return f"{name}: not a {x.dtype} tensor of shape {tuple(x.shape)}"
+        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+            return f"{name}: non-finite values"
+    return ""
 
 
 async def take_lane(svc: Any, t: Ticket) -> str:
@@ -70,7 +90,12 @@ async def take_lane(svc: Any, t: Ticket) -> str:
                 resp = await client.call(svc._endpoint_of(hk), hk, "/state",
                                          StateRequest(run_id=svc.run_id, stage=svc.stage), StateResponse,
                                          timeout_s=STATE_TIMEOUT_S, retries=1)
-                tensors, how = resp.tensors, f"holder {hk[:10]} at step {resp.state_meta.get('step', step)}"
+                bad = state_mismatch(w.module.state_dict(), resp.tensors)
+                if bad:
+                    logger.warning(f"stage {svc.stage}: lane {t.lane}'s holder {hk[:10]} sent a state that does not "
+                                   f"fit this stage ({bad}); not taken")
+                else:
+                    tensors, how = resp.tensors, f"holder {hk[:10]} at step {resp.state_meta.get('step', step)}"
             except (TransportError, ProtocolError, asyncio.TimeoutError, TypeError) as e:
                 logger.warning(f"stage {svc.stage}: lane {t.lane}'s holder {hk[:10]} did not send its state: {e}")
     if svc.merge is not None:

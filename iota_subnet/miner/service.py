@@ -433,7 +433,7 @@ class MinerService:
         self.server.add_route("/merge/contribute", self._merge_route, MergePayload,
                               merge_payload_contract(max_numel=C, block=mc.int8_block),
                               max_body_bytes=4 * C + 4 * (C // mc.int8_block + 1) + (1 << 20),
-                              on_body_bytes=self.merge.link.note)      # a slow sender's bytes show progress
+                              on_body_bytes=self._merge_body_bytes)
         self.server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         self.server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)
@@ -456,6 +456,15 @@ class MinerService:
     def _merge_weights(self, participants: list[str]) -> dict[str, float]:
         return merge_weights_from_commitments(self._commitments, self._neurons, self.run_id, participants,
                                               self.run_epoch)
+
+    def _merge_body_bytes(self, hotkey: str, remote: str, n: int) -> None:
+        """Bytes of a merge contribution still arriving show the sender's progress (its transfer is not
+        cut while they move), counted only when they come from the address the sender serves on chain
+        (before its signature can be checked, a forger could otherwise keep a stalled peer looking alive;
+        a sender whose outbound address differs shows progress per message only)."""
+        ep = self._endpoint_of(hotkey)
+        if ep is not None and ep.rsplit(":", 1)[0] == remote:
+            self.merge.link.moving(hotkey, n)
 
     async def _merge_route(self, msg, ctx):
         self._check_header(msg)

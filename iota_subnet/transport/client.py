@@ -229,7 +229,7 @@ class NeuronClient:
         limit = self.max_response_bytes
         if limit is None and on_progress is None:
             return await resp.read()
-        if resp.content_length is not None and resp.content_length > limit:
+        if limit is not None and resp.content_length is not None and resp.content_length > limit:
             raise ProtocolError(Outcome.BODY_TOO_LARGE, f"response of {resp.content_length} bytes > limit {limit}")
         chunks, size = [], 0
         async for chunk in resp.content.iter_chunked(1 << 20):

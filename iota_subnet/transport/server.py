@@ -137,8 +137,8 @@ class Route:
     contract_fn: ContractFn = None
     max_body_bytes: Optional[int] = None     #: this route's body limit (None: the server's)
     on_refused: Optional[RefusalHook] = None
-    #: ``on_body_bytes(claimed_hotkey, n)`` as each piece of ``n`` body bytes arrives
-    on_body_bytes: Optional[Callable[[str, int], None]] = None
+    #: ``on_body_bytes(claimed_hotkey, remote_ip, n)`` as each piece of ``n`` body bytes arrives
+    on_body_bytes: Optional[Callable[[str, str, int], None]] = None
 
     def contract(self) -> Optional[TensorContract]:
         if self.contract_fn is None or isinstance(self.contract_fn, TensorContract):
@@ -218,16 +218,17 @@ class NeuronServer:
     # ------------------------------------------------------------------ routes
     def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None,
                   *, max_body_bytes: Optional[int] = None, on_refused: Optional[RefusalHook] = None,
-                  on_body_bytes: Optional[Callable[[str, int], None]] = None) -> None:
+                  on_body_bytes: Optional[Callable[[str, str, int], None]] = None) -> None:
         """Serve POST ``path``: bodies decode to ``message_type`` checked against ``contract_fn``;
         ``max_body_bytes`` overrides the server's body limit for this route (merge payloads of a
         whole stage are far larger than an activation). ``on_refused`` (see :data:`RefusalHook`) is
         told of every authenticated request of this route refused by decoding or by the handler
         (a hop receiver keeps the signed body as evidence against its sender). ``on_body_bytes(hotkey,
-        n)`` is told of each piece of the body as it arrives, before the signature over the whole body
-        can be checked: the hotkey is the one the headers claim (bound to this receiver, fresh, not
-        replayed, authorized), so it serves a progress timeout (a merge's reducer waiting for a slow
-        sender), never blame."""
+        remote_ip, n)`` is told of each piece of the body as it arrives, before the signature over the
+        whole body can be checked: the hotkey is the one the headers claim (bound to this receiver,
+        fresh, not replayed, authorized) and ``remote_ip`` the connection's peer address, so it serves a
+        progress timeout (a merge's reducer waiting for a slow sender; the receiver should credit only
+        bytes from the claimed hotkey's own address), never blame."""
         if not path.startswith("/"):
             raise ValueError(f"route path must start with '/': {path!r}")
         if path in self.routes:
@@ -445,8 +446,9 @@ class NeuronServer:
             claim = (hotkey, nonce)
             self._pending_nonces.add(claim)
             self._inflight_by[hotkey] += 1
-            on_bytes = route.on_body_bytes
-            body = await self._read_body(request, limit, None if on_bytes is None else (lambda n: on_bytes(hotkey, n)))
+            on_bytes, remote = route.on_body_bytes, str(request.remote or "")
+            body = await self._read_body(request, limit,
+                                         None if on_bytes is None else (lambda n: on_bytes(hotkey, remote, n)))
             if self.downlink is not None:   # the emulated downlink (freshness was judged when the head arrived)
                 try:
                     await self.downlink.receive(len(body) + hdr)

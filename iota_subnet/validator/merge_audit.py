@@ -19,9 +19,10 @@ accusation (reporter R names reducer A for shard s of a plan):
    (``/audit/merge``, Merkle proofs against the signed roots), first ``sample_chunks`` random
    ones, and recomputes the weighted mean on them (fp32, the participants' order, the plan's
    weights; tolerance :data:`MEAN_RTOL` of the chunk's largest value, plus, per value, the bound on
-   the rounding to the run's gather encoding, ``merge.gather_quantization``, that an honest reducer
-   applies: :func:`~iota_subnet.merge.outer.rounding_bound`, for int8 half of the chunk's absmax /
-   127). A sampled chunk that differs: **upheld**. If all sampled
+   the rounding to the run's gather encoding, ``merge.gather_quantization``: the recomputed mean is
+   rounded as an honest reducer rounds it, :func:`~iota_subnet.merge.outer.rounded`, exactly when
+   the audit chunks begin on the int8 blocks of the shard (``CHUNK_NUMEL`` a multiple of
+   ``merge.int8_block``), else within :func:`~iota_subnet.merge.outer.rounding_bound` of the chunk). A sampled chunk that differs: **upheld**. If all sampled
    chunks agree, before penalising the reporter it checks the whole shard (all chunks, fetched in
    bounded parts, and the full hashes against the signed ``sha256``): all agree: **false**; any
    differ: **upheld**.
@@ -44,8 +45,9 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 import torch
 
 from iota_subnet.audit.merkle import leaf_hash, verify_proof
-from iota_subnet.merge.claims import CONTRIBUTION, MAX_AUDIT_CHUNKS, RESULT, n_chunks, records_match, verify_claim
-from iota_subnet.merge.outer import rounding_bound, weighted_mean
+from iota_subnet.merge.claims import (CHUNK_NUMEL, CONTRIBUTION, MAX_AUDIT_CHUNKS, RESULT, n_chunks, records_match,
+                                      verify_claim)
+from iota_subnet.merge.outer import rounded, rounding_bound, weighted_mean
 from iota_subnet.merge.plan import MergePlan, epoch_seed
 from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, ProtocolError, proof_from_tensor,
                                   tensor_sha256)
@@ -83,9 +85,12 @@ class MergeAuditor:
     are rebuilt from it); ``sample_chunks``: random chunks checked first; ``rng``: OS-seeded."""
 
     def __init__(self, run_id: str, stage_numel: Callable[[int], int], *, sample_chunks: int = 4,
-                 rng: Optional[random.Random] = None, chunks_per_request: int = 64, gather_quant: str = "none"):
+                 rng: Optional[random.Random] = None, chunks_per_request: int = 64, gather_quant: str = "none",
+                 int8_block: int = 256):
         self.run_id = run_id
-        self.gather_quant = gather_quant
+        self.gather_quant, self.int8_block = gather_quant, int(int8_block)
+        #: audit chunks (CHUNK_NUMEL values from a shard's start) begin on int8 blocks of the shard
+        self.aligned = CHUNK_NUMEL % self.int8_block == 0
         self.stage_numel = stage_numel
         self.sample_chunks = max(1, int(sample_chunks))
         self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
@@ -220,15 +225,21 @@ class MergeAuditor:
             ref = weighted_mean([(w, got[p][i]) for p, w in zip(parts, weights)])
             mine = got[MEAN][i]
             v.chunks_checked += 1
-            if mine.shape != ref.shape:
-                bad.append(i)
-                continue
-            tol = MEAN_RTOL * float(ref.abs().max()) if ref.numel() else 0.0
-            # int8 blocks of the audit chunk need not align with the reducer's: bound by the chunk's absmax
-            tol = tol + rounding_bound(ref, self.gather_quant, max(1, ref.numel())) * 1.001
-            if bool(((mine - ref).abs() > tol).any()):
+            if self.differs(ref, mine):
                 bad.append(i)
         return bad, got
+
+    def differs(self, ref: torch.Tensor, mine: torch.Tensor) -> bool:
+        """Whether a served chunk of the mean ``mine`` differs from the recomputed ``ref`` (float32 [n],
+        before the gather's rounding) by more than :data:`MEAN_RTOL` of its largest value."""
+        if mine.shape != ref.shape:
+            return True
+        tol = MEAN_RTOL * float(ref.abs().max()) if ref.numel() else 0.0
+        if self.aligned:       # audit chunks start on int8 blocks of the shard: round exactly as the reducer
+            ref = rounded(ref, self.gather_quant, self.int8_block)[0]
+        else:                  # blocks straddle audit chunks: bound by the chunk's absmax (looser)
+            tol = tol + rounding_bound(ref, self.gather_quant, max(1, ref.numel())) * 1.001
+        return bool(((mine - ref).abs() > tol).any())
 
     async def _fetch(self, who: str, what: str, signed: Mapping, root_hex: str, idx: list[int], fetch: Fetch,
                      v: Verdict) -> dict[int, torch.Tensor]:

@@ -114,7 +114,8 @@ class StallWatch:
     completed less than ``merge_allowance_s`` ago: a merge on a slow link pauses every lane for
     minutes (a ``tiny_merge`` stage at 0.8 Mbit/s: 190 s, dozens of localnet tempos), which is
     not a fault. ``every``: ``merge.every_steps`` (0: no merges); ``merge_allowance_s``: the longest
-    a merge may pause a lane (the merge's own deadlines, :mod:`iota_subnet.merge.deadlines`).
+    a merge may pause a lane (the merge's deadlines at the declared uplink,
+    :mod:`iota_subnet.merge.deadlines`; a run on slower links declares ``merge.assumed_uplink_bps``).
     """
 
     def __init__(self, every: int, merge_allowance_s: float, clock: Callable[[], float] = time.monotonic):

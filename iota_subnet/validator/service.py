@@ -326,7 +326,8 @@ class ValidatorService:
         self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # audits, merge evidence
         if self.cfg.merge.enabled:
             self.merge_oversight = MergeOversight(o.run_id)
-            self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel, gather_quant=self.cfg.merge.gather_quant)
+            self.merge_auditor = MergeAuditor(o.run_id, self._stage_numel, gather_quant=self.cfg.merge.gather_quant,
+                                              int8_block=self.cfg.merge.int8_block)
         self._load_verification()
         self.publisher = ChainPublisher(self.chain, self.wallet, o.netuid)
         self.publisher.set_commitment(self.advert())
@@ -924,13 +925,16 @@ class ValidatorService:
                                  driving)
 
     def _merge_allowance_s(self) -> float:
-        """The longest a merge may pause the lanes: its join timeout plus the deadline of a scatter and a
-        gather of the largest stage in fp32 at the merge's floor rate (:mod:`iota_subnet.merge.deadlines`)."""
+        """The longest a merge may pause the lanes before a tempo without lane steps counts as stalled:
+        ``merge.max_attempts`` x (its join timeout plus the deadline of a scatter and a gather of the
+        largest stage in fp32 at the declared uplink, ``merge.assumed_uplink_bps``;
+        :mod:`iota_subnet.merge.deadlines`). Not the floor rate a moving merge may go down to: that
+        would excuse lanes held at a merge boundary for hours."""
         mc = self.cfg.merge
         if not mc.enabled:
             return 0.0
         largest = max(self._stage_numel(s) for s in range(self.cfg.pipeline.stages))
-        return mc.join_timeout_s + phase_deadline_s(mc, 2 * 4 * largest, byte_progress=True)
+        return mc.max_attempts * (mc.join_timeout_s + phase_deadline_s(mc, 2 * 4 * largest))
 
     def _unrouted(self) -> set:
         """Miners of lanes this validator has finished driving (no work for them by its own choice)."""
