@@ -214,11 +214,30 @@ def test_a_merge_pause_is_not_a_stall_for_as_long_as_a_merge_may_take():
     watch = StallWatch(every=10, merge_allowance_s=300.0, clock=lambda: t[0])
     assert not watch.update(20, [10, 10], 20, driving=True)      # both lanes' next step opens a window
     for t[0] in (50.0, 150.0, 290.0):
-        assert not watch.update(20, [10, 10], 20, driving=True)  # merging
+        assert not watch.update(20, [10, 10], 20, driving=True) and watch.paused   # merging
     t[0] = 310.0
-    assert watch.update(20, [10, 10], 20, driving=True)          # longer than any merge may take
+    assert watch.update(20, [10, 10], 20, driving=True) and not watch.paused      # longer than any merge may take
     t[0] = 320.0
     assert not watch.update(22, [11, 11], 20, driving=True)      # trained on
     t[0] = 330.0
     assert watch.update(22, [11, 11], 20, driving=True)          # inside a window: stalled
     assert not StallWatch(every=10, merge_allowance_s=1e9).merging([20, 20], 20)   # the run's end is no merge
+
+
+def test_tempos_of_a_merge_pause_leave_the_scores_as_they_were():
+    """Before: a 190 s merge spanned ~38 localnet tempos without verified work ("quiet"), and every
+    miner's weight decayed to 0.0003 (the rest burned) though every merge applied."""
+    led = Ledger([0.5, 0.5])
+    cur = {1: "a", 2: "b"}
+    board = Scoreboard()
+    led.record(1, "a", 0).work = 100.0
+    led.record(2, "b", 1).work = 100.0
+    board.update(led)
+    before = board.weights([0.5, 0.5], cur)
+    for _ in range(30):
+        board.update(led, paused=True)
+    assert board.quiet == 0 and board.weights([0.5, 0.5], cur) == pytest.approx(before)
+    assert sum(before.values()) == pytest.approx(1.0)
+    for _ in range(4):
+        board.update(led)                                # not a merge: quiet tempos decay as before
+    assert sum(board.weights([0.5, 0.5], cur).values()) < 0.5

@@ -124,6 +124,7 @@ class StallWatch:
         self.clock = clock
         self.done_at_update: Optional[int] = None   # lane steps done at the previous update
         self.progress_at = clock()                  # when a lane step last completed (as updates saw it)
+        self.paused = False                         # the last update fell in a merge's pause
 
     def merging(self, next_steps, total: Optional[int]) -> bool:
         """Some unfinished lane's next step is the first of a merge window."""
@@ -133,12 +134,15 @@ class StallWatch:
     def update(self, done: int, next_steps, total: Optional[int], driving: bool) -> bool:
         """One scores update: ``done`` lane steps completed so far, ``next_steps`` each lane's next
         step, ``total`` the run's steps (None: open-ended), ``driving`` whether this validator drives
-        lanes. Returns whether every lane stalled since the previous update."""
+        lanes. Returns whether every lane stalled since the previous update; :attr:`paused` says
+        whether they waited for a merge instead."""
         now = self.clock()
         before, self.done_at_update = self.done_at_update, done
+        self.paused = False
         if before is None or done > before:
             self.progress_at = now
             return False
         if not driving:
             return False
-        return not (self.merging(next_steps, total) and now - self.progress_at < self.merge_allowance_s)
+        self.paused = self.merging(next_steps, total) and now - self.progress_at < self.merge_allowance_s
+        return not self.paused

@@ -255,13 +255,17 @@ class Scoreboard:
 
     def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None,
                unrouted: Iterable[Key] = (), lanes_stalled: bool = False,
-               blocked: Mapping[Key, float] | None = None, at: Optional[float] = None) -> None:
+               blocked: Mapping[Key, float] | None = None, at: Optional[float] = None,
+               paused: bool = False) -> None:
         """One tempo. ``quality``: key -> (factor, reasons); ``unrouted``: miners this validator gave
         no work this tempo by its own choice (e.g. the lane they serve finished its steps): their
         ``lag`` does not grow; ``lanes_stalled``: this validator drives lanes and none of them
         completed a step since the previous update; ``blocked``: key -> clock seconds since which the
         miner was held back by another miner's fault (see the class docstring); ``at``: this update's
-        time on the same clock (default ``time.time()``)."""
+        time on the same clock (default ``time.time()``); ``paused``: the lanes wait while their
+        replicas merge (:class:`~iota_subnet.validator.pacing.StallWatch`): a tempo without verified
+        work then leaves every score as it was (no ``quiet``, ``lag`` or stall grows: a merge on a slow
+        link spans many short tempos and is nobody's fault)."""
         quality = quality or {}
         unrouted = set(unrouted)
         blocked = dict(blocked or {})
@@ -278,6 +282,8 @@ class Scoreboard:
             e.last_work = work
         any_work = any(v > 0 for v in new.values())
         self.tempo += 1
+        if paused and not any_work:
+            return
         if any_work:
             self.active += 1
             self.quiet = 0

@@ -907,8 +907,10 @@ class ValidatorService:
         quality = {key: qf.get(key, (1.0, [])) for key in self.ledger.records}
         quality = merge_quality(quality, self.audits.quality())
         d = self.driver
-        self.board.update(self.ledger, quality, unrouted=self._unrouted(), lanes_stalled=self._lanes_stalled(),
-                          blocked=d.take_blocked() if d is not None else None, at=d.clock() if d is not None else None)
+        stalled = self._lanes_stalled()
+        self.board.update(self.ledger, quality, unrouted=self._unrouted(), lanes_stalled=stalled,
+                          blocked=d.take_blocked() if d is not None else None, at=d.clock() if d is not None else None,
+                          paused=self.stall is not None and self.stall.paused)
         weights = self.board.weights(self.ledger.shares, self.current, exclude_uids=[self.uid])
         self.explained = explain.build(self.ledger, self.attribution, self.board, self.current, block,
                                        audits=self.audits)
