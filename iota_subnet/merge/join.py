@@ -69,8 +69,10 @@ class MergeJoining:
         spare), or stopped advancing a grace period ago, is still given up."""
         started = time.monotonic()
         if deadline is None:
-            deadline = started + (self.cfg.join_timeout_s if attempt == 0
-                                  else self.cfg.join_timeout_s + self.cfg.phase_timeout_s)
+            # a later attempt also covers a peer still ending the previous one: cut at the phase timeout,
+            # or, waiting on a peer that stopped, at one progress timeout
+            deadline = started + (self.cfg.join_timeout_s if attempt == 0 else self.cfg.join_timeout_s
+                                  + max(self.cfg.phase_timeout_s, self.cfg.progress_timeout_s))
         w = self._weights([p for p in peers if p != self.me])
         want = [p for p in peers if p != self.me and p not in exclude and w.get(p, 1.0) > 0]
         out = JoinResult(works={self.me: self.ready_work})
