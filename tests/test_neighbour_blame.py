@@ -178,3 +178,35 @@ def test_a_claim_excuses_only_once_the_validator_found_the_culprit_down_and_neve
     t[0] = 112.0
     h.charged("c")                                       # c failed itself meanwhile: not excused
     assert h.take(keys) == {keys["b"]: 111.0}
+
+
+def test_a_miner_is_excused_in_at_most_half_the_window():
+    """A colluding neighbour that keeps failing cannot keep a miner's rate up for a whole window: after
+    ``window // 2`` excused tempos, tempos without its work count against it again (lag, span)."""
+    ledger, board = _Ledger(), Scoreboard(window=8, grace=1)
+    idler, twin = (1, "a"), (2, "b")
+    t = 0.0
+
+    def tempo(work: dict, blocked=None):
+        nonlocal t
+        t += 10.0
+        for key, w in work.items():
+            ledger.credit(*key, 0, w)
+        board.update(ledger, blocked=blocked, at=t)
+
+    for _ in range(2):
+        tempo({idler: 100, twin: 100})
+    start = t
+    for i in range(6):                           # "blocked" every tempo from here on, doing nothing
+        tempo({twin: 100}, blocked={idler: start + 1.0})
+        e = board.entries[idler]
+        if i < 4:                                # 4 = window // 2 tempos are excused
+            assert e.lag == 0 and e.freshness == 1.0 and len(e.blocked) == i + 1, (i, e.why)
+        else:
+            assert e.lag == i - 3 and len(e.blocked) == 4, (i, e.lag, e.why)
+    assert any("already excused in 4 tempo(s)" in w for w in board.entries[idler].why)
+    assert board.entries[idler].freshness < 1.0      # lag 2 > grace 1: it goes stale as the twin keeps working
+    w = board.weights([1.0], {1: "a", 2: "b"})
+    assert w[1] < 0.6 * w[2], w
+    capped = Scoreboard(window=8, grace=1, max_excused=0)
+    assert capped.excuse_cap() == 0 and Scoreboard(window=8).excuse_cap() == 4

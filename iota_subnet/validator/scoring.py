@@ -219,7 +219,10 @@ class Scoreboard:
       and its ``lag`` does not grow in it (growth already counted there is taken back). So a miner
       slowed by another's fault keeps its share of verified work, and gains nothing from the fault
       (its rate stays its unblocked pace); a miner that is itself unreachable or failing is never
-      blocked and goes stale as before;
+      blocked and goes stale as before. At most :meth:`excuse_cap` tempos (half the window unless
+      ``max_excused`` says otherwise) of one miner are excused per window: a fault the routing did
+      not get around in that time, or a colluding neighbour that keeps failing, no longer excuses it,
+      so a miner cannot keep its rate for long on a few tempos of work by having a sybil stall it;
     * ``quality``: product of the factors given (audits: 0 when flagged; CLASP), in [0, 1];
     * ``freshness`` = ``2^-max(0, lag - grace) x 2^-max(0, quiet - grace) x 2^-max(0, stalled -
       stall_grace)``: ``lag`` counts the tempos in which this validator verified others' work but
@@ -251,6 +254,8 @@ class Scoreboard:
     quiet: int = 0              # consecutive updates without any verified work
     stalled: int = 0            # consecutive updates in which every driven lane was stalled
     stall_grace: int = 1        # stalled updates that are free (a lane step may span a tempo boundary)
+    #: blocked tempos a miner may be excused in per window (None: half the window); see the class docstring
+    max_excused: Optional[int] = None
     history: list = field(default_factory=list)   # [time, active index or None] of the last window updates
 
     def update(self, ledger: Ledger, quality: Mapping[Key, tuple[float, list[str]]] | None = None,
@@ -296,15 +301,14 @@ class Scoreboard:
         for key, e in self.entries.items():
             e.new_work = new.get(key, 0.0)
             since = blocked.get(key)
-            if since is not None:
-                self._excuse(e, float(since))
+            excused = since is not None and self._excuse(e, float(since))
             if e.new_work > 0:
                 e.bins.append([self.active, e.new_work])
                 e.idle = e.lag = 0
                 e.lagged = []
             else:
                 e.idle += 1
-                if any_work and key not in unrouted and since is None:
+                if any_work and key not in unrouted and not excused:
                     e.lag += 1
                     e.lagged = (e.lagged + [at])[-W:]
             e.bins = [b for b in e.bins if b[0] >= lo]
@@ -321,6 +325,9 @@ class Scoreboard:
             if e.blocked:
                 e.why.append(f"held back by another miner's fault in {len(e.blocked)} tempo(s): not counted "
                              f"against it")
+            if since is not None and not excused:
+                e.why.append(f"held back again, but already excused in {len(e.blocked)} tempo(s) of the window "
+                             f"(at most {self.excuse_cap()}): counted as a tempo without its work")
             if e.new_work > 0:
                 e.why.append(f"verified work {e.new_work:.1f} units this tempo; rate {e.rate:.1f} per tempo over "
                              f"{span} tempo(s)")
@@ -353,15 +360,31 @@ class Scoreboard:
         in_blocked = {a: w for a, w in e.bins if a in blocked}
         return n_free + sum(min(1.0, in_blocked.get(a, 0.0) / free_rate) for a in blocked)
 
-    def _excuse(self, e: ScoreEntry, since: float) -> None:
+    def excuse_cap(self) -> int:
+        """Blocked tempos one miner may be excused in per window (:attr:`max_excused`, default half
+        the window)."""
+        W = max(1, int(self.window))
+        return max(0, int(self.max_excused)) if self.max_excused is not None else W // 2
+
+    def _excuse(self, e: ScoreEntry, since: float) -> bool:
         """``e`` was blocked by another miner's fault from ``since`` on: the active tempos ending after
-        it leave its rate span, and the lag it accrued in them is taken back."""
+        it leave its rate span (oldest first, while ``e`` has fewer than :meth:`excuse_cap` blocked
+        tempos in the window), and the lag it accrued in those tempos is taken back. Returns whether
+        this update's tempo is excused (its lag does not grow)."""
+        room = self.excuse_cap() - len(e.blocked)
+        added: set = set()
         for t, a in self.history:
+            if room <= 0:
+                break
             if t > since and a is not None and a not in e.blocked:
                 e.blocked.append(a)
-        undo = sum(1 for t in e.lagged if t > since)
-        e.lagged = [t for t in e.lagged if t <= since]
-        e.lag = max(0, e.lag - undo)
+                added.add(t)
+                room -= 1
+        undo = [t for t in e.lagged if t in added]
+        e.lagged = [t for t in e.lagged if t not in added]
+        e.lag = max(0, e.lag - len(undo))
+        now = self.history[-1] if self.history else None
+        return now is not None and (now[1] is None or now[1] in e.blocked)
 
     def relative_freshness(self, e: ScoreEntry) -> float:
         """``2^-max(0, lag - grace)``: the part of the freshness that one miner's absence explains."""
