@@ -13,7 +13,7 @@ import pytest
 
 from iota_subnet.sim.merge_scale import run_scale
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]   # ~70 s on 2 cores: in the slow suite
 
 #: Metadata bytes per replica per peer, each direction: measured 7.2 kB at N = 100 (ten messages
 #: per peer each way: join, two contributions and their acks, two result requests and answers)
