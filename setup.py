@@ -38,7 +38,7 @@ setup(
     ],
     extras_require={
         # selenium drives Debian's chromium (make browser) in the dashboard test; pillow reads its screenshot.
-        "test": ["pytest-timeout>=2.3", "selenium>=4.20", "pillow>=10", "import-linter>=2.1"],
+        "test": ["pytest-timeout>=2.3", "selenium>=4.20", "pillow>=10", "import-linter>=2.1", "pylint>=3.2"],
         # scripts/bench_churn.py plots every run's loss curve into one PNG
         "bench": ["matplotlib>=3.7"],
     },

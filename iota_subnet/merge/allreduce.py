@@ -260,7 +260,7 @@ class AllReduceAttempt:
 
         # all or nothing: one write under the worker lock
         await asyncio.to_thread(self.params.write, new_anchor, carry)
-        self.anchor, self.momentum, self.merged_epoch = new_anchor, new_momentum, plan.epoch
+        self.merged(new_anchor, new_momentum, plan.epoch)
         rep.weights_sha256 = tensor_sha256(new_anchor)
         return True, [], ""
 

@@ -191,6 +191,11 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         self.anchor, self.momentum = anchor, momentum
         self.merged_epoch = int(merged_epoch)
 
+    def merged(self, anchor: torch.Tensor, momentum: torch.Tensor, epoch: int) -> None:
+        """The all-reduce of ``epoch`` applied: ``anchor`` and ``momentum`` (float32 [P], host) are this
+        replica's new anchor and outer momentum (the parameters were written already)."""
+        self.anchor, self.momentum, self.merged_epoch = anchor, momentum, int(epoch)
+
     def skip(self, epoch: int) -> None:
         """This replica will not merge ``epoch`` (its lane jumped it past that boundary): its join
         answers say the epoch is closed, so peers at the boundary do not wait for it."""

@@ -74,6 +74,8 @@ class LocalNet(NeuronProcesses, RunSummary):
         #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
         self.adversary = adversary
         self.adversary_pos = (stages // 2, replicas - 1) if adversary else None
+        self.val_wallets: list = []            # built by :meth:`prepare`
+        self.miner_wallets: dict = {}          # (stage, replica) -> wallet, built by :meth:`prepare`
         self.children: list[Child] = []
         #: fault injection (:mod:`iota_subnet.sim.chaos`): the spec, and the run time its schedule covers
         self.chaos_spec = None

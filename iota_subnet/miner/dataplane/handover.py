@@ -74,7 +74,8 @@ class LaneHandover:
             self.counts["lane_take_failures"] += 1
             w.lane = t.lane
         finally:
-            parked, self._parked = self._parked, []
+            parked = list(self._parked)
+            self._parked.clear()
             for task in parked:
                 heapq.heappush(self._fwd, task)
             self._wake.set()

@@ -84,7 +84,7 @@ class AuditBook:
                 out.append(self._record(rec, work_at, at))
             else:
                 keep.append((rec, work_at, at, finished))
-        self.unsettled = keep
+        self.unsettled[:] = keep
         return out
 
     def _record(self, rec: AuditRecord, work_at: Optional[float], at: float) -> AuditRecord:
