@@ -133,6 +133,8 @@ def test_config_folder_both_rope_formats(tmp_path, fmt):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = load_hf_config(tmp_path, "eager")
     assert cfg.rope_parameters == {**ROPES["llama3"], "rope_theta": 500000.0}
+    for other in (raw, tmp_path / "config.json"):                   # a config.json dict or file path
+        assert load_hf_config(other).rope_parameters == cfg.rope_parameters
     model = _hf_model(cfg)
     stage = build_hf_stage(tmp_path, 0, 1, attn_implementation="eager", init_seed=None).eval()
     load_stage_state(stage, model)

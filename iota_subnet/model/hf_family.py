@@ -83,7 +83,10 @@ def load_hf_config(source: ConfigSource, attn_implementation: str | None = None)
             raise HFFamilyError(f"no config.json at {path}; give a folder holding a transformers config.json")
         raw = json.loads(cfg_file.read_text())
         _check_family(raw.get("model_type"))
-        config = AutoConfig.from_pretrained(str(cfg_file.parent), local_files_only=True)
+        if path.is_dir():
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        else:
+            config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     elif isinstance(source, Mapping):
         raw = dict(source)
         _check_family(raw.get("model_type"))
