@@ -28,8 +28,9 @@ setup(
         "tqdm>=4.66",
         "prometheus-client>=0.20",
         "pytest>=8",
-        # export / generate / eval: the trained model as a Hugging Face folder (also the parity test)
-        "transformers>=4.46",
+        # export / generate / eval, and stages built from its model families (iota_subnet.model.hf_family):
+        # the 5.x layer classes, masking_utils and rope_parameters
+        "transformers>=5.0,<6",
         # the devnet's MEV shield: ML-KEM-768 (FIPS 203) and XChaCha20-Poly1305, as the SDK encrypts
         "kyber-py>=1.2",
         "pycryptodome>=3.20",

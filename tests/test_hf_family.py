@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
 from iota_subnet.model.hf_family import (

@@ -38,6 +38,8 @@ from importlib import import_module
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from torch import nn
 
 from iota_subnet.config import ConfigError
@@ -74,8 +76,6 @@ def load_hf_config(source: ConfigSource, attn_implementation: str | None = None)
     (``"eager"``, ``"sdpa"``, ...) is set on it when given, else kept (``"sdpa"`` when unset).
 
     Raises :class:`UnsupportedFamilyError` for other model types, :class:`HFFamilyError` for a missing file."""
-    from transformers import AutoConfig, PreTrainedConfig
-
     if isinstance(source, (str, Path)):
         path = Path(source)
         cfg_file = path / "config.json" if path.is_dir() else path
@@ -232,11 +232,6 @@ class HFStage(nn.Module):
         return "model." + local
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
-
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
