@@ -20,6 +20,11 @@ reports the loss in its receipt.
 
 Traffic: one ticket (about 0.7 kB) and one receipt per stage (about 0.5 kB) per micro-batch, in
 batches; none of it scales with the model width.
+
+Parts: flights (:mod:`.flights`), ticket issue (:mod:`.tickets`), receipt matching and credit
+(:mod:`.receipts`), health probes (:mod:`.health`), following a lane step with its re-issues
+(:mod:`.lane_steps`); what they share (:mod:`.control_context`). This module drives the lanes
+(look-ahead, pacing, resuming) and the forward-only traffic.
 """
 from __future__ import annotations
 
