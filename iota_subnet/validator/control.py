@@ -122,7 +122,8 @@ class ControlPlane:
         self.receipts.blame = book
 
     def on_receipts(self, batch: ReceiptBatch, caller: str) -> ReceiptAck:
-        """A miner's receipt batch (``caller``: its hotkey, authenticated): :meth:`.receipts.ReceiptMatcher.on_receipts`."""
+        """A miner's receipt batch (``caller``: its hotkey, authenticated):
+        :meth:`.receipts.ReceiptMatcher.on_receipts`."""
         return self.receipts.on_receipts(batch, caller)
 
     def take_blocked(self) -> dict[tuple[int, str], float]:
@@ -145,7 +146,8 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- lanes
     async def run_lane_step(self, lane: int, step: int, stop: Optional[asyncio.Event] = None) -> LaneStepResult:
-        """Issue (if needed) and follow lane step ``step`` to completion: :meth:`.lane_steps.LaneStepper.run_lane_step`."""
+        """Issue (if needed) and follow lane step ``step`` to completion:
+        :meth:`.lane_steps.LaneStepper.run_lane_step`."""
         return await self.steps.run_lane_step(lane, step, stop)
 
     async def run_lane(self, lane: int, start_step: int, total_steps: int,

@@ -31,8 +31,9 @@ class HealthProbe:
 
             async def one(r: Replica) -> bool:
                 try:
-                    h = await c.client.call(r.endpoint, r.hotkey, "/health", Health(run_id=c.opts.run_id, stage=r.stage),
-                                            Health, timeout_s=timeout_s, retries=0)
+                    h = await c.client.call(r.endpoint, r.hotkey, "/health",
+                                            Health(run_id=c.opts.run_id, stage=r.stage), Health,
+                                            timeout_s=timeout_s, retries=0)
                     if not h.ready:
                         raise ProtocolError("NOT_READY", "syncing")
                 except (ProtocolError, TransportError) as e:
