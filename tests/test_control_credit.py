@@ -16,7 +16,7 @@ from bittensor.sp_core import Keypair
 from iota_subnet.config import load_config
 from iota_subnet.protocol import ReceiptBatch
 from iota_subnet.protocol.receipt import Receipt
-from iota_subnet.validator.control import ControlPlane
+from iota_subnet.validator.control import ControlOptions, ControlPlane
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger
 from support.dataplane_net import OVR
@@ -32,10 +32,11 @@ def test_a_hop_counts_as_served_when_its_own_receipt_arrived_not_when_its_credit
                    for s in range(cfg.pipeline.stages)})
     clock = Clock()
     hops: list[tuple[tuple[int, str], bool, float]] = []
-    cp = ControlPlane(cfg, run_id="credit", router=router, client=StuckHead(0), keypair=Keypair.create_from_uri("//v"),
-                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0] * cfg.pipeline.stages), n_lanes=1,
-                      clock=clock, on_hop=lambda key, ok, at: hops.append((key, ok, at)))
-    assert asyncio.run(cp._issue_step(0, 0))
+    cp = ControlPlane(cfg, router=router, client=StuckHead(0), keypair=Keypair.create_from_uri("//v"),
+                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0] * cfg.pipeline.stages),
+                      opts=ControlOptions(run_id="credit", n_lanes=1, clock=clock,
+                                          on_hop=lambda key, ok, at: hops.append((key, ok, at))))
+    assert asyncio.run(cp.tickets.issue_step(0, 0))
     fl = next(f for f in cp.flights.values() if f.ticket.index == 0)
     h = [f"{i:064x}" for i in range(1, 8)]
     n = cfg.pipeline.stages

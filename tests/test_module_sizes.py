@@ -16,7 +16,6 @@ LIMIT = 600
 ALLOWED = {
     "iota_subnet/miner/service.py": "the miner service is being rewritten into its parts by other work",
     "iota_subnet/validator/service.py": "the validator service is being rewritten into its parts by other work",
-    "iota_subnet/validator/control.py": "the validator's control plane is being rewritten by other work",
 }
 
 

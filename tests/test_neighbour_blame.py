@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from bittensor.sp_core import Keypair
 
 from iota_subnet.config import load_config
-from iota_subnet.validator.control import ControlPlane
+from iota_subnet.validator.control import ControlOptions, ControlPlane
 from iota_subnet.validator.hindrance import Hindrances
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger, Scoreboard
@@ -45,10 +45,10 @@ def _run(steps: int = STEPS, hole_at: int = HOLE_AT):
     assert router.lane_member(0, 1) is hole and router.lane_member(0, 0) is slowed and router.lane_member(1, 0) is twin
     net = ScriptedNet(set(), hop_timeout_s=1.0, compute_s=0.01)
     ledger, board = Ledger([1.0] * n), Scoreboard(window=256)
-    cp = ControlPlane(cfg, run_id="nb", router=router, client=net, keypair=Keypair.create_from_uri("//nbv"),
-                      dataset=SimpleNamespace(n_val_rows=8), ledger=ledger, n_lanes=2, stall_s=0.6,
-                      min_stall_s=0.6, max_attempts=6, pace_every=0, lookahead=4)
-    cp.reissue_backoff_s = 0.05
+    cp = ControlPlane(cfg, router=router, client=net, keypair=Keypair.create_from_uri("//nbv"),
+                      dataset=SimpleNamespace(n_val_rows=8), ledger=ledger,
+                      opts=ControlOptions(run_id="nb", n_lanes=2, stall_s=0.6, min_stall_s=0.6, max_attempts=6,
+                                          pace_every=0, lookahead=4, reissue_backoff_s=0.05))
     net.cp = cp
     done: dict[int, bool] = {0: False, 1: False}
     steps_done = [0]

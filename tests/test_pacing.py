@@ -15,7 +15,7 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from iota_subnet.config import load_config
-from iota_subnet.validator.control import ControlPlane
+from iota_subnet.validator.control import ControlOptions, ControlPlane
 from iota_subnet.validator.pacing import LanePacer
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger
@@ -140,8 +140,9 @@ def test_a_lane_started_first_does_not_ticket_past_a_lane_not_started_yet():
                                endpoint=f"127.0.0.1:{9000 + 10 * s + r}", stage=s) for r in range(2)]
                    for s in range(cfg.pipeline.stages)})
     head = StuckHead(head_step=0)
-    cp = ControlPlane(cfg, run_id="pace", router=router, client=head, keypair=Keypair.create_from_uri("//vali"),
-                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0] * 6), n_lanes=2, stall_s=60.0)
+    cp = ControlPlane(cfg, router=router, client=head, keypair=Keypair.create_from_uri("//vali"),
+                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0] * 6),
+                      opts=ControlOptions(run_id="pace", n_lanes=2, stall_s=60.0))
 
     async def main():
         with contextlib.suppress(asyncio.TimeoutError):      # the scripted head never completes a step

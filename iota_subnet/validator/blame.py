@@ -108,7 +108,7 @@ def _content_fault(msg: Hop, t: Ticket) -> Optional[ProtocolError]:
 class BlameBook:
     """Proven refusals and the charges they bring (see the module docstring).
 
-    ``plane``: the :class:`~.control.ControlPlane` (router, ledger, flights); ``flag(key, stage,
+    ``plane``: the :class:`~.control.ControlPlane` (router, ledger, flights, counters); ``flag(key, stage,
     reason)``: marks a miner as a cheater for the weights (e.g. the audit policy's flag);
     ``bar_after``: charges after which the miner is flagged and barred."""
 
@@ -147,7 +147,7 @@ class BlameBook:
             p.hindrances.note(fl.ticket.route, [hotkey], fl.issued, proven=True)
         p.hindrances.charged(hotkey)
         if microbatch_id:
-            p._flight_failed(microbatch_id, f"output of {hotkey[:10]} refused: {why}"[:300], unreachable=[hotkey])
+            p.book.fail(microbatch_id, f"output of {hotkey[:10]} refused: {why}"[:300], unreachable=[hotkey])
         if rep is None:
             return None
         p.ledger.fail(rep.uid, rep.hotkey, rep.stage)

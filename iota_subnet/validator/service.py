@@ -96,7 +96,7 @@ from .merge_weights import MergeOversight
 from .pacing import StallWatch
 from .clasp import attribute, quality_factors
 from .blame import BlameBook
-from .control import ControlPlane
+from .control import ControlOptions, ControlPlane
 from .lanes import OPEN_ENDED_STEPS, LaneStepResult
 from .peers import PeerView, alive_blocks_for, coordinating_validators, heartbeat_due, run_fingerprints
 from .routing import Router, discover
@@ -750,13 +750,13 @@ class ValidatorService:
         self.validator_index = self.validators.index(self.hotkey)
         self.n_validators = len(self.validators)
         self.auditing = self._make_auditing() if o.audits else None
-        self.driver = ControlPlane(self.cfg, run_id=o.run_id, router=self.router, client=self.client,
-                                   keypair=self.wallet, dataset=self.dataset, ledger=self.ledger,
-                                   n_lanes=self.n_lanes, validator_index=self.validator_index,
-                                   n_validators=self.n_validators, tag=self.hotkey[:6],
-                                   lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype,
-                                   on_receipt=self.auditing.on_receipt if self.auditing else None,
-                                   on_hop=self.auditing.on_hop if self.auditing else None)
+        plane_opts = ControlOptions(run_id=o.run_id, n_lanes=self.n_lanes, validator_index=self.validator_index,
+                                    n_validators=self.n_validators, tag=self.hotkey[:6],
+                                    lookahead=o.ticket_lookahead, stall_s=o.stall_s, wire_dtype=o.wire_dtype,
+                                    on_receipt=self.auditing.on_receipt if self.auditing else None,
+                                    on_hop=self.auditing.on_hop if self.auditing else None)
+        self.driver = ControlPlane(self.cfg, router=self.router, client=self.client, keypair=self.wallet,
+                                   dataset=self.dataset, ledger=self.ledger, opts=plane_opts)
         # refused output: its sender is charged (flag: weight 0)
         self.driver.blame = BlameBook(self.driver, flag=lambda k, s, why: self.audits.stat(*k, s).flag(why))
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {} coordinating: steps k with "

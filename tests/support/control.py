@@ -7,7 +7,7 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.config import load_config
 from iota_subnet.protocol import Health, Ticket, TicketAck
-from iota_subnet.validator.control import ControlPlane
+from iota_subnet.validator.control import ControlOptions, ControlPlane
 from iota_subnet.validator.routing import Replica, Router
 from iota_subnet.validator.scoring import Ledger
 from support.dataplane_net import OVR
@@ -35,12 +35,10 @@ def control(head: StuckHead, *, validator_index: int = 0, n_validators: int = 1)
     router = Router(cfg.pipeline.stages)
     router.update({s: [Replica(uid=s + 1, hotkey=Keypair.create_from_uri(f"//m{s}").ss58_address,
                                endpoint=f"127.0.0.1:{9000 + s}", stage=s)] for s in range(cfg.pipeline.stages)})
-    cp = ControlPlane(cfg, run_id="stall", router=router, client=head, keypair=Keypair.create_from_uri("//vali"),
-                      dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0, 1.0, 1.0]), n_lanes=1,
-                      validator_index=validator_index, n_validators=n_validators, stall_s=0.5, min_stall_s=0.5,
-                      turn_timeout_s=60.0, max_attempts=4)
-    cp.reissue_backoff_s = 0.01
-    return cp
+    opts = ControlOptions(run_id="stall", n_lanes=1, validator_index=validator_index, n_validators=n_validators,
+                          stall_s=0.5, min_stall_s=0.5, turn_timeout_s=60.0, max_attempts=4, reissue_backoff_s=0.01)
+    return ControlPlane(cfg, router=router, client=head, keypair=Keypair.create_from_uri("//vali"),
+                        dataset=SimpleNamespace(n_val_rows=8), ledger=Ledger([1.0, 1.0, 1.0]), opts=opts)
 
 
 class Clock:
