@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
@@ -68,7 +67,6 @@ from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.train.optim import lr_at
 from iota_subnet.transport import NeuronClient
 from iota_subnet.utils.aio import StopRequested, until_stopped
-from iota_subnet.utils.atomic import atomic_write_json
 from iota_subnet.utils.run_folder import hand_over
 from iota_subnet.utils.supervise import Supervisor
 
@@ -87,6 +85,7 @@ from .routing import Router
 from .scorekeeper import ScoreKeeper
 from .scoring import Ledger, stage_compute_shares
 from .state import StateError, ValidatorState
+from .status import StatusFile
 from .verification import Verification
 from .weights_round import WeightsRound
 
@@ -143,6 +142,7 @@ class ValidatorService:
         self.scores = ScoreKeeper(opts.scoring)
         self.weights = WeightsRound(opts.chain)
         self.endpoints = ValidatorEndpoints(opts.outputs, self.out, self.prom, self.sup)
+        self.status_file = StatusFile(self.out / "status.json")
         self.prom.watch(self.status)
 
     @property
@@ -269,60 +269,11 @@ class ValidatorService:
         return self.progress.elapsed_s()
 
     def status(self) -> dict:
-        p, d, r, v = self.progress, self.driver, self.router, self.verify_client
-        tokens = sum(p.lane_tokens.values())
-        el = time.time() - p.started
-        losses = [l for l in p.lane_loss.values() if l is not None and math.isfinite(l)]
-        server, dashboard = self.endpoints.server, self.endpoints.dashboard
-        return {
-            "hotkey": self.hotkey, "uid": self.uid, "run_id": self.opts.run.run_id,
-            "run_epoch": self.opts.run.run_epoch, "netuid": self.opts.chain.netuid,
-            "peers": self.view.peers.summary(), "validators": list(self.view.validators),
-            "chain": self.publisher.status() if self.publisher else {},
-            "fingerprints": vars(self.fingerprints) if self.fingerprints else None,
-            "lanes": self.n_lanes,
-            "lane_members": [[m.uid if m is not None else None for m in lane] for lane in r.lanes()] if r else [],
-            "steps_done": {str(k): n for k, n in sorted(p.steps_done.items())},
-            "next_step": {str(k): n for k, n in sorted(p.next_steps.items())},
-            "total_steps": self.opts.run.steps, "validator_index": self.validator_index,
-            "n_validators": self.n_validators, "tokens": tokens,
-            "tokens_per_s": (tokens - p.tokens_at_start) / el if el > 0 else 0.0,
-            "loss": sum(losses) / len(losses) if losses else None,
-            "losses": {str(k): l for k, l in sorted(p.lane_loss.items())},
-            "reroutes": d.reroutes if d else 0, "failures": d.failures if d else 0,
-            # seconds each lane was held at a merge window's last step for the slowest lane (pacing)
-            "lane_held_s": {str(k): round(s, 1) for k, s in sorted(d.pacer.held_s.items())} if d else {},
-            "microbatches_ok": d.microbatches_ok if d else 0, "microbatches_failed": d.microbatches_failed if d else 0,
-            "live_miners": sum(1 for m in r.live_replicas() if r.is_available(m)) if r else 0,
-            "stage_replicas": r.stage_counts() if r else [],
-            "replicas": r.snapshot() if r else [],
-            # miners flagged as cheaters, out of routing for good ([uid, hotkey])
-            "barred": sorted(list(k) for k in r.barred) if r else [],
-            "blame": d.blame.status() if getattr(d, "blame", None) is not None else {},
-            "probe_loss": self.scores.last_probe, "dashboard": dashboard.url if dashboard else None,
-            "val_loss": p.val_loss, "done": p.done, "weights_set_blocks": list(self.weights.weights_blocks),
-            "last_weights": {str(k): w for k, w in self.weights.last_weights.items()},
-            "miners": {str(m.uid): {"hotkey": m.hotkey, "stage": m.stage, "work": m.work, "tokens": m.tokens,
-                                    "completed": m.completed, "failures": m.failures, "reroutes": m.reroutes}
-                       for m in self.ledger.records.values() if self.current.get(m.uid) == m.hotkey}
-            if self.ledger is not None else {},
-            "done_block": p.done_block, "train_s": p.train_s,
-            "scores": self.scores.explained.get("miners", []),
-            "wire_bytes": (self.client.bytes_sent + self.client.bytes_received) if self.client else 0,
-            # every byte this validator sent or received on the training path (tickets, receipts, health
-            # probes), HTTP headers included
-            "validator_bytes": (self.client.total_bytes if self.client else 0)
-            + (server.route_bytes.get("/receipts", 0) if server else 0),
-            # every byte of verification (audits, merge evidence), HTTP headers included
-            "verification_bytes": v.total_bytes if v is not None else 0,
-            "verification_bytes_by_path": dict(v.bytes_by_path) if v is not None else {},
-            "audits": self.auditing.status() | {"per_tempo": {str(k): n for k, n in self.auditing.per_tempo().items()}}
-            if self.auditing is not None else None,
-            "elapsed_s": round(self.elapsed_s(), 3), "updated_at": time.time(), "tasks": self.sup.status(),
-        }
+        """``status.json`` as it is now (:class:`.status.StatusFile`)."""
+        return self.status_file.snapshot(self)
 
     def write_status(self) -> None:
-        atomic_write_json(self.out / "status.json", self.status())
+        self.status_file.write(self)
 
     # ---------------------------------------------------------------- weights and scores
     async def maybe_set_weights(self) -> bool:
