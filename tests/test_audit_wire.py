@@ -92,7 +92,7 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
                 if task.done():
                     break
                 recs = _records(vali) if vali.auditing is not None else []
-                if min(vali.steps_done.values(), default=0) >= 8 and all(
+                if min(vali.progress.steps_done.values(), default=0) >= 8 and all(
                         {r.hotkey for r in recs if r.kind == k and r.raw == "passed"} >= miners
                         for k in ("hop", "update")):
                     break
@@ -269,10 +269,10 @@ def assert_caught(vali, adv, honest, kind):
     else:
         want = [{"hop": "hop audit failed", "update": "update audit failed"}[k] for k in CAUGHT_BY[kind]]
         assert any(w in reasons for w in want), (want, reasons)
-    w = vali.last_weights
+    w = vali.weights.last_weights
     assert w.get(adv.uid, 0.0) == 0.0, w
     assert sum(v for u, v in w.items() if u in honest) >= 0.95 * sum(w.values()) > 0, w
-    row = next(m for m in vali.explained["miners"] if m["uid"] == adv.uid)      # what `iota-subnet scores` shows
+    row = next(m for m in vali.scores.explained["miners"] if m["uid"] == adv.uid)      # what `iota-subnet scores` shows
     assert row["weight"] == 0.0 and any("audit" in why for why in row["why"]), row
 
 
@@ -302,19 +302,19 @@ def test_a_flagged_miner_gets_no_more_hops_and_training_goes_on(tmp_home, tmp_pa
                     if cond() or task.done():
                         break
                     await asyncio.sleep(0.25)
-                assert cond(), (what, vali.steps_done, vali.audits.to_dict() if vali.audits else None)
+                assert cond(), (what, vali.progress.steps_done, vali.audits.to_dict() if vali.audits else None)
 
             def served():
                 return adv.worker.forwards + adv.worker.backwards
 
             def past(at: dict, n: int):
-                return all(vali.steps_done.get(lane, 0) >= k + n for lane, k in at.items())
+                return all(vali.progress.steps_done.get(lane, 0) >= k + n for lane, k in at.items())
             await until(lambda: vali.router is not None and (adv.uid, adv.hotkey) in vali.router.barred, "barred")
             assert not vali.router.is_available(vali.router.get((adv.uid, adv.hotkey)))
             assert (adv.uid, adv.hotkey) in vali.audits.flagged()
-            at = dict(vali.steps_done)              # the tickets each lane was issued before it was barred are used
+            at = dict(vali.progress.steps_done)              # the tickets each lane was issued before it was barred are used
             await until(lambda: past(at, vali.driver.lookahead + 2), "the lookahead trained")
-            before, at = served(), dict(vali.steps_done)
+            before, at = served(), dict(vali.progress.steps_done)
             await until(lambda: past(at, 5), "5 more steps on every lane")
             vali.request_stop()
             assert await asyncio.wait_for(task, 120) == 0
@@ -325,7 +325,7 @@ def test_a_flagged_miner_gets_no_more_hops_and_training_goes_on(tmp_home, tmp_pa
             # a restarted validator bars it again from its saved flags, before it routes anything
             vali = net.validator(steps=80, audit_interval_s=0.5, exit_when_done=False)
             task = asyncio.create_task(vali.run())
-            await until(lambda: vali.router is not None and vali.steps_done, "the restarted validator drives lanes")
+            await until(lambda: vali.router is not None and vali.progress.steps_done, "the restarted validator drives lanes")
             assert (adv.uid, adv.hotkey) in vali.router.barred, vali.router.barred
             vali.request_stop()
             assert await asyncio.wait_for(task, 120) == 0

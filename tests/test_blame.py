@@ -36,7 +36,7 @@ async def _train_with(net: P2PNet, bad: dict) -> None:
         if h not in bad_hk:
             assert rec.failures == 0, (uid, rec)
     vali.update_scores()
-    w = vali.board.weights(vali.ledger.shares, vali.current, exclude_uids=[vali.uid])
+    w = vali.scores.board.weights(vali.ledger.shares, vali.current, exclude_uids=[vali.uid])
     uid_of = {h: u for u, h in vali.current.items()}
     assert all(w.get(uid_of[h], 0.0) == 0.0 for h in bad_hk), w
     honest = sum(v for u, v in w.items() if vali.current.get(u) not in bad_hk)

@@ -25,7 +25,7 @@ def test_p2p_lanes_train_and_the_validator_carries_no_tensors(tmp_home, tmp_path
                 assert c["steps"] == 4 and c["forwards"] >= 8
             # the validator's only HTTP traffic: tickets and health probes out, receipts in; no hop route
             server_routes = set(vali.client.stats())   # noqa: F841
-            assert vali.server is None        # closed after the run
+            assert vali.endpoints.server is None        # closed after the run
             assert st["validator_bytes"] > 0
             hop_bytes = sum(m.node.hop_client.bytes_sent for m in net.miners.values())
             assert hop_bytes > 20 * st["validator_bytes"] / 10, (hop_bytes, st["validator_bytes"])

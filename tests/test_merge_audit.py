@@ -58,7 +58,7 @@ def test_claims_sign_verify_and_incoming_checks():
 
 
 async def _verify(net, mo: MergeOversight, collect: bool = True):
-    """The validator's merge round, as ValidatorService._merge_round runs it (``collect=False``: only
+    """The validator's merge round, as the validator's MergeRounds.round runs it (``collect=False``: only
     the reports ``mo`` already holds)."""
     reps = [Replica(s.uid, s.hotkey, s.server.endpoint, s.stage) for s in net.svcs]
     eps = {s.hotkey: s.server.endpoint for s in net.svcs}

@@ -117,10 +117,10 @@ def test_a_task_failing_on_every_start_makes_health_unhealthy_within_five_failur
                 miner_health(m0)                         # the signed /health refuses too
             assert e.value.outcome == Outcome.NOT_READY and "'receipts' failed" in str(e.value)
             for _ in range(200):
-                if svc.server is not None and svc.server.port:
+                if svc.endpoints.server is not None and svc.endpoints.server.port:
                     break
                 await asyncio.sleep(0.05)
-            await _unhealthy(f"http://127.0.0.1:{svc.server.port}/health", vsup, "weights")
+            await _unhealthy(f"http://127.0.0.1:{svc.endpoints.server.port}/health", vsup, "weights")
             # the other miners stay healthy
             for key in ((1, 0), (2, 0)):
                 code, _ = await _get(f"http://127.0.0.1:{net.miners[key].port}/health")

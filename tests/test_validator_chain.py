@@ -72,10 +72,12 @@ class Net:
     def validator(self, out="vali", **kw) -> ValidatorService:
         fps = kw.pop("fingerprints", None)
         kw.setdefault("sync_interval_s", 0.5)
-        opts = ValidatorOptions(network="devnet", chain_db=str(self.db), netuid=NETUID, steps=3,
-                                out=str(self.tmp / out), run_id="run1", **kw)
-        return ValidatorService(opts, wallet=self.w["vali"], chain=self.chain, cfg=self.cfg,
-                                dataset=PatternData(256, 16), fingerprints=fps)
+        opts = ValidatorOptions.from_flat(network="devnet", chain_db=str(self.db), netuid=NETUID, steps=3,
+                                          out=str(self.tmp / out), run_id="run1", **kw)
+        svc = ValidatorService(opts, wallet=self.w["vali"], chain=self.chain, cfg=self.cfg,
+                               dataset=PatternData(256, 16))
+        svc.fingerprints = fps             # of the injected dataset
+        return svc
 
     def hk(self, name):
         return self.w[name].hotkey.ss58_address
@@ -108,13 +110,13 @@ def test_weights_are_recorded_only_once_the_chain_shows_them(tmp_path, tmp_home)
                 await asyncio.sleep(0.05)
             net.sub.swallow = 1                     # "success", but not included
             assert await svc.maybe_set_weights() is False
-            assert svc.weights_blocks == [] and svc.state.weights_blocks() == []
+            assert svc.weights.weights_blocks == [] and svc.state.weights_blocks() == []
             assert dict(await net.chain.weights(NETUID)).get(0) is None
             assert await svc.maybe_set_weights() is True          # retried: now it lands
             row = dict(dict(await net.chain.weights(NETUID))[0])
             assert set(row) == {1, 2}
             last = await net.chain.last_update(net.hk("vali"), NETUID)
-            assert svc.weights_blocks == [last] and svc.state.weights_blocks() == [last]
+            assert svc.weights.weights_blocks == [last] and svc.state.weights_blocks() == [last]
         finally:
             await svc.close()
             await net.chain.close()
@@ -145,7 +147,7 @@ def test_owners_are_reread_before_setting_weights(tmp_path, tmp_home):
             assert await svc.maybe_set_weights() is True
             row = dict(dict(await net.chain.weights(NETUID))[0])
             assert 1 not in row and row[2] == pytest.approx(1.0)
-            assert svc.last_weights == {2: pytest.approx(1.0)}
+            assert svc.weights.last_weights == {2: pytest.approx(1.0)}
         finally:
             await svc.close()
             await net.chain.close()
@@ -176,7 +178,7 @@ def test_stale_weights_decay_to_the_burn_uid_the_validator_holds(tmp_path, tmp_h
             assert await svc.maybe_set_weights() is True   # a third tempo: freshness 1/4
             row = dict(dict(await net.chain.weights(NETUID))[0])
             assert row[0] / sum(row.values()) == pytest.approx(0.75, abs=1e-3)
-            assert svc.last_weights[0] == pytest.approx(0.75)
+            assert svc.weights.last_weights[0] == pytest.approx(0.75)
         finally:
             await svc.close()
             await net.chain.close()
@@ -255,13 +257,13 @@ def test_a_weights_version_raised_mid_run_is_noticed_and_a_refused_reveal_is_nev
                 assert time.monotonic() < deadline, "a revealed commit was never recorded"
                 await asyncio.sleep(0.1)
             revealed = {c["block"] for c in _commits(net.db) if c["status"] == "revealed"}
-            assert svc.weights_blocks and set(svc.weights_blocks) <= revealed
+            assert svc.weights.weights_blocks and set(svc.weights.weights_blocks) <= revealed
             row = dict(dict(await net.chain.weights(NETUID))[0])
             assert set(row) == {1, 2}
             _credit(svc, 1, net.hk("m1"), 1, tokens=5000)      # the next weights differ from those set
             dec.hold = True                                    # the next commit's round is not published yet
-            n = len(svc.reveals.commits)
-            while len(svc.reveals.commits) == n:
+            n = len(svc.weights.reveals.commits)
+            while len(svc.weights.reveals.commits) == n:
                 assert time.monotonic() < deadline, "no second commit"
                 await svc.maybe_set_weights()
                 await asyncio.sleep(0.1)
@@ -286,8 +288,8 @@ def test_a_weights_version_raised_mid_run_is_noticed_and_a_refused_reveal_is_nev
             assert len(commits) == raised_at, "weights were committed after the version rose"
             failed = {c["block"] for c in commits if c["status"] == "failed"}
             assert failed and all("IncorrectWeightVersionKey" in c["error"] for c in commits if c["status"] == "failed")
-            assert not failed & set(svc.weights_blocks) and not failed & set(svc.state.weights_blocks())
-            assert any("were not revealed" in m for m in warned) or svc.reveals.commits, warned
+            assert not failed & set(svc.weights.weights_blocks) and not failed & set(svc.state.weights_blocks())
+            assert any("were not revealed" in m for m in warned) or svc.weights.reveals.commits, warned
         finally:
             await svc.close()
             await net.chain.close()
@@ -305,7 +307,7 @@ def test_a_running_validator_stops_when_the_weights_version_rises(tmp_path, tmp_
         try:
             task = asyncio.create_task(svc.run())
             deadline = time.monotonic() + 60
-            while not svc.weights_blocks:                      # nothing verified: all on the burn uid
+            while not svc.weights.weights_blocks:                      # nothing verified: all on the burn uid
                 assert time.monotonic() < deadline and not task.done()
                 await asyncio.sleep(0.1)
             set_hyperparameter(net.db, NETUID, weights_version=101)
@@ -336,7 +338,7 @@ def test_fingerprints_are_advertised_and_a_mismatch_refuses_to_join(tmp_path, tm
             assert "uids [3]" in msg
             svc = net.validator(fingerprints=FP_A)
             await svc.start()
-            assert svc.validators == sorted([net.hk("vali"), net.hk("h2")])
+            assert svc.view.validators == sorted([net.hk("vali"), net.hk("h2")])
             mine = RunCommitment.decode((await net.chain.commitments(NETUID))[net.hk("vali")])
             assert mine.role == VALIDATOR and mine.fingerprints == FP_A and mine.same_run("run1", 0)
             await svc.close()

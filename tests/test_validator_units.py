@@ -304,3 +304,27 @@ def test_state_commit_is_atomic(tmp_path):
         st.commit_lane_step(0, 0, 1, [bad], Ledger([1.0]), 1.0)
     assert st.next_steps() == {} and st.microbatch_log() == []
     st.close()
+
+
+def test_options_from_flat_names_fill_the_groups():
+    from iota_subnet.validator.options import ValidatorOptions
+    o = ValidatorOptions.from_flat(steps=3, audits=False, stale_grace=4, port=7, hop_timeout_s=9.0, netuid=2)
+    assert (o.run.steps, o.audits.audits, o.scoring.stale_grace, o.outputs.port, o.merges.hop_timeout_s,
+            o.chain.netuid) == (3, False, 4, 7, 9.0, 2)
+    assert ValidatorOptions().run.steps == 10 and ValidatorOptions().audits.audits
+    with pytest.raises(TypeError, match="no option 'nope'"):
+        ValidatorOptions.from_flat(nope=1)
+
+
+def test_scorekeeper_scores_a_ledger_without_the_service():
+    from iota_subnet.validator.audit_policy import AuditPolicy
+    from iota_subnet.validator.options import ScoringOptions
+    from iota_subnet.validator.scorekeeper import ScoreKeeper
+    ledger = Ledger([1.0, 1.0])
+    for uid, hk, stage in ((1, "a", 0), (2, "b", 1)):
+        ledger.record(uid, hk, stage).completed += 10
+        ledger.credit(uid, hk, stage, 1000)
+    keeper = ScoreKeeper(ScoringOptions(burn_uid=None))
+    w = keeper.update(ledger, {0: "v", 1: "a", 2: "b"}, AuditPolicy(), block=5, exclude_uids=[0])
+    assert set(w) == {1, 2} and math.isclose(sum(w.values()), 1.0)
+    assert {row["uid"] for row in keeper.explained["miners"]} == {1, 2}

@@ -73,7 +73,7 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
             raise ValidatorError(f"{name} must be {want}")
     steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
     out = a.out or str(Path("~/.iota-subnet/validators").expanduser() / a.wallet_name)
-    return ValidatorOptions(wallet_name=a.wallet_name, wallet_hotkey=a.wallet_hotkey, wallet_path=a.wallet_path,
+    return ValidatorOptions.from_flat(wallet_name=a.wallet_name, wallet_hotkey=a.wallet_hotkey, wallet_path=a.wallet_path,
                             network=a.network, chain_db=a.chain_db, netuid=a.netuid, config=a.config, data=a.data,
                             cache_dir=a.cache_dir, steps=steps, out=out, run_id=run_id_for(a), port=a.port,
                             dashboard_port=a.dashboard_port,

@@ -88,7 +88,7 @@ class P2PNet:
                     exit_when_done=True, wait_miners_s=30, min_lanes=self.replicas, host="127.0.0.1",
                     clasp_interval_s=0, stall_s=5.0)
         base.update(kw)
-        return ValidatorOptions(**base)
+        return ValidatorOptions.from_flat(**base)
 
     def validator(self, v: int = 0, **kw) -> ValidatorService:
         svc = ValidatorService(self.options(v, **kw), wallet=self.vals[v], chain=self.chain, cfg=self.cfg,
