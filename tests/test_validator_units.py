@@ -13,6 +13,7 @@ import pytest
 from iota_subnet.config import load_config
 from iota_subnet.model import PipelineStage
 from iota_subnet.validator.lanes import sample_start, steps_of
+from iota_subnet.validator.progress import LaneProgress
 from iota_subnet.validator.routing import Replica, Router, discover, parse_commitment, served_endpoint
 from iota_subnet.validator.scoring import Ledger, MinerRecord, compute_weights, stage_compute_shares
 from iota_subnet.validator.state import StateError, ValidatorState
@@ -328,3 +329,16 @@ def test_scorekeeper_scores_a_ledger_without_the_service():
     w = keeper.update(ledger, {0: "v", 1: "a", 2: "b"}, AuditPolicy(), block=5, exclude_uids=[0])
     assert set(w) == {1, 2} and math.isclose(sum(w.values()), 1.0)
     assert {row["uid"] for row in keeper.explained["miners"]} == {1, 2}
+
+
+def test_lane_progress_unrouted_in_a_bounded_and_an_open_ended_run(tmp_path):
+    """Miners of a lane driven to its last step are unrouted by the validator's choice; an open-ended run
+    (``steps`` None) finishes no lane (the comparison with None raised before)."""
+    reps = {s: [Replica(uid=1 + s * 2 + l, hotkey=f"hk{s}{l}", endpoint=f"127.0.0.1:{9000 + s * 2 + l}", stage=s)
+                for l in range(2)] for s in range(2)}
+    router = Router(2)
+    router.update(reps)
+    lp = LaneProgress(tmp_path / "metrics.jsonl")
+    lp.next_steps = {0: 5, 1: 3}
+    assert lp.unrouted(router, 5, 2) == {router.lane_member(0, s).key for s in range(2)}
+    assert lp.unrouted(router, None, 2) == set()

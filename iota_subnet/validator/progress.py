@@ -104,8 +104,9 @@ class LaneProgress:
         return self.stall is not None and self.stall.paused
 
     def unrouted(self, router: Any, steps: Optional[int], stages: int) -> set:
-        """Miners of lanes this validator has finished driving (no work for them by its own choice)."""
-        if router is None:
+        """Miners of lanes this validator has finished driving (no work for them by its own choice);
+        none in an open-ended run (``steps`` None)."""
+        if router is None or steps is None:
             return set()
         out = set()
         for lane, nxt in self.next_steps.items():
