@@ -13,8 +13,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from iota_subnet.data import TokenDataset, fingerprints, train_bpe
+from iota_subnet.data import hf_datasets
 from iota_subnet.data.hf_datasets import (DatasetFieldError, DatasetSpec, HFTokenDataset, TokenizerMismatchError,
-                                          check_tokenizer, load_hf_tokenizer, tokenize_with_mask)
+                                          build_hf_dataset, check_tokenizer, load_hf_tokenizer, tokenize_with_mask)
 from iota_subnet.data.sources import DataError
 from iota_subnet.errors import UserError
 from iota_subnet.model.hf_family import build_hf_stages, load_stage_state, run_stages
@@ -199,3 +200,21 @@ def test_masked_loss_matches_transformers(qa_spec, tok):
     assert zero.item() == 0.0 and torch.count_nonzero(lg.grad) == 0
     with pytest.raises(ValueError, match="float"):
         masked_lm_loss(lg, x[:, 1:], m[:, 1:].float())
+
+
+def test_build_caches_packed_tokens(tmp_path, qa_spec, tok, tok_dir, monkeypatch):
+    cfg = {"vocab_size": tok.vocab_size}
+    spec = {"path": qa_spec.path, "format": "json", "text_field": "text", "mask_field": "spans", "streaming": False}
+    t1, ds1 = build_hf_dataset(spec, tok_dir, cfg, SEQ, 0.1, cache_dir=tmp_path)
+    assert t1.fingerprint == tok.fingerprint
+    assert sorted(p.name.endswith("-mask.npy") for p in (tmp_path / "tokens").glob("hftokens-*.npy")) == [False, True]
+    assert any((tmp_path / "datasets").iterdir())                              # not streamed: datasets' Arrow copy
+
+    def no_read(*a, **k):
+        raise AssertionError("read again despite the token cache")
+    monkeypatch.setattr(hf_datasets, "open_dataset", no_read)
+    _, ds2 = build_hf_dataset(spec, tok_dir, cfg, SEQ, 0.1, cache_dir=tmp_path)
+    assert fingerprints(tok, ds2) == fingerprints(tok, ds1)
+    assert torch.equal(ds2.mask_batch(5, 9, 4), ds1.mask_batch(5, 9, 4))
+    with pytest.raises(TokenizerMismatchError):
+        build_hf_dataset(spec, tok_dir, {"vocab_size": 64}, SEQ, cache_dir=tmp_path)

@@ -29,6 +29,8 @@ Every problem raises a :class:`DataError` subclass whose message names the fix.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 from loguru import logger
 
+from ..utils.atomic import atomic_write_with
 from .packing import TokenDataset, tokenize_documents
 from .sources import DataError, hub_status
 from .tokenizer import TextTokenizer
@@ -349,28 +352,79 @@ def tokenize_with_mask(records, tokenizer: TextTokenizer,
     return np.ascontiguousarray(tokens, dtype=np.int32), np.ascontiguousarray(mask, dtype=np.uint8)
 
 
+def spec_key(spec: DatasetSpec, tokenizer: TextTokenizer, max_tokens: Optional[int]) -> str:
+    """16 hex chars naming what packing ``spec`` with ``tokenizer`` gives: the spec's fields, the
+    tokenizer's fingerprint and end-of-text id, ``max_tokens`` and, for local data, every file's resolved
+    path, size and modification time (a hub dataset by its id, subset and split)."""
+    h = hashlib.sha256(json.dumps([dataclasses.asdict(spec), tokenizer.fingerprint, tokenizer.eos_id, max_tokens],
+                                  sort_keys=True, default=str).encode())
+    p = Path(spec.path).expanduser()
+    if p.exists():
+        for f in _data_files(p, spec.format or _infer_format(p)):
+            st = Path(f).stat()
+            h.update(f"|{Path(f).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _load_cached(path: Path, masked: bool) -> Optional[tuple[np.ndarray, Optional[np.ndarray]]]:
+    mpath = path.with_name(path.stem + "-mask.npy")
+    if not path.exists() or (masked and not mpath.exists()):
+        return None
+    try:
+        tokens = np.load(path, mmap_mode="r")
+        mask = np.load(mpath, mmap_mode="r") if masked else None
+    except (OSError, ValueError) as e:
+        logger.warning(f"ignoring unreadable token cache {path} ({e}); rebuilding")
+        return None
+    if mask is not None and len(mask) != len(tokens):
+        logger.warning(f"ignoring token cache {path}: its mask has {len(mask)} entries for {len(tokens)} tokens")
+        return None
+    logger.info(f"packed tokens loaded from cache {path} ({len(tokens):,} tokens)")
+    return tokens, mask
+
+
+def _save(path: Path, arr: np.ndarray) -> None:
+    def _w(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+    atomic_write_with(path, _w)
+
+
 class HFTokenDataset(TokenDataset):
     """A :class:`TokenDataset` over a ``datasets`` dataset: the same rows, ``(seed, index)`` addresses and
     validation slice as packing the same documents from a source spec, plus a loss-mask row per token
     row when ``spec.mask_field`` is set (:attr:`loss_mask` is ``None`` otherwise and every target is
-    trained). Not cached on disk: the documents are read and tokenized on construction.
+    trained).
 
+    ``cache_dir``: the ``datasets`` cache (see :func:`open_dataset`); ``token_cache_dir``: where packed
+    tokens (and masks) are kept as ``hftokens-<spec_key>.npy`` (``-mask.npy``) and reused, ``None`` to
+    read and tokenize on every construction.
     Raises :class:`DataError` subclasses as :func:`iter_records`, and as :class:`TokenDataset` for too
     few tokens."""
 
     def __init__(self, spec: DatasetSpec, tokenizer: TextTokenizer, seq_len: int, val_fraction: float = 0.05,
-                 max_tokens: Optional[int] = None, cache_dir: Optional[Path] = None):
+                 max_tokens: Optional[int] = None, cache_dir: Optional[Path] = None,
+                 token_cache_dir: Optional[Path] = None):
         # TokenDataset.__init__ reads a source spec string; the rows come from ``datasets`` here.
         self.spec = spec.describe()
         self.dataset_spec = spec
         self.tokenizer_fingerprint = tokenizer.fingerprint
-        t0 = time.monotonic()
-        records = iter_records(spec, cache_dir)
-        if spec.mask_field:
-            tokens, mask = tokenize_with_mask(records, tokenizer, max_tokens)
-        else:
-            tokens, mask = tokenize_documents((t for t, _ in records), tokenizer, max_tokens), None
-        logger.info(f"tokenized {self.spec}: {len(tokens):,} tokens in {time.monotonic() - t0:.1f}s")
+        path = Path(token_cache_dir) / f"hftokens-{spec_key(spec, tokenizer, max_tokens)}.npy" \
+            if token_cache_dir is not None else None
+        got = _load_cached(path, bool(spec.mask_field)) if path is not None else None
+        if got is None:
+            t0 = time.monotonic()
+            records = iter_records(spec, cache_dir)
+            if spec.mask_field:
+                got = tokenize_with_mask(records, tokenizer, max_tokens)
+            else:
+                got = tokenize_documents((t for t, _ in records), tokenizer, max_tokens), None
+            logger.info(f"tokenized {self.spec}: {len(got[0]):,} tokens in {time.monotonic() - t0:.1f}s")
+            if path is not None and len(got[0]):
+                if got[1] is not None:
+                    _save(path.with_name(path.stem + "-mask.npy"), got[1])
+                _save(path, got[0])
+        tokens, mask = got
         self._init(tokens, seq_len, val_fraction, eos_id=tokenizer.eos_id, what=self.spec)
         row = self.seq_len + 1
         n_rows = self.n_train_rows + self.n_val_rows
@@ -389,3 +443,21 @@ class HFTokenDataset(TokenDataset):
     def val_mask_batch(self, start: int, n: int) -> torch.BoolTensor:
         """Loss masks of :meth:`val_batch`'s rows: ``BoolTensor[n, seq_len + 1]``."""
         return self._mask_of([self.n_train_rows + (int(start) + k) % self.n_val_rows for k in range(n)])
+
+
+def build_hf_dataset(spec: DatasetSpec | Mapping[str, Any], tokenizer_folder: str | Path, hf_config, seq_len: int,
+                     val_fraction: float = 0.05, max_tokens: Optional[int] = None,
+                     cache_dir: Optional[Path] = None) -> tuple[TextTokenizer, HFTokenDataset]:
+    """The tokenizer and packed dataset of a run that brings its own model and data: ``spec`` (a
+    :class:`DatasetSpec` or its dict), the model's local ``tokenizer_folder``, checked against
+    ``hf_config``'s ``vocab_size`` (:func:`check_tokenizer`). ``cache_dir`` holds packed tokens under
+    ``tokens/`` and the ``datasets`` cache under ``datasets/`` (``None``: no token cache, ``datasets``'
+    own cache). Raises the :class:`DataError` subclasses of the steps."""
+    if not isinstance(spec, DatasetSpec):
+        spec = DatasetSpec.from_mapping(spec)
+    tok = load_hf_tokenizer(tokenizer_folder)
+    check_tokenizer(tok, hf_config)
+    root = Path(cache_dir) if cache_dir is not None else None
+    ds = HFTokenDataset(spec, tok, seq_len, val_fraction, max_tokens, root / "datasets" if root else None,
+                        root / "tokens" if root else None)
+    return tok, ds
