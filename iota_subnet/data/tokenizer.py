@@ -34,14 +34,16 @@ class TextTokenizer:
     placed between documents; ``vocab_size``: number of ids including special tokens (every id is
     ``< vocab_size``); ``fingerprint``: 16 hex chars of the sha256 of the canonical serialized
     tokenizer, equal for equal tokenizers on any machine.
+    ``eos_token``: the end-of-text token to use (a model tokenizer's declared one), tried before the
+    usual names.
     Raises :class:`DataError` if the tokenizer has no recognisable end-of-text token.
     """
 
-    def __init__(self, tokenizer: Tokenizer, name: str):
+    def __init__(self, tokenizer: Tokenizer, name: str, eos_token: Optional[str] = None):
         self.tokenizer = tokenizer
         self.name = name
         eos = None
-        for tok in _EOS_CANDIDATES:
+        for tok in ((eos_token,) if eos_token else ()) + _EOS_CANDIDATES:
             eos = tokenizer.token_to_id(tok)
             if eos is not None:
                 break
