@@ -14,7 +14,6 @@ ROOTS = ("iota_subnet", "neurons", "scripts")
 LIMIT = 600
 #: files over the limit for now (path relative to the repository -> why it is not split yet)
 ALLOWED = {
-    "iota_subnet/miner/service.py": "the miner service is being rewritten into its parts by other work",
     "iota_subnet/validator/service.py": "the validator service is being rewritten into its parts by other work",
     "iota_subnet/validator/control.py": "the validator's control plane is being rewritten by other work",
 }
