@@ -250,7 +250,7 @@ def test_status_names_the_chunks_no_donor_has(tmp_path, tmp_home):
                     raise ProtocolError(Outcome.BUSY, "chunk not available")
                 return await real(msg, caller, on_sent)
             a.merging.donor.handle = refusing
-            task = asyncio.create_task(b.pull_merged_state())
+            task = asyncio.create_task(b.merging.pull_merged_state())
             st = {}
             for _ in range(100):
                 await asyncio.sleep(0.1)

@@ -24,8 +24,10 @@ Every long-lived task (the data plane's loops, the chain round of :meth:`MinerSe
 catch-up, the dashboard) runs under the miner's one :class:`~iota_subnet.utils.supervise.Supervisor`:
 logged and restarted after an exception, shown in ``status.json`` (``tasks``) and the metrics.
 
-Compute runs on one dedicated thread, so the event loop keeps answering (health, refusals)
-while a stage computes.
+Compute runs on one dedicated thread (:mod:`iota_subnet.miner.compute_thread`), so the event loop keeps
+answering (health, refusals) while a stage computes. The audit routes are mounted by
+:mod:`iota_subnet.miner.audits`, the merge routes by :mod:`iota_subnet.miner.merging`; who may call which
+route is decided by :class:`~iota_subnet.miner.chain_view.RouteAuth`.
 """
 from __future__ import annotations
 
