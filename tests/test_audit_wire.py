@@ -42,13 +42,13 @@ async def typed_refusals(net, vali):
         # sessions its validator abandoned (rounds 2-3 never came: it timed out) do not make the miner
         # refuse that validator's next audits: each new round 1 supersedes its older sessions (before,
         # the third got BUSY for two minutes, counted against the miner)
-        for i in range(m.hop_routes.max_per_caller + 1):
+        for i in range(m.audits.hop_routes.max_per_caller + 1):
             again = await client.call(ep, m.hotkey, "/audit/trace", dataclasses.replace(req, audit_id=f"again{i}"),
                                       AuditTraceCommit, retries=0)
             assert again.audit_id == f"again{i}"
-            assert [k for k, x in m.hop_routes.sessions.items() if x.caller == net.vals[0].hotkey.ss58_address] \
+            assert [k for k, x in m.audits.hop_routes.sessions.items() if x.caller == net.vals[0].hotkey.ss58_address] \
                 == [f"again{i}"]
-        assert m.hop_routes.superseded >= m.hop_routes.max_per_caller + 1
+        assert m.audits.hop_routes.superseded >= m.audits.hop_routes.max_per_caller + 1
         # a round-3 request sent again (its answer was lost on the way) gets the same answer; a
         # round-3 request for other rows of a finished audit is refused
         aud, req = vali.auditing.hop_auditor(c, "backward")
@@ -122,9 +122,9 @@ def test_honest_network_every_miner_audited_and_nobody_flagged(tmp_home, tmp_pat
             assert st["audits"]["audits"] == len(counted) and st["audits"]["bytes"] == sum(r.bytes for r in counted) > 0
             assert st["verification_bytes"] >= 0.95 * sum(r.bytes for r in counted)
             for m in net.miners.values():            # every miner served its audits and kept a bounded window
-                assert m.hop_routes.served >= 1      # (a session the validator left at shutdown expires)
-                assert len(m.hop_routes.sessions) <= m.hop_routes.max_per_caller
-                assert len(m.hops.versions()) <= m.audit_window
+                assert m.audits.hop_routes.served >= 1      # (a session the validator left at shutdown expires)
+                assert len(m.audits.hop_routes.sessions) <= m.audits.hop_routes.max_per_caller
+                assert len(m.audits.hops.versions()) <= m.audit_window
             await typed_refusals(net, vali)
         finally:
             await net.close()
@@ -217,7 +217,7 @@ def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_
             assert {k[0] for k in again} == set(link.lost) and all(m == v[0] for v in again.values() for m in v)
             assert any(r.reasks for r in recs if r.final == "passed")
             assert vali.auditing.reasked_answered >= len(honest)
-            assert sum(m.hop_routes.served for m in net.miners.values()) >= len(honest)
+            assert sum(m.audits.hop_routes.served for m in net.miners.values()) >= len(honest)
         finally:
             await net.close()
 
@@ -374,9 +374,9 @@ def test_restart_excuses_audits_of_work_from_before_it(tmp_home, tmp_path, wikit
                                              for r in vali.audits.stats[rep.key].recent], old.receipt.t, m2.started_at)
             for _ in range(600):        # its new hops are audited and pass
                 await asyncio.sleep(0.1)
-                if m2.hop_routes.served >= 1:
+                if m2.audits.hop_routes.served >= 1:
                     break
-            assert m2.hop_routes.served >= 1
+            assert m2.audits.hop_routes.served >= 1
             vali.request_stop()
             await task
             assert not vali.audits.flagged(), vali.audits.to_dict()

@@ -21,8 +21,11 @@ from iota_subnet.chain import ChainError, ChainTimeout
 from iota_subnet.devnet import DevnetSubstrate, create_devnet
 from iota_subnet.chain.sdk import SdkChain
 from iota_subnet.config import load_config
+from iota_subnet.miner.options import MinerOptions
 from iota_subnet.miner.service import MinerService
 from iota_subnet.wallets import create_wallet
+
+from support.miners import LOCAL
 
 pytestmark = pytest.mark.timeout(300)
 NETUID = 9
@@ -153,8 +156,8 @@ def test_a_round_without_answer_is_skipped_and_the_next_reconnects(tmp_home, tmp
         chain = SdkChain(make, "devnet", timeout_s=1.0)
         await chain.connect()
         await chain.register(w, NETUID)
-        svc = MinerService(cfg, w, chain, netuid=NETUID, run_id="r", stage=1, out_dir=tmp_path / "m",
-                           host="127.0.0.1", external_ip="127.0.0.1", metagraph_refresh_s=0.2)
+        svc = MinerService(cfg, w, chain, MinerOptions(netuid=NETUID, run_id="r", stage=1, out_dir=tmp_path / "m",
+                                                       serve=LOCAL, metagraph_refresh_s=0.2))
         await svc.start()
         stop = asyncio.Event()
         task = asyncio.create_task(svc.run(stop))

@@ -20,11 +20,13 @@ from iota_subnet.devnet import (DevnetState, RevealedWeights, add_stake, create_
                                 drand_decryptor, open_devnet, set_hyperparameter)
 from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, load_config
+from iota_subnet.miner.options import DataOptions, MinerOptions
 from iota_subnet.miner.service import MinerService
 from iota_subnet.neuron_common import check_external_ip
 from iota_subnet.version import weights_version_key
 from iota_subnet.wallets import create_wallet
 from support.common import PatternData
+from support.miners import LOCAL
 
 pytestmark = pytest.mark.timeout(120)
 NETUID = 9
@@ -98,8 +100,8 @@ def test_miner_restart_inside_the_rate_limits_neither_crashes_nor_republishes(tm
         await chain.register(w, NETUID)
 
         def miner():
-            return MinerService(cfg, w, chain, netuid=NETUID, run_id="r", stage=1, out_dir=tmp_path / "m",
-                                host="127.0.0.1", external_ip="127.0.0.1")
+            return MinerService(cfg, w, chain, MinerOptions(netuid=NETUID, run_id="r", stage=1, out_dir=tmp_path / "m",
+                                                            serve=LOCAL))
         try:
             svc = miner()
             port = await svc.start()
@@ -254,9 +256,9 @@ def test_miner_registers_only_when_asked_within_its_max_burn_and_follows_its_uid
         chain = await open_devnet(db)
 
         def miner(**kw):
-            return MinerService(cfg, w, chain, netuid=NETUID, run_id="r", stage=0, out_dir=tmp_path / "m",
-                                host="127.0.0.1", external_ip="127.0.0.1", metagraph_refresh_s=0.1,
-                                dataset=PatternData(256, 16), **kw)
+            return MinerService(cfg, w, chain, MinerOptions(netuid=NETUID, run_id="r", stage=0, out_dir=tmp_path / "m",
+                                                            serve=LOCAL, metagraph_refresh_s=0.1,
+                                                            data=DataOptions(dataset=PatternData(256, 16)), **kw))
         try:
             before = _balance(db, w.coldkey.ss58_address)
             with pytest.raises(NotRegisteredError, match="--register --max-burn"):

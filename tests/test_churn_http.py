@@ -92,8 +92,7 @@ async def kill_and_restart(net, b: MinerService) -> MinerService:
     """``b`` killed (no shutdown checkpoint: what is on disk is all it has) and started again."""
     await b.server.stop()
     b.server = None
-    b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
-                      host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
+    b2 = MinerService(net.cfg, b.wallet, net.chain, b.opts)      # b restarted
     net.svcs[1] = b2
     await asyncio.wait_for(b2.start(), 30)
     return b2
@@ -124,28 +123,28 @@ def test_late_joiner_refused_by_its_peers_waits_then_catches_up(tmp_path, tmp_ho
             # under churn the epoch labels run ahead of the lanes' steps (a replica relabels to a peer's
             # later epoch): the donors say which inner step their state is at, and the joiner starts there
             for s in (a, b):
-                s.donor.publish(s.merge.anchor, s.merge.momentum, s.merge.merged_epoch, 3)
-            refresh = {s: s.refresh for s in (a, b)}
+                s.merging.donor.publish(s.merge.anchor, s.merge.momentum, s.merge.merged_epoch, 3)
+            refresh = {s: s.view.refresh for s in (a, b)}
 
             async def stale_view(force=False):          # the peers' chain view predates the joiner
                 return None
             for s in (a, b):
-                s.refresh = stale_view
+                s.view.refresh = stale_view
             joiner = await net.add()
             await asyncio.sleep(3.0)
             refused_ready = joiner.merge.in_sync
             refused_epoch = joiner.merge.merged_epoch
             for s in (a, b):
-                s.refresh = refresh[s]
-                s._last_refresh = 0
+                s.view.refresh = refresh[s]
+                s.view.last_refresh = 0
                 await s.refresh()
-            synced = await wait_for(lambda: joiner._sync_task.done(), 30)
+            synced = await wait_for(lambda: joiner.merging.sync_task.done(), 30)
             return refused_ready, refused_epoch, synced, joiner, a
         finally:
             await net.close()
     refused_ready, refused_epoch, synced, joiner, a = asyncio.run(main())
     assert not refused_ready and refused_epoch == -1      # not ready (validators route around it) while refused
-    assert synced and joiner._sync_task.exception() is None
+    assert synced and joiner.merging.sync_task.exception() is None
     assert joiner.merge.in_sync and joiner.merge.merged_epoch == 1
     assert torch.equal(flat(joiner), flat(a))
     assert joiner.worker.inner_step == 3        # the donors' step, not (merged epoch + 1) x H = 4
@@ -167,18 +166,19 @@ def test_restarted_replica_uses_its_merge_state_while_its_peer_is_stopped(tmp_pa
             # b is killed (no shutdown checkpoint: its merge-state file is all it has) ...
             await b.server.stop()
             b.server = None
-            assert not b.checkpoint_path.exists() and b.merge_state_path.exists()
+            assert not b.checkpoints.path.exists() and b.merging.state_path.exists()
+
+            authorize = a.server.authorizer
 
             async def stopped(hotkey, route):           # ... and a is SIGSTOPped: it answers only after SIGCONT
                 await resumed.wait()
-                return await a.authorize(hotkey, route)
+                return await authorize(hotkey, route)
             a.server.authorizer = stopped
             t0 = time.monotonic()
-            b2 = MinerService(net.cfg, b.wallet, net.chain, netuid=9, run_id=b.run_id, stage=1, out_dir=b.out,
-                              host="127.0.0.1", external_ip="127.0.0.1", allow_data_fallback=True)
+            b2 = MinerService(net.cfg, b.wallet, net.chain, b.opts)      # b restarted
             net.svcs[1] = b2
             await asyncio.wait_for(b2.start(), 30)
-            ok = await wait_for(lambda: b2._sync_task.done(), 30)
+            ok = await wait_for(lambda: b2.merging.sync_task.done(), 30)
             return merged, b2, ok, time.monotonic() - t0
         finally:
             resumed.set()
@@ -201,13 +201,13 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
             history = len(b.merge.history)
             # b resumed at step H while its lane is at 2H + 3: the data plane jumps it there
             assert b.worker.skip_to(2 * H + 3) == H + 3
-            b._maybe_merge()
-            proposed = not b._merge_task.done() or b.merge.ready_epoch != -1 or len(b.merge.history) != history
+            b.merging.maybe_merge()
+            proposed = not b.merging.task.done() or b.merge.ready_epoch != -1 or len(b.merge.history) != history
             # a reaches that boundary afterwards: b says the epoch is closed, so a does not wait for it
             a.worker.inner_step = 2 * H
             t0 = time.monotonic()
-            a._maybe_merge()
-            await a._merge_task
+            a.merging.maybe_merge()
+            await a.merging.task
             a_wall = time.monotonic() - t0
             a_report = a.merge.history[-1]
             # both train on to the next boundary: one merge, together
@@ -215,8 +215,8 @@ def test_a_replica_that_jumps_over_a_merge_boundary_merges_at_the_next_one_with_
             for k, s in enumerate(net.svcs):
                 train_locally(s, 10 + k)
                 s.worker.inner_step = nxt
-                s._maybe_merge()
-            await asyncio.gather(*(s._merge_task for s in net.svcs))
+                s.merging.maybe_merge()
+            await asyncio.gather(*(s.merging.task for s in net.svcs))
             return proposed, [s.merge.history[-1] for s in net.svcs], a, b, a_report, a_wall
         finally:
             await net.close()
@@ -257,7 +257,7 @@ def test_a_restarted_replica_whose_checkpoint_is_older_than_its_merge_resumes_th
         finally:
             await net.close()
     old, merged, step, b2 = asyncio.run(main())
-    assert b2.resumed_from_checkpoint and not torch.equal(old, merged)
+    assert b2.checkpoints.resumed and not torch.equal(old, merged)
     assert torch.equal(flat(b2), merged) and b2.worker.inner_step == step
     assert b2.merge.merged_epoch == 1
 
@@ -277,12 +277,12 @@ def test_a_replica_that_jumps_onto_a_merge_boundary_merges_there_with_its_peer(t
             a.worker.inner_step = 2 * H
             b.worker.inner_step = 2 * H - 1
             assert b.worker.skip_to(2 * H) == 1                                     # it missed step 2H - 1
-            before = [s._merge_task for s in net.svcs]
+            before = [s.merging.task for s in net.svcs]
             for s in net.svcs:
-                s._maybe_merge()
-            assert [s._merge_task is not t for s, t in zip(net.svcs, before)] == [True, True], \
+                s.merging.maybe_merge()
+            assert [s.merging.task is not t for s, t in zip(net.svcs, before)] == [True, True], \
                 "b did not propose the merge of the boundary it landed on"
-            await asyncio.gather(*(s._merge_task for s in net.svcs))
+            await asyncio.gather(*(s.merging.task for s in net.svcs))
             return [s.merge.history[-1] for s in net.svcs], a, b
         finally:
             await net.close()

@@ -181,6 +181,7 @@ def test_emulated_miner_over_signed_http(tmp_home):
     its compute thread, as the data plane runs them) come back in the emulated shapes (bf16), and its
     status says it is emulation."""
     from iota_subnet.devnet import add_stake, create_devnet, open_devnet
+    from iota_subnet.miner.options import MinerOptions, ServeOptions
     from iota_subnet.miner.service import MinerService
     from iota_subnet.protocol import Health
     from iota_subnet.transport import NeuronClient
@@ -198,7 +199,8 @@ def test_emulated_miner_over_signed_http(tmp_home):
         await chain.register(val, 9)
         add_stake(db, val.hotkey.ss58_address, val.coldkey.ss58_address, 100.0)
         await chain.register(mw, 9)
-        svc = MinerService(cfg, mw, chain, netuid=9, run_id="r", stage=1, out_dir=tmp_home / "m", host="127.0.0.1",
+        svc = MinerService(cfg, mw, chain, MinerOptions(netuid=9, run_id="r", stage=1, out_dir=tmp_home / "m",
+                                                        serve=ServeOptions(host="127.0.0.1")),
                            parts=emulated_parts(Emulation(parse_accelerator("1e12", 4.0), 0.5, 1.0)))
         port = await svc.start()
         try:
@@ -206,9 +208,9 @@ def test_emulated_miner_over_signed_http(tmp_home):
             async with NeuronClient(val) as c:
                 h = await c.call(ep, hk, "/health", Health(run_id="r", stage=1), Health)
                 assert h.ready and h.stats["stage"] == 1
-            res = await svc._compute(svc.worker.forward, "m", torch.randn(2, 64, 32))
+            res = await svc.compute.run(svc.worker.forward, "m", torch.randn(2, 64, 32))
             assert res["activations"].shape == (2, 64, 32) and res["activations"].dtype == torch.bfloat16
-            grad = await svc._compute(svc.worker.backward, "m", torch.randn(2, 64, 32))
+            grad = await svc.compute.run(svc.worker.backward, "m", torch.randn(2, 64, 32))
             assert grad.shape == (2, 64, 32)
             assert svc.worker.emulated and svc.worker.busy_s > 0
             svc.write_status()

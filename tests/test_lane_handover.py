@@ -56,7 +56,7 @@ async def start_pair(net: Net):
     for w in (head, tail):
         await net.chain.register(w, 9)
     for s in net.svcs:
-        s._last_refresh = 0
+        s.view.last_refresh = 0
         await s.refresh()
     return a, b, head, tail
 

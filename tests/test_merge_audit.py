@@ -225,9 +225,9 @@ def test_audits_answer_while_a_merge_runs(tmp_path, tmp_home):
                 out = w.forward(f"v:{m}", torch.randn(2, 16, w.spec.in_width, generator=g))
                 w.backward(f"v:{m}", torch.randn(out["activations"].shape, generator=g) * 1e-2)
             commit = w.updates.commitment(w.updates.steps()[-1], timeout_s=10)
-            plan_key = next(iter(a.claims.contributions))
+            plan_key = next(iter(a.merging.claims.contributions))
             # a merge "runs": gate closed, the worker's lock held by another thread
-            a._gate.clear()
+            a.merging.gate_open.clear()
             release = threading.Event()
             holder = threading.Thread(target=lambda: (w.lock.acquire(), release.wait(30), w.lock.release()))
             holder.start()
@@ -252,7 +252,7 @@ def test_audits_answer_while_a_merge_runs(tmp_path, tmp_home):
             finally:
                 release.set()
                 holder.join()
-                a._gate.set()
+                a.merging.gate_open.set()
         finally:
             await net.close()
     asyncio.run(main())

@@ -88,13 +88,13 @@ def test_merge_over_http_identical_tamper_kill_late(tmp_path, tmp_home):
             for k, s in enumerate(net.svcs):
                 train_locally(s, 20 + k)
             for s in (a, b, c):
-                s._start_merge(2)
-            await asyncio.gather(a._merge_task, b._merge_task)
+                s.merging.start_merge(2)
+            await asyncio.gather(a.merging.task, b.merging.task)
             ra, rb = a.merge.history[-1], b.merge.history[-1]
             assert ra.applied and rb.applied and c.hotkey in ra.missing
             assert torch.equal(flat(a), flat(b))
             assert not torch.equal(flat(a), before_c) and c.merge.merged_epoch == 1    # nothing half-applied
-            c._merge_task.cancel()
+            c.merging.task.cancel()
         finally:
             await net.close()
     asyncio.run(main())
@@ -111,7 +111,7 @@ def test_joiner_syncs_from_peers_despite_dying_donor(tmp_path, tmp_home):
             assert all(r.applied for r in reps)
             d0, d1, d2 = net.svcs
             # donor d1 dies after serving its first chunk
-            orig = d1.donor.handle
+            orig = d1.merging.donor.handle
             served = []
 
             async def dying(msg, caller="", **kw):
@@ -121,24 +121,24 @@ def test_joiner_syncs_from_peers_despite_dying_donor(tmp_path, tmp_home):
                     if len(served) == 1:
                         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(d1.server.stop()))
                 return r
-            d1.donor.handle = dying
+            d1.merging.donor.handle = dying
             joiner = await net.add()
             for s in net.svcs:
-                s._last_refresh = 0
+                s.view.last_refresh = 0
                 await s.refresh()
             # the joiner is not ready (validators do not route to it) until it has synced
             for _ in range(100):
-                if joiner._sync_task.done():
+                if joiner.merging.sync_task.done():
                     break
                 await asyncio.sleep(0.1)
-            assert joiner._sync_task.done() and joiner._sync_task.exception() is None
+            assert joiner.merging.sync_task.done() and joiner.merging.sync_task.exception() is None
             assert joiner.merge.in_sync and joiner.merge.merged_epoch == 0
             assert torch.equal(flat(joiner), flat(d0))
             assert joiner.worker.inner_step == 2                      # the step at which epoch 0 closed
             assert served, "the dying donor never served"
             # same outputs as its peers (an evaluation forward on each one's compute thread)
             x = torch.randn(2, 16, 16)
-            outs = [(await s._compute(s.worker.forward, "eval", x, train=False))["activations"]
+            outs = [(await s.compute.run(s.worker.forward, "eval", x, train=False))["activations"]
                     for s in (d0, d2, joiner)]
             assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
         finally:
@@ -217,9 +217,9 @@ def test_poisoning_reducer_caught_and_excluded(tmp_path, tmp_home):
             assert raw is not None and mo.commitment([s.uid for s in net.svcs], cheaters={p.uid}) is None
             await net.chain.publish(net.val, 9, raw)
             for s in net.svcs:
-                s._last_refresh = 0
+                s.view.last_refresh = 0
                 await s.refresh(force=True)
-            w = weights_from_commitments(a._commitments, a._neurons, RUN, 1, [s.hotkey for s in net.svcs])
+            w = weights_from_commitments(a.view.commitments, a.view.neurons, RUN, 1, [s.hotkey for s in net.svcs])
             assert w == {a.hotkey: 1.0, b.hotkey: 1.0, p.hotkey: 0.0}
             for k, s in enumerate(net.svcs):
                 train_locally(s, 10 + k)
@@ -242,15 +242,15 @@ def test_status_names_the_chunks_no_donor_has(tmp_path, tmp_home):
         await net.start(2)
         try:
             a, b = net.svcs
-            cn = a.donor.chunk_numel
-            real = a.donor.handle
+            cn = a.merging.donor.chunk_numel
+            real = a.merging.donor.handle
 
             async def refusing(msg, caller="", on_sent=None):
                 if msg.snapshot_id and msg.offset // cn in (1, 3):
                     raise ProtocolError(Outcome.BUSY, "chunk not available")
                 return await real(msg, caller, on_sent)
-            a.donor.handle = refusing
-            task = asyncio.create_task(b.pull_merged_state())
+            a.merging.donor.handle = refusing
+            task = asyncio.create_task(b.merging.pull_merged_state())
             st = {}
             for _ in range(100):
                 await asyncio.sleep(0.1)
@@ -259,7 +259,7 @@ def test_status_names_the_chunks_no_donor_has(tmp_path, tmp_home):
                     break
             sync = st["merge"]["sync"]
             assert sync["missing_chunks"] == [1, 3] and sync["state"] == "syncing", sync
-            a.donor.handle = real                         # the donor can serve them again: the next try syncs
+            a.merging.donor.handle = real                         # the donor can serve them again: the next try syncs
             assert await asyncio.wait_for(task, 30)
             assert b.status()["merge"]["sync"]["state"] == "synced"
             assert b.status()["merge"]["sync"]["missing_chunks"] == []

@@ -15,11 +15,14 @@ from bittensor import http_auth
 
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
+from iota_subnet.miner.options import MinerOptions
 from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol import (Health, Hop, Outcome, ProtocolError, StateRequest, StateResponse, TicketAck,
                                   TicketBatch, encode)
 from iota_subnet.transport import NeuronClient
 from iota_subnet.wallets import create_wallet
+
+from support.miners import LOCAL
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,8 +56,8 @@ class Net:
 
     async def start_miner(self):
         await self.chain.register(self.miner_w, 9)
-        self.svc = MinerService(self.cfg, self.miner_w, self.chain, netuid=9, run_id=RUN, stage=1,
-                                out_dir=self.tmp / "miner", host="127.0.0.1", external_ip="127.0.0.1")
+        self.svc = MinerService(self.cfg, self.miner_w, self.chain,
+                                MinerOptions(netuid=9, run_id=RUN, stage=1, out_dir=self.tmp / "miner", serve=LOCAL))
         self.port = await self.svc.start()
         self.ep = f"127.0.0.1:{self.port}"
         self.hk = self.miner_w.hotkey.ss58_address

@@ -17,11 +17,13 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet, seed_neurons
 from iota_subnet.config import load_config
+from iota_subnet.miner.options import DataOptions, MinerOptions
 from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol.commitment import VALIDATOR, RunCommitment
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
 from support.common import PatternData
+from support.miners import LOCAL
 
 pytestmark = pytest.mark.timeout(600)
 NETUID, RUN, STEPS, TEMPO, BLOCK_TIME = 9, "acceptance", 12, 20, 0.1
@@ -79,9 +81,9 @@ async def _one_run(tmp, home, cfg, *, foreign: bool, steps: int = STEPS, refresh
         graph = await chain.metagraph(NETUID)
         assert sum(bool(n.validator_permit) for n in graph.neurons) == (61 if foreign else 1)
         for s in range(3):
-            m = MinerService(cfg, wallets[f"m{s}"], chain, netuid=NETUID, run_id=RUN, stage=s,
-                             out_dir=tmp / f"m{s}", host="127.0.0.1", external_ip="127.0.0.1",
-                             metagraph_refresh_s=refresh_s, dataset=data)
+            m = MinerService(cfg, wallets[f"m{s}"], chain, MinerOptions(
+                netuid=NETUID, run_id=RUN, stage=s, out_dir=tmp / f"m{s}", serve=LOCAL,
+                metagraph_refresh_s=refresh_s, data=DataOptions(dataset=data)))
             await m.start()
             miners.append(m)
         out = tmp / "vali"

@@ -343,6 +343,7 @@ def test_a_slow_event_slows_a_miners_compute_even_on_an_unshaped_link(tmp_path, 
     import time
 
     from iota_subnet.config import load_config
+    from iota_subnet.miner.options import MinerOptions
     from iota_subnet.miner.service import MinerService
     from iota_subnet.transport.shaping import CONTROL_POLL_S, compute_slowdown, configure_process_link
     from iota_subnet.wallets import create_wallet
@@ -350,11 +351,11 @@ def test_a_slow_event_slows_a_miners_compute_even_on_an_unshaped_link(tmp_path, 
     configure_process_link(parse_link("loopback"), control_path=ctl)
     try:
         m = MinerService(load_config("configs/tiny.yaml"), create_wallet("m", "default", tmp_path / "w"), None,
-                         netuid=9, run_id="slow", stage=0, out_dir=tmp_path / "m")
+                         MinerOptions(netuid=9, run_id="slow", stage=0, out_dir=tmp_path / "m"))
 
         async def busy(seconds):
             t0 = time.perf_counter()
-            await m._compute(time.sleep, seconds)
+            await m.compute.run(time.sleep, seconds)
             return time.perf_counter() - t0
         assert compute_slowdown() == 1.0
         ctl.write_text('{"slow": 3}')

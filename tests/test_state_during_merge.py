@@ -40,15 +40,15 @@ def test_state_is_served_during_a_merge_without_waiting(tmp_path, tmp_home):
             a, b = net.svcs
             assert not a.cfg.merge.overlap
             a.worker.inner_step = a.cfg.merge.every_steps
-            a._start_merge(0)
+            a.merging.start_merge(0)
             await asyncio.wait_for(a.merge.started.wait(), 10)
-            assert not a._merge_task.done()                 # the merge is running (held)
+            assert not a.merging.task.done()                 # the merge is running (held)
             async with NeuronClient(b.wallet) as cl:
                 t0 = time.monotonic()
                 resp = await cl.call(a.server.endpoint, a.hotkey, "/state", StateRequest(run_id=RUN, stage=1),
                                      StateResponse, timeout_s=30, retries=0)
                 took = time.monotonic() - t0
-            assert not a._merge_task.done()                 # answered while the merge still runs
+            assert not a.merging.task.done()                 # answered while the merge still runs
             assert took < 1.0 + 1.0, took                   # 1 s plus the transfer of ~0.1 MB on loopback
             assert resp.state_meta["step"] == a.worker.inner_step and resp.state_meta["merges"] == a.worker.merges
             got = torch.cat([resp.tensors[k].reshape(-1) for k in a.worker.module.state_dict()])

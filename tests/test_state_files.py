@@ -3,6 +3,7 @@ numbers as people write them in configs (item 16), open-ended learning-rate sche
 hand-over (item 2), data fingerprints and no silent fallbacks (item 9)."""
 from __future__ import annotations
 
+from dataclasses import replace
 import asyncio
 import json
 import math
@@ -15,6 +16,7 @@ import torch
 from iota_subnet.devnet import create_devnet, open_devnet
 from iota_subnet.config import ConfigError, load_config
 from iota_subnet.data import DataError, TokenDataset, build_dataset, data_fingerprint, fingerprints
+from iota_subnet.miner.options import MinerOptions, ServeOptions
 from iota_subnet.miner.service import MinerService
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.train.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
@@ -57,7 +59,8 @@ def test_miner_start_sweeps_temporary_files_of_killed_saves(tmp_home, tmp_path):
     async def main():
         chain = await open_devnet(db)
         await chain.register(w, 9)
-        svc = MinerService(cfg, w, chain, netuid=9, run_id="r", stage=1, out_dir=out, host="127.0.0.1")
+        svc = MinerService(cfg, w, chain, MinerOptions(netuid=9, run_id="r", stage=1, out_dir=out,
+                                                       serve=ServeOptions(host="127.0.0.1")))
         try:
             await svc.start()
             assert not any(p.exists() for p in strays) and keep.exists()
@@ -190,16 +193,16 @@ def test_a_miner_hands_its_folder_over_to_a_new_run_epoch(tmp_home, tmp_path):
         chain = await open_devnet(db)
         await chain.register(w, 9)
         try:
-            svc = MinerService(cfg, w, chain, netuid=9, run_id="r", stage=1, out_dir=out, host="127.0.0.1")
+            opts = MinerOptions(netuid=9, run_id="r", stage=1, out_dir=out, serve=ServeOptions(host="127.0.0.1"))
+            svc = MinerService(cfg, w, chain, opts)
             await svc.start()
             svc.worker.inner_step = 42
             await svc.stop()                                   # checkpoint at step 42 of epoch 0
-            again = MinerService(cfg, w, chain, netuid=9, run_id="r", stage=1, out_dir=out, host="127.0.0.1")
+            again = MinerService(cfg, w, chain, opts)
             await again.start()
             assert again.worker.inner_step == 42               # same run: resumes
             await again.stop()
-            new = MinerService(cfg, w, chain, netuid=9, run_id="r", run_epoch=1, stage=1, out_dir=out,
-                               host="127.0.0.1")
+            new = MinerService(cfg, w, chain, replace(opts, run_epoch=1))
             await new.start()
             assert new.worker.inner_step == 0                  # a new run starts clean
             await new.stop()

@@ -46,20 +46,20 @@ def test_joiner_syncs_at_its_downlink_rate_and_the_window_beats_one_request_per_
             d0, d1 = net.svcs
             joiner = await net.add()
             for s in net.svcs:
-                s._last_refresh = 0
+                s.view.last_refresh = 0
                 await s.refresh()
             for _ in range(200):                      # its own catch-up (unshaped) first
-                if joiner._sync_task.done():
+                if joiner.merging.sync_task.done():
                     break
                 await asyncio.sleep(0.1)
-            assert joiner._sync_task.done()
+            assert joiner.merging.sync_task.done()
             for d in (d0, d1):
                 d.server.shaper = UplinkShaper(LinkSpec(None, DELAY_S))
             client = joiner.merge.transport.client
             client.shaper = UplinkShaper(LinkSpec(None, DELAY_S))
             P = joiner.merge.params.numel
             payload = 8 * P                           # anchor and momentum, float32
-            peers = joiner._peers()
+            peers = joiner.view.stage_peers()
             assert sorted(peers) == sorted([d0.hotkey, d1.hotkey])
 
             async def timed(window, name, down_bps):

@@ -5,6 +5,7 @@ and epoch with a clean hand-over (item 2). A real ValidatorService.start() on th
 miners are needed for these."""
 from __future__ import annotations
 
+from dataclasses import replace
 import asyncio
 import json
 import time
@@ -21,12 +22,14 @@ from iota_subnet.devnet import (DevnetState, DevnetSubstrate, RevealedWeights, a
                                 set_hyperparameter)
 from iota_subnet.chain.sdk import SdkChain
 from iota_subnet.config import load_config
+from iota_subnet.miner.options import DataOptions, MinerOptions
 from iota_subnet.miner.service import MinerService
 from iota_subnet.protocol.commitment import MINER, VALIDATOR, Fingerprints, RunCommitment, RunMismatchError
 from iota_subnet.utils.sqlite_file import CorruptStateError
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
 from support.common import OVR, PatternData
+from support.miners import LOCAL
 
 pytestmark = pytest.mark.timeout(180)
 NETUID = 9
@@ -343,14 +346,12 @@ def test_fingerprints_are_advertised_and_a_mismatch_refuses_to_join(tmp_path, tm
             assert mine.role == VALIDATOR and mine.fingerprints == FP_A and mine.same_run("run1", 0)
             await svc.close()
             # a miner that loads other data refuses to join too
-            miner = MinerService(net.cfg, net.w["m1"], net.chain, netuid=NETUID, run_id="run1", stage=0,
-                                 out_dir=tmp_path / "m1", host="127.0.0.1", external_ip="127.0.0.1",
-                                 fingerprints=FP_B, dataset=PatternData(256, 16))
+            opts = MinerOptions(netuid=NETUID, run_id="run1", stage=0, out_dir=tmp_path / "m1", serve=LOCAL,
+                                fingerprints=FP_B, data=DataOptions(dataset=PatternData(256, 16)))
+            miner = MinerService(net.cfg, net.w["m1"], net.chain, opts)
             with pytest.raises(RunMismatchError, match=f"ours tokenizer {FP_B.tokenizer}.*tokenizer {FP_A.tokenizer}"):
                 await miner.start()
-            miner = MinerService(net.cfg, net.w["m1"], net.chain, netuid=NETUID, run_id="run1", stage=0,
-                                 out_dir=tmp_path / "m1", host="127.0.0.1", external_ip="127.0.0.1",
-                                 fingerprints=FP_A, dataset=PatternData(256, 16))
+            miner = MinerService(net.cfg, net.w["m1"], net.chain, replace(opts, fingerprints=FP_A))
             await miner.start()
             got = RunCommitment.decode((await net.chain.commitments(NETUID))[net.hk("m1")])
             assert got.role == MINER and got.stage == 0 and got.fingerprints == FP_A

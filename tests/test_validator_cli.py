@@ -15,8 +15,10 @@ import yaml
 
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.config import load_config
+from iota_subnet.miner.options import DataOptions, MinerOptions
 from iota_subnet.miner.service import MinerService
 from support.common import OVR, make_wallet
+from support.miners import LOCAL
 
 pytestmark = pytest.mark.timeout(180)
 NETUID = 9
@@ -56,9 +58,10 @@ def test_cli_validator_with_miner_services(tmp_home, tmp_path, wikitext_path, ca
         try:
             for s, w in enumerate(mws):
                 await chain.register(w, NETUID)
-                m = MinerService(cfg, w, chain, netuid=NETUID, run_id="cli", stage=s, out_dir=tmp_path / f"m{s}",
-                                 host="127.0.0.1", external_ip="127.0.0.1", metagraph_refresh_s=0.5,
-                                 data=str(wikitext_path), cache_dir=str(cache_dir))   # the validator's data
+                m = MinerService(cfg, w, chain, MinerOptions(
+                    netuid=NETUID, run_id="cli", stage=s, out_dir=tmp_path / f"m{s}", serve=LOCAL,
+                    metagraph_refresh_s=0.5,
+                    data=DataOptions(source=str(wikitext_path), cache_dir=str(cache_dir))))   # the validator's data
                 await m.start()
                 miners.append(m)
             proc = await asyncio.create_subprocess_exec(

@@ -88,6 +88,7 @@ def miner_parts(args: argparse.Namespace, cfg, emulation):
 
 async def run_miner(args: argparse.Namespace) -> int:
     from iota_subnet.config import load_config
+    from iota_subnet.miner.options import DataOptions, MinerOptions, ServeOptions
     from iota_subnet.miner.service import MinerService
     from iota_subnet.train.colocated import pick_device
     from iota_subnet.wallets import load_wallet
@@ -110,14 +111,16 @@ async def run_miner(args: argparse.Namespace) -> int:
     except StopRequested:
         logger.info("miner stopped while connecting to the chain")
         return 0
-    svc = MinerService(cfg, wallet, chain, netuid=args.netuid, run_id=run_id_for(args), stage=args.stage, out_dir=out,
-                       host=args.host, port=args.port, external_ip=external_ip,
-                       device=str(pick_device(args.device)), total_steps=args.steps,
-                       checkpoint_every=args.checkpoint_every, register=args.register, max_burn_tao=args.max_burn,
-                       run_epoch=args.run_epoch, data=args.data, cache_dir=args.cache_dir,
-                       allow_data_fallback=args.allow_data_fallback, max_in_flight=args.max_in_flight,
-                       hop_timeout_s=args.hop_timeout, parts=parts, audit_window=max(0, args.audit_window),
-                       dashboard_port=args.dashboard_port)
+    opts = MinerOptions(netuid=args.netuid, run_id=run_id_for(args), out_dir=out, stage=args.stage,
+                        run_epoch=args.run_epoch, device=str(pick_device(args.device)), total_steps=args.steps,
+                        checkpoint_every=args.checkpoint_every, register=args.register, max_burn_tao=args.max_burn,
+                        max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout,
+                        audit_window=max(0, args.audit_window),
+                        serve=ServeOptions(host=args.host, port=args.port, external_ip=external_ip,
+                                           dashboard_port=args.dashboard_port),
+                        data=DataOptions(source=args.data, cache_dir=args.cache_dir,
+                                         allow_fallback=args.allow_data_fallback))
+    svc = MinerService(cfg, wallet, chain, opts, parts=parts)
     try:
         try:
             await until_stopped(svc.start(), stop)

@@ -28,6 +28,9 @@ import torch
 from loguru import logger
 
 from iota_subnet.miner.catch_up import stage_merged_epoch
+from iota_subnet.miner.chain_view import ChainView
+from iota_subnet.miner.compute_thread import ComputeThread
+from iota_subnet.miner.merging import MinerMerging
 from iota_subnet.protocol import Health, ProtocolError, StateRequest, StateResponse, Ticket
 from iota_subnet.transport import NeuronClient, TransportError
 
@@ -37,27 +40,27 @@ ASK_TIMEOUT_S = 5.0
 STATE_TIMEOUT_S = 60.0
 
 
-async def lane_holder(svc: Any, lane: int, client: NeuronClient) -> Optional[tuple[str, int]]:
-    """(hotkey, inner step) of the stage peer of ``svc`` (a :class:`~iota_subnet.miner.service.MinerService`)
-    that trained ``lane`` last, among those that answer ``/health``; None when none did."""
+async def lane_holder(view: ChainView, lane: int, client: NeuronClient) -> Optional[tuple[str, int]]:
+    """(hotkey, inner step) of the stage peer (seen through ``view``, the miner's chain view) that
+    trained ``lane`` last, among those that answer ``/health``; None when none did."""
     async def ask(hk: str):
-        ep = svc._endpoint_of(hk)
+        ep = view.endpoint_of(hk)
         if ep is None:
             return None
         try:
-            h = await client.call(ep, hk, "/health", Health(run_id=svc.run_id, stage=svc.stage), Health,
+            h = await client.call(ep, hk, "/health", Health(run_id=view.run_id, stage=view.stage), Health,
                                   timeout_s=ASK_TIMEOUT_S, retries=0)
         except (TransportError, ProtocolError, asyncio.TimeoutError) as e:
-            logger.info(f"stage {svc.stage}: {hk[:10]} does not answer /health ({e}); not asked for lane {lane}")
+            logger.info(f"stage {view.stage}: {hk[:10]} does not answer /health ({e}); not asked for lane {lane}")
             return None
         try:
             if int(h.stats.get("lane", -1)) != lane:
                 return None
             return hk, int(h.stats.get("inner_step", h.inner_step or 0))
         except (AttributeError, TypeError, ValueError, OverflowError):      # a malformed answer: not a holder
-            logger.info(f"stage {svc.stage}: {hk[:10]} answered /health with malformed stats; not asked for lane {lane}")
+            logger.info(f"stage {view.stage}: {hk[:10]} answered /health with malformed stats; not asked for lane {lane}")
             return None
-    found = [r for r in await asyncio.gather(*(ask(hk) for hk in svc._peers())) if r is not None]
+    found = [r for r in await asyncio.gather(*(ask(hk) for hk in view.stage_peers())) if r is not None]
     return max(found, key=lambda r: r[1]) if found else None
 
 
@@ -76,39 +79,43 @@ def state_mismatch(own: dict, got: Any) -> str:
     return ""
 
 
-async def take_lane(svc: Any, t: Ticket) -> str:
-    """Give ``svc``'s worker the weights of ``t``'s lane (see the module docstring) and the lane's
-    step. Returns how (``holder <hotkey> at step k`` | ``merged epoch e`` | ``own``), for the log."""
-    w = svc.worker
+async def take_lane(t: Ticket, *, worker: Any, wallet: Any, view: ChainView, compute: ComputeThread,
+                    merging: Optional[MinerMerging]) -> str:
+    """Give ``worker`` (the stage's compute, run on ``compute``) the weights of ``t``'s lane (see the
+    module docstring) and the lane's step. ``wallet`` signs the requests to the stage peers found
+    through ``view``; ``merging``: the miner's merge part when the run merges (None: not merging).
+    Returns how (``holder <hotkey> at step k`` | ``merged epoch e`` | ``own``), for the log."""
+    w, stage = worker, view.stage
+    merge = merging.engine if merging is not None else None
     tensors: Optional[dict] = None
     how = "own"
-    async with NeuronClient(svc.wallet) as client:
-        found = await lane_holder(svc, t.lane, client)
+    async with NeuronClient(wallet) as client:
+        found = await lane_holder(view, t.lane, client)
         if found is not None:
             hk, step = found
             try:
-                resp = await client.call(svc._endpoint_of(hk), hk, "/state",
-                                         StateRequest(run_id=svc.run_id, stage=svc.stage), StateResponse,
+                resp = await client.call(view.endpoint_of(hk), hk, "/state",
+                                         StateRequest(run_id=view.run_id, stage=stage), StateResponse,
                                          timeout_s=STATE_TIMEOUT_S, retries=1)
                 bad = state_mismatch(w.module.state_dict(), resp.tensors)
                 if bad:
-                    logger.warning(f"stage {svc.stage}: lane {t.lane}'s holder {hk[:10]} sent a state that does not "
+                    logger.warning(f"stage {stage}: lane {t.lane}'s holder {hk[:10]} sent a state that does not "
                                    f"fit this stage ({bad}); not taken")
                 else:
                     tensors, how = resp.tensors, f"holder {hk[:10]} at step {resp.state_meta.get('step', step)}"
             except (TransportError, ProtocolError, asyncio.TimeoutError, TypeError) as e:
-                logger.warning(f"stage {svc.stage}: lane {t.lane}'s holder {hk[:10]} did not send its state: {e}")
-    if svc.merge is not None:
+                logger.warning(f"stage {stage}: lane {t.lane}'s holder {hk[:10]} did not send its state: {e}")
+    if merge is not None:
         # the anchor too: the next merge's pseudo-gradient is taken against it
-        epochs, _ = await stage_merged_epoch(svc.merge, svc._peers(), ASK_TIMEOUT_S)
-        if epochs and max(epochs) > svc.merge.merged_epoch:
-            if not await svc.pull_merged_state(min_epoch=max(epochs)):
-                logger.warning(f"stage {svc.stage}: merged epoch {max(epochs)} not pulled for lane {t.lane}; "
-                               f"this replica's merged epoch {svc.merge.merged_epoch} stands")
+        epochs, _ = await stage_merged_epoch(merge, view.stage_peers(), ASK_TIMEOUT_S)
+        if epochs and max(epochs) > merge.merged_epoch:
+            if not await merging.pull_merged_state(min_epoch=max(epochs)):
+                logger.warning(f"stage {stage}: merged epoch {max(epochs)} not pulled for lane {t.lane}; "
+                               f"this replica's merged epoch {merge.merged_epoch} stands")
         if tensors is None:
-            how = f"merged epoch {svc.merge.merged_epoch} (the lane's training since it on a departed member is lost)"
+            how = f"merged epoch {merge.merged_epoch} (the lane's training since it on a departed member is lost)"
     if how == "own":
-        logger.warning(f"stage {svc.stage}: no replica holds lane {t.lane}'s weights and the run does not merge; "
+        logger.warning(f"stage {stage}: no replica holds lane {t.lane}'s weights and the run does not merge; "
                        f"training it with this replica's own weights")
 
     def apply():
@@ -116,13 +123,13 @@ async def take_lane(svc: Any, t: Ticket) -> str:
             if tensors is not None:
                 w.module.load_state_dict(tensors, strict=True)
                 w.weights_replaced()
-            elif svc.merge is not None:
-                svc.merge.params.write(svc.merge.anchor)      # calls weights_replaced
+            elif merge is not None:
+                merge.params.write(merge.anchor)      # calls weights_replaced
             w.opt.zero_grad(set_to_none=True)
             w.pending = 0
             if t.step != w.inner_step:
                 w.last_skip = (w.inner_step, int(t.step))
             w.inner_step = int(t.step)
             w.lane = int(t.lane)
-    await svc._compute(apply)
+    await compute.run(apply)
     return how

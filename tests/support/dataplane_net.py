@@ -15,6 +15,8 @@ from iota_subnet.sim.adversary import adversary_parts
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
 
+from support.miners import local_miner
+
 NETUID = 9
 RUN = "p2p-test"
 #: a 3-stage model small enough for many tests on 2 cores; 2 micro-batches of 2 rows x 32 tokens per step
@@ -74,9 +76,9 @@ class P2PNet:
                                    **(per_miner(s, r) if per_miner else {}))
 
     async def start_miner(self, s: int, r: int, **kw) -> MinerService:
-        m = MinerService(self.cfg, self.miner_wallets[(s, r)], self.chain, netuid=NETUID, run_id=RUN, stage=s,
-                         out_dir=self.tmp / f"miner-{s}-{r}", host="127.0.0.1", external_ip="127.0.0.1",
-                         register=False, metagraph_refresh_s=0.5, dataset=self.ds, **kw)
+        m = local_miner(self.cfg, self.miner_wallets[(s, r)], self.chain, netuid=NETUID, run_id=RUN, stage=s,
+                        out_dir=self.tmp / f"miner-{s}-{r}", register=False, metagraph_refresh_s=0.5,
+                        dataset=self.ds, **kw)
         await m.start()
         self.miners[(s, r)] = m
         return m

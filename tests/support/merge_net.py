@@ -11,6 +11,8 @@ from iota_subnet.miner.service import MinerService
 from iota_subnet.sim.adversary import adversary_parts
 from iota_subnet.wallets import create_wallet
 
+from support.miners import local_miner
+
 
 RUN = "merge-run"
 
@@ -54,14 +56,13 @@ class Net:
         i = len(self.svcs)
         w = create_wallet(f"m{i}", "default", self.tmp / "wallets")
         await self.chain.register(w, 9)
-        svc = MinerService(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
-                           host="127.0.0.1", external_ip="127.0.0.1", parts=parts, allow_data_fallback=True,
-                           **self.miner_kw)
+        svc = local_miner(self.cfg, w, self.chain, netuid=9, run_id=RUN, stage=self.stage, out_dir=self.tmp / f"m{i}",
+                          parts=parts, allow_data_fallback=True, **self.miner_kw)
         await svc.start()
         self.svcs.append(svc)
         for s in self.svcs:
             await s.refresh(force=True) if s is svc else None
-            s._last_refresh = 0
+            s.view.last_refresh = 0
             await s.refresh()
         return svc
 
@@ -88,6 +89,6 @@ async def merge_epoch(svcs, epoch):
     """Merge ``epoch`` on every replica, as at the inner step that closes it ((epoch + 1) x H)."""
     for s in svcs:
         s.worker.inner_step = max(s.worker.inner_step, (epoch + 1) * s.cfg.merge.every_steps)
-        s._start_merge(epoch)
-    await asyncio.gather(*(s._merge_task for s in svcs))
+        s.merging.start_merge(epoch)
+    await asyncio.gather(*(s.merging.task for s in svcs))
     return [s.merge.history[-1] for s in svcs]
