@@ -124,21 +124,27 @@ class _Ledger(Ledger):
         super().__init__([1.0])
 
 
-def test_blocked_tempos_take_back_lag_and_leave_the_rate_at_the_unblocked_pace():
-    ledger, board = _Ledger(), Scoreboard(grace=1)
-    slowed, twin, gone = (1, "a"), (2, "b"), (3, "c")
-    t = 0.0
+class _Tempos:
+    """Weights rounds 10 s apart over one ledger and board: ``tempo({key: work}, blocked)``."""
 
-    def tempo(work: dict, blocked=None):
-        nonlocal t
-        t += 10.0
+    def __init__(self, board: Scoreboard):
+        self.ledger, self.board, self.t = _Ledger(), board, 0.0
+
+    def __call__(self, work: dict, blocked=None) -> None:
+        self.t += 10.0
         for key, w in work.items():
-            ledger.credit(*key, 0, w)
-        board.update(ledger, blocked=blocked, at=t)
+            self.ledger.credit(*key, 0, w)
+        self.board.update(self.ledger, blocked=blocked, at=self.t)
+
+
+def test_blocked_tempos_take_back_lag_and_leave_the_rate_at_the_unblocked_pace():
+    tempo = _Tempos(Scoreboard(grace=1))
+    board = tempo.board
+    slowed, twin, gone = (1, "a"), (2, "b"), (3, "c")
 
     for _ in range(3):
         tempo({slowed: 100, twin: 100, gone: 100})
-    start = t                                    # then its neighbour stops answering (and `gone` leaves)
+    start = tempo.t                                   # then its neighbour stops answering (and `gone` leaves)
     for _ in range(3):
         tempo({twin: 100})
     assert board.entries[slowed].lag == 3 and board.entries[slowed].freshness < 1
@@ -147,7 +153,7 @@ def test_blocked_tempos_take_back_lag_and_leave_the_rate_at_the_unblocked_pace()
     assert e.lag == 0 and e.freshness == 1.0 and e.blocked == [4, 5, 6, 7]
     assert e.rate == 320 / (3 + 0.2)            # 4 blocked tempos count as 20/100 of a tempo
     assert board.entries[twin].rate == 100
-    tempo({slowed: 100, twin: 100}, blocked={slowed: t - 5.0})        # blocked, yet at full pace: counts 1
+    tempo({slowed: 100, twin: 100}, blocked={slowed: tempo.t - 5.0})        # blocked, yet at full pace: counts 1
     assert board.entries[slowed].rate == 420 / 4.2
     for _ in range(3):
         tempo({slowed: 100, twin: 100})
@@ -183,20 +189,13 @@ def test_a_claim_excuses_only_once_the_validator_found_the_culprit_down_and_neve
 def test_a_miner_is_excused_in_at_most_half_the_window():
     """A colluding neighbour that keeps failing cannot keep a miner's rate up for a whole window: after
     ``window // 2`` excused tempos, tempos without its work count against it again (lag, span)."""
-    ledger, board = _Ledger(), Scoreboard(window=8, grace=1)
+    tempo = _Tempos(Scoreboard(window=8, grace=1))
+    board = tempo.board
     idler, twin = (1, "a"), (2, "b")
-    t = 0.0
-
-    def tempo(work: dict, blocked=None):
-        nonlocal t
-        t += 10.0
-        for key, w in work.items():
-            ledger.credit(*key, 0, w)
-        board.update(ledger, blocked=blocked, at=t)
 
     for _ in range(2):
         tempo({idler: 100, twin: 100})
-    start = t
+    start = tempo.t
     for i in range(6):                           # "blocked" every tempo from here on, doing nothing
         tempo({twin: 100}, blocked={idler: start + 1.0})
         e = board.entries[idler]
