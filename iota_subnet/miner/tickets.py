@@ -16,6 +16,7 @@ Cheap checks run first; the signature (about 40 us) last, once per ticket (cache
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
@@ -34,7 +35,7 @@ class TicketChecker:
         self.run_id, self.stage, self.n_stages = run_id, int(stage), int(n_stages)
         self.seq_len, self.width, self.micro_per_step, self.max_rows = seq_len, width, micro_per_step, max_rows
         self.me, self.neurons, self.clock = me, neurons, clock
-        self._verified: "OrderedDict[str, None]" = OrderedDict()
+        self._verified: "OrderedDict[tuple[str, str], None]" = OrderedDict()
         self._cache_size = cache_size
 
     def parse(self, raw: Any) -> Ticket:
@@ -78,7 +79,10 @@ class TicketChecker:
         if t.expired(self.clock()):
             raise ProtocolError(Outcome.TICKET_EXPIRED, f"ticket {t.microbatch_id} expired "
                                                         f"{self.clock() - t.deadline:.1f} s ago")
-        if t.signature not in self._verified:
+        # a signature is remembered with the bytes it signs: a copy of a good ticket's signature over
+        # other fields is checked (and refused) like any other
+        key = (t.signature, hashlib.sha256(t.canonical()).hexdigest())
+        if key not in self._verified:
             neurons = self.neurons()
             v = neurons.get(t.validator)
             if v is None or not bool(getattr(v, "validator_permit", False)):
@@ -90,7 +94,7 @@ class TicketChecker:
                 t.verify_signature()
             except TicketError as e:
                 raise ProtocolError(Outcome.BAD_TICKET, str(e)) from None
-            self._verified[t.signature] = None
+            self._verified[key] = None
             while len(self._verified) > self._cache_size:
                 self._verified.popitem(last=False)
         return t

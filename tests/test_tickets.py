@@ -1,0 +1,40 @@
+"""A miner's ticket check (:class:`~iota_subnet.miner.tickets.TicketChecker`): a signature is only good for
+the bytes it signed, also after a ticket with that signature was accepted."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from bittensor.sp_core import Keypair
+
+from iota_subnet.miner.tickets import TicketChecker
+from iota_subnet.protocol import Outcome, ProtocolError, Ticket
+
+
+def _setup():
+    val, head, nxt = (Keypair.create_from_uri(f"//tk-{n}") for n in ("val", "head", "next"))
+    neurons = {val.ss58_address: SimpleNamespace(validator_permit=True),
+               head.ss58_address: SimpleNamespace(validator_permit=False),
+               nxt.ss58_address: SimpleNamespace(validator_permit=False)}
+    now = time.time()
+    t = Ticket(run_id="tk", validator=val.ss58_address, lane=0, step=0, index=0, microbatch_id="tk-0-0-0",
+               split="train", seed=1, start=64, rows=2, seq_len=16, width=8, wire_dtype="bf16", train=True,
+               micro_per_step=4, route=(head.ss58_address, nxt.ss58_address), trains=(True, True),
+               issued_at=now, deadline=now + 60).signed(val)
+    checker = TicketChecker(run_id="tk", stage=1, n_stages=2, seq_len=16, width=8, micro_per_step=4, max_rows=8,
+                            me=nxt.ss58_address, neurons=lambda: neurons)
+    return t, checker, head.ss58_address
+
+
+def test_a_copied_signature_over_changed_fields_is_refused_after_the_good_ticket_was_accepted():
+    t, checker, head = _setup()
+    assert checker.check(t.to_json(), sender=head, direction="forward") == t       # the good one: accepted (cached)
+    assert checker.check(t.to_json(), sender=head, direction="forward") == t       # and again, from the cache
+    for field, value in (("start", 4096), ("seed", 2), ("rows", 8), ("step", 3)):
+        forged = replace(t, **{field: value})                                       # same signature, other bytes
+        assert forged.signature == t.signature
+        with pytest.raises(ProtocolError) as e:
+            checker.check(forged.to_json(), sender=head, direction="forward")
+        assert e.value.outcome == Outcome.BAD_TICKET, (field, e.value)
