@@ -27,7 +27,7 @@ def test_p2p_lanes_train_and_the_validator_carries_no_tensors(tmp_home, tmp_path
             server_routes = set(vali.client.stats())   # noqa: F841
             assert vali.endpoints.server is None        # closed after the run
             assert st["validator_bytes"] > 0
-            hop_bytes = sum(m.node.hop_client.bytes_sent for m in net.miners.values())
+            hop_bytes = sum(m.node.transport.hop_client.bytes_sent for m in net.miners.values())
             assert hop_bytes > 20 * st["validator_bytes"] / 10, (hop_bytes, st["validator_bytes"])
         finally:
             await net.close()

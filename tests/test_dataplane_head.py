@@ -4,8 +4,9 @@ had re-issued them through another head after a partition here, and counted them
 never took inner step 1 and left every later ticket of its lane queued: the lane stalled until the
 tickets' deadline (80 minutes), while the other lanes went on.
 
-A real stage-0 ``StageWorker`` behind a real ``DataPlane``; the next stage is a recorder that accepts
-forwards and sends back only the backwards the test decides."""
+A real stage-0 ``StageWorker`` behind a real ``DataPlaneNode`` on the in-process data-plane transport;
+the next stage is a recorder that accepts forwards and sends back, through the head's real ``/hop``
+route (ticket check, hop contract), only the backwards the test decides."""
 from __future__ import annotations
 
 import asyncio
@@ -15,38 +16,31 @@ import time
 import pytest
 import torch
 
-from iota_subnet.config import load_config
-from iota_subnet.miner.dataplane import DataPlane
+from iota_subnet.config import bottleneck_dims, load_config
 from iota_subnet.miner.dataplane.admission import STAND_IN_HOLD_S
+from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
 from iota_subnet.miner.stage_worker import StageWorker
-from iota_subnet.protocol import Hop, HopAck
+from iota_subnet.protocol import Hop
 from iota_subnet.protocol.ticket import Ticket
 from iota_subnet.protocol.wire import from_wire, to_wire
 from support.dataplane_net import OVR
+from support.inprocess_dataplane import HopRecorder, ReceiptInbox, inprocess_node, keypair, neurons
 
 pytestmark = pytest.mark.timeout(120)
 
-HEAD, OTHER_HEAD, S1, S2, VALI = "5Head", "5OtherHead", "5Stage1", "5Stage2", "5Vali"
+KEYS = {n: keypair(f"head-test-{n}") for n in ("head", "s1", "s2", "vali")}
+HEAD, S1, S2, VALI = (KEYS[n].ss58_address for n in ("head", "s1", "s2", "vali"))
 
 
-class Stage1Recorder:
-    """Stage 1 as the head sees it: takes every forward, answers none by itself."""
-
-    def __init__(self):
-        self.forwards: list[Hop] = []
-
-    async def send(self, hotkey: str, hop: Hop) -> HopAck:
-        if hop.direction == "forward":
-            self.forwards.append(hop)
-        return HopAck(run_id=hop.run_id, stage=hop.stage, microbatch_id=hop.microbatch_id, status="accepted")
-
-
-def ticket(cfg, step: int, index: int, attempt: int = 0, *, head: str = HEAD) -> Ticket:
+def ticket(cfg, step: int, index: int, attempt: int = 0, *, head: str = HEAD, **kw) -> Ticket:
+    """A training ticket of lane 0 signed by the validator (``kw``: other fields, before signing)."""
     now = time.time()
-    return Ticket(run_id="head-test", validator=VALI, lane=0, step=step, index=index,
-                  microbatch_id=f"l0-k{step}-m{index}-a{attempt}", split="train", seed=1, start=4 * step + 2 * index,
-                  rows=cfg.train.micro_batch, seq_len=cfg.data.seq_len, width=64, wire_dtype="bf16", train=True,
-                  micro_per_step=2, route=(head, S1, S2), attempt=attempt, issued_at=now, deadline=now + 3600)
+    t = Ticket(run_id="head-test", validator=VALI, lane=0, step=step, index=index,
+               microbatch_id=f"l0-k{step}-m{index}-a{attempt}", split="train", seed=1, start=4 * step + 2 * index,
+               rows=cfg.train.micro_batch, seq_len=cfg.data.seq_len, width=bottleneck_dims(cfg.model, cfg.pipeline)[0],
+               wire_dtype="bf16", train=True, micro_per_step=2, route=(head, S1, S2), attempt=attempt, issued_at=now,
+               deadline=now + 3600)
+    return dataclasses.replace(t, **kw).signed(KEYS["vali"])
 
 
 async def until(cond, timeout_s=30.0):
@@ -60,19 +54,17 @@ async def until(cond, timeout_s=30.0):
 async def head_setup():
     cfg = load_config("configs/tiny.yaml", OVR)
     worker = StageWorker(cfg, 0, seed=0, total_steps=20)
-    nxt, receipts = Stage1Recorder(), []
-
-    async def post(validator, batch):
-        receipts.extend(batch)
+    net = InProcessDataPlaneTransport()
+    nxt, inbox = HopRecorder(net, S1), ReceiptInbox(net, VALI)
 
     def rows(split, seed, start, n):
         g = torch.Generator().manual_seed(seed * 1000 + start)
         return torch.randint(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), generator=g)
 
-    dp = DataPlane(worker, me=HEAD, n_stages=3, compute=lambda fn: asyncio.to_thread(fn), send=nxt.send,
-                   post_receipts=post, rows=rows, receipt_interval_s=0.05)
-    dp.start()
-    return cfg, worker, dp, nxt, receipts
+    node = inprocess_node(net, worker, KEYS["head"], cfg, run_id="head-test", stage=0,
+                          metagraph=neurons([VALI], [HEAD, S1, S2]), rows=rows, receipt_interval_s=0.05)
+    node.start()
+    return cfg, worker, node.plane, nxt, inbox.receipts
 
 
 def backward_for(fwd: Hop) -> tuple[Hop, Ticket]:
@@ -81,7 +73,13 @@ def backward_for(fwd: Hop) -> tuple[Hop, Ticket]:
     g = torch.randn(from_wire(fwd.data, fwd.scales).shape) * 1e-3
     data, scales = to_wire(g, t.wire_dtype)
     return Hop(run_id=fwd.run_id, stage=0, microbatch_id=fwd.microbatch_id, ticket=fwd.ticket, direction="backward",
-               path=[HEAD, S1, S2], data=data, scales=scales, info={"loss": 5.0}), t
+               path=[HEAD], data=data, scales=scales, info={"loss": 5.0}), t
+
+
+async def send_back(nxt: HopRecorder, fwd: Hop) -> None:
+    """Stage 1 sends the head the backward of ``fwd``; the head's /hop route accepts it."""
+    hop, _ = backward_for(fwd)
+    assert (await nxt.send_back(HEAD, hop)).status == "accepted"
 
 
 def test_a_head_whose_lane_completed_a_step_elsewhere_drops_its_forwards_and_goes_on():
@@ -94,8 +92,7 @@ def test_a_head_whose_lane_completed_a_step_elsewhere_drops_its_forwards_and_goe
             dp.accept_tickets([ticket(cfg, 0, 0), ticket(cfg, 0, 1)], base_steps={0: 0})
             await until(lambda: len(nxt.forwards) == 2)
             for fwd in nxt.forwards[:2]:
-                hop, t = backward_for(fwd)
-                dp.accept_hop(hop, t, in_sha="x")
+                await send_back(nxt, fwd)
             await until(lambda: worker.inner_step == 1)
             dp.accept_tickets([ticket(cfg, 1, 0), ticket(cfg, 1, 1)], base_steps={0: 1})
             await until(lambda: len(nxt.forwards) == 4)
@@ -121,8 +118,7 @@ def test_what_a_head_accumulated_of_a_step_completed_elsewhere_is_applied_not_dr
             worker.skip_to(1)
             dp.accept_tickets([ticket(cfg, 1, 0), ticket(cfg, 1, 1)], base_steps={0: 1})
             await until(lambda: len(nxt.forwards) == 2)
-            hop, t = backward_for(nxt.forwards[0])
-            dp.accept_hop(hop, t, in_sha="x")
+            await send_back(nxt, nxt.forwards[0])
             await until(lambda: dp.steps.done.get((0, 1)) == {0})
             before = [p.detach().clone() for p in worker.module.parameters()]
             dp.accept_tickets([ticket(cfg, 2, 0), ticket(cfg, 2, 1)], base_steps={0: 2})
@@ -167,25 +163,22 @@ def test_a_stand_in_head_runs_a_lanes_steps_one_after_the_other():
     async def main():
         cfg, worker, dp, nxt, receipts = await head_setup()
         try:
-            stand_in = [dataclasses.replace(ticket(cfg, k, m), trains=(False, True, True))
-                        for k in range(4) for m in range(2)]
+            stand_in = [ticket(cfg, k, m, trains=(False, True, True)) for k in range(4) for m in range(2)]
             dp.accept_tickets(stand_in, base_steps={0: 0})
             await until(lambda: len(nxt.forwards) >= 2)
             await asyncio.sleep(0.5)
             sent = [Ticket.from_json(h.ticket).step for h in nxt.forwards]
             assert sent == [0, 0], sent                                   # step 1 waits for step 0's backwards
             for fwd in nxt.forwards[:2]:
-                hop, t = backward_for(fwd)
-                dp.accept_hop(hop, t, in_sha="x")
+                await send_back(nxt, fwd)
             await until(lambda: len(nxt.forwards) == 4)
             await asyncio.sleep(0.3)
             assert [Ticket.from_json(h.ticket).step for h in nxt.forwards] == [0, 0, 1, 1]
             assert worker.inner_step == 0                                 # a stand-in does not train
             # step 1 went through another head: the validator's next batch says steps < 3 are complete;
             # the queued tickets of step 2, and one of step 1 in that very batch, never run
-            late = dataclasses.replace(ticket(cfg, 1, 1, attempt=1), trains=(False, True, True))
-            dp.accept_tickets([late, dataclasses.replace(ticket(cfg, 4, 0), trains=(False, True, True))],
-                              base_steps={0: 3})
+            late = ticket(cfg, 1, 1, attempt=1, trains=(False, True, True))
+            dp.accept_tickets([late, ticket(cfg, 4, 0, trains=(False, True, True))], base_steps={0: 3})
             await until(lambda: len(nxt.forwards) >= 6)
             await asyncio.sleep(0.3)
             assert [Ticket.from_json(h.ticket).step for h in nxt.forwards[4:]] == [3, 3]

@@ -142,30 +142,27 @@ def test_with_the_departed_member_gone_the_spare_takes_the_stages_merged_state(t
 
 
 def test_a_head_handed_another_lane_keeps_its_tickets_queued_until_it_holds_the_lanes_weights():
-    """The head's side (a real stage-0 StageWorker behind a real DataPlane, the next stage a recorder):
+    """The head's side (a real stage-0 StageWorker behind a real DataPlaneNode on the in-process
+    data-plane transport, the next stage a recorder):
     a head that trained lane 1 gets lane 0's tickets; it starts no forward of lane 0 before its
     ``take_lane`` has set the lane's weights, then trains lane 0 from the lane's step."""
     from iota_subnet.config import load_config
-    from iota_subnet.miner.dataplane import DataPlane
+    from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
     from iota_subnet.miner.stage_worker import StageWorker
     from support.dataplane_net import OVR
+    from support.inprocess_dataplane import HopRecorder, ReceiptInbox, inprocess_node, keypair, neurons
 
-    HEAD, S1, S2, VALI = "5Head", "5Stage1", "5Stage2", "5Vali"
+    keys = {n: keypair(f"handover-{n}") for n in ("head", "s1", "s2", "vali")}
+    HEAD, S1, S2, VALI = (keys[n].ss58_address for n in ("head", "s1", "s2", "vali"))
 
     async def main():
         cfg = load_config("configs/tiny.yaml", OVR)
         worker = StageWorker(cfg, 0, seed=0, total_steps=20)
         worker.lane, worker.inner_step = 1, 3                 # it trained lane 1 up to step 3
         lane_weights = {k: v + 0.5 for k, v in worker.module.state_dict().items()}
-        forwards, released, hashes = [], asyncio.Event(), []
-
-        async def send(hotkey, hop):
-            if hop.direction == "forward":
-                forwards.append(hop)
-            return HopAck(run_id=hop.run_id, stage=hop.stage, microbatch_id=hop.microbatch_id, status="accepted")
-
-        async def post(validator, batch):
-            pass
+        net = InProcessDataPlaneTransport()
+        nxt, _ = HopRecorder(net, S1), ReceiptInbox(net, VALI)
+        forwards, released, hashes = nxt.forwards, asyncio.Event(), []
 
         async def take_lane(t):
             await released.wait()
@@ -185,9 +182,11 @@ def test_a_head_handed_another_lane_keeps_its_tickets_queued_until_it_holds_the_
                 hashes.append(weights_hash(torch.cat([p.detach().reshape(-1) for p in worker.module.parameters()])))
             return compute(mb_id, x, targets, train=train, accumulate=accumulate)
         worker.compute_forward = recorded
-        dp = DataPlane(worker, me=HEAD, n_stages=3, compute=lambda fn: asyncio.to_thread(fn), send=send,
-                       post_receipts=post, rows=rows, receipt_interval_s=0.05, take_lane=take_lane)
-        dp.start()
+        node = inprocess_node(net, worker, keys["head"], cfg, run_id="head-test", stage=0,
+                              metagraph=neurons([VALI], [HEAD, S1, S2]), rows=rows, receipt_interval_s=0.05,
+                              take_lane=take_lane)
+        node.start()
+        dp = node.plane
         try:
             now = time.time()
             tickets = [Ticket(run_id="head-test", validator=VALI, lane=0, step=5, index=i, microbatch_id=f"l0-k5-m{i}",

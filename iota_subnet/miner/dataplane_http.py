@@ -1,5 +1,6 @@
-"""The data plane on a miner's HTTP server: the ``/tickets`` and ``/hop`` routes, hop delivery to
-other miners and receipt delivery to validators (the scheduling itself is :mod:`.dataplane`).
+"""The data plane's routes on a miner: the ``/tickets`` and ``/hop`` routes, hop delivery to other
+miners and receipt delivery to validators (the scheduling itself is :mod:`.dataplane`), through a
+data-plane transport (:mod:`.dataplane.transport`: signed HTTP on the miner's server, or in process).
 
 Routes (signed POSTs, btauth/1)
     ``/tickets``  TicketBatch -> TicketAck   a validator with a permit, to a stage-0 miner
@@ -13,19 +14,19 @@ sender (:mod:`.refusals`).
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import torch
 
-from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptAck, ReceiptBatch,
+from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptBatch,
                                   Ticket, TicketAck, TicketBatch, hop_contract)
 from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
 from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
-from iota_subnet.transport import NeuronClient, TransportError
+from iota_subnet.transport.server import Route
 from iota_subnet.utils.supervise import Supervisor
 
 from .dataplane import DataPlane, RowSource, commit_wire
+from .dataplane.transport import DataPlaneTransport, HttpDataPlaneTransport
 from .hop_store import HopStore
 from .refusals import RefusalReporter
 from .tickets import TicketChecker
@@ -35,7 +36,7 @@ MAX_TICKETS_PER_BATCH = 4096
 
 
 class DataPlaneNode:
-    """One miner's data plane behind its :class:`~iota_subnet.transport.NeuronServer`.
+    """One miner's data plane behind its :class:`~iota_subnet.transport.NeuronServer` (or in process).
 
     ``neurons()``: hotkey -> metagraph neuron; ``endpoint_of(hotkey)``: ``"ip:port"`` or None;
     ``refresh()``: re-read the metagraph now (an unknown hotkey may have just registered);
@@ -46,7 +47,9 @@ class DataPlaneNode:
     whose commitments travel to every validator with the next receipt batch. ``supervisor``: runs
     and restarts the data plane's loops (see :class:`~iota_subnet.miner.dataplane.DataPlane`).
     ``take_lane(ticket)``: gives this replica a lane's weights before it trains in a lane it did not
-    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover).
+    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover). ``transport``: how hops,
+    receipts and refusal reports travel and how the routes are served (None: signed HTTP through
+    ``endpoint_of`` with ``hop_timeout_s``, :class:`~.dataplane.transport.HttpDataPlaneTransport`).
     """
 
     def __init__(self, worker: Any, wallet: Any, *, cfg: Any, run_id: str, stage: int, width: int, max_rows: int,
@@ -56,21 +59,20 @@ class DataPlaneNode:
                  after_compute: Optional[Callable[[], None]] = None, max_in_flight: int = 8,
                  hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5, hops: Optional[HopStore] = None,
                  boot: Optional[float] = None, updates: Optional[Any] = None, supervisor: Optional[Supervisor] = None,
-                 take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None):
+                 take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None,
+                 transport: Optional[DataPlaneTransport] = None):
         self.wallet, self.run_id, self.stage, self.cfg = wallet, run_id, stage, cfg
         self.me: str = wallet.hotkey.ss58_address
         self.width, self.max_rows = width, max_rows
-        self.endpoint_of, self.refresh = endpoint_of, refresh
-        self.hop_timeout_s = hop_timeout_s
+        self.refresh = refresh
         self._compute, self._gate, self._after = compute, gate, after_compute
         self.checker = TicketChecker(run_id=run_id, stage=stage, n_stages=cfg.pipeline.stages, seq_len=cfg.data.seq_len,
                                      width=width, micro_per_step=cfg.train.batch_size // cfg.train.micro_batch,
                                      max_rows=max_rows, me=self.me, neurons=neurons)
-        #: hops to other miners (data plane bytes) and receipts to validators (control plane bytes)
-        self.hop_client = NeuronClient(wallet)
-        self.receipt_client = NeuronClient(wallet)
+        self.transport: DataPlaneTransport = transport if transport is not None else \
+            HttpDataPlaneTransport(wallet, endpoint_of, refresh, hop_timeout_s)
         #: hops this miner refused for a provable fault go to their ticket's validator as evidence
-        self.refusals = RefusalReporter(run_id=run_id, client=self.receipt_client, endpoint=self._endpoint)
+        self.refusals = RefusalReporter(run_id=run_id, post=self.transport.post_refusal)
         self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
                                send=self._send, post_receipts=self._post_receipts, rows=rows,
                                max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s, hops=hops,
@@ -81,11 +83,16 @@ class DataPlaneNode:
         self._commits_base = 0                   # commitments dropped from the front of _commits
         self._commits_sent: dict[str, int] = {}
 
-    def mount(self, server: Any) -> None:
+    def routes(self) -> list[Route]:
+        """The routes this node answers (requests checked against their contract, then handled)."""
         T, b = self.cfg.data.seq_len, self.width
-        server.add_route("/hop", self._hop_route, Hop, hop_contract(seq_len=T, width=b, max_batch=self.max_rows),
-                         on_refused=self.refusals.on_refused)
-        server.add_route("/tickets", self._tickets_route, TicketBatch, None)
+        return [Route("/hop", self._hop_route, Hop, hop_contract(seq_len=T, width=b, max_batch=self.max_rows),
+                      on_refused=self.refusals.on_refused),
+                Route("/tickets", self._tickets_route, TicketBatch, None)]
+
+    def mount(self, server: Any = None) -> None:
+        """Serve :meth:`routes` through the transport (on ``server``, the miner's NeuronServer, for HTTP)."""
+        self.transport.serve(self.routes(), server)
 
     def start(self) -> None:
         self.plane.start()
@@ -93,8 +100,7 @@ class DataPlaneNode:
     async def stop(self) -> None:
         await self.plane.stop()
         await self.refusals.close()
-        await self.hop_client.close()
-        await self.receipt_client.close()
+        await self.transport.close()
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
         if self._gate is not None:
@@ -170,21 +176,8 @@ class DataPlaneNode:
         return self.plane.accept_hop(msg, t, root)
 
     # ---------------------------------------------------------------- outbound
-    async def _endpoint(self, hotkey: str) -> str:
-        ep = self.endpoint_of(hotkey)
-        for wait in (0.0, 1.1):            # a peer that served its axon a moment ago: re-read the metagraph
-            if ep is not None:
-                break
-            await asyncio.sleep(wait)
-            await self.refresh()
-            ep = self.endpoint_of(hotkey)
-        if ep is None:
-            raise TransportError(hotkey[:10], "no served endpoint on the metagraph")
-        return ep
-
     async def _send(self, hotkey: str, hop: Hop) -> HopAck:
-        return await self.hop_client.call(await self._endpoint(hotkey), hotkey, "/hop", hop, HopAck,
-                                          timeout_s=self.hop_timeout_s, retries=2, backoff_s=0.2)
+        return await self.transport.send_hop(hotkey, hop)
 
     def _updates_for(self, validator: str) -> tuple[list[dict], int]:
         """Update commitments ``validator`` has not been sent yet (the last :data:`MAX_UPDATES_PER_BATCH`),
@@ -201,15 +194,12 @@ class DataPlaneNode:
 
     async def _post_receipts(self, validator: str, receipts: list[dict]) -> None:
         updates, upto = self._updates_for(validator)
-        await self.receipt_client.call(await self._endpoint(validator), validator, "/receipts",
-                                       ReceiptBatch(run_id=self.run_id, stage=self.stage, receipts=receipts,
-                                                    updates=updates),
-                                       ReceiptAck, timeout_s=15.0, retries=1)
+        await self.transport.post_receipts(validator, ReceiptBatch(run_id=self.run_id, stage=self.stage,
+                                                                   receipts=receipts, updates=updates))
         self._commits_sent[validator] = upto
 
     def status(self) -> dict:
         d = self.plane.status()
-        d["hop_client"] = self.hop_client.stats()
-        d["receipt_client"] = self.receipt_client.stats()
+        d.update(self.transport.status())
         d["refusals_reported"] = dict(self.refusals.counts)
         return d

@@ -29,11 +29,11 @@ REMEMBER = 4096
 
 
 class RefusalReporter:
-    """``endpoint(hotkey)``: awaitable endpoint of a registered hotkey; ``client``: a
-    :class:`~iota_subnet.transport.NeuronClient` (signs the reports)."""
+    """``post(validator, report) -> RefusalAck``: delivers (and signs) a report, the data-plane
+    transport's ``post_refusal`` (:mod:`iota_subnet.miner.dataplane.transport`)."""
 
-    def __init__(self, *, run_id: str, client: Any, endpoint: Callable[[str], Awaitable[str]]):
-        self.run_id, self.client, self.endpoint = run_id, client, endpoint
+    def __init__(self, *, run_id: str, post: Callable[[str, RefusalReport], Awaitable[RefusalAck]]):
+        self.run_id, self.post = run_id, post
         self.counts: Counter[str] = Counter()
         self._seen: "OrderedDict[tuple[str, str, str], None]" = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
@@ -68,8 +68,7 @@ class RefusalReporter:
 
     async def _post(self, validator: str, report: RefusalReport) -> None:
         try:
-            ack = await self.client.call(await self.endpoint(validator), validator, "/refusals", report, RefusalAck,
-                                         timeout_s=30.0, retries=1)
+            ack = await self.post(validator, report)
             self.counts[f"verdict_{ack.verdict or 'none'}"] += 1
         except asyncio.CancelledError:
             raise

@@ -201,7 +201,7 @@ class MinerService:
                                   hop_timeout_s=o.hop_timeout_s, hops=self.audits.hops, boot=self.started_at,
                                   updates=self.worker.updates, supervisor=self.sup,
                                   take_lane=self._take_lane if self.worker.has_weights else None)
-        for client in (self.node.hop_client, self.node.receipt_client):    # hops to miners, receipts: metrics
+        for client in (self.node.transport.hop_client, self.node.transport.receipt_client):  # hops, receipts: metrics
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)
         self.server.add_public_get("/metrics", self.metrics.handler)
