@@ -16,11 +16,16 @@ vocab 320, q/k/v biases), tied and untied, random weights written with save_pret
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,
+                          PreTrainedTokenizerFast)
+
+from iota_subnet.data import train_bpe
+from iota_subnet.data.hf_datasets import build_hf_dataset
 
 from iota_subnet.model.hf_family import UnsupportedFamilyError, build_hf_stage
 from iota_subnet.model.hf_folder import (
@@ -30,8 +35,10 @@ from iota_subnet.model.hf_folder import (
     read_layout,
     read_stage_tensors,
 )
-from iota_subnet.train.hf_trainer import HFPipelineTrainer, HFTrainOptions
+from iota_subnet.train.hf_trainer import (HFPipelineTrainer, HFTrainOptions, continue_pretraining, dataset_batches,
+                                          through_wire, wire_round_trip)
 
+WIKI = Path("/work/shared/data/wikitext-2/wiki.valid.raw.txt")
 VOCAB, SEQ, STAGES = 320, 32, 3
 BF16_WIRE_BOUND, INT8_WIRE_BOUND = 2e-3, 3e-3
 
@@ -153,3 +160,42 @@ def test_bad_folders_raise_typed_errors(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(gpt2)
     with pytest.raises(UnsupportedFamilyError, match="supported: llama, mistral, qwen2, qwen3"):
         load_stages_from_folder(gpt2, 2)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_wire_rounds_hidden_and_gradient(wire):
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    g = torch.randn(2, 5, 16)
+    y = through_wire(x, wire)
+    (y * g).sum().backward()
+    assert torch.equal(y.detach(), wire_round_trip(x.detach(), wire))
+    assert torch.equal(x.grad, wire_round_trip(g, wire))
+    assert not torch.equal(x.grad, g)
+    assert through_wire(x, "fp32") is x
+
+
+def test_bf16_autocast_trains_close_to_fp32(tmp_path):
+    _save_model(tmp_path, tied=True)
+    rows = _rows(batch=2)
+    fp32 = HFPipelineTrainer(load_stages_from_folder(tmp_path, 2), HFTrainOptions(lr=1e-3))
+    bf16 = HFPipelineTrainer(load_stages_from_folder(tmp_path, 2), HFTrainOptions(lr=1e-3, precision="bf16"))
+    assert bf16.train_step(rows) == pytest.approx(fp32.train_step(rows), abs=5e-2)
+    assert all(p.dtype == torch.float32 for s in bf16.stages for p in s.parameters())
+
+
+def test_continue_pretraining_on_a_dataset(tmp_path):
+    """From a checkpoint folder holding its tokenizer and a jsonl file to a trained folder, as the docs show."""
+    if not WIKI.exists():
+        pytest.skip(f"{WIKI} not present")
+    with open(WIKI, encoding="utf-8") as f:
+        docs = [ln.strip() for ln, _ in zip(f, range(300)) if ln.strip()]
+    src, out = tmp_path / "in", tmp_path / "out"
+    _save_model(src, tied=True)
+    PreTrainedTokenizerFast(tokenizer_object=train_bpe(docs, VOCAB - 8), eos_token="<|endoftext|>").save_pretrained(src)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    _, ds = build_hf_dataset({"path": str(data)}, src, AutoConfig.from_pretrained(src), SEQ)
+    losses = continue_pretraining(src, out, dataset_batches(ds, 4), 8, 2, HFTrainOptions(lr=3e-3, wire_dtype="bf16"))
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert AutoTokenizer.from_pretrained(out)("a b").input_ids == AutoTokenizer.from_pretrained(src)("a b").input_ids
+    AutoModelForCausalLM.from_pretrained(out)

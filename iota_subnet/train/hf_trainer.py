@@ -16,6 +16,8 @@ mask row of the same shape (bool) marks trained targets with ``mask[:, 1:]``
 
 ``precision``: ``fp32`` (float32 compute) or ``bf16`` (autocast to bfloat16 on the stages' device,
 float32 master weights and optimizer state). Loss values are nats per trained target.
+
+:func:`continue_pretraining` is the whole run in one call: checkpoint folder in, trained folder out.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Optional
 import torch
 
 from iota_subnet.model.hf_family import HFStage, sum_tied_grads
+from iota_subnet.model.hf_folder import export_stages, load_stages_from_folder
 from iota_subnet.model.lm_loss import masked_lm_loss
 from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES, from_wire, to_wire
 
@@ -173,9 +176,14 @@ class HFPipelineTrainer:
 
     def _clip(self) -> float:
         """Global gradient norm (a tied tensor's two copies counted once); scales gradients to ``grad_clip``."""
-        grads = [p.grad for s in self.stages for p in s.parameters() if p.grad is not None]
         skip = self.stages[-1].lm_head.weight.grad if self.stages[0].tied and len(self.stages) > 1 else None
-        sq = sum(float(g.detach().float().pow(2).sum()) for g in grads if g is not skip)
+        grads, sq = [], 0.0
+        for s in self.stages:                                  # one host sync per stage
+            own = [p.grad for p in s.parameters() if p.grad is not None]
+            grads += own
+            counted = [g.detach().float() for g in own if g is not skip]
+            if counted:
+                sq += float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in counted])) ** 2)
         norm = math.sqrt(sq)
         clip = self.options.grad_clip
         if clip and norm > clip:
@@ -215,3 +223,18 @@ def dataset_batches(dataset, batch_size: int, seed: int = 0):
         mask = dataset.mask_batch(seed, index, batch_size) if masked else None
         yield rows, mask
         index += batch_size
+
+
+def continue_pretraining(source, out, batches: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]], steps: int,
+                         n_stages: int, options: HFTrainOptions = HFTrainOptions(), *,
+                         layer_ranges: Optional[Sequence] = None, force: bool = False) -> list[float]:
+    """Load the ``transformers`` checkpoint folder ``source`` as ``n_stages`` stages
+    (:func:`~iota_subnet.model.hf_folder.load_stages_from_folder`, CPU), train ``steps`` steps on
+    ``batches`` (e.g. :func:`dataset_batches`) and export the result to ``out``
+    (:func:`~iota_subnet.model.hf_folder.export_stages`). Returns the per-step losses (nats).
+    Raises the errors of those functions."""
+    stages = load_stages_from_folder(source, n_stages, layer_ranges=layer_ranges)
+    trainer = HFPipelineTrainer(stages, options)
+    losses = trainer.train(batches, steps)
+    export_stages(stages, source, out, force=force)
+    return losses
