@@ -27,7 +27,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2C
 from iota_subnet.data import train_bpe
 from iota_subnet.data.hf_datasets import build_hf_dataset
 
-from iota_subnet.model.hf_family import UnsupportedFamilyError, build_hf_stage
+from iota_subnet.model.hf_family import StageWeightsError, UnsupportedFamilyError, build_hf_stage
 from iota_subnet.model.hf_folder import (
     CheckpointFolderError,
     export_stages,
@@ -43,9 +43,9 @@ VOCAB, SEQ, STAGES = 320, 32, 3
 BF16_WIRE_BOUND, INT8_WIRE_BOUND = 2e-3, 3e-3
 
 
-def _save_model(folder, tied: bool, dtype=torch.float32, **save_kw):
+def _save_model(folder, tied: bool, dtype=torch.float32, num_hidden_layers: int = 4, **save_kw):
     """A tiny Qwen2 with O(1) logits (weights N(0, 0.15), norms and biases randomised) saved to ``folder``."""
-    cfg = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    cfg = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                max_position_embeddings=64, tie_word_embeddings=tied)
     torch.manual_seed(0)
@@ -145,6 +145,13 @@ def test_sharded_bf16_checkpoint_keeps_layout_and_dtypes(tmp_path):
         export_stages(stages, src, out)
     export_stages(stages, src, out, force=True)
     assert not list(tmp_path.glob(".out.*"))
+    other = tmp_path / "other"
+    _save_model(other, tied=False, num_hidden_layers=5)
+    with pytest.raises(StageWeightsError, match="folder they came from"):
+        export_stages(stages, other, tmp_path / "bad")            # other has a layer the stages lack
+    with pytest.raises(StageWeightsError, match="folder they came from"):
+        export_stages(load_stages_from_folder(other, 2), src, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))
 
 
 def test_bad_folders_raise_typed_errors(tmp_path):

@@ -11,7 +11,8 @@ Output: :func:`export_stages` writes the trained stages as a folder that
 ``AutoModelForCausalLM.from_pretrained(folder)`` loads without ``trust_remote_code``: the input's
 ``config.json`` (copied byte for byte), the same safetensors files (same names, tensor names, shapes
 and dtypes, each tensor cast back to its input dtype; a tied model saves ``lm_head.weight`` only when
-the input did), the input's shard index, ``generation_config.json`` and tokenizer files when present.
+the input did), the input's shard index, ``generation_config.json`` and tokenizer files when present. Every tensor of
+the input must be one the stages hold (save for :data:`KEPT_SUFFIXES` buffers, copied unchanged).
 The folder is written as ``.<name>.export-*`` next to ``out`` and renamed into place at the end.
 
 Errors: :class:`CheckpointFolderError` (no config / no safetensors / a file lacking a listed tensor),
@@ -51,6 +52,9 @@ INDEX_FILE = "model.safetensors.index.json"
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                 "chat_template.json")
+#: Tensors of a checkpoint that stages do not hold and an export copies unchanged (buffers older
+#: ``transformers`` versions saved).
+KEPT_SUFFIXES = (".rotary_emb.inv_freq",)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -172,6 +176,11 @@ def _file_metadata(path: Path) -> dict[str, str] | None:
 def _write_folder(stages: Sequence[HFStage], layout: CheckpointLayout, tmp: Path) -> None:
     state = assemble_state_dict(stages)
     src = layout.folder
+    extra = sorted(k for k in state if k not in layout.weight_map and not (k == "lm_head.weight" and stages[0].tied))
+    lacking = sorted(k for k in layout.weight_map if k not in state and not k.endswith(KEPT_SUFFIXES))
+    if extra or lacking:
+        raise StageWeightsError(f"the stages hold tensors {src} lacks ({extra[:3]}) or lack tensors it holds "
+                                f"({lacking[:3]}); export to the folder they came from")
     for file in layout.files:
         names = [k for k, f in layout.weight_map.items() if f == file]
         tensors: dict[str, torch.Tensor] = {}
@@ -183,7 +192,7 @@ def _write_folder(stages: Sequence[HFStage], layout: CheckpointLayout, tmp: Path
                         raise StageWeightsError(f"{name!r} has shape {tuple(t.shape)} in the stages but "
                                                 f"{layout.shapes[name]} in {src}; export to the folder they came from")
                     tensors[name] = t.detach().to("cpu", layout.dtypes[name], copy=True).contiguous()
-                else:                                          # a tensor the stages do not hold: kept as read
+                else:                                          # a legacy buffer (KEPT_SUFFIXES): kept as read
                     tensors[name] = f.get_tensor(name)
         save_file(tensors, str(tmp / file), metadata=_file_metadata(src / file))
         del tensors
