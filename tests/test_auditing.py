@@ -18,7 +18,7 @@ from iota_subnet.protocol.audit import UPDATE_KINDS
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 from iota_subnet.validator.audit_policy import AuditPolicy
-from iota_subnet.validator.auditing import AuditScheduler
+from iota_subnet.validator.auditing import AuditScheduler, AuditSchedulerOptions
 from iota_subnet.validator.auditing.updates import STALE_STEPS
 from iota_subnet.validator.routing import Replica
 from iota_subnet.validator.update_audit import UpdateAuditor
@@ -65,7 +65,7 @@ def make(client=None, clock=None, stage=1, updates=True):
     sch = AuditScheduler(cfg, run_id="r", client=client or Refusing(TransportError("x", "down")), policy=policy,
                          rows=lambda t: None, lookup=lambda hk: rep if hk == HK else None,
                          update_auditor=UpdateAuditor(cfg, run_id="r") if updates else None,
-                         retry_delays_s=(0.0, 0.0), rng=random.Random(0), clock=clock)
+                         options=AuditSchedulerOptions(retry_delays_s=(0.0, 0.0), rng=random.Random(0), clock=clock))
     return sch, rep, policy, clock
 
 
@@ -276,7 +276,8 @@ def test_an_audit_waiting_to_ask_again_holds_no_audit_slot():
     async def main():
         sch = AuditScheduler(cfg, run_id="r", client=OneDrops(TransportError("x", "dropped")),
                              policy=AuditPolicy(clock=clock), rows=lambda t: None, lookup=reps.get,
-                             concurrency=1, retry_delays_s=(1.0, 1.0), rng=InOrder(1), clock=clock)
+                             options=AuditSchedulerOptions(concurrency=1, retry_delays_s=(1.0, 1.0), rng=InOrder(1),
+                                                           clock=clock))
         for hk in reps:
             sch.on_receipt(ticket(3), receipt(3, t=clock.t), hk)
         out = await sch.round(0, wait_s=0.5)
@@ -396,11 +397,11 @@ def test_a_restarted_validator_counts_the_audits_of_its_earlier_processes():
     assert kept["audits"] == 1 and kept["reasked"] == 2          # the dropped audit was asked twice more
     cfg = load_config("configs/tiny.yaml", OVR)
     again = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
-                           lookup=lambda hk: None, totals=kept)
+                           lookup=lambda hk: None, options=AuditSchedulerOptions(totals=kept))
     assert again.status()["audits"] == 1 and again.totals() == kept
     for bad in ({"audits": "many", "failed": -3, "bytes": float("nan")}, ["not", "a", "dict"], None,
                 {"audits": float("inf"), "failed": 10 ** 400, "cpu_s": "1e999"}):
         fresh = AuditScheduler(cfg, run_id="r", client=None, policy=policy, rows=lambda t: None,
-                               lookup=lambda hk: None, totals=bad)
+                               lookup=lambda hk: None, options=AuditSchedulerOptions(totals=bad))
         assert fresh.totals() == {"audits": 0, "failed": 0, "bytes": 0, "cpu_s": 0.0, "reasked": 0,
                                   "reasked_answered": 0}

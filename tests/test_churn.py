@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from iota_subnet.config import MergeConfig
-from iota_subnet.merge import MergeEngine, ModuleParams
+from iota_subnet.merge import MergeEngine, MergeEngineOptions, ModuleParams
 from iota_subnet.merge.sync import SnapshotDonor, SyncError, sync_state
 from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import Outcome, ProtocolError
@@ -48,7 +48,7 @@ class Replica:
         self.mod = module()
         self.work = 0.0
         self.engine = MergeEngine(self.hk, cfg, ModuleParams(self.mod), net.view(self.hk), run_id="churn", stage=0,
-                                  work_fn=lambda: self.work, step_fn=lambda: self.step)
+                                  options=MergeEngineOptions(work_fn=lambda: self.work, step_fn=lambda: self.step))
         net.register(self.hk, self.engine.handle)
         self.step = 0
         self.reports = []

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from iota_subnet.config import ConfigError, MergeConfig, load_config
-from iota_subnet.merge import MergeEngine, MergePlan, ModuleParams, dequantize, epoch_seed, outer_step, quantize
+from iota_subnet.merge import (MergeEngine, MergeEngineOptions, MergePlan, ModuleParams, dequantize, epoch_seed,
+                               outer_step, quantize)
 from iota_subnet.merge.outer import rounding_bound
 from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import MergePayload, Outcome, ProtocolError, tensor_sha256
@@ -358,7 +359,7 @@ def _engines_with_work(n, cfg, works):
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
         e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
-                        work_fn=lambda i=i: works[i])
+                        options=MergeEngineOptions(work_fn=lambda i=i: works[i]))
         net.register(HK[i], e.handle)
         engines.append(e)
         mods.append(m)

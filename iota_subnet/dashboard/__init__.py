@@ -9,6 +9,6 @@ Start one with ``--dashboard-port`` on ``iota-subnet validator`` / ``miner``; ``
 on for its validators and prints the address.
 """
 from .server import DashboardServer
-from .sources import MinerSource, ValidatorSource, health_poller
+from .sources import MinerSource, ValidatorSource, ValidatorSourceOptions, health_poller
 
-__all__ = ["DashboardServer", "MinerSource", "ValidatorSource", "health_poller"]
+__all__ = ["DashboardServer", "MinerSource", "ValidatorSource", "ValidatorSourceOptions", "health_poller"]

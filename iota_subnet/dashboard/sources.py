@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
@@ -72,28 +73,40 @@ def _finite(v: Any) -> Optional[float]:
     return f if f == f and f not in (float("inf"), float("-inf")) else None
 
 
+@dataclass(frozen=True)
+class ValidatorSourceOptions:
+    """How often a :class:`ValidatorSource` reads the chain (``chain_every_s``, seconds) and the
+    miners' health (``health_every_s``, seconds), and how many points each plotted series keeps at
+    most (``max_points``)."""
+
+    chain_every_s: float = 12.0
+    health_every_s: float = 5.0
+    max_points: int = 1000
+
+
 class ValidatorSource:
     """Snapshot source of a validator's dashboard (see the module docstring).
 
     ``status``: the validator's ``status()``; ``metrics_path``: its ``metrics.jsonl``; ``chain``
     and ``netuid``: chain reads (None: no chain section); ``health``: an async function
-    ``replicas -> {uid: health stats}`` (see :func:`health_poller`), None: no health polling.
+    ``replicas -> {uid: health stats}`` (see :func:`health_poller`), None: no health polling;
+    ``options``: :class:`ValidatorSourceOptions` (kept as attributes of the same names).
     """
 
     role = "validator"
 
     def __init__(self, *, status: StatusFn, metrics_path: str | Path, chain: Any = None, netuid: int = 0,
-                 network: str = "", health: Optional[HealthFn] = None, chain_every_s: float = 12.0,
-                 health_every_s: float = 5.0, max_points: int = 1000):
+                 network: str = "", health: Optional[HealthFn] = None,
+                 options: ValidatorSourceOptions = ValidatorSourceOptions()):
         self.status, self.chain, self.netuid, self.network = status, chain, int(netuid), network
         self.health = health
-        self.chain_every_s, self.health_every_s = chain_every_s, health_every_s
-        self.max_points = max_points
+        self.chain_every_s, self.health_every_s = options.chain_every_s, options.health_every_s
+        self.max_points = options.max_points
         self.tail = JsonlTail(metrics_path)
         self.train_loss: dict[str, Series] = {}
-        self.probe_loss = Series(max_points)
+        self.probe_loss = Series(self.max_points)
         self.final_loss = Series(8)
-        self.tokens_per_s = Series(max_points)
+        self.tokens_per_s = Series(self.max_points)
         self.work: dict[str, Series] = {}
         self.weights: dict[str, Series] = {}
         self.rate = RateMeter()

@@ -12,10 +12,10 @@
 * :mod:`.transport` the engine's peer calls: in-process (tests, benchmarks) and signed HTTP;
 * :mod:`.sync`      state sync for joiners (multi-peer, chunked, hash-verified, resumable).
 """
-from .engine import MergeEngine, MergeReport
+from .engine import MergeEngine, MergeEngineOptions, MergeReport
 from .outer import dequantize, outer_step, quantize
 from .params import ModuleParams, flat_numel
 from .plan import MergePlan, epoch_seed
 
-__all__ = ["MergeEngine", "MergePlan", "MergeReport", "ModuleParams", "dequantize", "epoch_seed", "flat_numel",
-           "outer_step", "quantize"]
+__all__ = ["MergeEngine", "MergeEngineOptions", "MergePlan", "MergeReport", "ModuleParams", "dequantize", "epoch_seed",
+           "flat_numel", "outer_step", "quantize"]

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -105,33 +106,45 @@ def cap_work(works: dict[str, float]) -> dict[str, float]:
     return {p: min(w, 2 * med) if med > 0 else w for p, w in works.items()}
 
 
+@dataclass(frozen=True)
+class MergeEngineOptions:
+    """What a :class:`MergeEngine` reads from and tells the rest of its replica (every field optional).
+
+    ``weights_fn(participants) -> {hotkey: weight}``: validators' merge weights (0 excludes; None:
+    every weight 1). ``work_fn() -> float``: this replica's cumulative work (tokens trained); its
+    weight in a merge is proportional to the work done since its last merge (None: every replica
+    weighs the same). ``on_applied(report)``: called (and awaited when it returns a coroutine) after a
+    merge is applied. ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read
+    the merge weights from the chain. ``observer``: signs and checks merge claims
+    (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
+    ``step_fn() -> int``: this replica's inner step (said in join answers; None: -1).
+    """
+
+    weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None
+    work_fn: Optional[Callable[[], float]] = None
+    on_applied: Optional[Callable[[MergeReport], Any]] = None
+    before_attempt: Optional[Callable[[], Any]] = None
+    observer: Any = None
+    step_fn: Optional[Callable[[], int]] = None
+
+
 class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
     """Merges one replica with its stage's other replicas (see the module docstring).
 
     ``me``: this replica's hotkey. ``params``: :class:`ModuleParams`. ``transport``: :class:`PeerTransport`.
-    ``weights_fn(participants) -> {hotkey: weight}``: validators' merge weights (0 excludes; default 1).
-    ``work_fn() -> float``: this replica's cumulative work (tokens trained); its weight in a merge is
-    proportional to the work done since its last merge (None: every replica weighs the same).
-    ``run_id``/``stage`` seed the plans. ``on_applied(report)``: called after a merge is applied.
-    ``before_attempt()``: called (and awaited) before every attempt, e.g. to re-read the merge
-    weights from the chain. ``observer``: signs and checks merge claims
-    (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
-    ``step_fn() -> int``: this replica's inner step (said in join answers; see :meth:`_join`).
+    ``run_id``/``stage`` seed the plans. ``options``: :class:`MergeEngineOptions` (merge weights, work,
+    inner step, claims observer, callbacks); its fields are kept as the engine's attributes of the
+    same names.
     """
 
     def __init__(self, me: str, cfg: MergeConfig, params: ModuleParams, transport: Optional[PeerTransport] = None, *,
-                 run_id: str = "", stage: int = 0,
-                 weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None,
-                 work_fn: Optional[Callable[[], float]] = None,
-                 on_applied: Optional[Callable[[MergeReport], Any]] = None,
-                 before_attempt: Optional[Callable[[], Any]] = None, observer: Any = None,
-                 step_fn: Optional[Callable[[], int]] = None):
+                 run_id: str = "", stage: int = 0, options: MergeEngineOptions = MergeEngineOptions()):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
-        self.step_fn = step_fn
-        self.observer = observer
+        self.step_fn = options.step_fn
+        self.observer = options.observer
         self.run_id, self.stage = run_id, stage
-        self.weights_fn, self.work_fn, self.on_applied = weights_fn, work_fn, on_applied
-        self.before_attempt = before_attempt
+        self.weights_fn, self.work_fn, self.on_applied = options.weights_fn, options.work_fn, options.on_applied
+        self.before_attempt = options.before_attempt
         self.anchor = params.read()                  # weights at the last merge (the run's seeded init before), host
         self.momentum = torch.zeros_like(self.anchor)
         self.merged_epoch = -1

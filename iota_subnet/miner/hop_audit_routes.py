@@ -59,19 +59,33 @@ class _Session:
     commit: AuditTraceCommit
 
 
+@dataclass(frozen=True)
+class HopAuditLimits:
+    """How many hop audits a miner holds, and for how long (see the module docstring).
+
+    ``max_sessions``: audits open (or tracing) at once, at most ``max_per_caller`` of one validator;
+    ``session_ttl_s``: seconds a session (and a finished round 3's answer) is kept without a round;
+    ``commit_wait_s``: seconds round 1 waits for the hashing of the weights version the hop used
+    (then ``NOT_READY``)."""
+
+    max_sessions: int = 8
+    max_per_caller: int = 2
+    session_ttl_s: float = 180.0
+    commit_wait_s: float = 30.0
+
+
 class HopAuditRoutes:
     """The three routes over one stage's :class:`HopStore`. ``cfg``: the run config (layouts are
-    built from it, never from the request); ``max_sessions``: audits open at once, at most
-    ``max_per_caller`` of one validator."""
+    built from it, never from the request); ``device``: where traces run; ``limits``:
+    :class:`HopAuditLimits` (its fields are kept as attributes of the same names)."""
 
-    def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, max_sessions: int = 8,
-                 max_per_caller: int = 2, session_ttl_s: float = 180.0, commit_wait_s: float = 30.0,
-                 device: Any = "cpu"):
+    def __init__(self, store: HopStore, cfg: Any, *, run_id: str, stage: int, device: Any = "cpu",
+                 limits: HopAuditLimits = HopAuditLimits()):
         self.store, self.cfg, self.run_id, self.stage = store, cfg, run_id, int(stage)
         #: where traces run: the stage's own device (its GPU when it has one), in fp32
         self.device = torch.device(device)
-        self.max_sessions, self.max_per_caller = int(max_sessions), int(max_per_caller)
-        self.session_ttl_s, self.commit_wait_s = float(session_ttl_s), float(commit_wait_s)
+        self.max_sessions, self.max_per_caller = int(limits.max_sessions), int(limits.max_per_caller)
+        self.session_ttl_s, self.commit_wait_s = float(limits.session_ttl_s), float(limits.commit_wait_s)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.sessions: dict[str, _Session] = {}
         #: audit_id -> (caller, request, answer, time) of the latest finished sessions (round 3 asked again)

@@ -16,13 +16,14 @@ Routes (replicas of the same stage only): ``/merge/join|contribute|result|contri
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from loguru import logger
 
 from iota_subnet.config import RunConfig
-from iota_subnet.merge import MergeEngine, ModuleParams
+from iota_subnet.merge import MergeEngine, MergeEngineOptions, ModuleParams
 from iota_subnet.merge.claims import MergeAuditRoute, MergeClaims
 from iota_subnet.merge.sync import SnapshotDonor, SyncError, sync_state
 from iota_subnet.merge.transport import HttpTransport
@@ -40,20 +41,34 @@ from iota_subnet.utils.atomic import atomic_write_bytes
 from iota_subnet.utils.supervise import Supervisor
 
 
+@dataclass(frozen=True)
+class MergingLinks:
+    """What the merge part uses of its miner service: ``metrics`` (merges and merge hops are counted
+    there), ``supervisor`` (runs the catch-up and merge tasks), ``parts`` (the
+    :class:`~iota_subnet.miner.parts.MinerParts` whose ``make_merge_engine`` builds the engine) and
+    ``write_status()`` (rewrites ``status.json`` after a state sync)."""
+
+    metrics: NeuronMetrics
+    supervisor: Supervisor
+    parts: Any
+    write_status: Callable[[], None]
+
+
 class MinerMerging:
     """The merge part of a miner (see the module docstring). Built with the miner; :meth:`mount`
-    sets it up for a started worker when the run merges. ``engine``: the
+    sets it up for a started worker when the run merges. ``links``: what it uses of the service
+    (:class:`MergingLinks`; its fields are kept as attributes, the supervisor as ``sup``). ``engine``: the
     :class:`~iota_subnet.merge.engine.MergeEngine` (None: not merging); ``anchor_step``: the inner step
     at which the engine's anchor (the merged weights) was set, by a merge, a state sync or the
     merge-state file (saved with it: which of checkpoint and merge state is newer); ``sync_report``:
     the latest state sync (``status.json`` ``merge.sync``)."""
 
     def __init__(self, cfg: RunConfig, wallet: Any, *, out: Path, view: ChainView, compute: ComputeThread,
-                 checkpoints: Checkpoints, audits: MinerAudits, metrics: NeuronMetrics, supervisor: Supervisor,
-                 parts: Any, write_status: Callable[[], None]):
+                 checkpoints: Checkpoints, audits: MinerAudits, links: MergingLinks):
         self.cfg, self.wallet, self.out, self.view, self.compute = cfg, wallet, Path(out), view, compute
-        self.checkpoints, self.audits, self.metrics, self.sup, self.parts = checkpoints, audits, metrics, supervisor, parts
-        self.write_status = write_status
+        self.checkpoints, self.audits = checkpoints, audits
+        self.metrics, self.sup, self.parts = links.metrics, links.supervisor, links.parts
+        self.write_status = links.write_status
         self.worker: Any = None
         self.engine: Optional[MergeEngine] = None
         self.donor: Optional[SnapshotDonor] = None
@@ -87,13 +102,12 @@ class MinerMerging:
                                   bytes_per_s=mc.assumed_uplink_bps / 8, reply_bytes=4 * mc.chunk_numel)
         self.claims = MergeClaims(self.wallet.hotkey, run_id, stage, int8_block=mc.int8_block,
                                   spill=self.audits.spill_dir())
-        self.engine = self.parts.make_merge_engine(self.view.hotkey, mc, ModuleParams(worker.module, worker.lock,
-                                                                     on_write=worker.weights_replaced), transport,
-                                                   run_id=run_id, stage=stage, weights_fn=self.view.merge_weights,
-                                                   work_fn=lambda: float(worker.trained_tokens),
-                                                   on_applied=self._on_merged,
-                                                   before_attempt=lambda: self.view.refresh(force=True),
-                                                   observer=self.claims, step_fn=lambda: worker.inner_step)
+        params = ModuleParams(worker.module, worker.lock, on_write=worker.weights_replaced)
+        options = MergeEngineOptions(weights_fn=self.view.merge_weights, work_fn=lambda: float(worker.trained_tokens),
+                                     on_applied=self._on_merged, before_attempt=lambda: self.view.refresh(force=True),
+                                     observer=self.claims, step_fn=lambda: worker.inner_step)
+        self.engine = self.parts.make_merge_engine(self.view.hotkey, mc, params, transport, run_id=run_id, stage=stage,
+                                                   options=options)
         server.add_route("/audit/merge", MergeAuditRoute(self.claims), MergeAuditRequest, None)
         self.engine.in_sync = False
         self._load_state()

@@ -12,10 +12,11 @@ cheaters are built that way).
 micro-batches it can keep waiting for their backward (None: no bound). Called from the running
 event loop once the service has its stage and uid.
 
-``make_merge_engine(me, cfg, params, transport, **kw)``: a
-:class:`~iota_subnet.merge.engine.MergeEngine` (same arguments).
+``make_merge_engine(me, cfg, params, transport, run_id=, stage=, options=)``: a
+:class:`~iota_subnet.merge.engine.MergeEngine` (same arguments; ``options``: its
+:class:`~iota_subnet.merge.engine.MergeEngineOptions`).
 
-``make_hop_audit_routes(store, cfg, run_id=, stage=)``: a
+``make_hop_audit_routes(store, cfg, run_id=, stage=, device=)``: a
 :class:`~iota_subnet.miner.hop_audit_routes.HopAuditRoutes` (same arguments; mounted on the server).
 
 ``make_update_audit_route(store, run_id, stage)``: the ``/audit/update`` handler, by default an

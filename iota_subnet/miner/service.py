@@ -52,7 +52,7 @@ from iota_subnet.miner.compute_thread import ComputeThread
 from iota_subnet.miner.dataplane_http import DataPlaneNode
 from iota_subnet.miner.health import miner_health
 from iota_subnet.miner.lane_handover import take_lane
-from iota_subnet.miner.merging import MinerMerging
+from iota_subnet.miner.merging import MergingLinks, MinerMerging
 from iota_subnet.miner.options import MinerOptions
 from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker
@@ -125,8 +125,9 @@ class MinerService:
                                        wallet=wallet)
         self.audits = MinerAudits(cfg, self.out, self.audit_window, run_id=opts.run_id, parts=self.parts)
         self.merging = MinerMerging(cfg, wallet, out=self.out, view=self.view, compute=self.compute,
-                                    checkpoints=self.checkpoints, audits=self.audits, metrics=self.metrics,
-                                    supervisor=self.sup, parts=self.parts, write_status=self.write_status)
+                                    checkpoints=self.checkpoints, audits=self.audits,
+                                    links=MergingLinks(metrics=self.metrics, supervisor=self.sup, parts=self.parts,
+                                                       write_status=self.write_status))
         self.worker: Optional[StageWorker] = None
         self.server: Optional[NeuronServer] = None
         self.node: Optional[DataPlaneNode] = None

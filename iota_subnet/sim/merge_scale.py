@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from iota_subnet.config import MergeConfig
-from iota_subnet.merge import MergeEngine, ModuleParams
+from iota_subnet.merge import MergeEngine, MergeEngineOptions, ModuleParams
 from iota_subnet.merge.claims import MergeClaims
 from iota_subnet.merge.transport import InProcessTransport
 from iota_subnet.protocol import tensor_sha256
@@ -55,7 +55,7 @@ def run_scale(n: int, numel: int = 1 << 18, *, quant: str = "none", run_id: str 
             m.w.add_(torch.randn(numel, generator=torch.Generator().manual_seed(1 + i)) * 1e-3)
         hk = kp.ss58_address
         e = MergeEngine(hk, mc, ModuleParams(m), net.view(hk), run_id=run_id, stage=stage,
-                        observer=MergeClaims(kp, run_id, stage))
+                        options=MergeEngineOptions(observer=MergeClaims(kp, run_id, stage)))
         e.anchor = init.clone()
         net.register(hk, e.handle)
         engines.append(e)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from loguru import logger
 
 from .audit_policy import AuditPolicy
-from .auditing import AuditScheduler
+from .auditing import AuditScheduler, AuditSchedulerOptions
 from .options import AuditOptions
 from .state import ValidatorState
 from .update_audit import UpdateAuditor
@@ -38,13 +38,14 @@ class Verification:
             # a miner the router holds as failed (cooling down) is not audited: it is away, not dodging
             return next((r for r in router.live_replicas() if r.hotkey == hotkey and router.is_available(r)), None)
         o = self.opts
+        options = AuditSchedulerOptions(timeout_s=o.audit_timeout_s, hops_per_tempo=o.audits_per_tempo,
+                                        updates_per_tempo=o.audits_per_tempo, retry_delays_s=o.audit_retry_s,
+                                        totals=self._load_totals(state))
         self.auditing = AuditScheduler(cfg, run_id=self.run_id, client=client, policy=self.audits, rows=rows,
                                        lookup=lookup,
                                        update_auditor=UpdateAuditor(cfg, run_id=self.run_id,
                                                                     total_steps=cfg.train.total_steps),
-                                       timeout_s=o.audit_timeout_s, hops_per_tempo=o.audits_per_tempo,
-                                       updates_per_tempo=o.audits_per_tempo, retry_delays_s=o.audit_retry_s,
-                                       totals=self._load_totals(state))
+                                       options=options)
 
     async def round(self, block: int, tempo: int) -> None:
         """One audit round: the miners still due in the tempo of ``block``."""

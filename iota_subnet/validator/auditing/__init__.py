@@ -55,8 +55,8 @@ across restarts).
 """
 from .inputs import MAX_CANDIDATES, HopCandidate
 from .records import REQUIRED_VERSIONS, AuditRecord
-from .scheduler import AuditScheduler
+from .scheduler import AuditScheduler, AuditSchedulerOptions
 from .updates import STALE_STEPS
 
-__all__ = ["AuditRecord", "AuditScheduler", "HopCandidate", "MAX_CANDIDATES", "REQUIRED_VERSIONS",
-           "STALE_STEPS"]
+__all__ = ["AuditRecord", "AuditScheduler", "AuditSchedulerOptions", "HopCandidate", "MAX_CANDIDATES",
+           "REQUIRED_VERSIONS", "STALE_STEPS"]

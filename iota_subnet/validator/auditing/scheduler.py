@@ -11,6 +11,7 @@ import contextvars
 import random
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +37,38 @@ from .updates import UpdateAudits
 _HOLDS_SLOT: contextvars.ContextVar[bool] = contextvars.ContextVar("holds_audit_slot", default=False)
 
 
+@dataclass(frozen=True)
+class AuditSchedulerOptions:
+    """The settings of an :class:`AuditScheduler` (see the package docstring for what each bounds).
+
+    ``sampling``: how much one hop audit opens; ``timeout_s``: the floor of a round's deadline
+    (seconds); ``fresh_s``: receipts older than that (seconds) are not drawn; ``hops_per_tempo``,
+    ``updates_per_tempo``: audits of each kind per miner and tempo; ``commit_grace_s``: seconds a
+    step's update commitment may come after the receipts showed the step; ``settle_s``: seconds
+    after which an unanswered audit is settled without a later receipt; ``concurrency``: miners
+    audited at once; ``retry_delays_s``: seconds before each re-ask of a request that failed on the
+    transport (per request: a hop audit's three rounds each have them; ``()``: none);
+    ``max_audit_s``: no re-ask after that many seconds from the audit's start. ``rng``: where the
+    draws come from (None: the OS CSPRNG); ``clock()``: unix seconds. ``totals``: the counters of
+    this validator's earlier processes (:meth:`AuditScheduler.totals`, kept in its state), so that a
+    restarted validator reports every audit of the run, not those since its start (None: from 0).
+    """
+
+    sampling: SamplingParams = SamplingParams()
+    timeout_s: float = 30.0
+    fresh_s: float = 10.0
+    hops_per_tempo: int = 1
+    updates_per_tempo: int = 1
+    commit_grace_s: float = 10.0
+    settle_s: float = 120.0
+    concurrency: int = 4
+    retry_delays_s: tuple[float, ...] = (5.0, 15.0)
+    max_audit_s: float = 180.0
+    rng: Optional[random.Random] = None
+    clock: Callable[[], float] = time.time
+    totals: Optional[dict] = None
+
+
 class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
     """Chooses and runs the audits of one validator (see the package docstring, :mod:`iota_subnet.validator.auditing`).
 
@@ -43,40 +76,33 @@ class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
     its byte counters are the verification traffic); ``policy``: where outcomes go; ``rows(ticket)``:
     the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
     ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
-    ``update_auditor``: None turns update audits off; ``concurrency``: miners audited at once;
-    ``retry_delays_s``: seconds before each re-ask of a request that failed on the transport (per
-    request: a hop audit's three rounds each have them; ``()``: none); ``max_audit_s``: no re-ask
-    after that many seconds from the audit's start.
-    ``totals``: the counters of this validator's earlier processes (:meth:`totals`, kept in its
-    state), so that a restarted validator reports every audit of the run, not those since its start.
+    ``update_auditor``: None turns update audits off; ``options``: :class:`AuditSchedulerOptions`
+    (its settings are kept as attributes of the same names).
     """
 
     def __init__(self, cfg: RunConfig, *, run_id: str, client: Any, policy: AuditPolicy,
                  rows: Callable[[Ticket], torch.Tensor], lookup: Callable[[str], Optional[Replica]],
-                 update_auditor: Optional[UpdateAuditor] = None, sampling: SamplingParams = SamplingParams(),
-                 timeout_s: float = 30.0, fresh_s: float = 10.0, hops_per_tempo: int = 1, updates_per_tempo: int = 1,
-                 commit_grace_s: float = 10.0, settle_s: float = 120.0, concurrency: int = 4,
-                 retry_delays_s: tuple[float, ...] = (5.0, 15.0), max_audit_s: float = 180.0,
-                 rng: Optional[random.Random] = None,
-                 totals: Optional[dict] = None, clock: Callable[[], float] = time.time):
+                 update_auditor: Optional[UpdateAuditor] = None,
+                 options: AuditSchedulerOptions = AuditSchedulerOptions()):
+        o = options
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
-        self.sampling = sampling.validate()
-        self.timeout_s, self.fresh_s = float(timeout_s), float(fresh_s)
+        self.sampling = o.sampling.validate()
+        self.timeout_s, self.fresh_s = float(o.timeout_s), float(o.fresh_s)
         #: round deadlines from the work asked (``timeout_s`` is their floor): :mod:`..deadlines`
         self.deadlines = DeadlineRates(floor_s=self.timeout_s)
-        self.hops_per_tempo, self.updates_per_tempo = int(hops_per_tempo), int(updates_per_tempo)
-        self.commit_grace_s, self.settle_s = float(commit_grace_s), float(settle_s)
-        self.concurrency = max(1, int(concurrency))
+        self.hops_per_tempo, self.updates_per_tempo = int(o.hops_per_tempo), int(o.updates_per_tempo)
+        self.commit_grace_s, self.settle_s = float(o.commit_grace_s), float(o.settle_s)
+        self.concurrency = max(1, int(o.concurrency))
         #: seconds to wait before each re-ask of an audit request that failed on the transport
-        self.retry_delays_s = tuple(max(0.0, float(d)) for d in retry_delays_s)
-        self.max_audit_s = float(max_audit_s)
+        self.retry_delays_s = tuple(max(0.0, float(d)) for d in o.retry_delays_s)
+        self.max_audit_s = float(o.max_audit_s)
         #: seconds a miner has to answer the health probe after an unanswered audit (see _probe_health)
         self.probe_timeout_s = 5.0
         #: unanswered audits waiting to be settled: (record, work_at, policy time, finished), unix s
         self.unsettled: list[tuple[AuditRecord, Optional[float], float, float]] = []
-        self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
-        self.clock = clock
+        self.rng = o.rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
+        self.clock = o.clock
         self.tol = Tolerances.for_precision(cfg.train.precision)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.n_stages = cfg.pipeline.stages
@@ -84,7 +110,7 @@ class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
         #: (tempo, kind, hotkey) -> audits run
         self.done: dict[tuple[int, str, str], int] = defaultdict(int)
         self.records: deque[AuditRecord] = deque(maxlen=512)
-        t = totals if isinstance(totals, dict) else {}
+        t = o.totals if isinstance(o.totals, dict) else {}
         self.audits = _count(t.get("audits"))
         self.failed = _count(t.get("failed"))
         self.bytes = _count(t.get("bytes"))
