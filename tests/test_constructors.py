@@ -16,13 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("iota_subnet/miner", "iota_subnet/validator", "iota_subnet/merge", "iota_subnet/dashboard")
 #: parameters an ``__init__`` may take besides ``self``
 LIMIT = 8
-_REGROUPING = "being regrouped with the data-plane transport"
 #: constructors over the limit for now (``path::Class`` -> why they are not regrouped yet)
-ALLOWED: dict[str, str] = {
-    "iota_subnet/miner/dataplane/plane.py::DataPlane": _REGROUPING,
-    "iota_subnet/miner/dataplane_http.py::DataPlaneNode": _REGROUPING,
-    "iota_subnet/miner/tickets.py::TicketChecker": _REGROUPING,
-}
+ALLOWED: dict[str, str] = {}
 
 
 def _n_params(fn: ast.FunctionDef) -> int:

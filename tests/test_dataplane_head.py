@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from iota_subnet.config import bottleneck_dims, load_config
+from iota_subnet.miner.dataplane import DataPlaneTunables
 from iota_subnet.miner.dataplane.admission import STAND_IN_HOLD_S
 from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
 from iota_subnet.miner.stage_worker import StageWorker
@@ -62,7 +63,8 @@ async def head_setup():
         return torch.randint(0, cfg.model.vocab_size, (n, cfg.data.seq_len + 1), generator=g)
 
     node = inprocess_node(net, worker, KEYS["head"], cfg, run_id="head-test", stage=0,
-                          metagraph=neurons([VALI], [HEAD, S1, S2]), rows=rows, receipt_interval_s=0.05)
+                          metagraph=neurons([VALI], [HEAD, S1, S2]), rows=rows,
+                          tunables=DataPlaneTunables(receipt_interval_s=0.05))
     node.start()
     return cfg, worker, node.plane, nxt, inbox.receipts
 

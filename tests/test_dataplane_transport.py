@@ -12,8 +12,9 @@ import torch
 
 from iota_subnet.config import bottleneck_dims, load_config
 from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
-from iota_subnet.miner.dataplane_http import DataPlaneNode
+from iota_subnet.miner.dataplane_http import DataPlaneNode, NodeLinks
 from iota_subnet.miner.stage_worker import StageWorker
+from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.protocol import Hop, HopAck, Outcome, ProtocolError, Ticket, to_wire
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.wallets import create_wallet
@@ -77,9 +78,10 @@ def test_a_hop_refused_in_process_gets_the_same_outcome_as_over_http(tmp_path):
 
     async def main():
         metagraph = neurons([hk["vali"]], [hk["head"], hk["mid"], hk["tail"]])
-        node = DataPlaneNode(worker, w["mid"], cfg=cfg, run_id=RUN, stage=1, width=b, max_rows=cfg.train.micro_batch,
-                             neurons=lambda: metagraph, endpoint_of=lambda h: None, refresh=_nothing,
-                             compute=lambda fn: asyncio.to_thread(fn))
+        node = DataPlaneNode(worker, w["mid"], shape=TicketShape.of_run(cfg, run_id=RUN, width=b,
+                                                                        max_rows=cfg.train.micro_batch),
+                             stage=1, compute=lambda fn: asyncio.to_thread(fn),
+                             links=NodeLinks(neurons=lambda: metagraph, endpoint_of=lambda h: None, refresh=_nothing))
         server = NeuronServer(w["mid"], "127.0.0.1", 0, None, tmp_path / "nonces.sqlite")
         node.mount(server)                                          # HTTP (the default transport)
         port = await server.start()

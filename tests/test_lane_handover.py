@@ -147,6 +147,7 @@ def test_a_head_handed_another_lane_keeps_its_tickets_queued_until_it_holds_the_
     a head that trained lane 1 gets lane 0's tickets; it starts no forward of lane 0 before its
     ``take_lane`` has set the lane's weights, then trains lane 0 from the lane's step."""
     from iota_subnet.config import load_config
+    from iota_subnet.miner.dataplane import DataPlaneTunables
     from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
     from iota_subnet.miner.stage_worker import StageWorker
     from support.dataplane_net import OVR
@@ -183,8 +184,8 @@ def test_a_head_handed_another_lane_keeps_its_tickets_queued_until_it_holds_the_
             return compute(mb_id, x, targets, train=train, accumulate=accumulate)
         worker.compute_forward = recorded
         node = inprocess_node(net, worker, keys["head"], cfg, run_id="head-test", stage=0,
-                              metagraph=neurons([VALI], [HEAD, S1, S2]), rows=rows, receipt_interval_s=0.05,
-                              take_lane=take_lane)
+                              metagraph=neurons([VALI], [HEAD, S1, S2]), rows=rows, take_lane=take_lane,
+                              tunables=DataPlaneTunables(receipt_interval_s=0.05))
         node.start()
         dp = node.plane
         try:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from bittensor.sp_core import Keypair
 
-from iota_subnet.miner.tickets import TicketChecker
+from iota_subnet.miner.tickets import TicketChecker, TicketShape
 from iota_subnet.protocol import Outcome, ProtocolError, Ticket
 
 
@@ -23,8 +23,8 @@ def _setup():
                split="train", seed=1, start=64, rows=2, seq_len=16, width=8, wire_dtype="bf16", train=True,
                micro_per_step=4, route=(head.ss58_address, nxt.ss58_address), trains=(True, True),
                issued_at=now, deadline=now + 60).signed(val)
-    checker = TicketChecker(run_id="tk", stage=1, n_stages=2, seq_len=16, width=8, micro_per_step=4, max_rows=8,
-                            me=nxt.ss58_address, neurons=lambda: neurons)
+    shape = TicketShape(run_id="tk", n_stages=2, seq_len=16, width=8, micro_per_step=4, max_rows=8)
+    checker = TicketChecker(shape, stage=1, me=nxt.ss58_address, neurons=lambda: neurons)
     return t, checker, head.ss58_address
 
 

@@ -14,6 +14,7 @@ sender (:mod:`.refusals`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import torch
@@ -25,59 +26,87 @@ from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
 from iota_subnet.transport.server import Route
 from iota_subnet.utils.supervise import Supervisor
 
-from .dataplane import DataPlane, RowSource, commit_wire
+from .dataplane import DataPlane, DataPlaneParts, DataPlaneTunables, RowSource, commit_wire
 from .dataplane.transport import DataPlaneTransport, HttpDataPlaneTransport
 from .hop_store import HopStore
 from .refusals import RefusalReporter
-from .tickets import TicketChecker
+from .tickets import TicketChecker, TicketShape
 
 #: Tickets accepted in one /tickets request.
 MAX_TICKETS_PER_BATCH = 4096
 
 
-class DataPlaneNode:
-    """One miner's data plane behind its :class:`~iota_subnet.transport.NeuronServer` (or in process).
+@dataclass(frozen=True)
+class NodeLinks:
+    """What a :class:`DataPlaneNode` calls on the miner service that owns it.
 
     ``neurons()``: hotkey -> metagraph neuron; ``endpoint_of(hotkey)``: ``"ip:port"`` or None;
     ``refresh()``: re-read the metagraph now (an unknown hotkey may have just registered);
-    ``compute(fn)``: run ``fn`` on the stage's compute thread; ``gate()``: awaited before each compute
-    (a running replica merge); ``after_compute()``: called after each (starts merges that are due).
-    ``hops``: the audit window (receipts name weights version roots); ``boot``: the process's start
-    time (in receipts); ``updates``: the stage's :class:`~iota_subnet.miner.update_store.UpdateStore`,
-    whose commitments travel to every validator with the next receipt batch. ``supervisor``: runs
-    and restarts the data plane's loops (see :class:`~iota_subnet.miner.dataplane.DataPlane`).
+    ``gate()``: awaited before each compute (a running replica merge; None: none);
+    ``after_compute()``: called after each (starts merges that are due; None: none);
     ``take_lane(ticket)``: gives this replica a lane's weights before it trains in a lane it did not
-    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover). ``transport``: how hops,
-    receipts and refusal reports travel and how the routes are served (None: signed HTTP through
-    ``endpoint_of`` with ``hop_timeout_s``, :class:`~.dataplane.transport.HttpDataPlaneTransport`).
+    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover).
     """
 
-    def __init__(self, worker: Any, wallet: Any, *, cfg: Any, run_id: str, stage: int, width: int, max_rows: int,
-                 neurons: Callable[[], Mapping[str, Any]], endpoint_of: Callable[[str], Optional[str]],
-                 refresh: Callable[[], Awaitable[None]], compute: Callable[[Callable[[], Any]], Awaitable[Any]],
-                 rows: Optional[RowSource] = None, gate: Optional[Callable[[], Awaitable[None]]] = None,
-                 after_compute: Optional[Callable[[], None]] = None, max_in_flight: int = 8,
-                 hop_timeout_s: float = 30.0, receipt_interval_s: float = 0.5, hops: Optional[HopStore] = None,
-                 boot: Optional[float] = None, updates: Optional[Any] = None, supervisor: Optional[Supervisor] = None,
-                 take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None,
-                 transport: Optional[DataPlaneTransport] = None):
-        self.wallet, self.run_id, self.stage, self.cfg = wallet, run_id, stage, cfg
+    neurons: Callable[[], Mapping[str, Any]]
+    endpoint_of: Callable[[str], Optional[str]]
+    refresh: Callable[[], Awaitable[None]]
+    gate: Optional[Callable[[], Awaitable[None]]] = None
+    after_compute: Optional[Callable[[], None]] = None
+    take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None
+
+
+@dataclass(frozen=True)
+class NodeParts:
+    """The optional parts of a :class:`DataPlaneNode` (every field optional).
+
+    ``rows``: the head's and tail's token source. ``hops``: the audit window (receipts name weights
+    version roots). ``updates``: the stage's :class:`~iota_subnet.miner.update_store.UpdateStore`, whose
+    commitments travel to every validator with the next receipt batch. ``supervisor``: runs and
+    restarts the data plane's loops (see :class:`~iota_subnet.miner.dataplane.DataPlane`).
+    ``transport``: how hops, receipts and refusal reports travel and how the routes are served (None:
+    signed HTTP through ``endpoint_of`` with the tunables' ``hop_timeout_s``,
+    :class:`~.dataplane.transport.HttpDataPlaneTransport`).
+    """
+
+    rows: Optional[RowSource] = None
+    hops: Optional[HopStore] = None
+    updates: Optional[Any] = None
+    supervisor: Optional[Supervisor] = None
+    transport: Optional[DataPlaneTransport] = None
+
+
+class DataPlaneNode:
+    """One miner's data plane behind its :class:`~iota_subnet.transport.NeuronServer` (or in process).
+
+    ``worker``: the stage's :class:`~iota_subnet.miner.stage_worker.StageWorker`; ``wallet``: this
+    miner's (its hotkey signs hops and receipts); ``shape``: what this run's tickets must match
+    (:class:`~.tickets.TicketShape`); ``stage``: the stage served; ``compute(fn)``: run ``fn`` on the
+    stage's compute thread. ``links``: :class:`NodeLinks` (metagraph, endpoints, merge gate, lane
+    handover); ``parts``: :class:`NodeParts` (token rows, audit window, update store, supervisor,
+    transport); ``tunables``: :class:`~.dataplane.DataPlaneTunables` (in-flight window, hop timeout,
+    receipt interval, boot time).
+    """
+
+    def __init__(self, worker: Any, wallet: Any, *, shape: TicketShape, stage: int,
+                 compute: Callable[[Callable[[], Any]], Awaitable[Any]], links: NodeLinks,
+                 parts: NodeParts = NodeParts(), tunables: DataPlaneTunables = DataPlaneTunables()):
+        self.wallet, self.shape, self.run_id, self.stage = wallet, shape, shape.run_id, stage
         self.me: str = wallet.hotkey.ss58_address
-        self.width, self.max_rows = width, max_rows
-        self.refresh = refresh
-        self._compute, self._gate, self._after = compute, gate, after_compute
-        self.checker = TicketChecker(run_id=run_id, stage=stage, n_stages=cfg.pipeline.stages, seq_len=cfg.data.seq_len,
-                                     width=width, micro_per_step=cfg.train.batch_size // cfg.train.micro_batch,
-                                     max_rows=max_rows, me=self.me, neurons=neurons)
-        self.transport: DataPlaneTransport = transport if transport is not None else \
-            HttpDataPlaneTransport(wallet, endpoint_of, refresh, hop_timeout_s)
+        self.width, self.max_rows = shape.width, shape.max_rows
+        self.refresh = links.refresh
+        self._compute, self._gate, self._after = compute, links.gate, links.after_compute
+        self.checker = TicketChecker(shape, stage=stage, me=self.me, neurons=links.neurons)
+        self.transport: DataPlaneTransport = parts.transport if parts.transport is not None else \
+            HttpDataPlaneTransport(wallet, links.endpoint_of, links.refresh, tunables.hop_timeout_s)
         #: hops this miner refused for a provable fault go to their ticket's validator as evidence
-        self.refusals = RefusalReporter(run_id=run_id, post=self.transport.post_refusal)
-        self.plane = DataPlane(worker, me=self.me, n_stages=cfg.pipeline.stages, compute=self.compute,
-                               send=self._send, post_receipts=self._post_receipts, rows=rows,
-                               max_in_flight=max_in_flight, receipt_interval_s=receipt_interval_s, hops=hops,
-                               boot=boot, supervisor=supervisor, take_lane=take_lane)
-        self.updates = updates
+        self.refusals = RefusalReporter(run_id=shape.run_id, post=self.transport.post_refusal)
+        self.plane = DataPlane(worker, me=self.me, n_stages=shape.n_stages, compute=self.compute,
+                               send=self._send, post_receipts=self._post_receipts,
+                               parts=DataPlaneParts(rows=parts.rows, hops=parts.hops, supervisor=parts.supervisor,
+                                                    take_lane=links.take_lane),
+                               tunables=tunables)
+        self.updates = parts.updates
         #: update commitments taken from the store (newest last) and, per validator, how many it was sent
         self._commits: list[dict] = []
         self._commits_base = 0                   # commitments dropped from the front of _commits
@@ -85,7 +114,7 @@ class DataPlaneNode:
 
     def routes(self) -> list[Route]:
         """The routes this node answers (requests checked against their contract, then handled)."""
-        T, b = self.cfg.data.seq_len, self.width
+        T, b = self.shape.seq_len, self.width
         return [Route("/hop", self._hop_route, Hop, hop_contract(seq_len=T, width=b, max_batch=self.max_rows),
                       on_refused=self.refusals.on_refused),
                 Route("/tickets", self._tickets_route, TicketBatch, None)]

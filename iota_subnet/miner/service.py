@@ -49,13 +49,15 @@ from iota_subnet.miner.audits import MinerAudits
 from iota_subnet.miner.chain_view import ChainView, RouteAuth
 from iota_subnet.miner.checkpoints import Checkpoints
 from iota_subnet.miner.compute_thread import ComputeThread
-from iota_subnet.miner.dataplane_http import DataPlaneNode
+from iota_subnet.miner.dataplane import DataPlaneTunables
+from iota_subnet.miner.dataplane_http import DataPlaneNode, NodeLinks, NodeParts
 from iota_subnet.miner.health import miner_health
 from iota_subnet.miner.lane_handover import take_lane
 from iota_subnet.miner.merging import MergingLinks, MinerMerging
 from iota_subnet.miner.options import MinerOptions
 from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker
+from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.protocol import Health, Outcome, ProtocolError, StateRequest, StateResponse
 from iota_subnet.protocol.commitment import MINER, RunCommitment
@@ -193,15 +195,19 @@ class MinerService:
         if self.cfg.merge.enabled and self.worker.has_weights:    # emulated stages have no weights to merge
             self.merging.mount(self.server, self.worker)
         rows = await self._row_source() if (spec.is_head or spec.is_tail) else None
-        self.node = DataPlaneNode(self.worker, self.wallet, cfg=self.cfg, run_id=self.run_id, stage=self.stage, width=b,
-                                  max_rows=mb, neurons=lambda: view.neurons, endpoint_of=view.endpoint_of,
-                                  refresh=lambda: view.refresh(force=True), compute=self.compute.run, rows=rows,
-                                  gate=self.merging.gate if self.merge is not None else None,
-                                  after_compute=self.merging.maybe_merge,
-                                  max_in_flight=in_flight_window(self.cfg, o.max_in_flight, bound),
-                                  hop_timeout_s=o.hop_timeout_s, hops=self.audits.hops, boot=self.started_at,
-                                  updates=self.worker.updates, supervisor=self.sup,
-                                  take_lane=self._take_lane if self.worker.has_weights else None)
+        links = NodeLinks(neurons=lambda: view.neurons, endpoint_of=view.endpoint_of,
+                          refresh=lambda: view.refresh(force=True),
+                          gate=self.merging.gate if self.merge is not None else None,
+                          after_compute=self.merging.maybe_merge,
+                          take_lane=self._take_lane if self.worker.has_weights else None)
+        tunables = DataPlaneTunables(max_in_flight=in_flight_window(self.cfg, o.max_in_flight, bound),
+                                     hop_timeout_s=o.hop_timeout_s, boot=self.started_at)
+        self.node = DataPlaneNode(self.worker, self.wallet,
+                                  shape=TicketShape.of_run(self.cfg, run_id=self.run_id, width=b, max_rows=mb),
+                                  stage=self.stage, compute=self.compute.run, links=links,
+                                  parts=NodeParts(rows=rows, hops=self.audits.hops, updates=self.worker.updates,
+                                                  supervisor=self.sup),
+                                  tunables=tunables)
         for client in (self.node.transport.hop_client, self.node.transport.receipt_client):  # hops, receipts: metrics
             client.on_request = self.metrics.observe_hop
         self.node.mount(self.server)

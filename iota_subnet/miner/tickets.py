@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from iota_subnet.protocol import Outcome, ProtocolError, Ticket, TicketError
@@ -26,14 +27,37 @@ from iota_subnet.protocol import Outcome, ProtocolError, Ticket, TicketError
 _OUTCOMES = {"MALFORMED": Outcome.MALFORMED, "BAD_TICKET": Outcome.BAD_TICKET}
 
 
-class TicketChecker:
-    """``neurons()``: hotkey -> metagraph neuron (``validator_permit``) as this miner sees it now."""
+@dataclass(frozen=True)
+class TicketShape:
+    """What every ticket of this run must match: ``run_id``; ``n_stages`` on its route; ``seq_len``
+    (tokens per row), ``width`` (the bottleneck width of the hops' activations) and ``micro_per_step``
+    (micro-batches per inner step); at most ``max_rows`` rows per micro-batch."""
 
-    def __init__(self, *, run_id: str, stage: int, n_stages: int, seq_len: int, width: int, micro_per_step: int,
-                 max_rows: int, me: str, neurons: Callable[[], Mapping[str, Any]],
+    run_id: str
+    n_stages: int
+    seq_len: int
+    width: int
+    micro_per_step: int
+    max_rows: int
+
+    @classmethod
+    def of_run(cls, cfg: Any, *, run_id: str, width: int, max_rows: int) -> "TicketShape":
+        """The shape of run ``run_id`` whose config is ``cfg`` (``pipeline.stages``, ``data.seq_len``,
+        ``train.batch_size // train.micro_batch`` micro-batches per step)."""
+        return cls(run_id=run_id, n_stages=cfg.pipeline.stages, seq_len=cfg.data.seq_len, width=width,
+                   micro_per_step=cfg.train.batch_size // cfg.train.micro_batch, max_rows=max_rows)
+
+
+class TicketChecker:
+    """Checks tickets against ``shape`` (:class:`TicketShape`) for this miner (hotkey ``me``) at
+    ``stage``. ``neurons()``: hotkey -> metagraph neuron (``validator_permit``) as this miner sees it
+    now; ``clock``: unix time in seconds; ``cache_size``: verified signatures remembered."""
+
+    def __init__(self, shape: TicketShape, *, stage: int, me: str, neurons: Callable[[], Mapping[str, Any]],
                  clock: Callable[[], float] = time.time, cache_size: int = 8192):
-        self.run_id, self.stage, self.n_stages = run_id, int(stage), int(n_stages)
-        self.seq_len, self.width, self.micro_per_step, self.max_rows = seq_len, width, micro_per_step, max_rows
+        self.run_id, self.stage, self.n_stages = shape.run_id, int(stage), int(shape.n_stages)
+        self.seq_len, self.width, self.micro_per_step = shape.seq_len, shape.width, shape.micro_per_step
+        self.max_rows = shape.max_rows
         self.me, self.neurons, self.clock = me, neurons, clock
         self._verified: "OrderedDict[tuple[str, str], None]" = OrderedDict()
         self._cache_size = cache_size

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from bittensor.sp_core import Keypair
 
+from iota_subnet.miner.dataplane import DataPlaneTunables, RowSource
 from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
-from iota_subnet.miner.dataplane_http import DataPlaneNode
+from iota_subnet.miner.dataplane_http import DataPlaneNode, NodeLinks, NodeParts
+from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.config import bottleneck_dims
-from iota_subnet.protocol import Hop, HopAck, ReceiptAck, ReceiptBatch
+from iota_subnet.protocol import Hop, HopAck, ReceiptAck, ReceiptBatch, Ticket
 from iota_subnet.transport.server import Route
 
 
@@ -36,14 +38,19 @@ async def _nothing() -> None:
 
 
 def inprocess_node(net: InProcessDataPlaneTransport, worker: Any, key: Keypair, cfg: Any, *, run_id: str,
-                   stage: int, metagraph: Mapping[str, Any], **kw) -> DataPlaneNode:
-    """A DataPlaneNode of ``key`` for ``stage`` on ``net`` (its routes served there); ``kw``: more
-    DataPlaneNode arguments (``rows``, ``receipt_interval_s``, ``take_lane``, ...). Not started."""
+                   stage: int, metagraph: Mapping[str, Any], rows: Optional[RowSource] = None,
+                   take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None,
+                   tunables: DataPlaneTunables = DataPlaneTunables()) -> DataPlaneNode:
+    """A DataPlaneNode of ``key`` for ``stage`` on ``net`` (its routes served there), reading ``rows``
+    (head and tail), handing lanes over with ``take_lane`` (None: no handover), paced by ``tunables``.
+    Not started."""
     b, _ = bottleneck_dims(cfg.model, cfg.pipeline)
-    node = DataPlaneNode(worker, SimpleNamespace(hotkey=key), cfg=cfg, run_id=run_id, stage=stage, width=b,
-                         max_rows=cfg.train.micro_batch, neurons=lambda: metagraph, endpoint_of=lambda hk: None,
-                         refresh=_nothing, compute=lambda fn: asyncio.to_thread(fn),
-                         transport=net.view(key.ss58_address), **kw)
+    node = DataPlaneNode(worker, SimpleNamespace(hotkey=key),
+                         shape=TicketShape.of_run(cfg, run_id=run_id, width=b, max_rows=cfg.train.micro_batch),
+                         stage=stage, compute=lambda fn: asyncio.to_thread(fn),
+                         links=NodeLinks(neurons=lambda: metagraph, endpoint_of=lambda hk: None, refresh=_nothing,
+                                         take_lane=take_lane),
+                         parts=NodeParts(rows=rows, transport=net.view(key.ss58_address)), tunables=tunables)
     node.mount()
     return node
 

@@ -43,12 +43,14 @@ lifecycle), :mod:`.admission` (the head: which ticket starts next, stand-in head
 that completed elsewhere), :mod:`.compute` (forward, backward and the inner step on the compute
 thread), :mod:`.outbound` (hops to the next and previous stages, failures and aborts),
 :mod:`.receipts` (receipt batches to the validators), :mod:`.tracking` (what a stage keeps of its
-micro-batches: pending forwards, the exactly-once step tracker).
+micro-batches: pending forwards, the exactly-once step tracker), :mod:`.options` (its optional parts
+and tunables).
 """
 from .admission import STAND_IN_HOLD_S
+from .options import DataPlaneParts, DataPlaneTunables
 from .outbound import OFFLOAD_BYTES, commit_wire
 from .plane import SEEN_HOPS, DataPlane
 from .tracking import Pending, RowSource, StepTracker
 
-__all__ = ["DataPlane", "OFFLOAD_BYTES", "Pending", "RowSource", "SEEN_HOPS", "STAND_IN_HOLD_S", "StepTracker",
-           "commit_wire"]
+__all__ = ["DataPlane", "DataPlaneParts", "DataPlaneTunables", "OFFLOAD_BYTES", "Pending", "RowSource", "SEEN_HOPS",
+           "STAND_IN_HOLD_S", "StepTracker", "commit_wire"]

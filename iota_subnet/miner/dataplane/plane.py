@@ -19,13 +19,13 @@ from loguru import logger
 from iota_subnet.protocol import Hop, HopAck, Ticket
 from iota_subnet.utils.supervise import Supervisor
 
-from ..hop_store import HopStore
 from .admission import HeadAdmission
 from .compute import StageCompute
 from .handover import LaneHandover
+from .options import DataPlaneParts, DataPlaneTunables
 from .outbound import HopSending
 from .receipts import ReceiptBatching
-from .tracking import Pending, RowSource, StepTracker, _Task
+from .tracking import Pending, StepTracker, _Task
 
 #: Hop ids remembered for de-duplication (a retried hop must not be applied twice).
 SEEN_HOPS = 20_000
@@ -39,37 +39,28 @@ class DataPlane(HeadAdmission, StageCompute, LaneHandover, HopSending, ReceiptBa
     ``me``: this miner's hotkey; ``compute(fn)``: awaitable that runs ``fn`` on the compute thread;
     ``send(hotkey, hop) -> HopAck``: delivers a hop (raises ProtocolError / TransportError);
     ``post_receipts(validator, receipts)``: delivers a receipt batch (raises on failure);
-    ``rows``: the head's and tail's token source; ``max_in_flight``: forwards the head keeps waiting
-    for their backward (bounds stored activations: about ``max_in_flight`` x the stage's activation
-    bytes per micro-batch at the head, fewer further down). ``hops``: the audit window
-    (:class:`~iota_subnet.miner.hop_store.HopStore`): every training hop is recorded there and
-    receipts name the root of the weights version each used (None: no hop audits, ``wroot`` empty).
-    ``boot``: unix time this process started (in every receipt: a restart announces itself).
-    ``supervisor``: runs the compute loop (``dataplane``), the receipt flusher (``receipts``) and the
-    senders (``sender0``, ...) and restarts one that fails (the miner's own; None: one of its own).
-    ``take_lane(ticket)``: awaitable that gives this replica the weights of ``ticket``'s lane before it
-    trains in a lane it did not train (:mod:`.handover`; returns how, for the log); None: no handover.
+    ``parts``: :class:`~.options.DataPlaneParts` (token rows, audit window, supervisor, lane handover);
+    ``tunables``: :class:`~.options.DataPlaneTunables` (in-flight window, receipt interval, senders,
+    clock, boot time). Their fields are kept as attributes (``rows``, ``hops``, ``sup``, ``take_lane``,
+    ``max_in_flight``, ``receipt_interval_s``, ``n_senders``, ``clock``, ``boot``).
     """
 
     def __init__(self, worker: Any, *, me: str, n_stages: int, compute: Callable[[Callable[[], Any]], Awaitable[Any]],
                  send: Callable[[str, Hop], Awaitable[HopAck]],
-                 post_receipts: Callable[[str, list[dict]], Awaitable[None]], rows: Optional[RowSource] = None,
-                 max_in_flight: int = 8, receipt_interval_s: float = 0.5, wire_dtype: Optional[str] = None,
-                 senders: int = 2, clock: Callable[[], float] = time.time, hops: Optional[HopStore] = None,
-                 boot: Optional[float] = None, supervisor: Optional[Supervisor] = None,
-                 take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None):
+                 post_receipts: Callable[[str, list[dict]], Awaitable[None]],
+                 parts: DataPlaneParts = DataPlaneParts(), tunables: DataPlaneTunables = DataPlaneTunables()):
         self.worker, self.me = worker, me
-        self.take_lane = take_lane
+        self.take_lane = parts.take_lane
         self._parked: list[_Task] = []          # forwards of a lane being taken (:mod:`.handover`)
         self._taking: Optional[asyncio.Task] = None
         self.stage, self.n_stages = int(worker.stage), int(n_stages)
         self.is_head, self.is_tail = self.stage == 0, self.stage == self.n_stages - 1
-        self.compute, self.send, self.post_receipts, self.rows = compute, send, post_receipts, rows
-        self.max_in_flight = max(1, int(max_in_flight))
-        self.receipt_interval_s = float(receipt_interval_s)
-        self.clock = clock
-        self.hops = hops
-        self.boot = float(boot if boot is not None else time.time())
+        self.compute, self.send, self.post_receipts, self.rows = compute, send, post_receipts, parts.rows
+        self.max_in_flight = max(1, int(tunables.max_in_flight))
+        self.receipt_interval_s = float(tunables.receipt_interval_s)
+        self.clock = tunables.clock
+        self.hops = parts.hops
+        self.boot = float(tunables.boot if tunables.boot is not None else time.time())
         self.steps = StepTracker()
         self.tickets: dict[tuple[int, int, int], Ticket] = {}       # head: queued, not yet admitted
         #: head: per lane, the first step its validators have not seen complete (skip limit when behind)
@@ -87,8 +78,8 @@ class DataPlane(HeadAdmission, StageCompute, LaneHandover, HopSending, ReceiptBa
         #: on the uplink and the uplink is never shared by more transfers than it needs
         self._out: list[tuple] = []
         self._out_ready = asyncio.Event()
-        self.n_senders = max(1, int(senders))
-        self.sup = supervisor if supervisor is not None else Supervisor(f"stage {self.stage} data plane")
+        self.n_senders = max(1, int(tunables.senders))
+        self.sup = parts.supervisor if parts.supervisor is not None else Supervisor(f"stage {self.stage} data plane")
         #: the supervised loops of this data plane: name -> factory (started by :meth:`start`)
         self.loops: dict[str, Callable[[], Awaitable[None]]] = {
             "dataplane": self._run, "receipts": self._flush_loop,
