@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from iota_subnet.errors import UserError
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is wrong; the message names the value and the fix."""
+from iota_subnet.config_kinds import MODEL_KINDS, kind_of as _kind_of
+from iota_subnet.config_merge import GATHER_QUANTIZATIONS, MERGE_QUANTIZATIONS, MergeConfig  # noqa: F401 (re-exported)
+from iota_subnet.errors import ConfigError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -259,7 +257,6 @@ class TrainConfig:
         return self.micro_batch_size or self.batch_size
 
 
-MERGE_QUANTIZATIONS = ("none", "bf16", "int8")
 #: Compute precisions a run can choose (``train.precision``).
 PRECISIONS = ("fp32", "bf16")
 #: Models with more parameters than this train in ``bf16`` unless their config says otherwise
@@ -279,105 +276,6 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 
 
 @dataclass(frozen=True)
-class MergeConfig:
-    """Merging the replicas of a stage (DiLoCo outer step over a butterfly all-reduce; see
-    :mod:`iota_subnet.merge`).
-
-    ``every_steps``: merge after every H inner steps (0: never by steps); ``every_blocks``: merge
-    every M chain blocks (0: never by blocks). Both 0 turns merging off. On by default (H = 10): R
-    replicas of a stage that never merge train R unrelated models.
-    ``outer_lr`` / ``outer_momentum`` / ``nesterov``: the outer SGD applied to the mean pseudo-gradient.
-    Default: plain averaging (lr 1.0, no momentum), measured better than the DiLoCo settings (arXiv
-    2311.08105: lr 0.7, Nesterov momentum 0.9, tuned for H in the hundreds) with H = 10 and 15 merges
-    on ``tiny``: val loss 5.635 vs 5.956 (docs/BENCHMARKS.md, "Merging").
-    ``quantization``: merge payloads as ``none`` (fp32), ``bf16`` or ``int8`` (per-block absmax scales
-    over ``int8_block`` values); accumulation is always fp32. ``gather_quantization``: the encoding of
-    the reduced mean pseudo-gradient each reducer serves in the gather (``same``: as ``quantization``;
-    or one of its values). A reducer rounds its mean to that encoding before its outer step and before
-    hashing, so every replica applies the same rounded mean bit for bit (int8 gather: 1.02 bytes per
-    value instead of 4).
-    ``join_timeout_s``: how long a replica waits at a merge boundary for its peers;
-    ``phase_timeout_s``: the fixed part of each all-reduce phase's deadline, to which the time the
-    phase's payload takes at a 64 kbit/s floor rate is added (:mod:`iota_subnet.merge.deadlines`: the
-    transports report bytes as they move, so a transfer still moving is never cut; the deadline only
-    bounds a peer that trickles); a transfer is cut when no byte of it moved for
-    ``progress_timeout_s`` (default 10 s: a stopped or dead peer costs one progress timeout; a live
-    one streaming a 4 MB chunk shows bytes every few hundred milliseconds whatever its rate).
-    ``assumed_uplink_bps``: the declared uplink (default 10 Mbit/s), used only for a transport that
-    reports no bytes inside a message (deadline ``phase_timeout_s + 2 x bytes / rate``). ``max_attempts``: tries per epoch before the
-    merge is abandoned (retried next epoch). ``min_work_steps``: inner steps a replica must have done
-    since the last merge to weigh in the mean by default. ``max_concurrent_transfers``: state-sync
-    requests a donor serves at once (others get BUSY); ``sync_chunk_numel``: values per state-sync chunk;
-    ``sync_window``: state-sync chunk requests a joiner keeps in flight over all its donors (each donor
-    at most its ``max_concurrent_transfers``); to fetch at link rate it must cover the bandwidth-delay
-    product, ``sync_window x 4 x sync_chunk_numel >= rate x round trip`` (docs/BENCHMARKS.md, "State
-    sync at link rate").
-    ``chunk_numel``: values per merge message (a shard travels as chunks of at most this many values,
-    reduced as they stream in; a multiple of ``int8_block``). ``overlap``: keep training while the
-    merge runs and apply the merged weights plus the local progress made meanwhile (the overlapped
-    outer step of Streaming DiLoCo, arXiv 2501.18512, section 2.3); off, the replica's lane pauses for
-    the merge.
-    """
-
-    every_steps: int = 10
-    every_blocks: int = 0
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    nesterov: bool = True
-    quantization: str = "none"
-    gather_quantization: str = "same"
-    int8_block: int = 256
-    join_timeout_s: float = 30.0
-    phase_timeout_s: float = 30.0
-    assumed_uplink_bps: float = 10e6
-    progress_timeout_s: float = 10.0
-    max_attempts: int = 2
-    min_work_steps: int = 1
-    max_concurrent_transfers: int = 2
-    sync_chunk_numel: int = 1 << 20
-    sync_window: int = 8
-    chunk_numel: int = 1 << 22
-    overlap: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        return self.every_steps > 0 or self.every_blocks > 0
-
-    @property
-    def gather_quant(self) -> str:
-        """The gather's encoding: ``gather_quantization``, or ``quantization`` when that is ``same``."""
-        return self.quantization if self.gather_quantization == "same" else self.gather_quantization
-
-    def validate(self) -> "MergeConfig":
-        for k in ("every_steps", "every_blocks", "min_work_steps"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"merge.{k} must be an integer >= 0 (0 = off), got {v!r}")
-        if not (isinstance(self.outer_lr, (int, float)) and 0 < self.outer_lr <= 10):
-            raise ConfigError(f"merge.outer_lr must be in (0, 10], got {self.outer_lr!r} (DiLoCo uses 0.7)")
-        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
-            raise ConfigError(f"merge.outer_momentum must be in [0, 1), got {self.outer_momentum!r} (DiLoCo uses 0.9)")
-        if self.quantization not in MERGE_QUANTIZATIONS:
-            raise ConfigError(f"merge.quantization {self.quantization!r} unknown; choose one of {list(MERGE_QUANTIZATIONS)}")
-        if self.gather_quantization not in ("same",) + MERGE_QUANTIZATIONS:
-            raise ConfigError(f"merge.gather_quantization {self.gather_quantization!r} unknown; choose one of "
-                              f"{['same', *MERGE_QUANTIZATIONS]}")
-        if not isinstance(self.int8_block, int) or self.int8_block < 16:
-            raise ConfigError(f"merge.int8_block must be an integer >= 16, got {self.int8_block!r}")
-        for k in ("join_timeout_s", "phase_timeout_s", "progress_timeout_s", "assumed_uplink_bps"):
-            if not (isinstance(getattr(self, k), (int, float)) and getattr(self, k) > 0):
-                raise ConfigError(f"merge.{k} must be a positive number (seconds, bit/s), got {getattr(self, k)!r}")
-        for k in ("max_attempts", "max_concurrent_transfers", "sync_chunk_numel", "sync_window", "chunk_numel"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"merge.{k} must be an integer >= 1, got {v!r}")
-        if self.chunk_numel % self.int8_block:
-            raise ConfigError(f"merge.chunk_numel={self.chunk_numel} must be a multiple of merge.int8_block="
-                              f"{self.int8_block} (e.g. {max(1, self.chunk_numel // self.int8_block) * self.int8_block})")
-        return self
-
-
-@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=lambda: MODEL_CONFIGS["tiny"])
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -386,13 +284,17 @@ class RunConfig:
     merge: MergeConfig = field(default_factory=MergeConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        kind = _kind_of(self)
+        return kind.to_dict(self) if kind is not None else dataclasses.asdict(self)
 
     def validate(self) -> "RunConfig":
         self.model.validate()
         _check_ranges(self)
         split_layers(self.model.n_layers, self.pipeline.stages, self.pipeline.layer_split)
         bottleneck_dims(self.model, self.pipeline)
+        kind = _kind_of(self)
+        if kind is not None:
+            kind.check(self, files=False)
         if self.data.vocab_size != self.model.vocab_size:
             raise ConfigError(
                 f"data.vocab_size={self.data.vocab_size} differs from model.vocab_size={self.model.vocab_size}; set them equal")
@@ -527,11 +429,26 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
     unknown = sorted(set(raw) - {"model", "pipeline", "data", "train", "merge"})
     if unknown:
         raise ConfigError(f"unknown section(s) {unknown} in config; allowed: model, pipeline, data, train, merge")
-    model = model_config(raw.get("model", "tiny"))
+    cfg = _run_config(raw, p.parent if p.exists() else None)
+    kind = _kind_of(cfg)
+    if kind is not None:            # its files (a tokenizer, a dataset's fields), before any network work
+        kind.check(cfg, files=True)
+    return cfg
+
+
+def _run_config(raw: dict, base: Optional[Path] = None) -> RunConfig:
+    """A validated RunConfig from the sections of a config file (``base``: the file's folder, for
+    relative paths a :class:`ModelKind` reads)."""
     data_raw = raw.get("data") or {}
     if not isinstance(data_raw, dict):
         raise ConfigError(f"section 'data' must be a mapping of keys to values, got {data_raw!r}")
-    data_raw = dict(data_raw)
+    data_raw, data_cls = dict(data_raw), DataConfig
+    m_raw = raw.get("model", "tiny")
+    kind = next((k for key, k in MODEL_KINDS.items() if isinstance(m_raw, dict) and key in m_raw), None)
+    model = kind.model(m_raw, base) if kind is not None else model_config(m_raw)
+    d_kind = next((k for key, k in MODEL_KINDS.items() if key in data_raw), None)
+    if d_kind is not None:
+        data_raw, data_cls = d_kind.data(data_raw, base)
     data_raw.setdefault("vocab_size", model.vocab_size)
     train_raw = raw.get("train") or {}
     if isinstance(train_raw, dict) and "precision" not in train_raw:
@@ -539,15 +456,19 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
     cfg = RunConfig(
         model=model,
         pipeline=PipelineConfig(**_checked_fields(PipelineConfig, raw.get("pipeline") or {}, "pipeline")),
-        data=DataConfig(**_checked_fields(DataConfig, data_raw, "data")),
+        data=data_cls(**_checked_fields(data_cls, data_raw, "data")),
         train=TrainConfig(**_checked_fields(TrainConfig, train_raw, "train")),
         merge=MergeConfig(**_checked_fields(MergeConfig, raw.get("merge") or {}, "merge")),
     )
+    if kind is not None:
+        cfg = kind.resolve(cfg)
     return cfg.validate()
 
 
 def config_from_dict(d: dict) -> RunConfig:
     """Inverse of :meth:`RunConfig.to_dict` (used to read a checkpoint's config)."""
+    if isinstance(d.get("model"), dict) and any(key in d["model"] for key in MODEL_KINDS):
+        return _run_config(d)
     return RunConfig(
         model=ModelConfig(**d["model"]), pipeline=PipelineConfig(**d["pipeline"]),
         data=DataConfig(**d["data"]), train=TrainConfig(**d["train"]),

@@ -12,6 +12,11 @@ class UserError(Exception):
     the message names it and the fix. Entry points print it as one line and exit with code 2."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration value is wrong; the message names the value and the fix (raised by the config
+    modules: :mod:`iota_subnet.config`, :mod:`iota_subnet.config_merge`, :mod:`iota_subnet.config_hf`)."""
+
+
 def known_errors() -> tuple[type[BaseException], ...]:
     """The exception types an entry point reports as one line with exit code 2."""
     return (UserError,)

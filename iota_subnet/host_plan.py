@@ -12,11 +12,13 @@ the audit window K (inner steps and weights versions kept) and R replicas of the
   (shared, on disk) except the first after a weights replacement: ``4 P`` while it is hashed, then on
   disk; plus the hops it keeps (``max_hops`` micro-batches: received and sent wire tensors, the
   gradient received, bf16, ~6 tensors of ``rows x T x width``);
-* **merge state, steady** (:mod:`iota_subnet.merge.engine`): anchor and outer momentum, ``8 P``;
+* **merge state, steady** (:mod:`iota_subnet.merge.engine`): anchor and outer momentum, ``8 P``; with
+  ``merge.quantization: topk`` also the error feedback (``4 P``, :mod:`iota_subnet.merge.sparse`);
 * **merge state, transient** (during a merge): the pseudo-gradient and its dequantized copy (one of
   them without payload quantization), the new anchor and momentum, the means of the two shards it
   reduces (``2 P / R``) and the streaming windows (``(STREAM_WINDOW + 1)`` chunks per contributor of
-  each reduced shard); with ``merge.overlap`` also the weights read at the start (``4 P``);
+  each reduced shard); with ``merge.overlap`` also the weights read at the start (``4 P``); with
+  ``topk`` the next error feedback while the attempt runs (``4 P``);
 * **merge-audit copies** (:mod:`iota_subnet.merge.claims`): written straight to disk (``4 P (1 + 2 / R)``
   per kept merge epoch on disk, none in memory);
 * **checkpoint snapshot** (:mod:`iota_subnet.train.snapshot`): weights and both moments, ``12 P``,
@@ -124,10 +126,12 @@ def host_plan(cfg: RunConfig, stage: int, P: int, shapes: list[tuple[int, ...]],
     R = max(1, int(replicas))
     m = cfg.merge
     if m.enabled:
-        steady = 8 * P
+        feedback = 4 * P if m.quantization == "topk" else 0
+        steady = 8 * P + feedback
         quantized = m.quantization != "none"
         chunks = 2 * R * (MERGE_STREAM_WINDOW + 1) * m.chunk_numel * 4
-        transient = (4 * P * (1 + int(quantized)) + 8 * P + 8 * P // R + chunks + (4 * P if m.overlap else 0))
+        transient = (4 * P * (1 + int(quantized)) + 8 * P + 8 * P // R + chunks + (4 * P if m.overlap else 0)
+                     + feedback)
         merge_audit = 0
         merge_disk = MERGE_AUDIT_EPOCHS * (4 * P + 8 * P // R)
     else:

@@ -58,7 +58,7 @@ from iota_subnet.host_plan import host_plan
 from iota_subnet.config import bottleneck_dims
 from iota_subnet.model.llama import block_flops_per_token
 from iota_subnet.config import split_layers
-from iota_subnet.model.stages import PipelineStage, lm_head_recomputed
+from iota_subnet.model.stages import PipelineStage, lm_head_recomputed, make_stage
 
 #: Bytes per parameter of a stage's training state: fp32 weights, gradients, AdamW exp_avg, exp_avg_sq.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8
@@ -377,8 +377,8 @@ def _with_stages(cfg: RunConfig, stages: Optional[int]) -> RunConfig:
 def meta_stage(cfg: RunConfig, stage: int) -> PipelineStage:
     """Stage ``stage`` of ``cfg`` built on the ``meta`` device (shapes only, no memory)."""
     with torch.device("meta"):
-        return PipelineStage(cfg.model, cfg.pipeline, stage, init=False,
-                             checkpointing=cfg.train.activation_checkpointing)
+        return make_stage(cfg.model, cfg.pipeline, stage, init=False,
+                          checkpointing=cfg.train.activation_checkpointing)
 
 
 def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing: Optional[bool] = None,
@@ -390,6 +390,10 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
     ``in_flight``: micro-batches a non-tail stage must hold for ``fits`` (default: 1F1B's S - stage).
     """
     S, T, rows = cfg.pipeline.stages, cfg.data.seq_len, cfg.train.micro_batch
+    if getattr(cfg.model, "hf", None) is not None:
+        raise ConfigError(f"the memory plan measures the project's own stages; this run's model is a transformers "
+                          f"family ({cfg.model.name}), whose activations are not measured yet: size its hosts by "
+                          "running a stage (iota-subnet localnet on one machine) instead")
     if not 0 <= stage < S:
         raise ConfigError(f"stage {stage} out of range for {S} stages")
     if in_flight is not None and in_flight < 1:

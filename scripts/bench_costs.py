@@ -11,7 +11,10 @@ itself (:class:`iota_subnet.merge.plan.MergePlan`: who sends which shard to whom
 * ``merge``: uplink bytes of one merge for the replica that sends the most (its slice of every shard
   to both reducers in ``merge.quantization``, the means it serves as a shard's primary reducer in
   ``merge.gather_quantization``; at N = 2 both replicas reduce every shard and nothing is gathered)
-  / rate, divided by ``merge.every_steps``;
+  / rate, divided by ``merge.every_steps``; ``merge topk N=2`` / ``N=3``: the same with
+  ``merge.quantization: topk`` at the config's ``topk_density`` / ``topk_bits`` / ``topk_chunk`` (the
+  mean of N top-k contributions counted at its worst, N x k nonzeros per block,
+  :func:`iota_subnet.merge.sparse.wire_bytes`);
 * ``audits``: ``--audit-bytes-per-token`` (default 100 B, the measured ``tiny`` figure) x tokens
   / rate (the validator's link; a miner serves its share);
 * ``update store``: ``16 P`` bytes device -> host per inner step at ``--pcie-gbps`` and the same to
@@ -31,9 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from iota_subnet.config import load_config  # noqa: E402
+import dataclasses  # noqa: E402
+
+from iota_subnet.config import MergeConfig, load_config  # noqa: E402
 from iota_subnet.hardware import GIB, GPUS  # noqa: E402
 from iota_subnet.merge.deadlines import bytes_per_value  # noqa: E402
+from iota_subnet.merge import sparse  # noqa: E402
 from iota_subnet.merge.plan import MergePlan  # noqa: E402
 from iota_subnet.plan import meta_stage, plan_stage  # noqa: E402
 
@@ -46,10 +52,14 @@ ROWS = {  # name: (config, stages, accelerator, mfu, link bits/s, replicas)
 def merge_bytes_sent(n: int, numel: int, quant: str, gather_quant: str, block: int = 256) -> float:
     """Payload bytes the busiest of ``n`` replicas sends in one merge of ``numel`` values: its slice of
     each shard to the shard's reducers (not itself), and each mean it serves as the primary of a
-    gatherer (:meth:`MergePlan.primary_for`)."""
+    gatherer (:meth:`MergePlan.primary_for`). ``quant`` / ``gather_quant``: wire modes
+    (:attr:`MergeConfig.scatter_quant`, :attr:`MergeConfig.gather_quant`); a ``sparse-*`` mean of
+    ``topk-*`` contributions counts ``n x k`` nonzeros per block."""
     parts = [f"replica{i:04d}" for i in range(n)]
     plan = MergePlan.make(0, 0, b"bench", parts, numel)
     sq, gq = bytes_per_value(quant, block), bytes_per_value(gather_quant, block)
+    if sparse.is_sparse(gather_quant) and sparse.is_sparse(quant):
+        gq = sparse.bytes_per_value(gather_quant, nnz_per_block=n * sparse.parse(quant)[1])
     sent = dict.fromkeys(parts, 0.0)
     for s, (_, size) in enumerate(plan.bounds):
         reducers = set(plan.reducers[s])
@@ -58,6 +68,13 @@ def merge_bytes_sent(n: int, numel: int, quant: str, gather_quant: str, block: i
             if p not in reducers:
                 sent[plan.primary_for(p, s)] += gq * size
     return max(sent.values())
+
+
+def topk_merge_bytes(mc: MergeConfig, n: int, numel: int) -> float:
+    """Bytes the busiest of ``n`` replicas sends in one ``topk`` merge of ``numel`` values with the
+    density, bits and block of ``mc`` (its ``quantization`` set to ``topk``, gather ``same``)."""
+    t = dataclasses.replace(mc, quantization="topk", gather_quantization="same").validate()
+    return merge_bytes_sent(n, numel, t.scatter_quant, t.gather_quant, t.int8_block)
 
 
 def costs(name: str, audit_b_per_token: float, pcie_gbps: float, disk_gbps: float) -> dict:
@@ -84,6 +101,10 @@ def costs(name: str, audit_b_per_token: float, pcie_gbps: float, disk_gbps: floa
     path_row("merge", merge_bytes, merge_bytes / rate, cfg.merge.every_steps,
              note=f"{mc.quantization} scatter + {mc.gather_quant} means, N={n}, busiest replica")
     path_row("merge at H=10", merge_bytes, merge_bytes / rate, 10, note="the bench row's H")
+    for k in (2, 3):
+        tb = topk_merge_bytes(mc, k, P)
+        path_row(f"merge topk N={k}", tb, tb / rate, cfg.merge.every_steps,
+                 note=f"topk k={mc.topk_k}/{mc.topk_chunk} {mc.topk_bits}-bit + sparse means, busiest replica")
     path_row("audits", audit_b_per_token * tokens, audit_b_per_token * tokens / rate,
              note=f"{audit_b_per_token:.0f} B/token on the validator's link")
     d2h = p.host["d2h_bytes_per_step"]

@@ -101,7 +101,7 @@ async def _accusers_net(tmp_path, quant: str = "none"):
     return net, net.svcs[0], x, y
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "topk"])
 def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp_home, quant):
     """With ``int8`` the honest reducer's mean is rounded to the int8 gather: the validator's check
     allows that rounding (and only that) and still clears it."""
@@ -140,7 +140,7 @@ def test_forged_accusations_are_checked_and_the_accusers_penalised(tmp_path, tmp
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "topk"])
 def test_poisoning_reducer_accusation_upheld(tmp_path, tmp_home, quant):
     async def main():
         net = Net(tmp_path, ovr=_ovr(quant))

@@ -209,3 +209,23 @@ def test_a_miner_is_excused_in_at_most_half_the_window():
     assert w[1] < 0.6 * w[2], w
     capped = Scoreboard(window=8, grace=1, max_excused=0)
     assert capped.excuse_cap() == 0 and Scoreboard(window=8).excuse_cap() == 4
+
+
+def test_blocks_and_claims_survive_a_validator_restart_and_a_corrupt_save_is_ignored():
+    t = [100.0]
+    keys = {hk: (i, hk) for i, hk in enumerate("abcxyz")}
+    before = Hindrances(clock=lambda: t[0])
+    before.note(["a", "x"], ["x"], since=101.0, proven=True)     # confirmed block of a
+    before.note(["b", "y"], ["y"], since=102.0)                  # a claim, not yet confirmed
+    before.charged("c")
+    saved = before.to_json()                                    # saved with the scores; the process dies
+    after = Hindrances(clock=lambda: t[0])
+    assert after.load_json(saved)
+    t[0] = 105.0
+    after.down("y")                                             # the claim is confirmed in the new process
+    after.note(["c", "z"], ["z"], since=99.0, proven=True)      # c was charged at 100: not excused
+    assert after.take(keys) == {keys["a"]: 101.0, keys["b"]: 102.0}
+    for bad in ("{not json", '{"blocked": {"a": "soon"}}', '{"pending": {"x": [[1]]}}', "[1, 2]"):
+        fresh = Hindrances(clock=lambda: t[0])
+        assert not fresh.load_json(bad)
+        assert fresh.take(keys) == {}

@@ -22,7 +22,7 @@ from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.train.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
 from iota_subnet.train.colocated import train_colocated
 from iota_subnet.train.optim import lr_at
-from iota_subnet.utils.atomic import sweep_temporaries
+from iota_subnet.utils.atomic import atomic_folder, sweep_temporaries
 from iota_subnet.wallets import create_wallet
 
 pytestmark = pytest.mark.timeout(180)
@@ -237,3 +237,19 @@ def test_no_silent_data_fallback_when_the_hub_is_unreachable(cache_dir):
     tok, ds = build_dataset(DataConfig(vocab_size=300, seq_len=32, max_tokens=20_000), None, cache_dir,
                             allow_fallback=True)
     assert ds.spec == "stdlib://python" and math.isfinite(float(ds.n_tokens))
+
+
+def test_atomic_folder_replaces_the_old_folder_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_folder(out, "export-") as tmp:
+            (tmp / "new.txt").write_text("new")
+            raise RuntimeError("killed half-way")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]          # no temporary left
+    assert sorted(p.name for p in out.iterdir()) == ["old.txt"]             # the old folder untouched
+    with atomic_folder(out, "export-") as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]

@@ -12,6 +12,10 @@ The validator chooses a hop only after its receipts are in (blind), then runs th
 3. :meth:`HopAuditor.check` verifies every opened row against its root (Merkle proof), then every
    link (:class:`~.check.LinkChecker`).
 
+A stage without a trace (:attr:`~.layout.TraceLayout.replay`: a ``transformers`` family stage) skips
+round 2: :meth:`HopAuditor.on_projection` is called with no vectors and asks for the weights and wire
+tensors, which :meth:`HopAuditor.check` replays (:mod:`.replay`).
+
 A refused, malformed, timed-out or inconsistent answer at any round is a failed audit: the caller
 turns exceptions of the transport into ``Verdict(ok=False)`` (:meth:`HopAuditor.failed`).
 """
@@ -29,6 +33,7 @@ from .commit import weights_entries_root, entry_names
 from .layout import TraceLayout
 from .merkle import DIGEST_BYTES, leaf_hash, verify_proof
 from .project import randoms
+from .replay import ReplayChecker, replay_openings
 from .prover import Opened
 
 
@@ -115,6 +120,8 @@ class HopAuditor:
         lay, r2 = self.layout, self.round2
         if self.seed is None:
             raise RuntimeError("on_projection() before on_commit()")
+        if lay.replay:
+            return self._replay_request()
         if set(vectors) != set(r2.vectors):
             raise AuditFailure("projection vectors differ from the expected set")
         for k, shape in r2.vectors.items():
@@ -139,6 +146,13 @@ class HopAuditor:
                 self.request[k] = list(range(lay.wire[k].rows))
         return self.request
 
+    def _replay_request(self) -> dict[str, list[int]]:
+        """A replayed stage (no round 2): every row the replay needs (:func:`~.replay.replay_openings`)."""
+        self.request = replay_openings(self.layout, self.tokens, tuple(self.wire_roots))
+        if self.wire_commit == "sha256":
+            self.whole = sorted(k for k in self.request if k in self.layout.wire)
+        return self.request
+
     def root_of(self, name: str) -> bytes:
         for table in (self.trace_roots, self.p_roots, self.wire_roots, self.weight_roots):
             if name in table:
@@ -156,6 +170,13 @@ class HopAuditor:
             rows = self.verify_opening(opened)
         except AuditFailure as e:
             return self.failed(f"opening: {e}")
+        if self.layout.replay:
+            checker = ReplayChecker(self.layout, opened=rows, tol=self.tol, tokens=self.tokens, targets=self.targets,
+                                    loss=self.loss)
+            try:
+                return checker.run()
+            except (KeyError, IndexError, RuntimeError, ValueError) as e:
+                return self.failed(f"replay: {type(e).__name__}: {e}")
         out_links = tuple(k for k in ("wire.z", "wire.dx") if k in self.request)
         checker = LinkChecker(self.layout, rnd=randoms(self.layout, self.seed), sample=self.sample, vectors=self.vectors,
                               opened=rows, tol=self.tol, tokens=self.tokens,

@@ -137,6 +137,29 @@ def param_shapes(cfg: ModelConfig, pcfg: PipelineConfig, stage: int) -> list[tup
     return [(k, tuple(v.shape)) for k, v in m.state_dict().items()]
 
 
+def is_hf(cfg) -> bool:
+    """The run's model is a ``transformers`` family (:class:`~iota_subnet.config_hf.HFModelConfig`)."""
+    return getattr(cfg, "hf", None) is not None
+
+
+def hf_stage_dims(cfg, pcfg: PipelineConfig, stage: int, batch: int, seq: int) -> tuple[Dims, list]:
+    """Sizes and ``(name, shape)`` parameters (``state_dict`` order, built on the meta device) of
+    stage ``stage`` of a ``transformers`` family run: no bottleneck, the wire carries ``[N, d]``."""
+    from iota_subnet.model.hf_pipeline import HFPipelineStage, hf_split
+    if pcfg.stages < 2:
+        raise LayoutError("hop audits need a pipeline of at least 2 stages")
+    hcfg = cfg.transformers_config()
+    ranges = hf_split(cfg, pcfg, hcfg)
+    d, H = hcfg.hidden_size, hcfg.num_attention_heads
+    dims = Dims(B=int(batch), T=int(seq), d=d, H=H, K=getattr(hcfg, "num_key_value_heads", None) or H,
+                D=getattr(hcfg, "head_dim", None) or d // H, F=hcfg.intermediate_size, V=hcfg.vocab_size, b=d, r=d,
+                layers=tuple(ranges[stage]), head=stage == 0, tail=stage == pcfg.stages - 1, compressed=False,
+                eps=float(getattr(hcfg, "rms_norm_eps", 1e-6)))
+    with torch.device("meta"):
+        m = HFPipelineStage(cfg, pcfg, stage, init=False)
+    return dims, [(k, tuple(v.shape)) for k, v in m.state_dict().items()]
+
+
 def block_of(name: str) -> int | None:
     """The block index (inside the stage) of a per-block name (``L{j}.*``, ``p:L{j}.*``); None for
     the stage's own names (``h.i``, ``dec.*``, ``enc.*``, ``lm.*``, ...)."""
@@ -171,7 +194,10 @@ class TraceLayout:
     loss by it before backward (the gradient scale). ``wire_format``: ``fp32``, ``bf16`` or ``int8``
     (:mod:`iota_subnet.protocol.wire`); int8 wire rows are ``b`` bytes plus a float32 scale.
     ``blocks``: the blocks (indices inside the stage) whose round-2 projections the audit asks for
-    (None: all); :meth:`for_blocks` makes such a view. Raises :class:`LayoutError`.
+    (None: all); :meth:`for_blocks` makes such a view. ``kind``: ``"replay"`` for a stage of a
+    ``transformers`` family run (:func:`is_hf`): no trace, no projections, only its wire tensors and
+    weights (``params`` from :class:`~iota_subnet.model.hf_pipeline.HFPipelineStage`; ``pcfg`` and
+    ``stage`` rebuild it), which the validator replays (:mod:`.replay`). Raises :class:`LayoutError`.
     """
 
     dims: Dims
@@ -186,6 +212,11 @@ class TraceLayout:
     wire: dict[str, Entry] = field(default_factory=dict)
     weights: dict[str, Entry] = field(default_factory=dict)
     blocks: tuple[int, ...] | None = None
+    #: ``"trace"`` (the project's stages: row and link checks on the trace) or ``"replay"`` (a
+    #: ``transformers`` family stage: no trace; the validator replays the hop, :mod:`.replay`)
+    kind: str = "trace"
+    pcfg: PipelineConfig | None = None
+    stage: int = 0
 
     @classmethod
     def build(cls, cfg: ModelConfig, pcfg: PipelineConfig, stage: int, *, batch: int, seq: int,
@@ -194,15 +225,34 @@ class TraceLayout:
             raise LayoutError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         if wire_format not in WIRE_FORMATS:
             raise LayoutError(f"wire_format must be one of {WIRE_FORMATS}, got {wire_format!r}")
-        dims = stage_dims(cfg, pcfg, stage, batch, seq)
+        if is_hf(cfg):
+            dims, params = hf_stage_dims(cfg, pcfg, stage, batch, seq)
+        else:
+            dims, params = stage_dims(cfg, pcfg, stage, batch, seq), None
         if dims.tail:
             direction = BACKWARD          # the tail runs its backward with its forward
         if dims.head and direction == BACKWARD:
             raise LayoutError("the head stage sends no gradient: its backward hop has no output to audit "
                               "(its weight gradient is the update audit's job); audit its forward")
+        if params is not None:
+            lay = cls(dims, direction, cfg, int(micro_per_step), wire_format, params, kind="replay", pcfg=pcfg,
+                      stage=int(stage))
+            lay._fill_replay()
+            return lay
         lay = cls(dims, direction, cfg, int(micro_per_step), wire_format, param_shapes(cfg, pcfg, stage))
         lay._fill()
         return lay
+
+    @property
+    def replay(self) -> bool:
+        return self.kind == "replay"
+
+    def _fill_replay(self) -> None:
+        """A replayed stage commits no trace and projects nothing: its wire tensors and weights only."""
+        self._fill()
+        self.trace.clear()
+        self.committed.clear()
+        self.vectors.clear()
 
     @property
     def backward(self) -> bool:

@@ -62,15 +62,19 @@ def run_local_audit(prover: HopProver, auditor: HopAuditor, *, stage: int = 0, m
         t = time.process_time()
         seed = auditor.on_commit(*codec.read_commit(commit))
         secs["validator"] = time.process_time() - t
-        preq = _roundtrip(codec.project_request(req, seed, auditor.blocks), AuditProjectRequest, None, sizes, "r2_req")
-        t = time.process_time()
-        vec, roots = prover.project(codec.read_seed(preq), codec.read_blocks(preq, lay))
-        secs["miner_project"] = time.process_time() - t
-        proj = _roundtrip(codec.projection_message(preq, prover.round2, vec, roots), AuditProjection,
-                          codec.projection_contract(auditor.round2), sizes, "r2_resp")
-        t = time.process_time()
-        rows = auditor.on_projection(*codec.read_projection(proj, auditor.round2))
-        secs["validator"] += time.process_time() - t
+        if lay.replay:        # a replayed stage has no round 2
+            rows = auditor.on_projection({}, [])
+        else:
+            preq = _roundtrip(codec.project_request(req, seed, auditor.blocks), AuditProjectRequest, None, sizes,
+                              "r2_req")
+            t = time.process_time()
+            vec, roots = prover.project(codec.read_seed(preq), codec.read_blocks(preq, lay))
+            secs["miner_project"] = time.process_time() - t
+            proj = _roundtrip(codec.projection_message(preq, prover.round2, vec, roots), AuditProjection,
+                              codec.projection_contract(auditor.round2), sizes, "r2_resp")
+            t = time.process_time()
+            rows = auditor.on_projection(*codec.read_projection(proj, auditor.round2))
+            secs["validator"] += time.process_time() - t
         oreq = _roundtrip(codec.open_request(req, rows, auditor.whole), AuditOpenRequest, None, sizes, "r3_req")
         t = time.process_time()
         request = codec.read_open_request(oreq, lay)

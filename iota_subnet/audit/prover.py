@@ -9,6 +9,9 @@ One :class:`HopProver` per audit session (three rounds, see :mod:`iota_subnet.au
    of the per-position projection tensors (:func:`~.project.projections`);
 3. :meth:`HopProver.open` returns the requested rows with their proofs.
 
+A replayed stage (:attr:`~.layout.TraceLayout.replay`) commits no trace and has no round 2: round 3
+opens its weights and wire tensors, and the validator replays the hop (:mod:`.replay`).
+
 Costs on the miner (``scripts/bench_audit.py``): one fp32 forward (+ backward) of one micro-batch
 with explicit attention, hashing the trace (:meth:`TraceLayout.trace_bytes`, ~0.2 GB for a ``tiny``
 backward audit), and host memory for the trace until the session ends.
@@ -21,7 +24,7 @@ from typing import Optional
 import torch
 
 from .commit import WeightsCommitment, WireTensor, commit_rows, wire_rows
-from .layout import TraceLayout
+from .layout import LayoutError, TraceLayout
 from .merkle import MerkleTree
 from .project import projections, randoms
 from .trace import Tracer
@@ -79,15 +82,18 @@ class HopProver:
         self.vectors: dict[str, torch.Tensor] = {}
         self.round2: TraceLayout = layout          # the layout round 2 answered (restricted to the asked blocks)
         self.trace_loss: Optional[float] = None
+        self.committed_once = False
 
     # ---- round 1 -------------------------------------------------------------------------------
     def commit(self) -> tuple[list[bytes], list[bytes]]:
         """Trace roots (layout order of ``layout.trace``) and weight entry roots (commitment order)."""
-        tracer = self.tracer_cls(self.layout, self.weights.tensors, self.device)
-        res = tracer.run(self.hop.x, targets=self.hop.targets, grad=self.hop.grad)
-        self.records = res.records
-        self.trace_loss = res.loss
-        self.trees = commit_rows(self.records, list(self.layout.trace))
+        if not self.layout.replay:        # a replayed stage commits no trace (the validator replays it)
+            tracer = self.tracer_cls(self.layout, self.weights.tensors, self.device)
+            res = tracer.run(self.hop.x, targets=self.hop.targets, grad=self.hop.grad)
+            self.records = res.records
+            self.trace_loss = res.loss
+            self.trees = commit_rows(self.records, list(self.layout.trace))
+        self.committed_once = True
         for name in self.layout.wire:
             t = self.hop.wire.get(name)
             if t is not None:
@@ -100,6 +106,8 @@ class HopProver:
         """Projection vectors and the roots of the committed projections, in the order of the layout
         restricted to ``blocks`` (None: every block; :meth:`~.layout.TraceLayout.for_blocks`, kept as
         :attr:`round2`). Raises :class:`~.layout.LayoutError` for blocks the stage does not have."""
+        if self.layout.replay:
+            raise LayoutError("a replayed stage has no round 2 (no projections): open its rows after commit()")
         if not self.records:
             raise RuntimeError("project() before commit()")
         lay = self.layout if blocks is None else self.layout.for_blocks(blocks)
@@ -148,8 +156,8 @@ class HopProver:
     def open(self, request: dict[str, list[int]], whole: tuple[str, ...] | list[str] = ()) -> dict[str, Opened]:
         """The requested rows and proofs (``request``: layout name -> row indices). ``whole``: wire
         tensors committed by a flat sha256 (:func:`~.commit.wire_sha256`), sent without proofs."""
-        if not self.vectors:
-            raise RuntimeError("open() before project()")
+        if not self.vectors and not (self.layout.replay and self.committed_once):
+            raise RuntimeError("open() before project()" if not self.layout.replay else "open() before commit()")
         self.check_request(request)
         bad = [w for w in whole if w not in self.layout.wire or w not in request]
         if bad:

@@ -50,6 +50,14 @@ def build_dataset(cfg: DataConfig, data: Optional[str], cache_dir: Optional[Path
     Raises :class:`DataError` for a bad source, too little data, a tokenizer with more ids than
     ``cfg.vocab_size`` (the model's embedding could not hold them), or a refused fallback.
     """
+    if getattr(cfg, "hf", None) is not None:     # a datasets dataset and the model's tokenizer folder
+        if data is not None:
+            raise DataError(f"the run config names its data (data.hf: {cfg.hf.get('path')!r}) but --data {data!r} was "
+                            "given too; drop --data (every neuron reads the config's dataset)")
+        from .hf_datasets import build_hf_dataset
+        cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        return build_hf_dataset(cfg.hf, cfg.tokenizer, {"vocab_size": cfg.vocab_size}, cfg.seq_len, cfg.val_fraction,
+                                cfg.max_tokens, cache_dir / "hf")
     if data is None:
         data, why = default_source()
         if data == STDLIB_SPEC and not allow_fallback:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +35,7 @@ from iota_subnet.config import RunConfig, config_from_dict, load_config
 from iota_subnet.model import bottleneck_dims, split_layers
 from iota_subnet.train.checkpoint import config_fingerprint, read_checkpoint
 from iota_subnet.errors import UserError
+from iota_subnet.utils.atomic import atomic_folder
 
 REMOTE = Path(__file__).resolve().parent / "remote"
 EXPORT_FORMAT = 1
@@ -104,7 +104,7 @@ def read_localnet(run: Path, lane: int = 0, merged: bool = False) -> tuple[RunCo
 
 def _merged_stage(run: Path, cfg: RunConfig, s: int) -> tuple[dict[str, torch.Tensor], int]:
     from iota_subnet.merge import ModuleParams
-    from iota_subnet.model import PipelineStage
+    from iota_subnet.model import make_stage
     best = None
     for p in _replicas(run, s, ".merge.safetensors"):
         tensors, meta = _read_merge_state(p)
@@ -113,7 +113,7 @@ def _merged_stage(run: Path, cfg: RunConfig, s: int) -> tuple[dict[str, torch.Te
     if best is None or best[1]["merged_epoch"] < 0:
         raise ExportError(f"stage {s} has no merged weights under {run / 'miners'} (stage{s}.merge.safetensors); "
                           "the run did not merge replicas: export one lane with --lane instead")
-    module = PipelineStage(cfg.model, cfg.pipeline, s, init=False)
+    module = make_stage(cfg.model, cfg.pipeline, s, init=False)
     ModuleParams(module).write(best[0]["anchor"])
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, int(best[1].get("step", 0))
 
@@ -252,6 +252,10 @@ def export_run(run: str | Path, out: str | Path, *, lane: int = 0, merged: bool 
     if out.exists() and any(out.iterdir()) and not force:
         raise ExportError(f"{out} exists and is not empty; pass --force to replace it or choose another --out")
     cfg, stages, prov = read_run(run, lane, merged)
+    if getattr(cfg.model, "hf", None) is not None:        # a transformers family: its own class and folder
+        from iota_subnet.hf.export_family import export_family_run
+        _sweep(out)
+        return export_family_run(cfg, stages, prov, run, out)
     tok, tok_from = find_tokenizer(run, cfg, tokenizer=tokenizer, data=data, expect_fingerprint=prov.get("tokenizer"),
                                    cache_dir=cache_dir)
     tensors = hf_state_dict(cfg, stages)
@@ -265,10 +269,8 @@ def export_run(run: str | Path, out: str | Path, *, lane: int = 0, merged: bool 
             "val_fraction": cfg.data.val_fraction, "eval_rows": cfg.train.eval_batches * cfg.train.micro_batch,
             "data_max_tokens": cfg.data.max_tokens, "run_config": cfg.to_dict(),
             "params": sum(t.numel() for t in tensors.values())}
-    out.parent.mkdir(parents=True, exist_ok=True)
     _sweep(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=str(out.parent)))
-    try:
+    with atomic_folder(out, "export-") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         files = {"config.json": json.dumps(conf, indent=2),
                  "generation_config.json": json.dumps({"eos_token_id": tok.eos_id, "pad_token_id": tok.eos_id,
@@ -281,12 +283,6 @@ def export_run(run: str | Path, out: str | Path, *, lane: int = 0, merged: bool 
         if uses_bottleneck(cfg):
             for f in ("configuration_iota.py", "modeling_iota.py"):
                 shutil.copyfile(REMOTE / f, tmp / f)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info(f"exported {run} ({prov['kind']}, {info['params']:,} parameters, {conf['architectures'][0]}) "
                 f"-> {out}")
     return info

@@ -86,9 +86,21 @@ def evaluate_file(model_dir: str | Path, data: str, *, rows: Optional[int] = Non
     T = int(seq_len or info.get("seq_len") or 0)
     if T < 1:
         raise ModelFolderError(f"{d}: no seq_len in iota_export.json; pass --seq-len")
-    tt = TextTokenizer(Tokenizer.from_file(str(d / "tokenizer.json")), "export")
     cache = (Path(cache_dir) if cache_dir else default_cache_dir()) / "tokens"
-    ds = TokenDataset(str(data), tt, T, float(info.get("val_fraction", 0.05)), info.get("data_max_tokens"), cache)
+    hf_spec = ((info.get("run_config") or {}).get("data") or {}).get("hf")
+    if hf_spec:        # a run that read a datasets dataset (data.hf): the same fields, masks and rows from ``data``
+        from iota_subnet.data.hf_datasets import DatasetSpec, HFTokenDataset
+        # the backend the run tokenized with (tokenizer.json as saved): AutoTokenizer on this folder may pick
+        # the family's tokenizer class from config.json, which can rebuild the pre-tokenizer differently
+        eos = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token") \
+            if (d / "tokenizer_config.json").exists() else None
+        tt = TextTokenizer(Tokenizer.from_file(str(d / "tokenizer.json")), f"hf-{d.name}",
+                           **({"eos_token": eos} if isinstance(eos, str) else {}))
+        ds = HFTokenDataset(DatasetSpec.from_mapping({**hf_spec, "path": str(data)}), tt, T,
+                            float(info.get("val_fraction", 0.05)), info.get("data_max_tokens"), token_cache_dir=cache)
+    else:
+        tt = TextTokenizer(Tokenizer.from_file(str(d / "tokenizer.json")), "export")
+        ds = TokenDataset(str(data), tt, T, float(info.get("val_fraction", 0.05)), info.get("data_max_tokens"), cache)
     if all_rows:
         n = ds.n_val_rows
     else:
@@ -99,11 +111,14 @@ def evaluate_file(model_dir: str | Path, data: str, *, rows: Optional[int] = Non
     for start in range(0, n, batch_size):
         b = ds.val_batch(start, min(batch_size, n - start)).to(model.device)
         x, y = b[:, :-1], b[:, 1:]
+        if getattr(ds, "loss_mask", None) is not None:       # only the marked targets, as the run trained
+            from iota_subnet.model.lm_loss import masked_target_rows
+            y = masked_target_rows(b, ds.val_mask_batch(start, b.shape[0]).to(b.device))[:, 1:]
         logits = model(input_ids=x).logits                               # [B, T, V]
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                 reduction="sum")
+                                                 reduction="sum", ignore_index=-100)
         total += float(loss)
-        tokens += int(y.numel())
+        tokens += int((y != -100).sum())
     mean = total / tokens
     logger.debug(f"evaluated {n} rows x {T} tokens of {data}")
     return {"loss": mean, "perplexity": math.exp(min(mean, 700.0)), "rows": n, "tokens": tokens, "seq_len": T,

@@ -51,25 +51,47 @@ class AllReduceAttempt:
     """:meth:`_allreduce` (one attempt) of :class:`~iota_subnet.merge.engine.MergeEngine` and its
     third-party recompute (see the module docstring)."""
 
-    async def _allreduce(self, plan: MergePlan, rep: MergeReport) -> tuple[bool, list[str], str]:
-        """One attempt. Returns (applied, replicas to exclude next time, reason)."""
-        sess = self._session(plan.epoch, plan.attempt, plan.plan_id)
-        current = await asyncio.to_thread(self.params.read)        # host float32 [P]
-        delta = self.anchor - current
-        carry = current if self.cfg.overlap else None              # the overlapped apply adds progress since now
-        del current
-        quant, block = self.cfg.quantization, self.cfg.int8_block
+    async def _allreduce(self, plan: MergePlan, rep: MergeReport, src: Optional[_Session] = None
+                         ) -> tuple[bool, list[str], str]:
+        """One attempt. Returns (applied, replicas to exclude next time, reason).
+
+        ``src``: for a repair plan (:mod:`.plan`), the session of the failed attempt whose layout it
+        keeps: this replica's slices, its weights read then (``merge.overlap``), which of its chunks
+        each reducer holds, and the chunks its own shards kept. Only what a reducer lacks is sent:
+        a reducer of the failed attempt that holds every survivor's chunks of a shard reduces it
+        again over the survivors with no transfer; a sender whose chunks a reducer holds sends it its
+        signed claim for the new plan only (no values)."""
+        sess = self._session(plan.epoch, plan.attempt, plan.plan_id, own=True)
+        quant, block = self.cfg.scatter_quant, self.cfg.int8_block
         mine = plan.shards_of(self.me)
+        keep = len(plan.participants) >= 3          # a repair needs two survivors: none after a 2-replica attempt
+        if src is None:
+            current = await asyncio.to_thread(self.params.read)        # host float32 [P]
+            delta = self.feedback.accumulate(self.anchor - current)   # top-k: plus the unsent residual
+            sess.carry = current if self.cfg.overlap else None         # the overlapped apply adds progress since now
+            del current
+            for s in range(plan.num_shards):
+                parts = []
+                for c, (off, n) in enumerate(plan.chunks(s)):
+                    q, sc = quantize(delta[off:off + n], quant, block)
+                    parts.append(dequantize(q, sc, quant, block))
+                    sess.mine_wire[(s, c)] = (q, sc)
+                sess.mine[s] = parts
+            self.feedback.hold(delta, ((off, x) for s in range(plan.num_shards) for (off, _), x in
+                                       zip(plan.chunks(s), sess.mine[s])), applied=plan.weight(self.me) > 0)
+            del delta
+        else:                                       # the failed attempt's slices: the same pseudo-gradient
+            sess.mine, sess.mine_wire, sess.carry = src.mine, src.mine_wire, src.carry
         sess.plan = plan                                           # from here contributions are accepted
         for s in mine:
-            sess.reduce[s] = _ShardReduce(plan.chunks(s), plan.participants)
-        for s in range(plan.num_shards):
-            parts = []
-            for c, (off, n) in enumerate(plan.chunks(s)):
-                q, sc = quantize(delta[off:off + n], quant, block)
-                parts.append(dequantize(q, sc, quant, block))
-                sess.mine_wire[(s, c)] = (q, sc)
-            sess.mine[s] = parts
+            sess.reduce[s] = _ShardReduce(plan.chunks(s), plan.participants, keep=keep)
+            old = src.reduce.get(s) if src is not None else None
+            if old is not None and old.kept is not None:           # reduce again from the chunks kept
+                for c, (off, _) in enumerate(plan.chunks(s)):
+                    for p in plan.participants:
+                        if c < len(old.kept.get(p, ())):
+                            q, sc = old.kept[p][c]
+                            self._accept(sess, p, s, c, off, dequantize(q, sc, quant, block), (q, sc))
         claims: dict[int, dict] = {}
         if self.observer is not None:                              # signed contribution claims (merge/claims.py)
             claims = await asyncio.to_thread(self.observer.on_contributions, plan,
@@ -78,20 +100,35 @@ class AllReduceAttempt:
         self._adopt_raw(sess)
         for s in mine:
             for c, x in enumerate(sess.mine[s]):
-                self._accept(sess, self.me, s, c, plan.chunks(s)[c][0], x)
+                self._accept(sess, self.me, s, c, plan.chunks(s)[c][0], x, sess.mine_wire[(s, c)])
+
+        def held(r: str, s: int) -> int:
+            """My chunks of shard ``s`` reducer ``r`` holds from ``src`` (0: none, or no repair)."""
+            if src is None or src.plan is None or r not in src.plan.reducers[s]:
+                return 0
+            return src.acked.get((r, s), 0)
 
         async def stream(r: str, s: int):
-            """Chunks of my slice of shard ``s`` to reducer ``r``, in order, one at a time."""
+            """Chunks of my slice of shard ``s`` to reducer ``r``, in order, one at a time (from the
+            first one it does not hold; with claims and nothing to send, the claim alone)."""
             chunks = plan.chunks(s)
+            start = sess.acked[(r, s)] = held(r, s)
+            todo = list(enumerate(chunks))[start:]
+            if not todo and s in claims:
+                off = chunks[0][0]
+                q, sc = quantize(torch.zeros(0), quant, block)
+                todo = [(len(chunks), (off, 0))]
             try:
-                for c, (off, _) in enumerate(chunks):
-                    q, sc = sess.mine_wire[(s, c)]
+                for c, (off, _) in todo:
+                    q, sc = sess.mine_wire[(s, c)] if c < len(chunks) else (q, sc)
                     await self._call(r, "/merge/contribute", MergePayload(
                         run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
                         plan_id=plan.plan_id, shard_index=s, num_shards=plan.num_shards, chunk=c,
                         num_chunks=len(chunks), offset=off, total_numel=plan.total_numel,
                         weight=plan.weight(self.me), quant=quant, shard=q, scales=sc,
                         info={"claim": claims[s]} if s in claims else {}), MergeAck)
+                    if c < len(chunks):
+                        sess.acked[(r, s)] = c + 1
                 return None
             except Exception as e:  # noqa: BLE001 - a refusal or an unreachable peer
                 return r, e
@@ -121,7 +158,7 @@ class AllReduceAttempt:
                 logger.warning(f"merge: contribution to {r[:10]} failed: {e}")
             if late:
                 return False, [], "a reducer refused as LATE (it merged or closed this attempt)"
-            return await self._gather_apply(plan, sess, rep, unreachable, gather_deadline, carry)
+            return await self._gather_apply(plan, sess, rep, unreachable, gather_deadline, sess.carry)
         finally:
             for t in sending:
                 t.cancel()
@@ -158,32 +195,50 @@ class AllReduceAttempt:
                 except Exception as e:  # noqa: BLE001
                     return e
 
-        async def gather_one(s: int) -> None:
+        def failed(s: int, r: str, res: Any) -> bool:
+            """Note why ``res`` (``r``'s answer for shard ``s``) fails the shard; False when it is a result."""
+            if isinstance(res, MergeResult):
+                if res.status == "ok":
+                    return False
+                missing.update(res.missing)
+                reasons.append(f"shard {s}: {r[:10]} incomplete")
+            else:
+                missing.add(r)
+                reasons.append(f"shard {s}: {r[:10]} unreachable ({type(res).__name__})")
+            return True
+
+        async def head(s: int) -> dict[str, Any]:
+            """Phase 1: the result header of shard ``s`` from the reducer this replica does not fetch
+            the mean from (from the other reducer when it reduces ``s`` itself)."""
             a, b = plan.reducers[s]
-            chunks = plan.chunks(s)
-            claims: dict[str, MergeResult] = {}
-            got: dict[str, Any] = {}
-            served_h = hashlib.sha256()
-            chunks_ok = True
             if self.me in (a, b):
                 mine_res = sess.results.get(s)
                 if mine_res is None or mine_res.status != "ok":
                     missing.update(mine_res.missing if mine_res is not None else [])
                     reasons.append(f"shard {s}: incomplete here")
-                    return
+                    return {self.me: None}
+                other = [r for r in (a, b) if r != self.me]
+                return {other[0]: await result(other[0], s, 0, False)} if other else {}
+            sec = b if plan.primary_for(self.me, s) == a else a
+            return {sec: await result(sec, s, 0, False)}
+
+        async def gather_one(s: int, pre: dict[str, Any]) -> None:
+            a, b = plan.reducers[s]
+            chunks = plan.chunks(s)
+            claims: dict[str, MergeResult] = {}
+            got: dict[str, Any] = dict(pre)
+            served_h = hashlib.sha256()
+            chunks_ok = True
+            if self.me in (a, b):
+                mine_res = sess.results[s]
                 claims[self.me] = mine_res
                 prim = self.me
-                other = [r for r in (a, b) if r != self.me]
-                if other:
-                    got[other[0]] = await result(other[0], s, 0, False)
                 for (off, _), mean in zip(chunks, sess.honest[s]):
                     apply_chunk(off, mean)
                 served_digest = mine_res.mean_sha256
             else:
                 prim = plan.primary_for(self.me, s)
-                sec = b if prim == a else a
-                first, got[sec] = await asyncio.gather(result(prim, s, 0, True), result(sec, s, 0, False))
-                got[prim] = first
+                first = got[prim] = await result(prim, s, 0, True)
                 served_digest = None
                 if isinstance(first, MergeResult) and first.status == "ok":
                     hashes = list(first.chunk_sha256)
@@ -208,16 +263,9 @@ class AllReduceAttempt:
                     else:
                         served_digest = served_h.hexdigest()
             for r, res in got.items():
-                if isinstance(res, MergeResult):
-                    if res.status != "ok":
-                        missing.update(res.missing)
-                        reasons.append(f"shard {s}: {r[:10]} incomplete")
-                        return
-                    claims[r] = res
-                else:
-                    missing.add(r)
-                    reasons.append(f"shard {s}: {r[:10]} unreachable ({type(res).__name__})")
+                if failed(s, r, res):
                     return
+                claims[r] = res
             hashes = {r: c.mean_sha256 for r, c in claims.items()}
             agree = len(set(hashes.values())) == 1 and len({c.contributions_root for c in claims.values()}) == 1
             if agree and chunks_ok and served_digest == next(iter(hashes.values())):
@@ -250,16 +298,24 @@ class AllReduceAttempt:
         prog = Progress(int(bpv * sum(plan.bounds[s][1] for s in range(plan.num_shards))), f"merge epoch {plan.epoch}: "
                         "gather", "B", unit_scale=True, min_total=64 << 20)
 
-        async def gather_counted(s: int) -> None:
-            await gather_one(s)
+        async def gather_counted(s: int, pre: dict[str, Any]) -> None:
+            await gather_one(s, pre)
             prog.update(int(bpv * plan.bounds[s][1]))
+        # phase 1: every shard's header (no mean) first, so that no mean is fetched in an attempt that
+        # fails (a dead reducer, an incomplete shard): a repair attempt then re-sends and re-gathers
+        # nothing it did not need to (phase 2 waits for the slowest shard's reduce)
+        heads = await asyncio.gather(*(head(s) for s in range(plan.num_shards)))
+        bad = [s for s, pre in enumerate(heads) if any(r == self.me or failed(s, r, res) for r, res in pre.items())]
+        if bad:
+            return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
         with prog:
-            await asyncio.gather(*(gather_counted(s) for s in range(plan.num_shards)))
+            await asyncio.gather(*(gather_counted(s, pre) for s, pre in enumerate(heads)))
         if len(done) != plan.num_shards:
             return False, sorted(missing - {self.me}), "; ".join(reasons[:4]) or "incomplete"
 
         # all or nothing: one write under the worker lock
         await asyncio.to_thread(self.params.write, new_anchor, carry)
+        self.feedback.commit()
         self.merged(new_anchor, new_momentum, plan.epoch)
         rep.weights_sha256 = tensor_sha256(new_anchor)
         return True, [], ""
@@ -277,7 +333,7 @@ class AllReduceAttempt:
                         run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
                         plan_id=plan.plan_id, shard_index=s, chunk=c), MergePayload)
                     x = dequantize(m.shard, m.scales, m.quant, self.cfg.int8_block)
-                    if m.quant != self.cfg.quantization or (m.offset, x.numel()) != (off, n):
+                    if m.quant != self.cfg.scatter_quant or (m.offset, x.numel()) != (off, n):
                         return
                     slices[p] = x
                 except Exception as e:  # noqa: BLE001

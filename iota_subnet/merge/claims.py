@@ -215,11 +215,13 @@ class MergeClaims:
             self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = dict(c)
 
     def on_result(self, res: MergeResult, served: torch.Tensor, offset: int, chunk_numel: Optional[int] = None, *,
-                  contributors: list[str], weights: list[float], contribution_sha256: list[str]) -> None:
+                  contributors: list[str], weights: list[float], contribution_sha256: list[str],
+                  base: Optional[list] = None) -> None:
         """Sign a result this replica computed (``served``: the mean it serves; ``chunk_numel``: the
         plan's streaming chunk, part of its plan id; the contributors in the plan's order, their
-        weights and the sha256 of the values used from each) and keep the mean with its records.
-        Sets ``res.info["claim"]``."""
+        weights and the sha256 of the values used from each; ``base``: a repair plan's
+        ``[attempt, participants]`` of the layout it keeps, bound by its plan id) and keep the mean
+        with its records. Sets ``res.info["claim"]``."""
         key = (res.epoch, res.attempt, res.plan_id, res.shard_index)
         tree = chunk_tree(served, self.chunk)
         with self._lock:
@@ -233,6 +235,8 @@ class MergeClaims:
         used = {p: got[p] for p in contributors if p in got}
         records = {"contributors": list(contributors), "weights": [float(w) for w in weights],
                    "contribution_sha256": list(contribution_sha256), "contrib_claims": used}
+        if base is not None:
+            records["base"] = [int(base[0]), list(base[1])]
         claim = sign_claim({"t": RESULT, **coords(self.run_id, self.stage, res.epoch, res.attempt, res.plan_id,
                                                   res.shard_index),
                             "offset": int(offset), "numel": int(served.numel()), "n": len(contributors),

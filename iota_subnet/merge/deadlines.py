@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
+from . import sparse
+
 #: Safety factor on the time a payload takes at the declared uplink rate.
 RATE_SLACK = 2.0
 #: The slowest transfer a merge waits for when its transport reports bytes as they move (bit/s).
@@ -33,7 +35,10 @@ FLOOR_RATE_BPS = 64e3
 
 
 def bytes_per_value(quant: str, int8_block: int = 256) -> float:
-    """Wire bytes per merged value: fp32 4, bf16 2, int8 1 plus a float32 scale per block."""
+    """Wire bytes per merged value: fp32 4, bf16 2, int8 1 plus a float32 scale per block; ``topk-*``
+    exact, ``sparse-*`` its dense bound (:func:`.sparse.bytes_per_value`)."""
+    if sparse.is_sparse(quant):
+        return sparse.bytes_per_value(quant)
     return {"none": 4.0, "bf16": 2.0}.get(quant, 1.0 + 4.0 / max(1, int8_block))
 
 

@@ -41,8 +41,16 @@ cross between the module's device and the host):
 6. **apply** (only with every shard verified): weights, anchor and momentum replaced together under the
    worker lock (with ``merge.overlap``: the merged weights plus the local progress made while the
    merge ran); else nothing changes and the attempt is retried without the missing / unreachable
-   replicas (their shards reassigned by the new plan), at most ``merge.max_attempts`` times; then the
-   epoch is abandoned (the next epoch's pseudo-gradient covers both).
+   replicas, at most ``merge.max_attempts`` times; then the epoch is abandoned (the next epoch's
+   pseudo-gradient covers both). A retry over survivors of the failed attempt is a *repair*
+   (:mod:`.plan`): the same shards and reducers (a dead reducer's shards get a live one), every
+   shard's mean over the survivors (the same contributor set everywhere; a member that died, mid-scatter
+   or as a reducer after its scatter, is no contributor any more: its slices may be incomplete, and
+   forwarding them would rest on its partner's word), reduced again from the chunks the reducers kept
+   (:class:`.serve._ShardReduce`), so only the dead reducers' shards travel again; means are fetched
+   only once every shard's header is in (step 5), so a failed attempt fetched none. A death costs
+   the survivors about its shards' bytes, not a second merge. A retry after a plan mismatch, or with
+   a replica that was not in the failed attempt, is planned afresh.
 
 Contributions for a closed or already merged epoch are refused with ``Outcome.LATE`` (410): non-fatal,
 the sender pulls the merged weights. A straggler's slices are only ever used by an attempt whose
@@ -50,8 +58,9 @@ plan names it and that completes for every shard; otherwise they are dropped wit
 
 Memory per replica (host, float32 values): anchor and momentum (2P), the pseudo-gradient (P; plus
 its dequantized copy with int8 / bf16 payloads), the new anchor and momentum while they are built
-(2P), the means of the two shards it reduces (2P/N), at most ``STREAM_WINDOW + 1`` chunks per
-contributor of each shard it reduces, and with ``merge.overlap`` the weights read at the start (P).
+(2P), the means of the two shards it reduces (2P/N), every contributor's chunks of the shards it
+reduces as received (about 2P in the payload dtype, until the epoch's merge ends; kept for a repair,
+with three participants or more), and with ``merge.overlap`` the weights read at the start (P).
 
 :class:`MergeEngine` holds the replica's merge state and runs the epoch/attempt state machine
 (:meth:`MergeEngine.merge`); its parts live in their own modules: :mod:`.join` (step 1),
@@ -81,6 +90,7 @@ from .params import ModuleParams
 from .report import MergeReport
 from .plan import MergePlan, epoch_seed
 from .serve import MergeServing, _Session
+from .sparse import ErrorFeedback
 
 #: Times one merge may move to a later epoch label the stage's other replicas are at.
 MAX_RELABELS = 8
@@ -147,6 +157,8 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         self.before_attempt = options.before_attempt
         self.anchor = params.read()                  # weights at the last merge (the run's seeded init before), host
         self.momentum = torch.zeros_like(self.anchor)
+        #: top-k merges: what this replica has not sent yet (:mod:`.sparse`; zero for a fresh joiner)
+        self.feedback = ErrorFeedback(cfg.error_feedback if cfg.quantization == "topk" else None)
         self.merged_epoch = -1
         self.ready_epoch = -1
         self.ready_work = 0.0                        # work in the window of ready_epoch (reported at join)
@@ -201,6 +213,8 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         elif write_params:
             self.params.write(anchor)
             self.work_base = self._work_total()
+        if not keep_progress:               # its own unsent progress is gone with its weights
+            self.feedback.reset()
         self.anchor, self.momentum = anchor, momentum
         self.merged_epoch = int(merged_epoch)
 
@@ -292,6 +306,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
             not_ready: set[str] = set()            # peers waited for that never became ready
             join_deadline = t0 + self.cfg.join_timeout_s
             relabels = 0
+            src: Optional[_Session] = None         # the failed attempt a repair plan keeps the layout of
             try:
                 seed = epoch_seed(self.run_id, self.stage, epoch)
                 attempt = -1
@@ -323,13 +338,13 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                         epoch = rep.epoch = self.ready_epoch = joined.relabel
                         seed = epoch_seed(self.run_id, self.stage, epoch)
                         exclude.clear()
-                        attempt = -1
+                        attempt, src = -1, None
                         continue
                     if joined.closed >= epoch:          # peers went past this epoch: meet them above it next time
                         self.label_floor = max(self.label_floor, joined.closed + 1)
                     if joined.jump > attempt:           # the peers gave up on this attempt: follow them
                         self.closed_epochs[epoch] = max(self.closed_epochs.get(epoch, -1), attempt)
-                        attempt = joined.jump - 1
+                        attempt, src = joined.jump - 1, None
                         continue
                     if joined.ahead:
                         rep.status, rep.reason = "late", (f"{len(joined.ahead)} peer(s) merged a later epoch than "
@@ -354,10 +369,16 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                     if not sum(contrib.values()) > 0:
                         rep.status, rep.reason = "alone", "no participant did any work in this window"
                         return rep
+                    if src is not None and not set(participants) <= set(src.plan.layout):
+                        src = None                      # someone new: a fresh layout
                     plan = MergePlan.make(epoch, attempt, seed, participants, self.params.numel, contrib,
-                                          chunk_numel=self.cfg.chunk_numel)
+                                          chunk_numel=self.cfg.chunk_numel,
+                                          base=None if src is None else (src.plan.base or (src.plan.attempt,
+                                                                                           src.plan.participants)))
                     self.current = (epoch, attempt, list(plan.participants))
-                    ok, missing, why = await self._allreduce(plan, rep)
+                    ok, missing, why = await (self._allreduce(plan, rep) if src is None
+                                              else self._allreduce(plan, rep, src))
+                    src = self.sessions.get((epoch, attempt, plan.plan_id))
                     self.closed_epochs[epoch] = attempt
                     if ok:
                         rep.status, rep.missing = "merged", sorted(exclude | (unreachable - set(participants)))
@@ -370,6 +391,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                                   if e == epoch and a == attempt and pid != plan.plan_id for sender, _ in ss.raw}
                     if other_plan:
                         why = f"{why}; plan mismatch with {len(other_plan)} peer(s) (another view of the merge weights)"
+                        src = None                      # the peers ran another layout: the next plan is fresh
                     missing = [m for m in missing if m not in other_plan]
                     rep.reason = why
                     exclude |= set(missing)
@@ -383,6 +405,11 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
                 self.liveness.suspect(exclude, "missing from a merge attempt")
                 self.liveness.suspect(not_ready, "not ready by the join deadline")
                 self.current = None
+                for (e, _, _), sess in self.sessions.items():   # the chunks kept for a repair: not needed any more
+                    if e == epoch:
+                        sess.carry = None
+                        for red in sess.reduce.values():
+                            red.kept = None
                 self.ready_epoch = -1
                 self.ready_work = 0.0
                 self.attempt_now = -1
@@ -405,7 +432,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         plan, red = sess.plan, sess.reduce[s]
         t0 = time.monotonic()
         deadline = t0 + phase_deadline_s(self.cfg, scatter_bytes(len(plan.participants), plan.total_numel,
-                                                                 self.cfg.quantization, self.cfg.int8_block),
+                                                                 self.cfg.scatter_quant, self.cfg.int8_block),
                                          self._byte_progress)
         pt = float(self.cfg.progress_timeout_s)
         reduced, since = red.reduced, t0
@@ -448,7 +475,8 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
             if self.observer is not None:
                 await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0],
                                         plan.chunk_numel, contributors=order, weights=weights,
-                                        contribution_sha256=hashes)
+                                        contribution_sha256=hashes,
+                                        **({} if plan.base is None else {"base": [plan.base[0], list(plan.base[1])]}))
         sess.ready_event(s).set()
 
     def mean_to_serve(self, shard_index: int, mean: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from . import sparse
+
 
 def outer_step(anchor: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, *, lr: float, mu: float,
                nesterov: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +46,10 @@ def weighted_mean(items: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, mode: str, block: int = 256) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Encode a float32 1-D tensor for the wire: ``none`` -> (float32, None); ``bf16`` -> (bfloat16, None);
-    ``int8`` -> (int8 [n], float32 scales [ceil(n / block)]) with ``scale = absmax(block) / 127``."""
+    ``int8`` -> (int8 [n], float32 scales [ceil(n / block)]) with ``scale = absmax(block) / 127``;
+    ``topk-*`` / ``sparse-*`` -> :func:`.sparse.encode` (``block`` unused: the mode names its own)."""
+    if sparse.is_sparse(mode):
+        return sparse.encode(x, mode)
     x = x.detach().float().reshape(-1)
     if mode == "none":
         return x.contiguous(), None
@@ -71,7 +76,9 @@ def rounded(x: torch.Tensor, mode: str, block: int = 256) -> tuple[torch.Tensor,
 def rounding_bound(x: torch.Tensor, mode: str, block: int = 256) -> torch.Tensor:
     """Per value, an upper bound on ``|rounded(x) - x|`` (float32 [n]): 0 for ``none``, ``|x| / 256``
     for ``bf16`` (8 significant bits, round to nearest), half the block's scale ``absmax / 127`` for
-    ``int8``."""
+    ``int8``; for ``sparse-*`` :func:`.sparse.rounding_bound` (groups of at least ``block``)."""
+    if sparse.is_sparse(mode):
+        return sparse.rounding_bound(x, mode, block)
     x = x.detach().float().reshape(-1)
     if mode == "none":
         return torch.zeros_like(x)
@@ -88,6 +95,8 @@ def rounding_bound(x: torch.Tensor, mode: str, block: int = 256) -> torch.Tensor
 
 def dequantize(q: torch.Tensor, scales: Optional[torch.Tensor], mode: str, block: int = 256) -> torch.Tensor:
     """Inverse of :func:`quantize` (float32 [n]). Raises ValueError when dtype or scales do not fit ``mode``."""
+    if sparse.is_sparse(mode):
+        return sparse.decode(q, scales, mode)
     if mode == "none":
         if q.dtype != torch.float32:
             raise ValueError(f"quantization none expects float32, got {q.dtype}")

@@ -14,6 +14,13 @@ Chunks: every shard travels as consecutive chunks of at most ``chunk_numel`` val
 (:meth:`MergePlan.chunks`), one message each, so no message body holds a whole shard (a shard
 of an ``8b`` head stage at N = 2 is 700M values, 2.8 GB in fp32).
 
+Repair plans: when members die after the join of attempt ``k`` (mid-scatter, or as a reducer), the
+next attempt over the survivors keeps attempt ``k``'s layout (``base = (attempt, participants)`` of
+the attempt whose layout it keeps): the same shard boundaries and reducers, each dead reducer
+replaced by a survivor (deterministic, the least loaded first, ties broken by a hash), and the
+weights of the survivors alone (the weighted mean renormalises). Its ``plan_id`` binds ``base``, so
+it never equals a fresh plan's, and a validator rebuilds it from the records a reducer keeps.
+
 Weights: a participant's weight in the mean is its validators' merge weight times the work it did
 in the merge window (tokens trained since the last merge). A participant with weight 0 (it did no
 work) still reduces and gathers, so it ends with the merged weights, but does not dilute the mean;
@@ -48,12 +55,16 @@ class MergePlan:
     weights: tuple[tuple[str, float], ...]
     plan_id: str
     chunk_numel: int = 1 << 62
+    #: a repair plan's layout: (attempt, sorted participants) of the attempt whose shards it keeps; None: fresh
+    base: Optional[tuple[int, tuple[str, ...]]] = None
 
     @classmethod
     def make(cls, epoch: int, attempt: int, seed: bytes, participants: Sequence[str], total_numel: int,
-             weights: Optional[Mapping[str, float]] = None, chunk_numel: Optional[int] = None) -> "MergePlan":
+             weights: Optional[Mapping[str, float]] = None, chunk_numel: Optional[int] = None,
+             base: Optional[tuple[int, Sequence[str]]] = None) -> "MergePlan":
         """Raises ValueError for no participants, duplicates, a non-positive size or chunk size, a
-        negative weight or weights summing to 0."""
+        negative weight or weights summing to 0, or (``base``: a repair plan, see the module
+        docstring) participants that are not in ``base``'s."""
         parts = tuple(sorted(participants))
         if not parts:
             raise ValueError("a merge plan needs at least one participant")
@@ -67,7 +78,12 @@ class MergePlan:
         cn = int(chunk_numel) if chunk_numel is not None else 1 << 62
         if cn <= 0:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
-        n = len(parts)
+        layout, base_attempt = parts, attempt
+        if base is not None:
+            base_attempt, layout = int(base[0]), tuple(sorted(base[1]))
+            if not set(parts) <= set(layout) or len(set(layout)) != len(layout):
+                raise ValueError("a repair plan's participants must be among its base's")
+        n = len(layout)
         n_shards = max(1, min(n, total_numel))
         base, extra = divmod(total_numel, n_shards)
         bounds, off = [], 0
@@ -75,16 +91,27 @@ class MergePlan:
             size = base + (1 if s < extra else 0)
             bounds.append((off, size))
             off += size
-        digest = hashlib.sha256(seed + f"|{attempt}|".encode() + "|".join(parts).encode()).digest()
+        digest = hashlib.sha256(seed + f"|{base_attempt}|".encode() + "|".join(layout).encode()).digest()
         # Deterministic permutation: sort participants by a per-participant hash of the digest.
-        perm = sorted(parts, key=lambda hk: hashlib.sha256(digest + hk.encode()).digest())
+        perm = sorted(layout, key=lambda hk: hashlib.sha256(digest + hk.encode()).digest())
         if n == 1:
             reducers = [(perm[0], perm[0])]
         else:
             reducers = [(perm[s % n], perm[(s + 1) % n]) for s in range(n_shards)]
+        ident = [epoch, attempt, seed.hex(), parts, total_numel, tuple(sorted(w.items())), cn]
+        if base is not None:
+            reducers = _replace_dead(reducers, parts, digest + f"|repair|{attempt}|".encode())
+            ident.append([base_attempt, layout])
         wt = tuple(sorted(w.items()))
-        pid = hashlib.sha256(json.dumps([epoch, attempt, seed.hex(), parts, total_numel, wt, cn]).encode()).hexdigest()[:32]
-        return cls(epoch, attempt, parts, total_numel, tuple(bounds), tuple(reducers), wt, pid, cn)
+        pid = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
+        return cls(epoch, attempt, parts, total_numel, tuple(bounds), tuple(reducers), wt, pid, cn,
+                   None if base is None else (base_attempt, layout))
+
+    @property
+    def layout(self) -> tuple[str, ...]:
+        """The participants whose count and permutation set the shards and reducers (a repair plan's
+        base participants, else the participants)."""
+        return self.participants if self.base is None else self.base[1]
 
     @property
     def num_shards(self) -> int:
@@ -110,11 +137,14 @@ class MergePlan:
 
     def primary_for(self, hotkey: str, shard: int) -> str:
         """Which reducer of ``shard`` a non-reducer fetches the mean from: the first when its rank
-        among the sorted participants plus ``shard`` is even, else the second, so each reducer serves
-        half of the shard's gatherers (within one), and no replica sends more than about 3P
-        (:meth:`expected_bytes`; a draw per gatherer put some reducers at 3.25P with 32 replicas)."""
+        among the sorted participants is even, else the second. A reducer is the first of one shard
+        and the second of the next, so it serves half of each of its shards' gatherers (within one)
+        and no replica sends more than about 3P (:meth:`expected_bytes`; a draw per gatherer put
+        some reducers at 3.25P with 32 replicas); and every gatherer asks every reducer something
+        before it fetches any mean (the hash of one of its two shards from it, the mean of the
+        other), so a dead reducer is found before any mean is fetched (:mod:`.allreduce`)."""
         a, b = self.reducers[shard]
-        return a if (self._rank[hotkey] + shard) % 2 == 0 else b
+        return a if self._rank[hotkey] % 2 == 0 else b
 
     def expected_bytes(self, bytes_per_value: float = 4.0) -> dict[str, float]:
         """Payload bytes per replica per merge (tensor data only), averaged over replicas.
@@ -128,3 +158,28 @@ class MergePlan:
         scatter = (2 * n - 2) / n * p
         gather = (n - 2) / n * p
         return {"sent": scatter + gather, "received": scatter + gather}
+
+
+def _replace_dead(reducers: list[tuple[str, str]], alive: Sequence[str], salt: bytes) -> list[tuple[str, str]]:
+    """``reducers`` with every reducer not in ``alive`` replaced by a live one that is not the
+    shard's other reducer: the least loaded (shards it reduces already) first, ties broken by
+    ``sha256(salt | shard | hotkey)``."""
+    live = set(alive)
+    load = {hk: 0 for hk in alive}
+    for pair in reducers:
+        for r in set(pair):
+            if r in live:
+                load[r] += 1
+    out = []
+    for s, pair in enumerate(reducers):
+        new = list(pair)
+        for i in range(2):
+            if new[i] in live:
+                continue
+            other = new[1 - i] if new[1 - i] in live else None
+            cands = [hk for hk in alive if hk != other] or list(alive)
+            pick = min(cands, key=lambda hk: (load[hk], hashlib.sha256(salt + f"{s}|".encode() + hk.encode()).digest()))
+            load[pick] += 1
+            new[i] = pick
+        out.append((new[0], new[1]))
+    return out

@@ -41,9 +41,15 @@ STREAM_WINDOW = 2
 
 
 class _ShardReduce:
-    """A reducer's state for one shard: chunks streaming in from every participant, reduced in order."""
+    """A reducer's state for one shard: chunks streaming in from every participant, reduced in order.
 
-    def __init__(self, chunks: list[tuple[int, int]], participants: Iterable[str]):
+    With ``keep`` every participant's chunks are also kept as received (``kept[sender]``: (values,
+    scales) in the payload's encoding, in order) until the merge of the epoch ends: a repair attempt
+    over the survivors (:mod:`.plan`, repair plans) reduces the shard again from them with no
+    transfer. That is about the stage's bytes in the payload dtype per shard reduced (N contributors
+    x P / N values), twice that per replica."""
+
+    def __init__(self, chunks: list[tuple[int, int]], participants: Iterable[str], keep: bool = False):
         self.chunks = chunks
         self.inbox: dict[int, dict[str, torch.Tensor]] = {}     # chunk -> sender -> float32 values
         self.got: dict[str, int] = {p: 0 for p in participants}  # chunks received per sender (in order)
@@ -53,6 +59,8 @@ class _ShardReduce:
         self.wire: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []   # the same, encoded (values, scales)
         self.shard_h, self.momentum_h = hashlib.sha256(), hashlib.sha256()
         self.progress = asyncio.Event()
+        self.kept: Optional[dict[str, list[tuple[torch.Tensor, Optional[torch.Tensor]]]]] = (
+            {p: [] for p in self.got} if keep else None)
 
     @property
     def done(self) -> bool:
@@ -75,6 +83,9 @@ class _Session:
         self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
         self.served_wire: dict[int, list[tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}   # encoded
         self.result_ready: dict[int, asyncio.Event] = {}
+        #: my chunks each reducer holds: (reducer, shard) -> chunks acknowledged (a repair resends the rest)
+        self.acked: dict[tuple[str, int], int] = {}
+        self.carry: Optional[torch.Tensor] = None                 # weights read at the start (merge.overlap)
         self.closed = False
         self.created = time.monotonic()
 
@@ -118,12 +129,19 @@ class MergeServing:
     def _late(self, epoch: int, attempt: int) -> bool:
         return epoch <= self.merged_epoch or self.closed_epochs.get(epoch, -1) >= attempt
 
-    def _session(self, epoch: int, attempt: int, plan_id: str) -> _Session:
+    def _session(self, epoch: int, attempt: int, plan_id: str, own: bool = False) -> _Session:
+        """The session of ``(epoch, attempt, plan_id)``, created when new; past :data:`MAX_SESSIONS`
+        a peer's message is refused (BUSY), while this replica's own plan (``own``) evicts the oldest
+        session it does not run (early contributions under a plan of another view)."""
         key = (epoch, attempt, plan_id)
         sess = self.sessions.get(key)
         if sess is None:
             if len(self.sessions) >= MAX_SESSIONS:
                 self._prune()
+            if own and len(self.sessions) >= MAX_SESSIONS:
+                foreign = [k for k, v in self.sessions.items() if v.plan is None]
+                if foreign:
+                    self.sessions.pop(min(foreign, key=lambda k: self.sessions[k].created)).closed = True
             if len(self.sessions) >= MAX_SESSIONS:
                 raise ProtocolError(Outcome.BUSY, f"{len(self.sessions)} merge sessions open")
             sess = self.sessions[key] = _Session(epoch, attempt, plan_id)
@@ -133,7 +151,7 @@ class MergeServing:
         # A finished attempt's results stay served for a while: a slower peer may still be gathering.
         for key, sess in list(self.sessions.items()):
             phase = self.cfg.phase_timeout_s if sess.plan is None else phase_deadline_s(self.cfg, scatter_bytes(
-                len(sess.plan.participants), sess.plan.total_numel, self.cfg.quantization, self.cfg.int8_block))
+                len(sess.plan.participants), sess.plan.total_numel, self.cfg.scatter_quant, self.cfg.int8_block))
             # (the declared-rate deadline: a closed attempt's results are kept for peers gathering late,
             # not for as long as the floor rate allows a live one, which would fill the session table)
             if self.current is not None and key[:2] == self.current[:2]:
@@ -148,8 +166,8 @@ class MergeServing:
                                               f"(merged epoch {self.merged_epoch}); pull the merged weights")
         if msg.total_numel != self.params.numel:
             raise ProtocolError(Outcome.BAD_SHAPE, f"total_numel {msg.total_numel} != this stage's {self.params.numel}")
-        if msg.quant != self.cfg.quantization:
-            raise ProtocolError(Outcome.MALFORMED, f"quantization {msg.quant!r}, this run uses {self.cfg.quantization!r}")
+        if msg.quant != self.cfg.scatter_quant:
+            raise ProtocolError(Outcome.MALFORMED, f"quantization {msg.quant!r}, this run uses {self.cfg.scatter_quant!r}")
         if msg.shard.dim() != 1 or not (0 <= msg.offset and msg.offset + msg.shard.numel() <= msg.total_numel):
             raise ProtocolError(Outcome.BAD_SHAPE, f"slice [{msg.offset}, +{msg.shard.numel()}) outside [0, {msg.total_numel})")
         if msg.shard.numel() > self.cfg.chunk_numel:
@@ -166,12 +184,14 @@ class MergeServing:
         if self.observer is not None:
             self.observer.on_contribution_in(caller, msg, x)
         sess = self._session(msg.epoch, msg.attempt, msg.plan_id)
+        if x.numel() == 0:       # a claim only: a repair attempt's sender whose chunks this reducer holds already
+            return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
         if sess.plan is None:
             if len(sess.raw) > 4 * 64:
                 raise ProtocolError(Outcome.BUSY, "too many early contributions")
             sess.raw.append((caller, msg))
         else:
-            self._accept(sess, caller, msg.shard_index, msg.chunk, msg.offset, x)
+            self._accept(sess, caller, msg.shard_index, msg.chunk, msg.offset, x, (msg.shard, msg.scales))
         return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
 
     async def _throttle(self, msg: MergePayload) -> None:
@@ -199,7 +219,10 @@ class MergeServing:
             except asyncio.TimeoutError:
                 return
 
-    def _accept(self, sess: _Session, sender: str, s: int, c: int, offset: int, x: torch.Tensor) -> None:
+    def _accept(self, sess: _Session, sender: str, s: int, c: int, offset: int, x: torch.Tensor,
+                wire: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> None:
+        """Take chunk ``c`` of ``sender``'s slice of shard ``s`` (``x``: dequantized; ``wire``: as
+        received, kept for a repair when the shard keeps chunks)."""
         plan = sess.plan
         if sender not in plan.participants:
             raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} is not in plan {plan.plan_id}")
@@ -212,6 +235,9 @@ class MergeServing:
         got = red.got[sender]
         if c < got:                                    # a resent chunk: must repeat the first one
             prev = red.inbox.get(c, {}).get(sender)
+            if prev is None and red.kept is not None:
+                q, sc = red.kept[sender][c]
+                prev = dequantize(q, sc, self.cfg.scatter_quant, self.cfg.int8_block)
             if prev is not None and not torch.equal(prev, x):
                 raise ProtocolError(Outcome.FORBIDDEN, f"{sender[:10]} sent two different chunks {c} for shard {s}")
             return
@@ -219,6 +245,8 @@ class MergeServing:
             raise ProtocolError(Outcome.MALFORMED, f"chunk {c} of shard {s} before chunk {got}: chunks go in order")
         red.inbox.setdefault(c, {})[sender] = x
         red.got[sender] = c + 1
+        if red.kept is not None:
+            red.kept[sender].append(wire if wire is not None else (x, None))
         for view in host_bytes(x):
             red.contribution_h[sender].update(view)
         self._advance(sess, s)
@@ -247,7 +275,7 @@ class MergeServing:
         for sender, msg in sess.raw:
             try:
                 x = dequantize(msg.shard, msg.scales, msg.quant, self.cfg.int8_block)
-                self._accept(sess, sender, msg.shard_index, msg.chunk, msg.offset, x)
+                self._accept(sess, sender, msg.shard_index, msg.chunk, msg.offset, x, (msg.shard, msg.scales))
             except (ProtocolError, ValueError) as e:
                 logger.warning(f"merge: early contribution from {sender[:10]} dropped: {e}")
         sess.raw.clear()
@@ -297,4 +325,4 @@ class MergeServing:
                             plan_id=msg.plan_id, shard_index=msg.shard_index, num_shards=sess.plan.num_shards,
                             chunk=msg.chunk, num_chunks=len(chunks), offset=chunks[msg.chunk][0],
                             total_numel=sess.plan.total_numel, weight=sess.plan.weight(self.me),
-                            quant=self.cfg.quantization, shard=q, scales=sc)
+                            quant=self.cfg.scatter_quant, shard=q, scales=sc)

@@ -214,7 +214,10 @@ class HopAuditRoutes:
         seed = codec.read_seed(msg)
         blocks = codec.read_blocks(msg, s.layout)
         async with s.lock:
-            vec, roots = await asyncio.to_thread(s.prover.project, seed, blocks)
+            try:
+                vec, roots = await asyncio.to_thread(s.prover.project, seed, blocks)
+            except LayoutError as e:           # a replayed stage has no round 2
+                raise ProtocolError(Outcome.MALFORMED, str(e)) from None
         return codec.projection_message(msg, s.prover.round2, vec, roots)
 
     # ---- round 3 ---------------------------------------------------------------------------------

@@ -202,6 +202,7 @@ class MinerMerging:
             # gate, before the merge applies; the merge state of that step holds the merged weights)
             own = not resumed or merged_at >= w.inner_step
             self.engine.set_state(tensors["anchor"], tensors["momentum"], int(meta["merged_epoch"]), write_params=own)
+            self.engine.feedback.load(tensors.get("error_feedback"), self.engine.params.numel)
             self.anchor_step = merged_at
             if own:
                 why = (f"its checkpoint (inner step {w.inner_step}) is older than its merge state"
@@ -216,7 +217,10 @@ class MinerMerging:
     def save_state(self) -> None:
         """Write the merge state (blocking; run it off the event loop)."""
         m = self.engine
-        data = tensors_bytes({"anchor": m.anchor.contiguous().cpu(), "momentum": m.momentum.contiguous().cpu()},
+        tensors = {"anchor": m.anchor.contiguous().cpu(), "momentum": m.momentum.contiguous().cpu()}
+        if m.feedback.state is not None:            # top-k merges: the unsent residual
+            tensors["error_feedback"] = m.feedback.state.contiguous()
+        data = tensors_bytes(tensors,
                              {"merged_epoch": m.merged_epoch, "step": self.anchor_step,
                               "anchor_step": self.anchor_step, "work_base": m.work_base})
         atomic_write_bytes(self.state_path, data)

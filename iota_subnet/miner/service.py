@@ -59,6 +59,7 @@ from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.model import bottleneck_dims
+from iota_subnet.model.lm_loss import masked_target_rows
 from iota_subnet.protocol import Health, Outcome, ProtocolError, StateRequest, StateResponse
 from iota_subnet.protocol.commitment import MINER, RunCommitment
 from iota_subnet.telemetry import NeuronMetrics, health_handler
@@ -264,9 +265,15 @@ class MinerService:
                 self.fingerprints = built
         self.view.check_fingerprints(self.fingerprints)
         ds = self.dataset
+        spec = self.worker.spec
+        # a loss mask (data.hf.mask_field) reaches the tail's loss as ignored targets (-100)
+        masked = getattr(ds, "loss_mask", None) is not None and spec.is_tail and not spec.is_head
 
         def rows(split: str, seed: int, start: int, n: int) -> torch.Tensor:
-            return ds.batch(seed, start, n) if split == "train" else ds.val_batch(start, n)
+            r = ds.batch(seed, start, n) if split == "train" else ds.val_batch(start, n)
+            if masked:
+                r = masked_target_rows(r, ds.mask_batch(seed, start, n) if split == "train" else ds.val_mask_batch(start, n))
+            return r
         return rows
 
     async def _listen_port(self) -> int:

@@ -37,7 +37,7 @@ from iota_subnet.config import RunConfig
 from iota_subnet.miner.activation_cache import ActivationCache, SavedTensorMeter
 from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.utils.spill import SpillDir
-from iota_subnet.model import PipelineStage
+from iota_subnet.model import make_stage
 from iota_subnet.train.checkpoint import (checkpoint_bytes, config_fingerprint, read_checkpoint,
                                           restore, save_checkpoint)
 from iota_subnet.train.colocated import autocast_ctx
@@ -72,8 +72,8 @@ class StageWorker:
         self.cfg, self.stage = cfg, stage
         self.device = prepare_device(device, cfg)      # TF32 by train.precision on CUDA
         torch.manual_seed(seed + 1000 * stage)       # same init as build_stages(cfg, seed)
-        self.module = PipelineStage(cfg.model, cfg.pipeline, stage,
-                                    checkpointing=cfg.train.activation_checkpointing).to(self.device)
+        self.module = make_stage(cfg.model, cfg.pipeline, stage, seed=seed,
+                                 checkpointing=cfg.train.activation_checkpointing).to(self.device)
         self.opt = make_optimizer(self.module, cfg.train)
         self.spec = self.module.spec
         t = cfg.train

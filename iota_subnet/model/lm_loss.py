@@ -19,6 +19,18 @@ IGNORE_INDEX = -100
 """Target value that is never trained (``transformers``' and PyTorch's ``ignore_index``)."""
 
 
+def masked_target_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Packed rows ``[B, T + 1]`` (int64) whose targets (``[:, 1:]``) are :data:`IGNORE_INDEX` where the
+    mask row ``[B, T + 1]`` is zero: what a last stage that reads its targets as ``rows[:, 1:]`` trains on
+    (the inputs ``[:, :-1]`` then hold ignored ids too; only a stage that takes no token input may use
+    them). Returns a new tensor. Raises ``ValueError`` for mismatched shapes."""
+    if tuple(rows.shape) != tuple(mask.shape):
+        raise ValueError(f"rows {tuple(rows.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    out = rows.clone()
+    out[:, 1:] = out[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    return out
+
+
 def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean next-token cross-entropy (nats, float32 scalar) over the marked target positions.
 

@@ -15,7 +15,6 @@ Inputs and outputs (B rows, T tokens, d width, b wire width, V vocab):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +25,7 @@ from loguru import logger
 
 from iota_subnet.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, bottleneck_dims, split_layers
 from iota_subnet.model.bottleneck import BottleneckDecoder, BottleneckEncoder
+from iota_subnet.model.spec import StageSpec
 from iota_subnet.model.llama import Block, RMSNorm, block_flops_per_token, init_weights, rope_cos_sin
 
 
@@ -71,25 +71,6 @@ def lm_head_cross_entropy(h: torch.Tensor, lm_head: nn.Linear, targets: torch.Te
                 else ce_sum(hc, tc))
         total = part if total is None else total + part
     return total / n
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What a stage is: its index, layer range, and the widths of what enters and leaves it."""
-
-    index: int
-    n_stages: int
-    layers: range
-    in_width: Optional[int]   # None for the head (token ids)
-    out_width: Optional[int]  # None for the tail (loss)
-
-    @property
-    def is_head(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_tail(self) -> bool:
-        return self.index == self.n_stages - 1
 
 
 class PipelineStage(nn.Module):
@@ -185,6 +166,19 @@ class PipelineStage(nn.Module):
         return lm_head_cross_entropy(self.norm(h), self.lm_head, targets, self.ce_chunk_bytes)
 
 
+def make_stage(cfg: ModelConfig, pcfg: PipelineConfig, index: int, *, init: bool = True,
+               checkpointing: bool = False, seed: int = 0) -> nn.Module:
+    """Stage ``index`` of a run: a :class:`PipelineStage`, or for a ``transformers`` model
+    (:class:`~iota_subnet.config_hf.HFModelConfig`) an
+    :class:`~iota_subnet.model.hf_pipeline.HFPipelineStage` (same interface; its weights seeded by
+    ``seed`` and their names, or read from the pretrained folder). A PipelineStage draws from torch's
+    global generator (callers seed it, as :func:`build_stages` does)."""
+    if getattr(cfg, "hf", None) is not None:
+        from iota_subnet.model.hf_pipeline import HFPipelineStage
+        return HFPipelineStage(cfg, pcfg, index, init=init, seed=seed, checkpointing=checkpointing)
+    return PipelineStage(cfg, pcfg, index, init=init, checkpointing=checkpointing)
+
+
 def build_stages(cfg: RunConfig | tuple[ModelConfig, PipelineConfig], seed: int = 0) -> list[PipelineStage]:
     """All S stages of a run, initialised from one seed (each stage from ``seed + index``);
     ``train.activation_checkpointing`` of a RunConfig applies to every stage."""
@@ -193,7 +187,7 @@ def build_stages(cfg: RunConfig | tuple[ModelConfig, PipelineConfig], seed: int 
     out = []
     for i in range(pcfg.stages):
         torch.manual_seed(seed + 1000 * i)
-        out.append(PipelineStage(mcfg, pcfg, i, checkpointing=ckpt))
+        out.append(make_stage(mcfg, pcfg, i, checkpointing=ckpt, seed=seed))
     return out
 
 

@@ -102,7 +102,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
         atomic_write_text(self.config_path, resolved_config_yaml(self.cfg))
-        if self.data is None:
+        if self.data is None and getattr(self.cfg.data, "hf", None) is None:   # data.hf: the config names it
             self.data, why = default_source()
             logger.info(f"no --data given: using {self.data} ({why})")
         tok, ds = build_dataset(self.cfg.data, self.data, allow_fallback=True)   # a local network may fall back
@@ -141,11 +141,15 @@ class LocalNet(NeuronProcesses, RunSummary):
             a += ["--device", self.device]
         return a
 
+    def _data_args(self) -> list[str]:
+        """``--data`` for the neurons (none when the config names a ``datasets`` dataset, ``data.hf``)."""
+        return [] if self.data is None else ["--data", str(self.data)]
+
     def _miner_child(self, s: int, r: int, w) -> Child:
         name = f"miner-s{s}-r{r}"
         out = self.out / "miners" / name
         argv = [sys.executable, "-m", "iota_subnet.entry.miner", *self._common(name), "--stage", str(s), "--out",
-                str(out), "--no-register", "--data", str(self.data), "--link-control", str(out / "link-control.json"),
+                str(out), "--no-register", *self._data_args(), "--link-control", str(out / "link-control.json"),
                 "--allow-data-fallback", *self.extra_miner_args]
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
@@ -159,7 +163,7 @@ class LocalNet(NeuronProcesses, RunSummary):
             name = f"validator{v}"
             out = self.out / "validators" / name
             argv = [py, "-m", "iota_subnet.entry.validator", *self._common(name), "--out", str(out),
-                    "--data", str(self.data), "--min-lanes", str(self.replicas), "--link-control",
+                    *self._data_args(), "--min-lanes", str(self.replicas), "--link-control",
                     str(out / "link-control.json"), "--allow-data-fallback", "--dashboard-port", "0",
                     *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))

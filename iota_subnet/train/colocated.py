@@ -44,9 +44,17 @@ def autocast_ctx(device: torch.device, precision: str = "fp32"):
     return contextlib.nullcontext()
 
 
-def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [B, T+1] -> inputs [B, T], targets [B, T]."""
+def split_rows(rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [B, T+1] -> inputs [B, T], targets [B, T]; with a loss mask [B, T+1] (a dataset with
+    ``data.hf.mask_field``) the unmarked targets are ``-100`` (not trained, as on the network's tail)."""
+    if mask is not None:
+        from iota_subnet.model.lm_loss import masked_target_rows
+        return rows[:, :-1], masked_target_rows(rows, mask.to(rows.device))[:, 1:]
     return rows[:, :-1], rows[:, 1:]
+
+
+def _masked(dataset) -> bool:
+    return getattr(dataset, "loss_mask", None) is not None
 
 
 @torch.no_grad()
@@ -60,7 +68,7 @@ def evaluate(model: StagedModel, dataset, cfg: RunConfig, device: torch.device) 
         rows = dataset.val_batch(i * mb, mb).to(device)
         if rows.shape[0] == 0:
             break
-        x, y = split_rows(rows)
+        x, y = split_rows(rows, dataset.val_mask_batch(i * mb, mb) if _masked(dataset) else None)
         with autocast_ctx(device, cfg.train.precision):
             total += float(model(x, y)) * rows.shape[0]
         count += rows.shape[0]
@@ -157,7 +165,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
             loss_sum = 0.0
             for m in range(n_micro):
                 rows = dataset.batch(seed, step * B + m * mb, mb).to(dev)
-                x, y = split_rows(rows)
+                x, y = split_rows(rows, dataset.mask_batch(seed, step * B + m * mb, mb) if _masked(dataset) else None)
                 with autocast_ctx(dev, cfg.train.precision):
                     loss = model(x, y)
                 (loss / n_micro).backward()

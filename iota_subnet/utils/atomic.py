@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 def _fsync_dir(path: Path) -> None:
@@ -103,3 +105,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def atomic_folder(out: str | os.PathLike, prefix: str = "") -> Iterator[Path]:
+    """Build a folder in a temporary sibling (``.<name>.<prefix><random>``, yielded) and put it in
+    place of ``out`` when the block ends without an exception (an existing ``out`` is removed first);
+    on an exception the temporary folder is removed and the exception re-raised. A process killed
+    half-way leaves the sibling for the caller's start-up sweep."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{prefix}", dir=str(out.parent)))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

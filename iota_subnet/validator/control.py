@@ -37,6 +37,7 @@ from loguru import logger
 from iota_subnet.config import RunConfig
 from iota_subnet.protocol import ReceiptAck, ReceiptBatch
 
+from .blame import BlameBook
 from .control_context import ControlContext, ControlCounters, ControlOptions
 from .flights import Flight, FlightBook
 from .health import HealthProbe
@@ -95,7 +96,9 @@ class ControlPlane:
         self.n_stages, self.mb, self.micro_per_step = self.ctx.n_stages, self.ctx.mb, self.ctx.micro_per_step
         self.tickets = TicketIssuer(self.ctx, keypair)
         self.hotkey = self.tickets.hotkey
-        self.receipts = ReceiptMatcher(self.ctx)
+        #: proven refusals (:class:`~.blame.BlameBook`): their senders are charged (``opts.on_flag``)
+        self.blame = BlameBook(self, flag=o.on_flag)
+        self.receipts = ReceiptMatcher(self.ctx, self.blame)
         self.health = HealthProbe(self.ctx)
         self.steps = LaneStepper(self.ctx, self.tickets, self.health)
         #: holds the step closing a merge window until every live lane is there (replicas merge together)
@@ -111,15 +114,6 @@ class ControlPlane:
     def lookahead(self) -> int:
         """Lane steps whose tickets are at the head before they are needed."""
         return self.opts.lookahead
-
-    @property
-    def blame(self) -> Optional[Any]:
-        """Proven refusals (:class:`~.blame.BlameBook`): who refused a micro-batch's hop is not unreachable."""
-        return self.receipts.blame
-
-    @blame.setter
-    def blame(self, book: Optional[Any]) -> None:
-        self.receipts.blame = book
 
     def on_receipts(self, batch: ReceiptBatch, caller: str) -> ReceiptAck:
         """A miner's receipt batch (``caller``: its hotkey, authenticated):

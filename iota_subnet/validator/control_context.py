@@ -40,6 +40,8 @@ class ControlOptions:
 
     Observers (the audit scheduler): ``on_receipt(ticket, receipt, reporter's hotkey)`` for every
     accepted receipt, ``on_hop((uid, hotkey), ok, when)`` for every training hop outcome per miner.
+    ``on_flag((uid, hotkey), stage, reason)``: a miner proven to have sent bad output is barred
+    (:class:`~.blame.BlameBook`'s ``flag``; e.g. the audit policy's flag, weight 0).
     """
 
     run_id: str
@@ -64,6 +66,7 @@ class ControlOptions:
     clock: Callable[[], float] = time.time
     on_receipt: Optional[Callable[[Ticket, Receipt, str], None]] = None
     on_hop: Optional[Callable[[tuple[int, str], bool, Optional[float]], None]] = None
+    on_flag: Optional[Callable[[tuple[int, str], int, str], None]] = None
 
     def resolved(self, cfg: RunConfig) -> ControlOptions:
         """A copy with the defaults that depend on ``cfg`` or chance filled in and the numbers coerced

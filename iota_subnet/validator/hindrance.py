@@ -13,11 +13,19 @@ word) blocks the others only once this validator's own ``/health`` probe of it f
 cannot excuse itself by naming a healthy neighbour); a fault the validator saw itself (its call to a
 head failed) or a proven refusal counts at once. A member that was charged a failure itself since
 the block began is not excused. Claims not confirmed within ``horizon_s`` are dropped.
+
+The maps survive a validator restart (:meth:`Hindrances.to_dict` / :meth:`Hindrances.load_dict`, saved
+with the scores each weights round): blocks confirmed or claimed before a restart still excuse their
+members in the next scoring update. Times are wall-clock seconds, so they stay meaningful across
+processes.
 """
 from __future__ import annotations
 
+import json
 import time
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from loguru import logger
 
 Key = tuple[int, str]
 
@@ -85,3 +93,41 @@ class Hindrances:
         self._down = {h: t for h, t in self._down.items() if t >= old}     # a later probe finds it again
         self._pending = {c: kept for c, ps in self._pending.items() if (kept := [p for p in ps if p[2] >= old])}
         return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The maps as JSON-able data (hotkeys and clock seconds), for the validator's state."""
+        return {"pending": {c: [list(p) for p in ps] for c, ps in self._pending.items()},
+                "down": dict(self._down), "charged": dict(self._charged), "blocked": dict(self._blocked),
+                "worked": dict(self._worked)}
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as JSON text."""
+        return json.dumps(self.to_dict())
+
+    def load_json(self, raw: str) -> bool:
+        """:meth:`load_dict` from JSON text; text that is not JSON is logged and ignored."""
+        try:
+            d = json.loads(raw)
+        except ValueError as e:
+            logger.warning("saved hindrances ignored (not JSON: {})", e)
+            return False
+        return self.load_dict(d) if isinstance(d, Mapping) else False
+
+    def load_dict(self, d: Mapping[str, Any]) -> bool:
+        """Merge maps saved by :meth:`to_dict` (an earlier process) into this one. A malformed value
+        (a corrupt state) is logged and ignored as a whole; returns whether it was loaded."""
+        try:
+            pending = {str(c): [(str(m), float(since), float(noted)) for m, since, noted in ps]
+                       for c, ps in dict(d.get("pending", {})).items()}
+            maps = [{str(k): float(v) for k, v in dict(d.get(name, {})).items()}
+                    for name in ("down", "charged", "blocked", "worked")]
+        except (TypeError, ValueError, AttributeError) as e:
+            logger.warning("saved hindrances ignored (malformed: {})", e)
+            return False
+        for c, ps in pending.items():
+            self._pending.setdefault(c, []).extend(ps)
+        for mine, saved, keep in zip((self._down, self._charged, self._blocked, self._worked), maps,
+                                     (max, max, min, max)):
+            for k, v in saved.items():
+                mine[k] = keep(v, mine.get(k, v))
+        return True

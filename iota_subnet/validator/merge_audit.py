@@ -22,7 +22,7 @@ accusation (reporter R names reducer A for shard s of a plan):
    the rounding to the run's gather encoding, ``merge.gather_quantization``: the recomputed mean is
    rounded as an honest reducer rounds it, :func:`~iota_subnet.merge.outer.rounded`, exactly when
    the audit chunks begin on the int8 blocks of the shard (``CHUNK_NUMEL`` a multiple of
-   ``merge.int8_block``), else within :func:`~iota_subnet.merge.outer.rounding_bound` of the chunk). A sampled chunk that differs: **upheld**. If all sampled
+   ``merge.int8_block``, or of ``merge.topk_chunk`` for the ``sparse`` gather), else within :func:`~iota_subnet.merge.outer.rounding_bound` of the chunk). A sampled chunk that differs: **upheld**. If all sampled
    chunks agree, before penalising the reporter it checks the whole shard (all chunks, fetched in
    bounded parts, and the full hashes against the signed ``sha256``): all agree: **false**; any
    differ: **upheld**.
@@ -47,6 +47,7 @@ import torch
 from iota_subnet.audit.merkle import leaf_hash, verify_proof
 from iota_subnet.merge.claims import (CHUNK_NUMEL, CONTRIBUTION, MAX_AUDIT_CHUNKS, RESULT, n_chunks, records_match,
                                       verify_claim)
+from iota_subnet.merge import sparse
 from iota_subnet.merge.outer import rounded, rounding_bound, weighted_mean
 from iota_subnet.merge.plan import MergePlan, epoch_seed
 from iota_subnet.protocol import (MergeAuditRequest, MergeAuditResponse, ProtocolError, proof_from_tensor,
@@ -90,7 +91,8 @@ class MergeAuditor:
         self.run_id = run_id
         self.gather_quant, self.int8_block = gather_quant, int(int8_block)
         #: audit chunks (CHUNK_NUMEL values from a shard's start) begin on int8 blocks of the shard
-        self.aligned = CHUNK_NUMEL % self.int8_block == 0
+        block = sparse.parse(gather_quant)[2] if sparse.is_sparse(gather_quant) else self.int8_block
+        self.aligned = CHUNK_NUMEL % block == 0
         self.stage_numel = stage_numel
         self.sample_chunks = max(1, int(sample_chunks))
         self.rng = rng or random.SystemRandom()   # the OS CSPRNG: draws a miner cannot predict
@@ -142,8 +144,10 @@ class MergeAuditor:
         try:
             plan = MergePlan.make(epoch, attempt, epoch_seed(self.run_id, stage, epoch), parts,
                                   int(self.stage_numel(stage)), dict(zip(parts, weights)),
-                                  chunk_numel=claim.get("chunk_numel"))
-        except (ValueError, TypeError) as e:
+                                  chunk_numel=claim.get("chunk_numel"),
+                                  base=None if records.get("base") is None else (int(records["base"][0]),
+                                                                                 list(records["base"][1])))
+        except (ValueError, TypeError, IndexError) as e:
             return upheld(f"its claim names no valid plan ({e})")
         if (plan.plan_id != claim["plan_id"] or list(plan.participants) != parts or not 0 <= shard < plan.num_shards
                 or tuple(plan.bounds[shard]) != (claim.get("offset"), claim.get("numel"))

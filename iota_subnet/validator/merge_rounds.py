@@ -11,7 +11,7 @@ from loguru import logger
 
 from iota_subnet.chain import ChainError
 from iota_subnet.merge.deadlines import phase_deadline_s
-from iota_subnet.model import PipelineStage
+from iota_subnet.model import make_stage
 from iota_subnet.protocol import MergeAuditResponse
 
 from .audit_policy import AuditPolicy
@@ -47,8 +47,8 @@ class MergeRounds:
         n = self._numel.get(stage)
         if n is None:
             with torch.device("meta"):
-                n = self._numel[stage] = sum(p.numel() for p in PipelineStage(self.cfg.model, self.cfg.pipeline, stage,
-                                                                              init=False).parameters())
+                n = self._numel[stage] = sum(p.numel() for p in make_stage(self.cfg.model, self.cfg.pipeline, stage,
+                                                                           init=False).parameters())
         return n
 
     def allowance_s(self) -> float:

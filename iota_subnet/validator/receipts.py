@@ -22,12 +22,10 @@ from .flights import Flight
 
 class ReceiptMatcher:
     """Matches receipts to flights and credits verified work. ``blame``: proven refusals
-    (:class:`~.blame.BlameBook`, set after construction): who refused a micro-batch's hop is not
-    unreachable."""
+    (:class:`~.blame.BlameBook`): who refused a micro-batch's hop is not unreachable."""
 
-    def __init__(self, ctx: ControlContext):
-        self.ctx = ctx
-        self.blame: Optional[Any] = None
+    def __init__(self, ctx: ControlContext, blame: Optional[Any] = None):
+        self.ctx, self.blame = ctx, blame
 
     def on_receipts(self, batch: ReceiptBatch, caller: str) -> ReceiptAck:
         """Handle a miner's receipt batch (``caller``: its hotkey, authenticated). Receipts about tickets

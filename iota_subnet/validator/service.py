@@ -72,7 +72,6 @@ from iota_subnet.utils.supervise import Supervisor
 
 from .audit_policy import AuditPolicy
 from .auditing import AuditScheduler
-from .blame import BlameBook
 from .control import ControlOptions, ControlPlane
 from .endpoints import ValidatorEndpoints
 from .lanes import OPEN_ENDED_STEPS, LaneStepResult
@@ -296,6 +295,8 @@ class ValidatorService:
         self.verification.save_flags(self.state)
         self.scores.save(self.state)
         self.verification.save_totals(self.state)
+        if self.driver is not None:
+            self.state.set_meta("hindrances", self.driver.hindrances.to_json())
 
     def update_scores(self, block: Optional[int] = None) -> dict[int, float]:
         """One tempo's scoring (:meth:`.scorekeeper.ScoreKeeper.update`) from this validator's ledger,
@@ -382,11 +383,13 @@ class ValidatorService:
                                     n_validators=self.n_validators, tag=self.hotkey[:6],
                                     lookahead=t.ticket_lookahead, stall_s=t.stall_s, wire_dtype=t.wire_dtype,
                                     on_receipt=self.auditing.on_receipt if self.auditing else None,
-                                    on_hop=self.auditing.on_hop if self.auditing else None)
+                                    on_hop=self.auditing.on_hop if self.auditing else None,
+                                    on_flag=lambda k, s, why: self.audits.stat(*k, s).flag(why))
         self.driver = ControlPlane(self.cfg, router=self.router, client=self.client, keypair=self.wallet,
                                    dataset=self.dataset, ledger=self.ledger, opts=plane_opts)
-        # refused output: its sender is charged (flag: weight 0)
-        self.driver.blame = BlameBook(self.driver, flag=lambda k, s, why: self.audits.stat(*k, s).flag(why))
+        saved = self.state.get_meta("hindrances")
+        if saved:           # miners held back before a restart stay excused
+            self.driver.hindrances.load_json(saved)
         logger.info("driving {} lanes, lane steps {} of {} (validator {} of {} coordinating: steps k with "
                     "k % {} == {}; {})", self.n_lanes, p.next_steps, o.steps if o.steps is not None else "open-ended",
                     self.validator_index, self.n_validators, self.n_validators, self.validator_index,

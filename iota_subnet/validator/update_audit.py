@@ -95,9 +95,9 @@ class UpdateAuditor:
         if lay is None:
             import torch
 
-            from iota_subnet.model import PipelineStage
+            from iota_subnet.model import make_stage
             with torch.device("meta"):         # shapes only: no memory, any model size
-                m = PipelineStage(self.cfg.model, self.cfg.pipeline, stage, init=False)
+                m = make_stage(self.cfg.model, self.cfg.pipeline, stage, init=False)
             lay = self._layouts[stage] = param_layout(m, self.cfg.train.weight_decay)
         return lay
 

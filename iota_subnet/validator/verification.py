@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 from loguru import logger
 
+from iota_subnet.model.lm_loss import masked_target_rows
+
 from .audit_policy import AuditPolicy
 from .auditing import AuditScheduler, AuditSchedulerOptions
 from .options import AuditOptions
@@ -37,10 +39,20 @@ class Verification:
         def lookup(hotkey: str):
             # a miner the router holds as failed (cooling down) is not audited: it is away, not dodging
             return next((r for r in router.live_replicas() if r.hotkey == hotkey and router.is_available(r)), None)
+        masked = getattr(dataset, "loss_mask", None) is not None
+
+        def target_rows(t):
+            # the tail trains on targets the loss mask (data.hf.mask_field) marks ignored (-100): so does its replay
+            r = rows(t)
+            if not masked:
+                return r
+            mask = dataset.mask_batch(t.seed, t.start, t.rows) if t.split == "train" else \
+                dataset.val_mask_batch(t.start, t.rows)
+            return masked_target_rows(r, mask)
         o = self.opts
         options = AuditSchedulerOptions(timeout_s=o.audit_timeout_s, hops_per_tempo=o.audits_per_tempo,
                                         updates_per_tempo=o.audits_per_tempo, retry_delays_s=o.audit_retry_s,
-                                        totals=self._load_totals(state))
+                                        totals=self._load_totals(state), target_rows=target_rows)
         self.auditing = AuditScheduler(cfg, run_id=self.run_id, client=client, policy=self.audits, rows=rows,
                                        lookup=lookup,
                                        update_auditor=UpdateAuditor(cfg, run_id=self.run_id,

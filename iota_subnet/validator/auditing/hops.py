@@ -94,6 +94,8 @@ class HopAudits:
         if stage == 0 or stage == self.n_stages - 1:
             rows = self.rows(t)
             tokens, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+            if lay.replay and stage == self.n_stages - 1:
+                targets = self.target_rows(t)[:, 1:].contiguous()
         aud = HopAuditor(lay, weights_root=bytes.fromhex(wroot), wire_roots=roots, tol=self.tol,
                          sampling=self.sampling, rng=self.rng, tokens=tokens if stage == 0 else None,
                          targets=targets if stage == self.n_stages - 1 else None,
@@ -159,9 +161,13 @@ class HopAudits:
         commit = await call(rep.endpoint, rep.hotkey, "/audit/trace", req, AuditTraceCommit,
                             response_contract=codec.commit_contract(lay), **kw)
         seed, cpu = _thread_timed(aud.on_commit, *codec.read_commit(commit))
-        proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed, aud.blocks),
-                          AuditProjection, response_contract=codec.projection_contract(aud.round2), **kw)
-        rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, *codec.read_projection(proj, aud.round2))
+        if lay.replay:          # a replayed stage has no round 2 (:mod:`iota_subnet.audit.replay`)
+            rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, {}, [])
+        else:
+            proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed, aud.blocks),
+                              AuditProjection, response_contract=codec.projection_contract(aud.round2), **kw)
+            rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection,
+                                               *codec.read_projection(proj, aud.round2))
         oreq = codec.open_request(req, rows, aud.whole)
         opening = await call(rep.endpoint, rep.hotkey, "/audit/open", oreq, AuditOpening,
                              response_contract=codec.opening_contract(lay, rows, weights_dtype=aud.weights_dtype,

@@ -52,6 +52,9 @@ class AuditSchedulerOptions:
     draws come from (None: the OS CSPRNG); ``clock()``: unix seconds. ``totals``: the counters of
     this validator's earlier processes (:meth:`AuditScheduler.totals`, kept in its state), so that a
     restarted validator reports every audit of the run, not those since its start (None: from 0).
+    ``target_rows(ticket)``: the ticket's rows with the targets the loss mask leaves untrained set to
+    ``-100`` (None: the scheduler's ``rows``), the targets of a replayed tail hop
+    (:mod:`iota_subnet.audit.replay`).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -67,6 +70,7 @@ class AuditSchedulerOptions:
     rng: Optional[random.Random] = None
     clock: Callable[[], float] = time.time
     totals: Optional[dict] = None
+    target_rows: Optional[Callable[[Ticket], torch.Tensor]] = None
 
 
 class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
@@ -76,6 +80,7 @@ class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
     its byte counters are the verification traffic); ``policy``: where outcomes go; ``rows(ticket)``:
     the token rows ``[B, T + 1]`` of a ticket's sample address (head tokens, tail targets);
     ``lookup(hotkey)``: the miner's :class:`Replica` (uid, endpoint, stage) or None;
+    ``options.target_rows``: the targets of a replayed tail hop (see :class:`AuditSchedulerOptions`);
     ``update_auditor``: None turns update audits off; ``options``: :class:`AuditSchedulerOptions`
     (its settings are kept as attributes of the same names).
     """
@@ -87,6 +92,7 @@ class AuditScheduler(AuditInputs, HopAudits, UpdateAudits, AuditBook):
         o = options
         self.cfg, self.run_id, self.client, self.policy = cfg, run_id, client, policy
         self.rows, self.lookup, self.update_auditor = rows, lookup, update_auditor
+        self.target_rows = o.target_rows or rows
         self.sampling = o.sampling.validate()
         self.timeout_s, self.fresh_s = float(o.timeout_s), float(o.fresh_s)
         #: round deadlines from the work asked (``timeout_s`` is their floor): :mod:`..deadlines`
