@@ -21,8 +21,13 @@ the audit window K (inner steps and weights versions kept) and R replicas of the
   ``topk`` the next error feedback while the attempt runs (``4 P``);
 * **merge-audit copies** (:mod:`iota_subnet.merge.claims`): written straight to disk (``4 P (1 + 2 / R)``
   per kept merge epoch on disk, none in memory);
-* **checkpoint snapshot** (:mod:`iota_subnet.train.snapshot`): weights and both moments, ``12 P``,
-  while the checkpoint is written;
+* **checkpoint snapshot** (:mod:`iota_subnet.miner.checkpoints`): with the update store on (a miner
+  with audits), a checkpoint is written from the store's copies of the state after the last inner
+  step (:class:`~iota_subnet.miner.step_state.StepState`, on disk once spilled), so it holds only the
+  state the store does not copy: the stage's non-parameter state (buffers) and AdamW's ``step``
+  counts (4 bytes per parameter tensor), ``≈ 0``; without the update store a
+  :class:`~iota_subnet.train.snapshot.StateSnapshot` of weights and both moments, ``12 P``, while the
+  checkpoint is written. Either way the file is written streamed (no serialised copy in memory);
 * **sync donor snapshot** (:mod:`iota_subnet.merge.sync`): the merge anchor and momentum by
   reference (no bytes of its own; the pair it holds while a merge builds the next one is the
   transient's "new anchor and momentum").
@@ -94,6 +99,8 @@ class HostPlan:
     merge_steady_bytes: int
     merge_transient_bytes: int
     merge_audit_bytes: int
+    #: the checkpoint's own host copies: buffers + optimizer step counts with the update store on,
+    #: ``12 P`` + those without (a host snapshot)
     checkpoint_snapshot_bytes: int
     sync_donor_bytes: int
     peak_bytes: int
@@ -107,10 +114,13 @@ class HostPlan:
 
 def host_plan(cfg: RunConfig, stage: int, P: int, shapes: list[tuple[int, ...]], train_flops_per_token: int, *,
               window_s: float = DEFAULT_AUDIT_WINDOW_S, versions: Optional[int] = None,
-              replicas: int = 2, accelerator: str = WINDOW_ACCELERATOR, mfu: float = DEFAULT_MFU) -> HostPlan:
+              replicas: int = 2, accelerator: str = WINDOW_ACCELERATOR, mfu: float = DEFAULT_MFU,
+              state_extra_bytes: int = 0, update_store: bool = True) -> HostPlan:
     """The :class:`HostPlan` of ``stage`` (``P`` parameters of ``shapes``, ``train_flops_per_token``
     from :func:`iota_subnet.plan.stage_flops`). ``versions``: K (default: from ``window_s`` and the
-    inner-step time on ``accelerator`` at ``mfu``); ``replicas``: R of the stage."""
+    inner-step time on ``accelerator`` at ``mfu``); ``replicas``: R of the stage;
+    ``state_extra_bytes``: bytes of the stage's state_dict entries that are not parameters (buffers);
+    ``update_store``: checkpoints are written from the update store's copies (a miner with audits)."""
     acc = GPUS[accelerator]
     tokens = cfg.train.batch_size * cfg.data.seq_len
     step_s = tokens * train_flops_per_token / (acc.peak_flops * mfu)
@@ -136,7 +146,7 @@ def host_plan(cfg: RunConfig, stage: int, P: int, shapes: list[tuple[int, ...]],
         merge_disk = MERGE_AUDIT_EPOCHS * (4 * P + 8 * P // R)
     else:
         steady = transient = merge_audit = merge_disk = 0
-    ckpt = 12 * P
+    ckpt = int(state_extra_bytes) + 4 * len(shapes) + (0 if update_store else 12 * P)
     train_phase, merge_phase = update + hop, transient + merge_audit
     phases = train_phase + merge_phase if (m.enabled and m.overlap) else max(train_phase, merge_phase)
     peak = steady + ckpt + phases

@@ -374,6 +374,12 @@ def _with_stages(cfg: RunConfig, stages: Optional[int]) -> RunConfig:
     return replace(cfg, pipeline=replace(p, stages=stages, layer_split=split)).validate()
 
 
+def _buffer_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s state_dict entries that are not parameters (persistent buffers)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return sum(t.numel() * t.element_size() for n, t in module.state_dict().items() if n not in params)
+
+
 def meta_stage(cfg: RunConfig, stage: int) -> PipelineStage:
     """Stage ``stage`` of ``cfg`` built on the ``meta`` device (shapes only, no memory)."""
     with torch.device("meta"):
@@ -432,7 +438,8 @@ def plan_stage(cfg: RunConfig, stage: int, gpu_mem_bytes: int, *, checkpointing:
         total_bytes=total, gpu_mem_bytes=int(gpu_mem_bytes), fits=bool(total <= gpu_mem_bytes and max_mb >= needed),
         forward_flops_per_token=flops.forward, train_flops_per_token=flops.train(ckpt),
         precision=cfg.train.precision,
-        host=host_plan(cfg, stage, P, [tuple(p.shape) for p in m.parameters()], flops.train(ckpt)).to_json())
+        host=host_plan(cfg, stage, P, [tuple(p.shape) for p in m.parameters()], flops.train(ckpt),
+                       state_extra_bytes=_buffer_bytes(m)).to_json())
 
 
 def plan(cfg: RunConfig, gpu_mem_bytes: int, *, stages: Optional[int] = None, checkpointing: Optional[bool] = None,

@@ -58,6 +58,7 @@ from iota_subnet.miner.options import MinerOptions
 from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.miner.tickets import TicketShape
+from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.model.lm_loss import masked_target_rows
 from iota_subnet.protocol import Health, Outcome, ProtocolError, StateRequest, StateResponse
@@ -125,7 +126,7 @@ class MinerService:
                               hotkey=self.hotkey, refresh_s=opts.metagraph_refresh_s)
         self.compute = ComputeThread()
         self.checkpoints = Checkpoints(self.out, opts.checkpoint_every, compute=self.compute, view=self.view,
-                                       wallet=wallet)
+                                       wallet=wallet, updates=self.update_store)
         self.audits = MinerAudits(cfg, self.out, self.audit_window, run_id=opts.run_id, parts=self.parts)
         self.merging = MinerMerging(cfg, wallet, out=self.out, view=self.view, compute=self.compute,
                                     checkpoints=self.checkpoints, audits=self.audits,
@@ -155,6 +156,11 @@ class MinerService:
     async def refresh(self, force: bool = False) -> None:
         """Re-read metagraph and commitments (:meth:`ChainView.refresh`)."""
         await self.view.refresh(force)
+
+    def update_store(self) -> Optional[UpdateStore]:
+        """The stage's update store (None before :meth:`start` built the worker, or with audits off);
+        checkpoints are written from its copies (:mod:`iota_subnet.miner.checkpoints`)."""
+        return self.worker.updates if self.worker is not None else None
 
     def audit_spill(self):
         """Where audit copies go once hashed (None when audits are off; :meth:`MinerAudits.spill_dir`)."""

@@ -30,6 +30,12 @@ is the root receipts name for the weights version ``(k + 1, merges)``, and the h
 commitment (trees and host copy) instead of hashing the same weights again
 (:meth:`UpdateStore.weights_version`). Update audits open rows only.
 
+Checkpoints: the copies of the state after the last step are what a checkpoint taken right after
+it holds; :meth:`UpdateStore.state_after` offers them as a checkpoint source
+(:class:`~iota_subnet.miner.step_state.StepState`), pinned by :meth:`UpdateStore.hold` while the
+checkpoint is written (a later step's cleanup defers removing their spill files), so the miner
+takes no ``12 P`` snapshot of its own (:class:`~iota_subnet.miner.checkpoints.Checkpoints`).
+
 Serving (:meth:`UpdateStore.open`, mounted by :class:`UpdateAuditRoute`) reads only stored copies
 under the store's own lock: it never takes the worker's lock, never waits for the compute thread or
 a running merge. A step outside the window is refused with ``LATE`` (410), one whose trees are
@@ -38,18 +44,20 @@ still being built with ``NOT_READY`` (503, retry).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from iota_subnet.audit.commit import WeightsCommitment, weights_commitment
 from iota_subnet.audit.merkle import MerkleTree, as_rows, combine_roots
+from iota_subnet.miner.step_state import StateLayout, StepState
 from iota_subnet.utils.spill import SpillDir
 from iota_subnet.protocol import (UPDATE_KINDS, Outcome, ProtocolError, UpdateAuditRequest, UpdateAuditResponse,
                                   UpdateCommit, opening_key, proof_tensor)
@@ -77,6 +85,8 @@ class _Copies:
         self.weights: Optional[WeightsCommitment] = None     # weights kinds: rows and columns (build)
         self.future: Optional[Future] = None
         self.spilled = ""                                    # spill file name once on disk
+        self.pins = 0                                        # readers holding it (UpdateStore.hold)
+        self.discard_due = False                             # no kept step uses it: discard once unpinned
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -282,10 +292,13 @@ class UpdateStore:
             while len(self._records) > self.keep_steps:
                 gone += self._records.popitem(last=False)[1].kinds.values()
             kept = {id(c) for r in self._records.values() for c in r.kinds.values()}
-        kept.update(id(c) for c in self._last.values())
-        if self.spill is not None:
-            for c in {id(c): c for c in gone if id(c) not in kept}.values():
-                self._discard(c)
+            kept.update(id(c) for c in self._last.values())
+            if self.spill is not None:
+                for c in {id(c): c for c in gone if id(c) not in kept}.values():
+                    if c.pins:
+                        c.discard_due = True        # a reader holds it (hold()): discarded on release
+                    else:
+                        self._discard(c)
         futures = []
         weights = {id(kinds["w0"]), id(kinds["w1"])}
         for c in dict.fromkeys(kinds.values()):      # each distinct copy once
@@ -374,6 +387,52 @@ class UpdateStore:
                 out.set_result(c.weights)
         c.future.add_done_callback(done)
         return out
+
+    @contextlib.contextmanager
+    def hold(self, step: int) -> Iterator[dict[str, _Copies]]:
+        """Pin the copies of the state after kept inner step ``step`` (``"w"``, ``"m"``, ``"v"``) for
+        the block: a later step's cleanup defers removing their spill files until the block ends.
+        Raises ValueError when ``step`` is not kept."""
+        with self._lock:
+            rec = self._records.get(int(step))
+            if rec is None:
+                raise ValueError(f"inner step {step} is not kept (kept: {list(self._records)})")
+            copies = {"w": rec.kinds["w1"], "m": rec.kinds["m1"], "v": rec.kinds["v1"]}
+            for c in copies.values():
+                c.pins += 1
+        try:
+            yield copies
+        finally:
+            with self._lock:
+                for c in copies.values():
+                    c.pins -= 1
+                    if c.pins == 0 and c.discard_due:
+                        c.discard_due = False
+                        self._discard(c)
+
+    def state_after(self, step: int, meta: dict) -> Optional[StepState]:
+        """The state after inner step ``step`` as a checkpoint source (:class:`StepState`: the views
+        ``save_checkpoint`` reads, over this store's copies, pinned until ``release()``), or None when
+        ``step`` is not the last step committed or the live weights or moments changed since its
+        copies (a merge, a state sync, a load). Call under the lock that guards the module and the
+        optimizer (the worker's), where the optimizer's scalar entries and the buffers are copied."""
+        with self._lock:
+            rec = self._records.get(int(step))
+            last = next(reversed(self._records), None)
+        if rec is None or last != rec.step:
+            return None
+        if any(rec.kinds[k + "1"] is not self._last.get(k) for k in ("w", "m", "v")):
+            return None
+        if any(rec.kinds[k + "1"].versions != self._state_tensors(k)[1] for k in ("w", "m", "v")):
+            return None
+        layout = StateLayout.of(self.module, self.opt, self.names)
+        stack = contextlib.ExitStack()
+        copies = stack.enter_context(self.hold(rec.step))
+
+        def ready(timeout_s: Optional[float]) -> bool:
+            return rec.done.wait(timeout_s) and rec.commit is not None
+        return StepState(rec.step, layout, meta, copies=lambda: {k: c.host for k, c in copies.items()},
+                         ready=ready, release=stack.close)
 
     @property
     def nbytes(self) -> int:

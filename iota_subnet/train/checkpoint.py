@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from iota_subnet.utils.atomic import atomic_write_bytes, sweep_temporaries
+from iota_subnet.utils.atomic import atomic_write_with, sweep_temporaries
 from iota_subnet.errors import UserError
 
 #: Header metadata key of the per-tensor hashes.
@@ -67,8 +67,10 @@ def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def checkpoint_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], meta: dict) -> bytes:
-    """Serialise ``module`` (and ``optimizer``) with ``meta`` to safetensors bytes."""
+def checkpoint_tensors(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint by name (``model/<name>``, ``optim/<param>/<key>``; CPU, contiguous:
+    no copy of a CPU tensor that already is). A scalar optimizer entry (AdamW's ``step``) is a 0-d
+    float32 tensor; tied weights are stored once."""
     tensors = {f"model/{k}": v for k, v in _unique_state(module).items()}
     if optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
@@ -79,20 +81,69 @@ def checkpoint_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Op
             for k, v in state.items():
                 t = v if torch.is_tensor(v) else torch.tensor(float(v))
                 tensors[f"optim/{n}/{k}"] = t.detach().contiguous().cpu()
-    return tensors_bytes(tensors, meta)
+    return tensors
+
+
+def checkpoint_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], meta: dict) -> bytes:
+    """Serialise ``module`` (and ``optimizer``) with ``meta`` to safetensors bytes (in memory: state
+    sync answers; files are written by :func:`save_checkpoint`, streamed)."""
+    return tensors_bytes(checkpoint_tensors(module, optimizer), meta)
 
 
 def tensors_bytes(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
     """safetensors bytes of ``tensors`` (contiguous CPU tensors) with ``meta`` and per-tensor sha256."""
     hashes = {k: tensor_sha256(v) for k, v in tensors.items()}
-    return st_save(tensors, metadata={"meta": json.dumps(meta, sort_keys=True, default=str),
-                                      HASHES_KEY: json.dumps(hashes, sort_keys=True)})
+    return st_save(tensors, metadata=_metadata(meta, hashes))
+
+
+def _metadata(meta: dict, hashes: dict[str, str]) -> dict[str, str]:
+    return {"meta": json.dumps(meta, sort_keys=True, default=str), HASHES_KEY: json.dumps(hashes, sort_keys=True)}
+
+
+#: safetensors dtype names (https://github.com/huggingface/safetensors, "Format").
+_ST_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                   torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                   torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+    """Write ``tensors`` (contiguous CPU tensors) with ``meta`` and per-tensor sha256 as one safetensors
+    file, atomically and streamed: the header, then each tensor's bytes straight from its storage,
+    so no serialised copy of the file is built in host memory (a memory-mapped tensor, e.g. a spilled
+    update-store copy, is read page by page from the page cache). Same format as
+    :func:`tensors_bytes` (8-byte little-endian header length, JSON header padded with spaces to a
+    multiple of 8, data ordered by element size then name so every tensor is aligned); loads with
+    ``safetensors`` and :func:`read_checkpoint`. Raises ValueError for a dtype safetensors lacks,
+    OSError from the disk."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": _metadata(meta, {k: tensor_sha256(tensors[k]) for k in order})}
+    off = 0
+    for k in order:
+        t = tensors[k]
+        if t.dtype not in _ST_DTYPE_NAMES:
+            raise ValueError(f"tensor {k!r}: dtype {t.dtype} cannot be stored in a safetensors checkpoint")
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for k in order:
+                t = tensors[k].detach()
+                if t.numel():
+                    f.write(memoryview(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
+    return atomic_write_with(path, write)
 
 
 def save_checkpoint(path: str | Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                     meta: dict) -> Path:
-    """Write a checkpoint atomically. Returns the path."""
-    return atomic_write_bytes(path, checkpoint_bytes(module, optimizer, meta))
+    """Write a checkpoint atomically and streamed (:func:`write_tensors`: no serialised copy of it in
+    host memory). Returns the path."""
+    return write_tensors(path, checkpoint_tensors(module, optimizer), meta)
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

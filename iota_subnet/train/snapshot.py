@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 
-class _HostModule:
+class HostModule:
     """What ``save_checkpoint`` reads of a module: ``state_dict()`` and ``named_parameters()`` (host tensors)."""
 
     def __init__(self, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]):
@@ -29,7 +29,7 @@ class _HostModule:
         return iter(self._params.items())
 
 
-class _HostOptimizer:
+class HostOptimizer:
     """What ``save_checkpoint`` reads of an optimizer: ``state`` (host parameter -> {key: host tensor})."""
 
     def __init__(self, state: dict[torch.Tensor, dict[str, Any]]):
@@ -68,7 +68,7 @@ class StateSnapshot:
                 opt_state[host(p)] = {k: host(v) if torch.is_tensor(v) else v for k, v in st.items()}
         if cuda:
             torch.cuda.synchronize()
-        self.module = _HostModule(state, params)
-        self.optimizer = _HostOptimizer(opt_state) if optimizer is not None else None
+        self.module = HostModule(state, params)
+        self.optimizer = HostOptimizer(opt_state) if optimizer is not None else None
         self.meta = dict(meta)
         self.nbytes = sum(t.numel() * t.element_size() for t in copies.values())
