@@ -121,22 +121,20 @@ def test_masked_targets_reach_the_tail_loss(masked_dir):
     from transformers import AutoModelForCausalLM
 
     from iota_subnet.model.hf_family import assemble_state_dict
-    from iota_subnet.model.lm_loss import masked_target_rows
     cfg = load_config(masked_dir / "run.yaml")
     _, ds = build_dataset(cfg.data, None, cache_dir=masked_dir / "cache")
-    assert ds.loss_mask is not None
+    assert ds.has_loss_mask
     ws = [StageWorker(cfg, s) for s in range(3)]
-    rows, mask = ds.batch(0, 0, 4), ds.mask_batch(0, 0, 4)
+    rows, mask, y = ds.batch(0, 0, 4), ds.mask_batch(0, 0, 4), ds.target_batch("train", 0, 0, 4)[:, 1:]
     assert 0 < int(mask[:, 1:].sum()) < mask[:, 1:].numel()
     h = rows[:, :-1]
     for w in ws[:-1]:
         h = w.forward("m", h, train=False)["activations"]
-    loss = ws[-1].forward("m", h, masked_target_rows(rows, mask)[:, 1:], train=False)["loss"]
+    loss = ws[-1].forward("m", h, y, train=False)["loss"]
     model = AutoModelForCausalLM.from_config(cfg.model.transformers_config())
     model.load_state_dict(assemble_state_dict([w.module for w in ws]))
     with torch.no_grad():
         logits = model(input_ids=rows[:, :-1]).logits
-    y = masked_target_rows(rows, mask)[:, 1:]
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
     assert abs(loss - ref.item()) < 1e-5
 

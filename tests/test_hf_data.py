@@ -165,6 +165,33 @@ def test_mask_marks_the_answer(qa_spec, tok, docs):
     assert ds.val_mask_batch(0, 2).shape == (2, SEQ + 1)
 
 
+def test_target_batch_ignores_the_unmarked_targets(qa_spec, tok):
+    """target_batch: the rows of the split with every target (``[:, 1:]``) the loss mask leaves unmarked set
+    to -100 and every other token kept, in train (seed, index) order and in the wrapping validation slice;
+    without a mask the rows themselves."""
+    ds = HFTokenDataset(qa_spec, tok, SEQ, 0.1)
+    plain = HFTokenDataset(DatasetSpec(qa_spec.path), tok, SEQ, 0.1)
+    assert ds.has_loss_mask and not plain.has_loss_mask
+    val_start = ds.n_val_rows - 2                                     # wraps past the end of the slice
+    cases = [("train", 3, 40, 6, [ds.train_row(3, 40 + k) for k in range(6)]),
+             ("val", 0, val_start, 5, [ds.n_train_rows + (val_start + k) % ds.n_val_rows for k in range(5)])]
+    for split, seed, start, n, idx in cases:
+        y = ds.target_batch(split, seed, start, n)
+        assert y.dtype == torch.int64 and y.shape == (n, SEQ + 1)
+        at = [slice(r * (SEQ + 1), (r + 1) * (SEQ + 1)) for r in idx]
+        rows = torch.stack([torch.from_numpy(ds.tokens[a].astype("int64")) for a in at])
+        mask = torch.stack([torch.from_numpy(ds.loss_mask[a].astype(bool)) for a in at])
+        marked = mask[:, 1:]
+        assert 0 < int(marked.sum()) < marked.numel(), split                  # both kinds of target are there
+        assert torch.equal(y[:, 0], rows[:, 0])                               # the first token is no target
+        assert torch.equal(y[:, 1:][marked], rows[:, 1:][marked])
+        assert (y[:, 1:][~marked] == -100).all()
+        assert torch.equal(ds.split_batch(split, seed, start, n), rows)       # the rows themselves are untouched
+        assert torch.equal(plain.target_batch(split, seed, start, n), rows)   # same tokens, no mask: no -100
+    with pytest.raises(ValueError, match="split"):
+        ds.target_batch("test", 0, 0, 1)
+
+
 def test_masked_loss_matches_transformers(qa_spec, tok):
     ds = HFTokenDataset(qa_spec, tok, SEQ, 0.1)
     cfg = _qwen2((tok.vocab_size + 63) // 64 * 64)

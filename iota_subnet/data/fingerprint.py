@@ -31,7 +31,7 @@ def data_fingerprint(dataset: TokenDataset) -> str:
     per 20M tokens)."""
     row = dataset.seq_len + 1
     n_rows = dataset.n_train_rows + dataset.n_val_rows
-    mask = getattr(dataset, "loss_mask", None)
+    mask = dataset.loss_mask
     h = hashlib.sha256(f"iota-data/1 seq_len={dataset.seq_len} train={dataset.n_train_rows} "
                        f"val={dataset.n_val_rows}{' mask=1' if mask is not None else ''}\n".encode())
     tokens = np.ascontiguousarray(dataset.tokens[: n_rows * row], dtype=np.int32)

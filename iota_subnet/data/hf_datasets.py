@@ -38,7 +38,6 @@ from typing import Any, Iterator, Mapping, Optional
 
 import datasets
 import numpy as np
-import torch
 from loguru import logger
 
 from ..utils.atomic import atomic_write_with
@@ -394,7 +393,7 @@ class HFTokenDataset(TokenDataset):
     """A :class:`TokenDataset` over a ``datasets`` dataset: the same rows, ``(seed, index)`` addresses and
     validation slice as packing the same documents from a source spec, plus a loss-mask row per token
     row when ``spec.mask_field`` is set (:attr:`loss_mask` is ``None`` otherwise and every target is
-    trained).
+    trained; :meth:`~TokenDataset.target_batch` gives the rows with the unmarked targets ignored).
 
     ``cache_dir``: the ``datasets`` cache (see :func:`open_dataset`); ``token_cache_dir``: where packed
     tokens (and masks) are kept as ``hftokens-<spec_key>.npy`` (``-mask.npy``) and reused, ``None`` to
@@ -425,24 +424,7 @@ class HFTokenDataset(TokenDataset):
                     _save(path.with_name(path.stem + "-mask.npy"), got[1])
                 _save(path, got[0])
         tokens, mask = got
-        self._init(tokens, seq_len, val_fraction, eos_id=tokenizer.eos_id, what=self.spec)
-        row = self.seq_len + 1
-        n_rows = self.n_train_rows + self.n_val_rows
-        self.loss_mask: Optional[np.ndarray] = mask
-        self._mask_rows = mask[: n_rows * row].reshape(n_rows, row) if mask is not None else None
-
-    def _mask_of(self, rows: list[int]) -> torch.BoolTensor:
-        if self._mask_rows is None:
-            return torch.ones(len(rows), self.seq_len + 1, dtype=torch.bool)
-        return torch.from_numpy(np.array(self._mask_rows[rows], dtype=np.bool_).reshape(len(rows), self.seq_len + 1))
-
-    def mask_batch(self, seed: int, start_index: int, n: int) -> torch.BoolTensor:
-        """Loss masks of :meth:`batch`'s rows: ``BoolTensor[n, seq_len + 1]`` (targets use ``[:, 1:]``)."""
-        return self._mask_of([self.train_row(seed, start_index + k) for k in range(n)])
-
-    def val_mask_batch(self, start: int, n: int) -> torch.BoolTensor:
-        """Loss masks of :meth:`val_batch`'s rows: ``BoolTensor[n, seq_len + 1]``."""
-        return self._mask_of([self.n_train_rows + (int(start) + k) % self.n_val_rows for k in range(n)])
+        self._init(tokens, seq_len, val_fraction, eos_id=tokenizer.eos_id, what=self.spec, mask=mask)
 
 
 def build_hf_dataset(spec: DatasetSpec | Mapping[str, Any], tokenizer_folder: str | Path, hf_config, seq_len: int,

@@ -11,6 +11,10 @@ The array is cut into non-overlapping rows of ``seq_len + 1`` tokens (a row's in
 Sample ``index`` under ``seed`` is train row ``perm(seed, index // n_train_rows)[index % n_train_rows]``
 where ``perm(seed, epoch)`` is a permutation drawn with numpy's PCG64 seeded by ``(seed, epoch)``: the
 same (seed, index) gives the same tokens on any machine, and every epoch is reshuffled.
+
+A dataset may carry a loss mask (one ``uint8`` per token, see :mod:`iota_subnet.data.hf_datasets`): its
+target rows (:meth:`TokenDataset.target_batch`) hold :data:`IGNORE_INDEX` on the targets the mask leaves
+unmarked, which the loss never trains (:func:`iota_subnet.model.lm_loss.masked_lm_loss`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 from loguru import logger
 
+from ..protocol.ticket import SPLITS
 from ..utils.atomic import atomic_write_json, atomic_write_with
 from ..utils.progress import Progress
 from .sources import HF_PREFIX, DataError, describe, iter_documents, local_size, source_key
@@ -31,6 +36,22 @@ from .tokenizer import TextTokenizer
 #: Token cap applied to streamed (``hf://``) sources when no ``max_tokens`` is given.
 DEFAULT_STREAM_MAX_TOKENS = 20_000_000
 _ENCODE_CHUNK = 256  # documents per encode_batch call
+
+IGNORE_INDEX = -100
+"""Target value that is never trained (``transformers``' and PyTorch's ``ignore_index``)."""
+
+
+def masked_target_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Packed rows ``[B, T + 1]`` (int64) whose targets (``[:, 1:]``) are :data:`IGNORE_INDEX` where the
+    mask row ``[B, T + 1]`` is zero: what a last stage that reads its targets as ``rows[:, 1:]`` trains on
+    (the inputs ``[:, :-1]`` then hold ignored ids too; only a stage that takes no token input may use
+    them). Returns a new tensor on ``rows``' device (``mask`` must be on it too). Raises ``ValueError``
+    for mismatched shapes."""
+    if tuple(rows.shape) != tuple(mask.shape):
+        raise ValueError(f"rows {tuple(rows.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    out = rows.clone()
+    out[:, 1:] = out[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    return out
 
 
 def tokenize_documents(docs: Iterable[str], tokenizer: TextTokenizer, max_tokens: Optional[int] = None,
@@ -138,11 +159,16 @@ class TokenDataset:
                 "tokenizer_fingerprint": tokenizer.fingerprint, "max_tokens": max_tokens, "n_tokens": int(len(tokens))})
         return tokens
 
-    def _init(self, tokens: np.ndarray, seq_len: int, val_fraction: float, eos_id: Optional[int], what: str) -> None:
+    def _init(self, tokens: np.ndarray, seq_len: int, val_fraction: float, eos_id: Optional[int], what: str,
+              mask: Optional[np.ndarray] = None) -> None:
+        """Rows of ``tokens`` (and of the loss ``mask``, one entry per token, ``None`` for none).
+        Raises ``ValueError`` for a bad ``seq_len``, ``val_fraction`` or mask length."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if mask is not None and len(mask) != len(tokens):
+            raise ValueError(f"the loss mask has {len(mask):,} entries for {len(tokens):,} tokens")
         self._tokens = tokens
         self._seq_len = int(seq_len)
         self.eos_id = eos_id
@@ -154,6 +180,9 @@ class TokenDataset:
         self._rows = tokens[: n_rows * row].reshape(n_rows, row)
         self._n_val = min(n_rows - 1, max(1, int(round(n_rows * val_fraction))))
         self._n_train = n_rows - self._n_val
+        #: the loss mask, one ``uint8`` per token (nonzero: the target is trained), or ``None``: all are
+        self.loss_mask: Optional[np.ndarray] = mask
+        self._mask_rows = mask[: n_rows * row].reshape(n_rows, row) if mask is not None else None
         self._perms: "OrderedDict[tuple[int, int], np.ndarray]" = OrderedDict()
         logger.info(f"dataset: {len(tokens):,} tokens -> {self._n_train} train + {self._n_val} val rows of {row} tokens")
 
@@ -180,6 +209,11 @@ class TokenDataset:
     def tokens(self) -> np.ndarray:
         """The flat ``np.int32`` token array (read-only view; may be memory-mapped)."""
         return self._tokens
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether only the targets a loss mask marks are trained (:attr:`loss_mask` is not ``None``)."""
+        return self.loss_mask is not None
 
     @property
     def val_rows(self) -> torch.LongTensor:
@@ -221,8 +255,44 @@ class TokenDataset:
         """Validation rows ``start .. start + n - 1`` (counted within the validation slice, wrapping
         modulo ``n_val_rows``), as ``LongTensor[n, seq_len + 1]``. Like :meth:`batch`, the first
         argument is a row index, not a batch number: batch ``i`` of size ``n`` is ``val_batch(i * n, n)``."""
-        idx = [self._n_train + (int(start) + k) % self._n_val for k in range(n)]
+        idx = self._val_idx(start, n)
         return torch.from_numpy(np.array(self._rows[idx], dtype=np.int64).reshape(n, self._seq_len + 1))
+
+    def _val_idx(self, start: int, n: int) -> list[int]:
+        return [self._n_train + (int(start) + k) % self._n_val for k in range(n)]
+
+    def _mask_of(self, rows: list[int]) -> torch.BoolTensor:
+        if self._mask_rows is None:
+            return torch.ones(len(rows), self.seq_len + 1, dtype=torch.bool)
+        return torch.from_numpy(np.array(self._mask_rows[rows], dtype=np.bool_).reshape(len(rows), self.seq_len + 1))
+
+    def mask_batch(self, seed: int, start_index: int, n: int) -> torch.BoolTensor:
+        """Loss masks of :meth:`batch`'s rows: ``BoolTensor[n, seq_len + 1]`` (targets use ``[:, 1:]``; all
+        ``True`` without a loss mask)."""
+        return self._mask_of([self.train_row(seed, start_index + k) for k in range(n)])
+
+    def val_mask_batch(self, start: int, n: int) -> torch.BoolTensor:
+        """Loss masks of :meth:`val_batch`'s rows: ``BoolTensor[n, seq_len + 1]``."""
+        return self._mask_of(self._val_idx(start, n))
+
+    def split_batch(self, split: str, seed: int, start: int, n: int) -> torch.LongTensor:
+        """Rows of a split: ``batch(seed, start, n)`` for ``"train"``, ``val_batch(start, n)`` for
+        ``"val"`` (``seed`` unused), as ``LongTensor[n, seq_len + 1]``. Raises ``ValueError`` for another
+        split."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        return self.batch(seed, start, n) if split == "train" else self.val_batch(start, n)
+
+    def target_batch(self, split: str, seed: int, start: int, n: int) -> torch.LongTensor:
+        """The rows of :meth:`split_batch` as a last stage reads its targets (``[:, 1:]``): with a loss
+        mask, the targets it leaves unmarked are :data:`IGNORE_INDEX` (:func:`masked_target_rows`; the
+        inputs ``[:, :-1]`` then hold ignored ids too), without one the rows themselves.
+        ``LongTensor[n, seq_len + 1]`` on the CPU. Raises ``ValueError`` for another split."""
+        rows = self.split_batch(split, seed, start, n)
+        if not self.has_loss_mask:
+            return rows
+        mask = self.mask_batch(seed, start, n) if split == "train" else self.val_mask_batch(start, n)
+        return masked_target_rows(rows, mask)
 
     def __len__(self) -> int:
         return self._n_train

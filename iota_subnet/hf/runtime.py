@@ -109,11 +109,9 @@ def evaluate_file(model_dir: str | Path, data: str, *, rows: Optional[int] = Non
     model, _ = load(d, device)
     total, tokens = 0.0, 0
     for start in range(0, n, batch_size):
-        b = ds.val_batch(start, min(batch_size, n - start)).to(model.device)
-        x, y = b[:, :-1], b[:, 1:]
-        if getattr(ds, "loss_mask", None) is not None:       # only the marked targets, as the run trained
-            from iota_subnet.model.lm_loss import masked_target_rows
-            y = masked_target_rows(b, ds.val_mask_batch(start, b.shape[0]).to(b.device))[:, 1:]
+        k = min(batch_size, n - start)
+        x = ds.val_batch(start, k).to(model.device)[:, :-1]
+        y = ds.target_batch("val", 0, start, k).to(model.device)[:, 1:]   # with a loss mask: the marked targets only
         logits = model(input_ids=x).logits                               # [B, T, V]
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                                  reduction="sum", ignore_index=-100)

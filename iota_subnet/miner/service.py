@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from loguru import logger
 
 from iota_subnet.chain import Chain
@@ -60,7 +59,6 @@ from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.model import bottleneck_dims
-from iota_subnet.model.lm_loss import masked_target_rows
 from iota_subnet.protocol import Health, Outcome, ProtocolError, StateRequest, StateResponse
 from iota_subnet.protocol.commitment import MINER, RunCommitment
 from iota_subnet.telemetry import NeuronMetrics, health_handler
@@ -270,17 +268,10 @@ class MinerService:
             if self.fingerprints is None:
                 self.fingerprints = built
         self.view.check_fingerprints(self.fingerprints)
-        ds = self.dataset
         spec = self.worker.spec
-        # a loss mask (data.hf.mask_field) reaches the tail's loss as ignored targets (-100)
-        masked = getattr(ds, "loss_mask", None) is not None and spec.is_tail and not spec.is_head
-
-        def rows(split: str, seed: int, start: int, n: int) -> torch.Tensor:
-            r = ds.batch(seed, start, n) if split == "train" else ds.val_batch(start, n)
-            if masked:
-                r = masked_target_rows(r, ds.mask_batch(seed, start, n) if split == "train" else ds.val_mask_batch(start, n))
-            return r
-        return rows
+        # a loss mask (data.hf.mask_field) reaches the tail's loss as ignored targets (-100); a stage that is
+        # also the head reads its inputs from these rows, unmasked
+        return self.dataset.target_batch if spec.is_tail and not spec.is_head else self.dataset.split_batch
 
     async def _listen_port(self) -> int:
         """``--port``, or with port 0 the port this hotkey already serves on chain (when the address

@@ -2,9 +2,11 @@
 
 A packed row of ``T + 1`` tokens gives inputs ``row[:-1]`` and targets ``row[1:]``; a masked dataset
 (:class:`iota_subnet.data.hf_datasets.HFTokenDataset`) gives a mask row alongside, whose ``[1:]`` marks
-the targets to train on. The loss is the mean cross-entropy over the marked targets, which is what
-``transformers``' ``*ForCausalLM(input_ids=row, labels=labels)`` computes with ``labels = row`` and
-``-100`` on the unmarked tokens (the model shifts the labels by one inside).
+the targets to train on (its target rows, :meth:`~iota_subnet.data.packing.TokenDataset.target_batch`,
+carry :data:`~iota_subnet.data.packing.IGNORE_INDEX` on the others). The loss is the mean cross-entropy
+over the marked targets, which is what ``transformers``' ``*ForCausalLM(input_ids=row, labels=labels)``
+computes with ``labels = row`` and ``-100`` on the unmarked tokens (the model shifts the labels by one
+inside).
 
 Sources: ``transformers.loss.loss_utils.ForCausalLMLoss`` / ``fixed_cross_entropy``.
 """
@@ -15,20 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-"""Target value that is never trained (``transformers``' and PyTorch's ``ignore_index``)."""
-
-
-def masked_target_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Packed rows ``[B, T + 1]`` (int64) whose targets (``[:, 1:]``) are :data:`IGNORE_INDEX` where the
-    mask row ``[B, T + 1]`` is zero: what a last stage that reads its targets as ``rows[:, 1:]`` trains on
-    (the inputs ``[:, :-1]`` then hold ignored ids too; only a stage that takes no token input may use
-    them). Returns a new tensor. Raises ``ValueError`` for mismatched shapes."""
-    if tuple(rows.shape) != tuple(mask.shape):
-        raise ValueError(f"rows {tuple(rows.shape)} and mask {tuple(mask.shape)} must have the same shape")
-    out = rows.clone()
-    out[:, 1:] = out[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
-    return out
+from iota_subnet.data.packing import IGNORE_INDEX
 
 
 def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -44,17 +44,13 @@ def autocast_ctx(device: torch.device, precision: str = "fp32"):
     return contextlib.nullcontext()
 
 
-def split_rows(rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [B, T+1] -> inputs [B, T], targets [B, T]; with a loss mask [B, T+1] (a dataset with
-    ``data.hf.mask_field``) the unmarked targets are ``-100`` (not trained, as on the network's tail)."""
-    if mask is not None:
-        from iota_subnet.model.lm_loss import masked_target_rows
-        return rows[:, :-1], masked_target_rows(rows, mask.to(rows.device))[:, 1:]
-    return rows[:, :-1], rows[:, 1:]
-
-
-def _masked(dataset) -> bool:
-    return getattr(dataset, "loss_mask", None) is not None
+def split_rows(dataset, split: str, seed: int, start: int, n: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``dataset``'s rows of ``split`` on ``device`` as inputs ``[n, T]`` and targets ``[n, T]``; with a
+    loss mask (``data.hf.mask_field``) the unmarked targets are ``-100`` (not trained, as on the network's
+    tail; :meth:`~iota_subnet.data.packing.TokenDataset.target_batch`)."""
+    return (dataset.split_batch(split, seed, start, n).to(device)[:, :-1],
+            dataset.target_batch(split, seed, start, n).to(device)[:, 1:])
 
 
 @torch.no_grad()
@@ -65,13 +61,12 @@ def evaluate(model: StagedModel, dataset, cfg: RunConfig, device: torch.device) 
     n_batches = max(1, min(cfg.train.eval_batches, dataset.n_val_rows // mb or 1))
     total, count = 0.0, 0
     for i in range(n_batches):
-        rows = dataset.val_batch(i * mb, mb).to(device)
-        if rows.shape[0] == 0:
+        x, y = split_rows(dataset, "val", 0, i * mb, mb, device)
+        if x.shape[0] == 0:
             break
-        x, y = split_rows(rows, dataset.val_mask_batch(i * mb, mb) if _masked(dataset) else None)
         with autocast_ctx(device, cfg.train.precision):
-            total += float(model(x, y)) * rows.shape[0]
-        count += rows.shape[0]
+            total += float(model(x, y)) * x.shape[0]
+        count += x.shape[0]
     model.train()
     return total / max(1, count)
 
@@ -164,8 +159,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
             set_lr(opt, lr)
             loss_sum = 0.0
             for m in range(n_micro):
-                rows = dataset.batch(seed, step * B + m * mb, mb).to(dev)
-                x, y = split_rows(rows, dataset.mask_batch(seed, step * B + m * mb, mb) if _masked(dataset) else None)
+                x, y = split_rows(dataset, "train", seed, step * B + m * mb, mb, dev)
                 with autocast_ctx(dev, cfg.train.precision):
                     loss = model(x, y)
                 (loss / n_micro).backward()

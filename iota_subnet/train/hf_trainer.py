@@ -217,10 +217,9 @@ def dataset_batches(dataset, batch_size: int, seed: int = 0):
     """Endless ``(rows [B, T + 1], mask [B, T + 1] or None)`` from a packed dataset's ``batch``
     (and ``mask_batch`` when the dataset carries a loss mask), in its ``(seed, index)`` order."""
     index = 0
-    masked = getattr(dataset, "loss_mask", None) is not None
     while True:
         rows = dataset.batch(seed, index, batch_size)
-        mask = dataset.mask_batch(seed, index, batch_size) if masked else None
+        mask = dataset.mask_batch(seed, index, batch_size) if dataset.has_loss_mask else None
         yield rows, mask
         index += batch_size
 

@@ -9,8 +9,6 @@ from typing import Any, Optional
 
 from loguru import logger
 
-from iota_subnet.model.lm_loss import masked_target_rows
-
 from .audit_policy import AuditPolicy
 from .auditing import AuditScheduler, AuditSchedulerOptions
 from .options import AuditOptions
@@ -34,21 +32,15 @@ class Verification:
         """The audit scheduler: receipts in, audits over the verification ``client``, outcomes into
         :attr:`audits` (the policy that scoring reads); its counters go on from the ``state``'s."""
         def rows(t):
-            return dataset.batch(t.seed, t.start, t.rows) if t.split == "train" else dataset.val_batch(t.start, t.rows)
+            return dataset.split_batch(t.split, t.seed, t.start, t.rows)
+
+        def target_rows(t):
+            # the tail trains on targets the loss mask (data.hf.mask_field) marks ignored (-100): so does its replay
+            return dataset.target_batch(t.split, t.seed, t.start, t.rows)
 
         def lookup(hotkey: str):
             # a miner the router holds as failed (cooling down) is not audited: it is away, not dodging
             return next((r for r in router.live_replicas() if r.hotkey == hotkey and router.is_available(r)), None)
-        masked = getattr(dataset, "loss_mask", None) is not None
-
-        def target_rows(t):
-            # the tail trains on targets the loss mask (data.hf.mask_field) marks ignored (-100): so does its replay
-            r = rows(t)
-            if not masked:
-                return r
-            mask = dataset.mask_batch(t.seed, t.start, t.rows) if t.split == "train" else \
-                dataset.val_mask_batch(t.start, t.rows)
-            return masked_target_rows(r, mask)
         o = self.opts
         options = AuditSchedulerOptions(timeout_s=o.audit_timeout_s, hops_per_tempo=o.audits_per_tempo,
                                         updates_per_tempo=o.audits_per_tempo, retry_delays_s=o.audit_retry_s,

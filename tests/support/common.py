@@ -44,3 +44,12 @@ class PatternData:
 
     def val_batch(self, start: int, n: int) -> torch.Tensor:
         return self._rows(999, start, n)
+
+    has_loss_mask = False
+
+    def split_batch(self, split: str, seed: int, start: int, n: int) -> torch.Tensor:
+        return self.batch(seed, start, n) if split == "train" else self.val_batch(start, n)
+
+    def target_batch(self, split: str, seed: int, start: int, n: int) -> torch.Tensor:
+        """No loss mask: the targets are the rows themselves."""
+        return self.split_batch(split, seed, start, n)
