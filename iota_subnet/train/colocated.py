@@ -49,8 +49,9 @@ def split_rows(dataset, split: str, seed: int, start: int, n: int,
     """The ``dataset``'s rows of ``split`` on ``device`` as inputs ``[n, T]`` and targets ``[n, T]``; with a
     loss mask (``data.hf.mask_field``) the unmarked targets are ``-100`` (not trained, as on the network's
     tail; :meth:`~iota_subnet.data.packing.TokenDataset.target_batch`)."""
-    return (dataset.split_batch(split, seed, start, n).to(device)[:, :-1],
-            dataset.target_batch(split, seed, start, n).to(device)[:, 1:])
+    rows = dataset.split_batch(split, seed, start, n).to(device)
+    targets = dataset.target_batch(split, seed, start, n).to(device) if dataset.has_loss_mask else rows
+    return rows[:, :-1], targets[:, 1:]
 
 
 @torch.no_grad()
