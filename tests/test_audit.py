@@ -534,13 +534,22 @@ def test_audits_against_flat_sha256_receipts_open_whole_wire_tensors(chain):
         prover.open({"L0.q": [0]}, ["L0.q"])
 
 
-@pytest.fixture(scope="module")
-def int8_chain(chain):
-    return make_chain(base=chain, wire="int8")
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def scaled_chain(chain, request):
+    return make_chain(base=chain, wire=request.param)
 
 
-def test_int8_wire_rows_bind_their_scales(int8_chain):
-    ch = int8_chain
+def _rescaled(q: torch.Tensor, s: torch.Tensor, k: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of ``(q, s)`` re-encoded against the scale ``k s`` (same decoded values, up to rounding)."""
+    if q.dtype == torch.int8:
+        return torch.clamp((q.float() / k).round(), -127, 127).to(torch.int8), s * k
+    return (q.float() / k).to(q.dtype), s * k
+
+
+def test_scaled_wire_rows_bind_their_scales(scaled_chain):
+    """int8 and fp8 hops (each token's bytes then its float32 scale in the wire roots) of honest
+    miners pass; other scales, with or without the values rescaled to match, fail."""
+    ch = scaled_chain
     for stage, direction in CASES:
         for v in audit_many(ch, ch.hops[stage], direction, 2, seed0=stage):
             assert v.ok, (stage, direction, v.failures[:3])
@@ -550,9 +559,9 @@ def test_int8_wire_rows_bind_their_scales(int8_chain):
     q, s = hop.inputs.wire["wire.z"]
     from support.audit import Hop
     from iota_subnet.audit import HopInputs
-    for bad in ((q, s * 1.5), (torch.clamp((q.float() / 1.5).round(), -127, 127).to(torch.int8), s * 1.5)):
+    for bad in ((q, s * 1.5), _rescaled(q, s, 1.5)):
         h = Hop(1, HopInputs(hop.inputs.x, wire=dict(hop.inputs.wire, **{"wire.z": bad})), hop.weights)
         for v in audit_many(ch, h, "forward", 2):
             assert not v.ok and set(v.failed_links) == {"output"}, v.failures[:3]
-    with pytest.raises(ValueError, match="int8"):
+    with pytest.raises(ValueError, match="scaled"):
         auditor_for(ch, hop, "forward", rng_seed=0, wire_commit="sha256")

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from iota_subnet.config import ConfigError
 from iota_subnet.train.checkpoint import CheckpointError, read_checkpoint
 from iota_subnet.train.colocated import train_colocated
 
@@ -33,6 +34,22 @@ def test_trains_and_writes_metrics(tmp_path, wikitext_path, cache_dir):
     for k in ("tokens_per_s", "final_loss", "val_loss", "params", "compression_ratio"):
         assert s[k] is not None
     assert s["compression_ratio"] == 4 and s["val_loss"] < rows[0]["loss"]
+
+
+def test_wire_dtype_rounds_every_boundary_forward_and_backward(tmp_path, wikitext_path, cache_dir):
+    """``wire_dtype`` puts the activation at the stage boundary (and its gradient) through the wire
+    format: fp8 moves the losses a little, not much; the summary names it and its bytes per token."""
+    ref = _train(tmp_path, wikitext_path, cache_dir, 2, out="fp32")
+    s = _train(tmp_path, wikitext_path, cache_dir, 2, out="fp8", wire_dtype="fp8")
+    ref_rows, rows = ([json.loads(l) for l in (tmp_path / o / "metrics.jsonl").read_text().splitlines()]
+                      for o in ("fp32", "fp8"))
+    assert (ref["wire_dtype"], ref["wire_bytes_per_token"]) == ("fp32", 16 * 4)   # b = 64 / 4
+    assert (s["wire_dtype"], s["wire_bytes_per_token"]) == ("fp8", 16 + 4)        # 1 byte a value + a float32 scale
+    for a, b in zip(ref_rows, rows):
+        assert a["loss"] != b["loss"] and abs(a["loss"] - b["loss"]) < 0.05, (a, b)
+    assert abs(s["val_loss"] - ref["val_loss"]) < 0.05
+    with pytest.raises(ConfigError, match="wire dtype"):
+        _train(tmp_path, wikitext_path, cache_dir, 2, out="bad", wire_dtype="fp9")
 
 
 def test_resume_continues_exactly(tmp_path, wikitext_path, cache_dir):

@@ -118,6 +118,17 @@ def test_bad_tickets_are_refused_typed_and_nothing_is_trained(tmp_home, tmp_path
             assert ack.accepted == 1 and not ack.refused
             await until(lambda: head.node.plane.counts["backwards"] == 1)
             assert net.miners[(2, 0)].worker.forwards == 1 and head.worker.backwards == 1
+            # an fp8 ticket: activations and gradients cross both boundaries over HTTP as float8 e4m3fn
+            # with a float32 scale per token, and the micro-batch completes as the bf16 one did
+            t8 = ticket(net, index=1, wire_dtype="fp8")
+            assert (await send(t8)).accepted == 1
+            await until(lambda: head.node.plane.counts["backwards"] == 2)
+            assert net.miners[(2, 0)].worker.forwards == 2 and head.worker.backwards == 2
+            rec = net.miners[(1, 0)].node.plane.hops.hop(t8.microbatch_id)   # as the middle miner's audits keep it
+            assert rec.wire_format == "fp8"
+            for name in ("wire.x", "wire.z", "wire.dz", "wire.dx"):
+                q, s = rec.wire[name]
+                assert q.dtype == torch.float8_e4m3fn and s.shape == q.shape[:2], name
         finally:
             await client.close()
             await miner_client.close()

@@ -57,6 +57,10 @@ def test_a_hop_refused_in_process_gets_the_same_outcome_as_over_http(tmp_path):
     data, _ = to_wire(torch.randn(cfg.train.micro_batch, cfg.data.seq_len, b), "bf16")
     forged = good.to_json()
     forged["start"] = 999                                          # changed after signing
+    fp8_ticket = ticket(wire_dtype="fp8").to_json()
+    q, s = to_wire(torch.randn(cfg.train.micro_batch, cfg.data.seq_len, b), "fp8")
+    q_nan = q.clone()
+    q_nan.view(torch.uint8)[0, 0, 0] = 0x7F                        # e4m3fn's NaN (it has no inf)
 
     def hop(**kw) -> Hop:
         base = dict(run_id=RUN, stage=1, microbatch_id=good.microbatch_id, ticket=good.to_json(), direction="forward",
@@ -74,6 +78,15 @@ def test_a_hop_refused_in_process_gets_the_same_outcome_as_over_http(tmp_path):
         ("tail", hop(), Outcome.NOT_ON_ROUTE),                                         # not the stage-0 sender
         ("head", hop(stage=2), Outcome.NOT_ON_ROUTE),
         ("head", hop(info={"root": "0" * 64}), Outcome.HASH_MISMATCH),
+        # an fp8 ticket: the data travels with float32 per-token scales that fit it
+        ("head", hop(ticket=fp8_ticket, data=q), Outcome.MALFORMED),                          # no scales
+        ("head", hop(ticket=fp8_ticket, data=q, scales=s[:1].contiguous()), Outcome.MALFORMED),   # other shape
+        ("head", hop(ticket=fp8_ticket, data=q, scales=-s), Outcome.MALFORMED),               # negative
+        ("head", hop(ticket=fp8_ticket, data=q, scales=torch.full_like(s, float("inf"))), Outcome.NON_FINITE),
+        ("head", hop(ticket=fp8_ticket, data=q_nan, scales=s), Outcome.NON_FINITE),
+        ("head", hop(data=q, scales=s), Outcome.BAD_DTYPE),                                   # on a bf16 ticket
+        ("head", hop(ticket=fp8_ticket, data=data, scales=s), Outcome.BAD_DTYPE),
+        ("head", hop(data=data, scales=s), Outcome.MALFORMED),                                # bf16 with scales
     ]
 
     async def main():

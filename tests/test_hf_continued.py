@@ -35,8 +35,8 @@ from iota_subnet.model.hf_folder import (
     read_layout,
     read_stage_tensors,
 )
-from iota_subnet.train.hf_trainer import (HFPipelineTrainer, HFTrainOptions, continue_pretraining, dataset_batches,
-                                          through_wire, wire_round_trip)
+from iota_subnet.train.hf_trainer import HFPipelineTrainer, HFTrainOptions, continue_pretraining, dataset_batches
+from iota_subnet.train.wire_boundary import through_wire, wire_round_trip
 
 WIKI = Path("/work/shared/data/wikitext-2/wiki.valid.raw.txt")
 VOCAB, SEQ, STAGES = 320, 32, 3
@@ -169,7 +169,7 @@ def test_bad_folders_raise_typed_errors(tmp_path):
         load_stages_from_folder(gpt2, 2)
 
 
-@pytest.mark.parametrize("wire", ["bf16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "int8", "fp8"])
 def test_wire_rounds_hidden_and_gradient(wire):
     x = torch.randn(2, 5, 16, requires_grad=True)
     g = torch.randn(2, 5, 16)

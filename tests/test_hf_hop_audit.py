@@ -16,7 +16,7 @@ from iota_subnet.audit.prover import HopInputs
 from iota_subnet.config import PipelineConfig
 from iota_subnet.config_hf import hf_model_config
 from iota_subnet.model.hf_pipeline import HFPipelineStage
-from iota_subnet.protocol import to_wire
+from iota_subnet.protocol import from_wire, to_wire
 
 B, T, MPS = 2, 16, 2
 QWEN2 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -36,9 +36,9 @@ def run():
 
 
 def _wire(t: torch.Tensor, fmt: str):
-    if fmt == "int8":
-        data, scales = to_wire(t.detach(), "int8")
-        return (data, scales), data.float() * scales.float().unsqueeze(-1)
+    if fmt in ("int8", "fp8"):
+        data, scales = to_wire(t.detach(), fmt)
+        return (data, scales), from_wire(data, scales)
     w = t.detach().to({"bf16": torch.bfloat16, "fp32": torch.float32}[fmt])
     return w, w.float()
 
@@ -85,7 +85,8 @@ def audit(run, stage: int, direction: str, hop: HopInputs, loss=None, fmt: str =
 
 
 CASES = [(0, "forward", "bf16"), (1, "forward", "bf16"), (1, "backward", "bf16"), (2, "backward", "bf16"),
-         (1, "backward", "fp32"), (1, "backward", "int8"), (2, "backward", "int8")]
+         (1, "backward", "fp32"), (1, "backward", "int8"), (2, "backward", "int8"), (1, "backward", "fp8"),
+         (2, "backward", "fp8")]
 
 
 @pytest.mark.parametrize("stage,direction,fmt", CASES)

@@ -11,8 +11,9 @@ import torch
 
 from iota_subnet.protocol import (
     HTTP_STATUS, SPEC_VERSION, Health, Hop, HopAck, MergePayload, Outcome, ProtocolError, StateRequest, StateResponse,
-    TensorContract, TensorSpec, decode, encode, read_header,
+    TensorContract, TensorSpec, decode, encode, from_wire, hop_contract, read_header, to_wire,
 )
+from iota_subnet.protocol.wire import bytes_per_token, check_scales, needs_scales, rounding_bound
 
 B, S, D = 2, 16, 8
 
@@ -33,6 +34,7 @@ def _messages():
         Hop(**_header(), data=torch.randint(-127, 128, (B, S, D), generator=g, dtype=torch.int8),
             scales=torch.rand(B, S, generator=g)),
         Hop(**_header(stage=0), direction="abort", path=["5Fa"], reason="tail gone"),
+        Hop(**_header(), data=to_wire(torch.randn(B, S, D, generator=g), "fp8")[0], scales=torch.rand(B, S, generator=g)),
         HopAck(**_header(), status="duplicate"),
         MergePayload(**_header(), epoch=3, shard_index=2, num_shards=4, offset=1000, total_numel=4000, weight=0.5,
                      shard=torch.randn(1000, generator=g)),
@@ -238,7 +240,8 @@ def test_ready_made_contracts():
 
     hc = hop_contract(seq_len=S, width=D, max_batch=4)
     for data, scales in ((torch.randn(B, S, D), None), (torch.randn(B, S, D).bfloat16(), None),
-                         (torch.zeros(B, S, D, dtype=torch.int8), torch.ones(B, S)), (None, None)):
+                         (torch.zeros(B, S, D, dtype=torch.int8), torch.ones(B, S)),
+                         (torch.zeros(B, S, D, dtype=torch.float8_e4m3fn), torch.ones(B, S)), (None, None)):
         decode(encode(Hop(data=data, scales=scales)), Hop, hc)
     assert _refused(encode(Hop(data=torch.randn(B, S, 2 * D))), Hop, hc) == Outcome.BAD_SHAPE
     assert _refused(encode(Hop(data=torch.randn(5, S, D))), Hop, hc) == Outcome.BAD_SHAPE
@@ -251,3 +254,67 @@ def test_ready_made_contracts():
     decode(encode(MergePayload(shard=torch.zeros(1000, dtype=torch.int8), scales=torch.ones(4))), MergePayload, mc)
     assert _refused(encode(MergePayload(shard=torch.randn(1001))), MergePayload, mc) == Outcome.BAD_SHAPE
     assert _refused(encode(MergePayload(shard=torch.randn(10, 10))), MergePayload, mc) == Outcome.BAD_SHAPE
+
+
+# ---- wire dtypes (iota_subnet.protocol.wire) -----------------------------------------------------------
+def _activations(seed: int = 0) -> torch.Tensor:
+    """[2, 64, 256] with the spread of real hidden states: channel scales over five decades, a few
+    outlier channels ~50x the rest (LLM.int8, Dettmers et al. 2022, section 3), tokens of varied norm."""
+    g = torch.Generator().manual_seed(seed)
+    ch = torch.logspace(-3, 1, 256)[torch.randperm(256, generator=g)]
+    ch[torch.randint(0, 256, (4,), generator=g)] = 50.0
+    tok = torch.rand(2, 64, 1, generator=g) * 4 + 0.1
+    return torch.randn(2, 64, 256, generator=g) * ch * tok
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8", "fp8"])
+def test_wire_round_trip_error_bounds(wire):
+    x = _activations()
+    data, scales = to_wire(x, wire)
+    y = from_wire(data, scales)
+    assert y.dtype == torch.float32 and y.shape == x.shape and needs_scales(wire) == (scales is not None)
+    assert data.numel() * data.element_size() + (0 if scales is None else 4 * scales.numel()) \
+        == bytes_per_token(wire, 256) * 2 * 64
+    err = (y - x).abs()
+    if wire == "bf16":
+        assert bool((err <= x.abs() * 2 ** -8).all())
+        return
+    top = {"int8": 127.0, "fp8": 448.0}[wire]
+    assert torch.allclose(scales, x.abs().amax(-1) / top)
+    assert bool((err <= rounding_bound(x.abs(), scales, wire) * (1 + 1e-6)).all())
+    if wire == "fp8":   # relative 2^-4 on every value whose x / s is normal (>= 2^-6), s 2^-10 below
+        normal = x.abs() / scales.unsqueeze(-1) >= 2 ** -6
+        assert bool((err[normal] <= x.abs()[normal] * 2 ** -4 * (1 + 1e-6)).all())
+        assert bool((err[~normal] <= (scales.unsqueeze(-1) * 2 ** -10).expand_as(x)[~normal] * (1 + 1e-6)).all())
+        assert 0.01 < float((y - x).norm() / x.norm()) < 0.05          # ~2^-5.5: 3 mantissa bits
+        # a row's largest value maps to 448, the largest finite e4m3fn: no NaN, ever
+        assert float(data.float().abs().amax()) == 448.0 and not bool(torch.isnan(y).any())
+
+
+def test_fp8_hop_round_trips_through_the_codec_bit_exact():
+    data, scales = to_wire(_activations(1), "fp8")
+    got = decode(encode(Hop(data=data, scales=scales)), Hop, hop_contract(seq_len=64, width=256, max_batch=2))
+    assert got.data.dtype == torch.float8_e4m3fn and got.scales.dtype == torch.float32
+    assert torch.equal(got.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(got.scales, scales)
+    assert read_header(encode(Hop(data=data)))[0]["data"]["dtype"] == "F8_E4M3"    # safetensors' name
+    nan = data.clone()
+    nan.view(torch.uint8)[1, 3, 2] = 0xFF          # e4m3fn's NaN (it has no inf)
+    assert _refused(encode(Hop(data=nan, scales=scales)), Hop) == Outcome.NON_FINITE
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8"])
+def test_scaled_wire_tensors_refuse_bad_scales(wire):
+    data, scales = to_wire(_activations(2), wire)
+    for bad, why in ((None, "needs float32 scales"), (scales[:1], "needs float32 scales"),
+                     (scales.reshape(-1), "needs float32 scales"), (scales.double(), "must be float32"),
+                     (torch.full_like(scales, float("nan")), "finite"), (torch.full_like(scales, float("inf")), "finite"),
+                     (-scales, ">= 0")):
+        with pytest.raises(ValueError, match=why):
+            from_wire(data, bad)
+    with pytest.raises(ValueError, match="carry no scales"):
+        check_scales(data.float(), scales)
+    if wire == "fp8":
+        nan = data.clone()
+        nan.view(torch.uint8)[0, 0, 0] = 0x7F
+        with pytest.raises(ValueError, match="NaN"):
+            from_wire(nan, scales)

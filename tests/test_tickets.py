@@ -11,6 +11,7 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.miner.tickets import TicketChecker, TicketShape
 from iota_subnet.protocol import Outcome, ProtocolError, Ticket
+from iota_subnet.protocol.ticket import WIRE_DTYPES, TicketError
 
 
 def _setup():
@@ -38,3 +39,13 @@ def test_a_copied_signature_over_changed_fields_is_refused_after_the_good_ticket
         with pytest.raises(ProtocolError) as e:
             checker.check(forged.to_json(), sender=head, direction="forward")
         assert e.value.outcome == Outcome.BAD_TICKET, (field, e.value)
+
+
+def test_a_ticket_may_ask_for_any_wire_dtype_and_no_other():
+    """fp32, bf16, int8 and fp8 (:mod:`iota_subnet.protocol.wire`) are ticket wire dtypes; another is MALFORMED."""
+    t, _, _ = _setup()
+    assert WIRE_DTYPES == ("fp32", "bf16", "int8", "fp8")
+    for w in WIRE_DTYPES:
+        replace(t, wire_dtype=w).check_shape_fields()
+    with pytest.raises(TicketError, match="wire_dtype 'fp4'"):
+        replace(t, wire_dtype="fp4").check_shape_fields()

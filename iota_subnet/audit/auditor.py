@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from iota_subnet.protocol.wire import needs_scales
+
 from .challenge import Sample, SamplingParams, draw_blocks, draw_sample, openings
 from .check import LinkChecker, Tolerances, Verdict
 from .commit import weights_entries_root, entry_names
@@ -50,8 +52,8 @@ class HopAuditor:
     ``wire_commit``: ``"root"`` when the receipts carry :func:`~.commit.wire_root` (token rows are
     opened with proofs), ``"sha256"`` when they carry the flat sha256 of the tensor
     (:func:`~.commit.wire_sha256`, what the data plane sends today): each wire tensor is then opened
-    whole (tiny, bf16: 64 kB a tensor instead of ~1 kB); int8 wire tensors need ``"root"`` (the flat
-    hash of the receipts does not cover their scales). ``tokens`` [B, T] (head) / ``targets``
+    whole (tiny, bf16: 64 kB a tensor instead of ~1 kB); int8 and fp8 wire tensors need ``"root"``
+    (the flat hash of the receipts does not cover their scales). ``tokens`` [B, T] (head) / ``targets``
     [B, T] (tail), from the micro-batch's sample address; ``loss``: the loss the tail reported;
     ``rng``: defaults to ``random.SystemRandom`` (the OS CSPRNG: a miner cannot predict the draws).
     """
@@ -63,8 +65,9 @@ class HopAuditor:
                  loss: Optional[float] = None):
         if wire_commit not in ("root", "sha256"):
             raise ValueError(f"wire_commit must be 'root' or 'sha256', got {wire_commit!r}")
-        if wire_commit == "sha256" and layout.wire_format == "int8":
-            raise ValueError("int8 wire tensors are audited against wire_root commitments (their scales must be bound)")
+        if wire_commit == "sha256" and needs_scales(layout.wire_format):
+            raise ValueError(f"{layout.wire_format} (scaled: int8, fp8) wire tensors are audited against wire_root "
+                             "commitments (their scales must be bound)")
         self.wire_commit = wire_commit
         self.layout = layout
         self.weights_root = bytes(weights_root)

@@ -60,7 +60,10 @@ from typing import Optional
 
 import torch
 
+from iota_subnet.protocol.wire import SCALE_MAX, needs_scales, rounding_bound
+
 from .challenge import ACT_PROJ, Sample, weight_vectors
+from .commit import split_wire_rows
 from .layout import TraceLayout
 from .project import Randoms
 
@@ -183,26 +186,26 @@ class LinkChecker:
         self._record(link, float((got - ref).abs().max()), self.tol.link if tol is None else tol, where)
 
     def wire_row(self, name: str, i: int) -> torch.Tensor:
-        """An opened wire row as float64 values (int8: ``data * scale``)."""
-        row = self.O[name][int(i)]
-        if self.lay.wire_format != "int8":
-            return row.to(torch.float64)
-        b = self.m.b
-        raw = row.contiguous()
-        return raw[:b].view(torch.int8).to(torch.float64) * float(raw[b:b + 4].clone().view(torch.float32)[0])
+        """An opened wire row as float64 values (int8 / fp8: ``data * scale``)."""
+        return self.wire_scaled_row(name, i)[0]
+
+    def wire_scaled_row(self, name: str, i: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """An opened wire row as float64 values ``[b]`` and, for int8 / fp8, its scale (float64 ``[]``)."""
+        vals, scales = split_wire_rows(self.O[name][int(i)].reshape(1, -1), self.lay.wire_format)
+        return vals[0], (None if scales is None else scales[0])
 
     def wire_close(self, link: str, name: str, n: int, trace: torch.Tensor, where: str, floor: float = 0.0) -> None:
         """The row the hop sent is the wire rounding of the trace's row: what exceeds the rounding
-        (half a wire ulp per value; int8: half a step, the step being max|x| / 127 of the trace's row),
-        in L2 norm relative to the larger of the row's norm and ``floor``, within ``tol.output`` (the
-        run's precision)."""
-        sent = self.wire_row(name, n)
-        if self.lay.wire_format == "int8":
-            raw = self.O[name][int(n)].contiguous()
-            step = float(raw[self.m.b:self.m.b + 4].clone().view(torch.float32)[0])
-            ref = float(trace.abs().max()) / 127.0
-            self._record(link, abs(step - ref) / (ref + 1e-30), self.tol.output, where + ", scale")
-            slack = torch.full_like(trace, abs(step) / 2)
+        (half a wire ulp per value; int8: half a step, the step being max|x| / 127 of the trace's row;
+        fp8: the scale ``max|x| / 448`` times half an e4m3 ulp,
+        :func:`~iota_subnet.protocol.wire.rounding_bound`), in L2 norm relative to the larger of the
+        row's norm and ``floor``, within ``tol.output`` (the run's precision)."""
+        sent, step = self.wire_scaled_row(name, n)
+        fmt = self.lay.wire_format
+        if needs_scales(fmt):
+            ref = float(trace.abs().max()) / SCALE_MAX[fmt]
+            self._record(link, abs(float(step) - ref) / (ref + 1e-30), self.tol.output, where + ", scale")
+            slack = rounding_bound(torch.maximum(sent.abs(), trace.abs()), step.abs(), fmt)
         else:
             slack = half_ulp(torch.maximum(sent.abs(), trace.abs()), self.wire_dtype)
         excess = ((sent - trace).abs() - slack).clamp_min(0.0)

@@ -15,7 +15,8 @@ Weights root (extends the DESIGN's row root with columns, still one root per ver
 
 Wire root
     :func:`wire_root` of a ``[B, T, b]`` wire tensor is the Merkle root of its ``N = B * T`` token
-    rows in the wire dtype's raw bytes (bf16: 2 bytes a value). It costs one pass of sha256 over the
+    rows in the wire dtype's raw bytes (bf16: 2 bytes a value; int8 and fp8: 1 byte a value, then the
+    row's float32 scale). It costs one pass of sha256 over the
     tensor, as a flat sha256 does, plus ~2N small hashes; it lets an audit open single token rows
     instead of the whole tensor. Receipts should carry it (``in_root`` / ``out_root``).
 
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
+
+from iota_subnet.protocol.wire import SCALE_BYTES, WIRE_TORCH_DTYPES, needs_scales
 
 from .layout import has_columns
 from .merkle import MerkleTree, combine_roots
@@ -158,9 +161,10 @@ WireTensor = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
 def wire_rows(t: WireTensor) -> torch.Tensor:
-    """A wire tensor ``[B, T, b]`` (fp32 / bf16) as its ``[B * T, b]`` token rows on the host; an int8
-    one, given as ``(data int8 [B, T, b], scales float32 [B, T])`` (:func:`iota_subnet.protocol.to_wire`),
-    as uint8 rows ``[B * T, b + 4]``: each token's bytes followed by its scale's."""
+    """A wire tensor ``[B, T, b]`` (fp32 / bf16) as its ``[B * T, b]`` token rows on the host; a scaled
+    one (int8 / fp8, :func:`~iota_subnet.protocol.wire.needs_scales`), given as ``(data [B, T, b],
+    scales float32 [B, T])`` (:func:`iota_subnet.protocol.to_wire`), as uint8 rows ``[B * T, b + 4]``:
+    each token's bytes followed by its scale's. Raises ValueError when the scales do not fit."""
     scales = None
     if isinstance(t, tuple):
         t, scales = t
@@ -170,19 +174,32 @@ def wire_rows(t: WireTensor) -> torch.Tensor:
     if t.dim() != 3:
         raise ValueError(f"a wire tensor is [B, T, b], got shape {tuple(t.shape)}")
     rows = t.reshape(-1, t.shape[-1]).contiguous()
-    if t.dtype == torch.int8:
+    if needs_scales(t.dtype):
         if scales is None or tuple(scales.shape) != tuple(t.shape[:2]):
-            raise ValueError(f"int8 wire rows need their scales [B, T] = {list(t.shape[:2])}")
+            raise ValueError(f"{t.dtype} wire rows need their scales [B, T] = {list(t.shape[:2])}")
         s = scales.detach().to("cpu", torch.float32).reshape(-1, 1).contiguous()
         return torch.cat((rows.view(torch.uint8), s.view(torch.uint8)), dim=1)
     if scales is not None:
-        raise ValueError("only int8 wire tensors carry scales")
+        raise ValueError("only int8 and fp8 wire tensors carry scales")
     return rows
+
+
+def split_wire_rows(raw: torch.Tensor, wire_format: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Opened wire rows -> (values float64 ``[N, b]``, per-row scales float64 ``[N]`` or None): the
+    inverse of :func:`wire_rows`. ``raw``: ``[N, b]`` in the wire dtype (fp32 / bf16), or uint8
+    ``[N, b + 4]`` for a scaled format (int8 / fp8: each token's bytes then its float32 scale),
+    decoded ``data * scale``."""
+    if not needs_scales(wire_format):
+        return raw.to(torch.float64), None
+    b = raw.shape[-1] - SCALE_BYTES
+    data = raw[:, :b].contiguous().view(WIRE_TORCH_DTYPES[wire_format]).to(torch.float64)
+    scales = raw[:, b:].contiguous().view(torch.float32).reshape(-1).to(torch.float64)
+    return data * scales[:, None], scales
 
 
 def wire_root(t: WireTensor) -> bytes:
     """Merkle root over the token rows of a wire tensor (see :func:`wire_rows`): what a receipt
-    should name for the tensor (the hash of an int8 one covers its scales)."""
+    should name for the tensor (the hash of an int8 or fp8 one covers its scales)."""
     return MerkleTree.of_rows(wire_rows(t)).root
 
 

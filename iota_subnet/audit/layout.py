@@ -59,8 +59,9 @@ from iota_subnet.config import bottleneck_dims
 from iota_subnet.model.llama import rope_cos_sin
 from iota_subnet.config import split_layers
 from iota_subnet.model.stages import PipelineStage
+from iota_subnet.protocol.wire import SCALE_BYTES, WIRE_TORCH_DTYPES, needs_scales
 
-WIRE_FORMATS = ("fp32", "bf16", "int8")
+WIRE_FORMATS = tuple(WIRE_TORCH_DTYPES)      # fp32, bf16, int8, fp8
 FORWARD = "forward"
 BACKWARD = "backward"
 DIRECTIONS = (FORWARD, BACKWARD)
@@ -191,8 +192,8 @@ class TraceLayout:
 
     ``direction``: ``"forward"`` (forward trace only) or ``"backward"`` (forward and backward
     trace; the tail's hop is always audited this way). ``micro_per_step``: the tail divides its
-    loss by it before backward (the gradient scale). ``wire_format``: ``fp32``, ``bf16`` or ``int8``
-    (:mod:`iota_subnet.protocol.wire`); int8 wire rows are ``b`` bytes plus a float32 scale.
+    loss by it before backward (the gradient scale). ``wire_format``: ``fp32``, ``bf16``, ``int8`` or
+    ``fp8`` (:mod:`iota_subnet.protocol.wire`); int8 and fp8 wire rows are ``b`` bytes plus a float32 scale.
     ``blocks``: the blocks (indices inside the stage) whose round-2 projections the audit asks for
     (None: all); :meth:`for_blocks` makes such a view. ``kind``: ``"replay"`` for a stage of a
     ``transformers`` family run (:func:`is_hf`): no trace, no projections, only its wire tensors and
@@ -323,7 +324,7 @@ class TraceLayout:
                 add(tr, "in.dz", N, m.b)
                 vec["dec.o"] = (d,)
         # wire tensors named by the receipts of this hop
-        ww = m.b + 4 if self.wire_format == "int8" else m.b
+        ww = m.b + SCALE_BYTES if needs_scales(self.wire_format) else m.b
         if not m.head:
             add(self.wire, "wire.x", N, ww, "wire")
         if not m.tail:
@@ -372,8 +373,8 @@ class TraceLayout:
 
     @property
     def wire_torch_dtype(self) -> torch.dtype:
-        """dtype of the opened wire rows (int8 rows travel as their bytes: uint8)."""
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}[self.wire_format]
+        """dtype of the opened wire rows (int8 and fp8 rows travel as their bytes and scale: uint8)."""
+        return torch.uint8 if needs_scales(self.wire_format) else WIRE_TORCH_DTYPES[self.wire_format]
 
     def rope_tables(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] (fp32) of the model's rotary embedding, as the stage computes them."""

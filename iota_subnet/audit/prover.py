@@ -49,9 +49,9 @@ class HopInputs:
     """What a miner keeps of one hop for audits (the audit window).
 
     ``x``: token ids [B, T] (head) or the activations received [B, T, b] (the wire tensor, or for
-    int8 its decoded float values); ``targets`` [B, T] (tail); ``grad``: the gradient received
+    int8 / fp8 its decoded float values); ``targets`` [B, T] (tail); ``grad``: the gradient received
     [B, T, b] (backward, non-tail; same rule); ``wire``: the wire tensors of the hop by layout name
-    (``wire.x``, ``wire.z``, ``wire.dz``, ``wire.dx``), exactly as received or sent (int8: the pair
+    (``wire.x``, ``wire.z``, ``wire.dz``, ``wire.dx``), exactly as received or sent (int8 / fp8: the pair
     ``(data, scales)``); their roots are in the receipts.
     """
 

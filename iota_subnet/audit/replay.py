@@ -16,7 +16,7 @@ targets, divided by ``micro_per_step``), and compares:
 ``grad_in``  every row of ``wire.dx`` (the gradient sent upstream) with the replayed input gradient
 
 A row passes when what exceeds the wire rounding (half an ulp of the wire dtype per value; int8:
-half a step) is, in L2 norm relative to the larger of the replayed row's norm and (gradients) the
+half a step; fp8: the row's scale times half an e4m3 ulp) is, in L2 norm relative to the larger of the replayed row's norm and (gradients) the
 median row norm of the replayed tensor, within :attr:`~.check.Tolerances.output` (the run's compute
 precision: fp32 1e-4, bf16 autocast 2e-2). Every row is checked: a forward or backward falsified on
 any token fails.
@@ -31,7 +31,10 @@ from typing import Optional
 
 import torch
 
+from iota_subnet.protocol.wire import SCALE_MAX, rounding_bound
+
 from .check import Tolerances, Verdict, half_ulp
+from .commit import split_wire_rows
 from .layout import EMBED, TraceLayout
 
 
@@ -76,15 +79,10 @@ class ReplayChecker:
             self.v.fail(f"{link} ({where}): err {err:.2e} > {tol:.0e}", link)
 
     def wire_tensor(self, name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The opened wire tensor as float64 values [N, b], and for int8 the per-row steps [N]."""
+        """The opened wire tensor as float64 values [N, b], and for int8 / fp8 the per-row scales [N]."""
         rows = self.O[name]
         raw = torch.stack([rows[i] for i in range(self.lay.wire[name].rows)])
-        if self.lay.wire_format != "int8":
-            return raw.to(torch.float64), None
-        b = self.m.b
-        data = raw[:, :b].contiguous().view(torch.int8).to(torch.float64)
-        steps = raw[:, b:b + 4].contiguous().view(torch.float32).reshape(-1).to(torch.float64)
-        return data * steps[:, None], steps
+        return split_wire_rows(raw, self.lay.wire_format)
 
     def compare(self, link: str, name: str, ref: torch.Tensor, floor: float = 0.0) -> None:
         """Every row of wire tensor ``name`` against the replayed ``ref`` [N, b] (see the module docstring)."""
@@ -93,11 +91,11 @@ class ReplayChecker:
         if steps is None:
             slack = half_ulp(torch.maximum(sent.abs(), ref.abs()), self.lay.wire_torch_dtype)
         else:
-            want = ref.abs().amax(dim=1) / 127.0
+            want = ref.abs().amax(dim=1) / SCALE_MAX[self.lay.wire_format]
             for n in range(ref.shape[0]):
                 self._record(link, abs(float(steps[n]) - float(want[n])) / (float(want[n]) + 1e-30), self.tol.output,
                              f"token {n}, scale")
-            slack = (steps.abs() / 2)[:, None].expand_as(ref)
+            slack = rounding_bound(torch.maximum(sent.abs(), ref.abs()), steps.abs(), self.lay.wire_format)
         excess = ((sent - ref).abs() - slack).clamp_min(0.0).norm(dim=1)
         scale = ref.norm(dim=1).clamp_min(floor) + 1e-30
         err = excess / scale

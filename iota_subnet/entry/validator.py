@@ -10,6 +10,7 @@ from loguru import logger
 
 from iota_subnet.entry.chain import open_network_chain
 from iota_subnet.neuron_common import add_common_args, check_external_ip, run_id_for, setup_process
+from iota_subnet.protocol.ticket import WIRE_DTYPES
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, run_validator
 from iota_subnet.validator.state import StateError
 
@@ -35,8 +36,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="tempos without verified work before a miner's score is stale and loses weight")
     v.add_argument("--burn-uid", type=int, default=0,
                    help="uid that receives the weight stale scores lose (0: the subnet owner's; -1: none)")
-    v.add_argument("--wire-dtype", choices=("bf16", "fp32", "int8"), default="bf16",
-                   help="activations and gradients on the wire between miners")
+    v.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="bf16",
+                   help="activations and gradients on the wire between miners (int8, fp8: 1 byte a value "
+                        "plus a float32 scale per token)")
     v.add_argument("--ticket-lookahead", type=int, default=8, help="lane steps of tickets a head miner holds ahead")
     v.add_argument("--stall", type=float, default=30.0,
                    help="at most this many seconds without progress before a lane step's micro-batches are re-issued "

@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-import torch
-
 from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptBatch,
                                   Ticket, TicketAck, TicketBatch, hop_contract)
 from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
-from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
+from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES, check_scales
 from iota_subnet.transport.server import Route
 from iota_subnet.utils.supervise import Supervisor
 
@@ -194,8 +192,10 @@ class DataPlaneNode:
             if msg.data.dtype != WIRE_TORCH_DTYPES[t.wire_dtype]:
                 raise ProtocolError(Outcome.BAD_DTYPE, f"hop data is {str(msg.data.dtype).removeprefix('torch.')}; "
                                                        f"the ticket says {t.wire_dtype}")
-            if (msg.data.dtype == torch.int8) != (msg.scales is not None):
-                raise ProtocolError(Outcome.MALFORMED, "int8 hop data comes with per-row scales (and only int8)")
+            try:
+                check_scales(msg.data, msg.scales)      # int8 / fp8 with per-row scales, and only they
+            except ValueError as e:
+                raise ProtocolError(Outcome.MALFORMED, f"hop data: {e}") from None
             if msg.direction == "forward" and self.stage == 0:
                 raise ProtocolError(Outcome.NOT_ON_ROUTE, "stage 0 reads its own token rows; it takes no forward hop")
         root = await commit_wire(msg.data, msg.scales) if msg.data is not None else ""

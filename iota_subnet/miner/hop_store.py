@@ -42,6 +42,7 @@ import torch
 
 from iota_subnet.audit.commit import WeightsCommitment, WireTensor, host_snapshot, weights_commitment
 from iota_subnet.audit.prover import HopInputs
+from iota_subnet.protocol.wire import from_wire
 from iota_subnet.utils.spill import SpillDir
 
 Version = tuple[int, int]
@@ -51,15 +52,16 @@ DEFAULT_KEEP_VERSIONS = 4
 
 
 def wire_pair(data: torch.Tensor, scales: Optional[torch.Tensor]) -> WireTensor:
-    """A wire tensor as :class:`HopInputs` keeps it: the tensor, or ``(data, scales)`` for int8."""
+    """A wire tensor as :class:`HopInputs` keeps it: the tensor, or ``(data, scales)`` for int8 / fp8."""
     return data if scales is None else (data, scales)
 
 
 def wire_values(data: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """What the stage computed with: bf16 / fp32 wire tensors as they are, int8 decoded to float."""
+    """What the stage computed with: bf16 / fp32 wire tensors as they are, int8 / fp8 decoded to float
+    (:func:`~iota_subnet.protocol.wire.from_wire`)."""
     if scales is None:
         return data
-    return data.float() * scales.float().unsqueeze(-1)
+    return from_wire(data, scales)
 
 
 @dataclass

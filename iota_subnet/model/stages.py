@@ -15,7 +15,7 @@ Inputs and outputs (B rows, T tokens, d width, b wire width, V vocab):
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -198,16 +198,25 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> PipelineStage:
 
 
 class StagedModel(nn.Module):
-    """Stages chained in one process (the co-located reference): tokens [B, T] -> loss."""
+    """Stages chained in one process (the co-located reference): tokens [B, T] -> loss.
 
-    def __init__(self, stages: list[PipelineStage]):
+    ``boundary``: applied to the activation ``[B, T, b]`` between consecutive stages (None: passed as
+    it is), e.g. :class:`iota_subnet.train.wire_boundary.WireBoundary`, which rounds it (and its
+    gradient in the backward pass) to the run's wire dtype as the network's miners do."""
+
+    def __init__(self, stages: list[PipelineStage],
+                 boundary: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         super().__init__()
         self.stages = nn.ModuleList(stages)
+        self.boundary = boundary
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = tokens
+        last = len(self.stages) - 1
         for i, st in enumerate(self.stages):
-            x = st(x, targets) if i == len(self.stages) - 1 else st(x)
+            if i and self.boundary is not None:
+                x = self.boundary(x)
+            x = st(x, targets) if i == last else st(x)
         return x
 
     def param_count(self) -> int:

@@ -27,6 +27,7 @@ import torch
 from .contract import TensorContract
 from .messages import SPEC_VERSION, TENSOR_DICT, Message
 from .outcome import Outcome, ProtocolError
+from .wire import fp8_nan
 
 M = TypeVar("M", bound=Message)
 
@@ -38,7 +39,7 @@ MAX_HEADER_BYTES = 8 << 20
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in _ST_DTYPES.values()}
 _NAME_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -83,6 +84,14 @@ def tensor_sha256(t: torch.Tensor) -> str:
     for view in host_bytes(t):
         h.update(view)
     return h.hexdigest()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN or inf (float8 e4m3fn, which has no inf and no
+    ``isfinite`` kernel, by its NaN bit pattern: :func:`~.wire.fp8_nan`)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return not bool(fp8_nan(t).any())
+    return bool(torch.isfinite(t).all())
 
 
 def _wire_tensors(msg: Message) -> dict[str, torch.Tensor]:
@@ -269,7 +278,7 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
 
     for key, t in loaded.items():
         if t.is_floating_point() and (contract is None or contract.wants_finite(key)):
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise ProtocolError(Outcome.NON_FINITE, f"tensor {key!r} holds NaN or inf")
         if contract is not None:
             contract.check_values(key, t)

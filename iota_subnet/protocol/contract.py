@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from .outcome import Outcome, ProtocolError
+from .wire import WIRE_TORCH_DTYPES
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -145,10 +146,10 @@ def merge_payload_contract(*, max_numel: int, block: int = 256) -> TensorContrac
 
 def hop_contract(*, seq_len: int, width: int, max_batch: int) -> TensorContract:
     """:class:`~iota_subnet.protocol.messages.Hop`: ``data`` [batch <= max_batch, seq_len, width] as
-    float32, bfloat16 or int8 (then ``scales`` float32 [batch, seq_len]); both optional (an abort
+    float32, bfloat16, int8 or float8_e4m3fn (then ``scales`` float32 [batch, seq_len]); both optional (an abort
     carries none). The ticket's own shape fields are checked against the tensor by the receiver."""
     return TensorContract({
-        "data": TensorSpec(dtypes=(torch.float32, torch.bfloat16, torch.int8), shape=(-1, seq_len, width),
+        "data": TensorSpec(dtypes=tuple(WIRE_TORCH_DTYPES.values()), shape=(-1, seq_len, width),
                            max_shape=(max_batch, -1, -1), min_shape=(1, -1, -1), required=False),
         "scales": TensorSpec(dtypes=(torch.float32,), shape=(-1, seq_len), max_shape=(max_batch, -1),
                              min_shape=(1, -1), required=False),

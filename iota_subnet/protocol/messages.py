@@ -21,7 +21,7 @@ Health         no tensors
 MergeEvidence  no tensors: ``reports``, a replica's merge mismatch evidence (JSON), for validators
 TicketBatch    no tensors: signed tickets (:class:`~iota_subnet.protocol.ticket.Ticket` JSON) for a head miner
 Hop            ``data``: the activation (forward) or activation gradient (backward) [batch, seq, b] in the
-               ticket's wire dtype (bf16 / fp32 / int8 with ``scales`` float32 [batch, seq]); the ticket
+               ticket's wire dtype (bf16 / fp32 / int8 or fp8 with ``scales`` float32 [batch, seq]); the ticket
                and the path taken so far travel as JSON
 ReceiptBatch   no tensors: what a miner did with the hops of one validator's tickets (JSON receipts)
 AuditTraceRequest / AuditTraceCommit

@@ -9,7 +9,7 @@ id         micro-batch id (the ticket's)
 lane, step, index, attempt, stage
 status     ``ok`` | ``failed`` (``error``, ``unreachable`` name why and whom) | ``stale`` | ``expired``
 fin, fout  commitment of the activation received / sent: :func:`iota_subnet.audit.commit.wire_root`
-           of the wire tensor's token rows (int8: with their scales), hex; ``""`` where none
+           of the wire tensor's token rows (int8, fp8: with their scales), hex; ``""`` where none
 bin, bout  the same for the activation gradient received / sent
 loss       the micro-batch's mean loss (nats per token): the tail, and echoed back to the head
 ws, wm     the weights version used: inner step and merges applied

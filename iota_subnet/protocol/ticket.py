@@ -24,10 +24,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
+from .wire import WIRE_TORCH_DTYPES
+
 #: Ticket format version; a miner refuses other versions.
 TICKET_VERSION = 1
 #: Wire dtypes a ticket may ask for (see :mod:`.wire`).
-WIRE_DTYPES = ("fp32", "bf16", "int8")
+WIRE_DTYPES = tuple(WIRE_TORCH_DTYPES)   # fp32, bf16, int8, fp8
 SPLITS = ("train", "val")
 
 

@@ -2,6 +2,10 @@
 
 Every distributed run is compared against this one: same config, same data addressing
 (optimizer step k reads samples ``k * batch_size ...`` of seed ``train.seed``), same inner optimizer.
+``wire_dtype`` (default ``fp32``: the activations pass between stages untouched) rounds the activation
+at every stage boundary, and its gradient in the backward pass, to a network wire dtype
+(:class:`~iota_subnet.train.wire_boundary.WireBoundary`; ``bf16``, ``int8``, ``fp8``), in training and
+in the validation loss alike.
 
 Outputs in ``out``: ``metrics.jsonl``, ``summary.json``, ``checkpoint.safetensors`` (atomic; resumed
 automatically when present), ``config.json``.
@@ -22,11 +26,13 @@ from loguru import logger
 
 from iota_subnet.config import ConfigError, RunConfig, load_config
 from iota_subnet.model import StagedModel, bottleneck_dims, build_stages
+from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES, bytes_per_token
 from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, read_checkpoint, restore,
                                           save_checkpoint, sweep_stray_temporaries)
 from iota_subnet.train.metrics import MetricsLog, write_summary
 from iota_subnet.train.optim import lr_at, make_optimizer, set_lr
 from iota_subnet.train.precision import prepare_device
+from iota_subnet.train.wire_boundary import WireBoundary
 from iota_subnet.utils.atomic import atomic_write_json, atomic_write_text
 
 
@@ -81,11 +87,13 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
                     seed: Optional[int] = None, device: Optional[str] = None, progress: Optional[bool] = None,
                     cache_dir: Optional[Path] = None, overrides: Optional[dict] = None,
                     checkpoint_every: Optional[int] = None, eval_at_end: bool = True,
-                    stop_after: Optional[int] = None, allow_data_fallback: bool = False) -> dict:
+                    stop_after: Optional[int] = None, allow_data_fallback: bool = False,
+                    wire_dtype: str = "fp32") -> dict:
     """Train the staged model in one process for ``steps`` optimizer steps; returns the summary dict.
 
     ``stop_after``: behave as if interrupted once that step is reached (checkpoint, then raise
-    KeyboardInterrupt): the same path as Ctrl-C.
+    KeyboardInterrupt): the same path as Ctrl-C. ``wire_dtype``: the stage boundaries' wire format
+    (see the module docstring); the summary gives it and ``wire_bytes_per_token`` (one boundary).
     Raises ConfigError / DataError / CheckpointError with messages that name the fix.
     """
     from iota_subnet.data import build_dataset, describe  # heavy imports kept off the CLI start-up path
@@ -93,6 +101,8 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if wire_dtype not in WIRE_TORCH_DTYPES:
+        raise ConfigError(f"wire dtype {wire_dtype!r} is not one of {tuple(WIRE_TORCH_DTYPES)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sweep_stray_temporaries(out)          # leftovers of a save killed half-way
@@ -100,7 +110,7 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
     dev = prepare_device(pick_device(device), cfg)      # TF32 by train.precision on CUDA
     tok, dataset = build_dataset(cfg.data, data, cache_dir, allow_fallback=allow_data_fallback)
     stages = build_stages(cfg, seed=seed)
-    model = StagedModel(stages).to(dev)
+    model = StagedModel(stages, None if wire_dtype == "fp32" else WireBoundary(wire_dtype)).to(dev)
     opt = make_optimizer(model, cfg.train)
     fp = config_fingerprint(cfg.model, cfg.pipeline)
     ckpt = out / "checkpoint.safetensors"
@@ -202,7 +212,8 @@ def train_colocated(config: str | Path | RunConfig, data: Optional[str], steps: 
         "steps": steps, "tokens": steps * B * T, "tokens_per_s": trained_tokens / train_s if trained_tokens else None,
         "final_loss": metrics.final_loss(), "last_step_loss": metrics.rows[-1]["loss"] if metrics.rows else None,
         "val_loss": val_loss, "params": params, "compression_ratio": cfg.pipeline.compression_ratio,
-        "bottleneck_width": b, "stages": cfg.pipeline.stages, "flops_per_token": model.flops_per_token(T),
+        "bottleneck_width": b, "wire_dtype": wire_dtype, "wire_bytes_per_token": bytes_per_token(wire_dtype, b),
+        "stages": cfg.pipeline.stages, "flops_per_token": model.flops_per_token(T),
         "device": str(dev), "data": describe(dataset.spec), "vocab_size": tok.vocab_size,
         "elapsed_s": metrics.last_elapsed_s, "final_loss_window": min(10, len(metrics.rows)),
     }

@@ -3,7 +3,7 @@
 One process holds every stage (:class:`~iota_subnet.model.hf_family.HFStage`, e.g. from
 :func:`~iota_subnet.model.hf_folder.load_stages_from_folder`) and trains them as the network's miners
 would: token ids ``[B, T]`` run through the stages in order; each stage boundary passes the hidden state
-``[B, T, d]`` through the wire format (``fp32``, ``bf16`` or ``int8`` with one float32 scale per token,
+``[B, T, d]`` through the wire format (``fp32``, ``bf16``, ``int8`` or ``fp8`` with one float32 scale per token,
 :mod:`iota_subnet.protocol.wire`), quantised and dequantised in the forward pass, and the activation
 gradient ``[B, T, d]`` the same way in the backward pass; the last stage's logits give
 :func:`~iota_subnet.model.lm_loss.masked_lm_loss`. After the backward pass :func:`sum_tied_grads`
@@ -31,48 +31,17 @@ import torch
 from iota_subnet.model.hf_family import HFStage, sum_tied_grads
 from iota_subnet.model.hf_folder import export_stages, load_stages_from_folder
 from iota_subnet.model.lm_loss import masked_lm_loss
-from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES, from_wire, to_wire
+from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES
+from iota_subnet.train.wire_boundary import through_wire
 
 PRECISIONS = ("fp32", "bf16")
-
-
-def wire_round_trip(x: torch.Tensor, wire_dtype: str) -> torch.Tensor:
-    """``x`` ``[..., d]`` as the receiver decodes it after the wire (``x``'s dtype and device); ``fp32``
-    returns ``x`` itself. Raises ValueError for an unknown ``wire_dtype``."""
-    if wire_dtype == "fp32" and x.dtype == torch.float32:
-        return x
-    data, scales = to_wire(x, wire_dtype)
-    return from_wire(data, scales).to(x.dtype)
-
-
-class _Wire(torch.autograd.Function):
-    """Identity up to the wire format: the hidden state forward, its gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, wire_dtype: str) -> torch.Tensor:  # pylint: disable=arguments-differ
-        ctx.wire_dtype = wire_dtype
-        y = wire_round_trip(x, wire_dtype)
-        return y.clone() if y is x else y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # pylint: disable=arguments-differ
-        return wire_round_trip(grad, ctx.wire_dtype), None
-
-
-def through_wire(x: torch.Tensor, wire_dtype: str) -> torch.Tensor:
-    """``x`` after a stage boundary in ``wire_dtype``, differentiable (the gradient crosses the same wire)."""
-    if wire_dtype not in WIRE_TORCH_DTYPES:
-        raise ValueError(f"unknown wire dtype {wire_dtype!r}; one of {sorted(WIRE_TORCH_DTYPES)}")
-    if wire_dtype == "fp32" and x.dtype == torch.float32:
-        return x
-    return _Wire.apply(x, wire_dtype)
 
 
 @dataclass(frozen=True)
 class HFTrainOptions:
     """Inner-optimizer and pipeline settings: AdamW ``lr``, ``betas``, ``weight_decay`` (matrices only),
     ``eps``; ``grad_clip`` the global gradient-norm bound (``None``/0: no clipping); ``wire_dtype``
-    between stages (``fp32``, ``bf16``, ``int8``); ``precision`` (``fp32``, ``bf16`` autocast)."""
+    between stages (``fp32``, ``bf16``, ``int8``, ``fp8``); ``precision`` (``fp32``, ``bf16`` autocast)."""
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1

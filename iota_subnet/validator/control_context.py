@@ -12,6 +12,7 @@ from iota_subnet.config import RunConfig
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.protocol import Ticket
 from iota_subnet.protocol.receipt import Receipt
+from iota_subnet.protocol.ticket import WIRE_DTYPES
 
 from .flights import FlightBook
 from .hindrance import Hindrances
@@ -29,7 +30,8 @@ class ControlOptions:
     ``tag``: prefix of micro-batch ids (empty: random); ``lookahead``: lane steps whose tickets are at
     the head before they are needed; ``ticket_ttl_s``: a ticket's life, seconds (per step ahead);
     ``stall_s`` / ``min_stall_s``: bounds of the stall timeout, seconds (:meth:`.lane_steps.LaneStepper.stall_timeout`);
-    ``max_attempts``: attempts per micro-batch and lane step; ``wire_dtype``: of the activations;
+    ``max_attempts``: attempts per micro-batch and lane step; ``wire_dtype``: of the activations and their gradients between miners (one of
+    :data:`~iota_subnet.protocol.ticket.WIRE_DTYPES`: fp32, bf16, int8, fp8);
     ``n_alternates``: other replicas named per stage; ``empty_step_wait_s``: wait before retrying a lane
     step none of whose micro-batches completed; ``turn_timeout_s``: how long the head may wait at
     another validator's step before this one drives it; ``eval_timeout_s``: per evaluation round;
@@ -70,7 +72,9 @@ class ControlOptions:
 
     def resolved(self, cfg: RunConfig) -> ControlOptions:
         """A copy with the defaults that depend on ``cfg`` or chance filled in and the numbers coerced
-        (at least one validator and one step of lookahead)."""
+        (at least one validator and one step of lookahead). Raises ValueError for an unknown ``wire_dtype``."""
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         return replace(self, n_lanes=int(self.n_lanes), validator_index=int(self.validator_index),
                        n_validators=max(1, int(self.n_validators)),
                        seed=cfg.train.seed if self.seed is None else int(self.seed),

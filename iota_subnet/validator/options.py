@@ -68,7 +68,7 @@ class RunOptions:
 @dataclass
 class TicketOptions:
     """Tickets and lane pacing of the control plane."""
-    wire_dtype: str = "bf16"  # activations and gradients on the wire (miner to miner): bf16, fp32 or int8
+    wire_dtype: str = "bf16"  # activations and gradients on the wire (miner to miner): bf16, fp32, int8 or fp8
     ticket_lookahead: int = 8  # lane steps of tickets a head miner holds ahead
     stall_s: float = 30.0  # at most this long without progress before a lane step's micro-batches are re-issued
 

@@ -135,14 +135,14 @@ def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Op
 
 
 def _encode(t: torch.Tensor, wire: str):
-    """What goes on the wire: a tensor (fp32, bf16) or ``(data, scales)`` (int8)."""
+    """What goes on the wire: a tensor (fp32, bf16) or ``(data, scales)`` (int8, fp8)."""
     data, scales = to_wire(t, wire)
     return (data, scales) if scales is not None else data
 
 
 def _decode(w) -> torch.Tensor:
     """What the receiver computes with: bf16/fp32 wire tensors as they are (the stage uses
-    ``x.float()``), int8 decoded to float."""
+    ``x.float()``), int8 / fp8 decoded to float."""
     return from_wire(*w) if isinstance(w, tuple) else w
 
 

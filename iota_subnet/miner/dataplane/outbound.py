@@ -31,7 +31,7 @@ OFFLOAD_BYTES = 256 << 10
 
 async def commit_wire(data: torch.Tensor, scales: Optional[torch.Tensor] = None) -> str:
     """The receipt's name for a wire tensor: :func:`iota_subnet.audit.commit.wire_root` of its token rows
-    (int8: with their scales), hex. Off the event loop and the compute thread when large."""
+    (int8 / fp8: with their scales), hex. Off the event loop and the compute thread when large."""
     t = data if scales is None else (data, scales)
     if data.numel() * data.element_size() > OFFLOAD_BYTES:
         return (await asyncio.to_thread(wire_root, t)).hex()
