@@ -45,6 +45,7 @@ from iota_subnet.model.hf_family import (
     load_stage_state,
     split_hf_layers,
 )
+from iota_subnet.utils.st_dtypes import ST_DTYPES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,9 +56,6 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
 #: Tensors of a checkpoint that stages do not hold and an export copies unchanged (buffers older
 #: ``transformers`` versions saved).
 KEPT_SUFFIXES = (".rotary_emb.inv_freq",)
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 class CheckpointFolderError(HFFamilyError):
@@ -105,7 +103,7 @@ def read_layout(folder: str | Path) -> CheckpointLayout:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                dtypes[key], shapes[key] = _DTYPES[sl.get_dtype()], tuple(sl.get_shape())
+                dtypes[key], shapes[key] = ST_DTYPES[sl.get_dtype()], tuple(sl.get_shape())
                 if not sharded:
                     weight_map[key] = name
     missing = sorted(k for k in weight_map if k not in dtypes)

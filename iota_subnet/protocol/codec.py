@@ -24,6 +24,8 @@ import pydantic
 import safetensors.torch
 import torch
 
+from iota_subnet.utils.st_dtypes import ST_DTYPES
+
 from .contract import TensorContract
 from .messages import SPEC_VERSION, TENSOR_DICT, Message
 from .outcome import Outcome, ProtocolError
@@ -35,13 +37,7 @@ META_KEY = "iota"
 #: Refuse safetensors headers above this size (a StateResponse of a few thousand tensors fits).
 MAX_HEADER_BYTES = 8 << 20
 
-# safetensors dtype codes <-> torch dtypes (only those we ever send).
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in _ST_DTYPES.values()}
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in ST_DTYPES.values()}
 _NAME_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
@@ -231,7 +227,7 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
             digest = tm["sha256"]
         except (KeyError, TypeError, ValueError):
             raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: incomplete header entry") from None
-        dtype = _ST_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
+        dtype = ST_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
         if dtype is None:
             raise ProtocolError(Outcome.BAD_DTYPE, f"tensor {key!r}: unsupported dtype {st_dtype!r}")
         if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)

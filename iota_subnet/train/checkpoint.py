@@ -26,6 +26,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from iota_subnet.utils.atomic import atomic_write_with, sweep_temporaries
+from iota_subnet.utils.st_dtypes import ST_CODES
 from iota_subnet.errors import UserError
 
 #: Header metadata key of the per-tensor hashes.
@@ -100,12 +101,6 @@ def _metadata(meta: dict, hashes: dict[str, str]) -> dict[str, str]:
     return {"meta": json.dumps(meta, sort_keys=True, default=str), HASHES_KEY: json.dumps(hashes, sort_keys=True)}
 
 
-#: safetensors dtype names (https://github.com/huggingface/safetensors, "Format").
-_ST_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                   torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                   torch.uint8: "U8", torch.bool: "BOOL"}
-
-
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
     """Write ``tensors`` (contiguous CPU tensors) with ``meta`` and per-tensor sha256 as one safetensors
     file, atomically and streamed: the header, then each tensor's bytes straight from its storage,
@@ -120,10 +115,10 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
     off = 0
     for k in order:
         t = tensors[k]
-        if t.dtype not in _ST_DTYPE_NAMES:
+        if t.dtype not in ST_CODES:
             raise ValueError(f"tensor {k!r}: dtype {t.dtype} cannot be stored in a safetensors checkpoint")
         n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST_DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        header[k] = {"dtype": ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
         off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
