@@ -1,22 +1,22 @@
-"""A transformers model family trained by a real local network (slow): a small untied Qwen2 (config
-folder, scratch init, an 8,192-token tokenizer trained here on wikitext-2) reading a jsonl file through
-``datasets``, 3 stages x 2 replicas as separate processes, merging every 5 inner steps. Asserted: the run
-ends done, the loss falls, every miner is paid, hop audits run and nobody is flagged, every replica applied every merge;
-``iota-subnet export`` gives a folder ``AutoModelForCausalLM`` loads without remote code whose loss on the
-run's held-out rows is the network's evaluation's neighbourhood."""
+"""A transformers model family trained by a real local network (slow), through the Python SDK
+(``iota_subnet.sdk``): a small untied Qwen2 (a ``Qwen2Config`` object, scratch init, an 8,192-token tokenizer
+trained here on wikitext-2) reading a jsonl file through ``datasets``, 3 stages x 2 replicas as separate
+processes, merging every 5 inner steps, started by ``launch_local`` and watched. Asserted: a progress snapshot
+shows steps done (loss, tokens/s, six miners with uids) before the end; the run ends done, the loss falls,
+every miner is paid, hop audits run and nobody is flagged, every replica applied every merge;
+``LocalRun.export`` (the CLI's ``export_run``) gives a folder ``AutoModelForCausalLM`` loads without remote
+code whose loss on the run's held-out rows is the network's evaluation's neighbourhood."""
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
+from transformers import Qwen2Config
 
 from iota_subnet.config import load_config
 from iota_subnet.data import build_dataset
-from iota_subnet.network.localnet import LocalNet
-from support.hf_run import WIKI, write_run
+from iota_subnet.sdk import DataSpec, RunSpec, launch_local
+from support.hf_run import WIKI, qwen2_config, write_jsonl, write_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(not WIKI.exists(), reason=f"{WIKI} not present")]
@@ -24,11 +24,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
 
 def test_localnet_trains_a_qwen2_from_a_jsonl_dataset(tmp_path, tmp_home, monkeypatch):
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
-    run = write_run(tmp_path, stages=3, seq_len=32, vocab_size=8192, layers=6, extra={"merge": {"every_steps": 5}})
+    corpus = write_jsonl(tmp_path)
+    tok, n = write_tokenizer(tmp_path, 8192)
+    fields = {k: v for k, v in qwen2_config(n, layers=6).items() if k != "model_type"}
     steps = 20
-    net = LocalNet(stages=3, replicas=2, validators=1, config=str(run), data=None, steps=steps,
-                   out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=600)
-    summary = net.run()
+    spec = RunSpec(model=Qwen2Config(**fields), data=DataSpec(corpus, text_field="text", tokenizer=tok), stages=3,
+                   seq_len=32, batch_size=8, micro_batch_size=4, lr=3e-3, warmup_steps=2, eval_batches=2,
+                   merge_every=5, steps=steps)
+    run = launch_local(spec, replicas=2, validators=1, out=tmp_path / "ln", block_time=0.5, tempo=10, timeout_s=600)
+    seen = list(run.watch(interval_s=1.0))
+    summary = run.wait(timeout_s=60)
+    assert any(p.running and 0 < p.steps_done <= steps for p in seen), seen
+    assert any(p.running and p.loss is not None and p.tokens_per_s > 0 for p in seen), seen
+    assert seen[-1].ended == "done" and not seen[-1].running and seen[-1].steps_total == steps, seen[-1]
+    live = [p for p in seen if p.running and p.miners_live == 6 and all(m.uid is not None for m in p.miners)]
+    assert live and sorted(m.stage for m in live[-1].miners) == [0, 0, 1, 1, 2, 2], seen
     assert summary["ended"] == "done" and summary["steps_done"] == steps, summary
     assert summary["audits"]["flagged"] == [] and summary["audits"]["audits_failed"] == 0, summary["audits"]
     # hop audits run (replayed: iota_subnet/audit/replay.py), not only update audits
@@ -37,12 +47,10 @@ def test_localnet_trains_a_qwen2_from_a_jsonl_dataset(tmp_path, tmp_home, monkey
     assert summary["merge"]["merges_applied"] == 6 * (steps // 5) and summary["merge"]["mismatch_reports"] == 0
     assert summary["final_loss"] < 8.0 and summary["val_loss"] < 8.0, summary      # ln 8192 = 9.01 at the start
     written = yaml.safe_load((tmp_path / "ln" / "config.yaml").read_text())
-    assert written["model"]["hf"] == str(tmp_path / "model")
+    assert written["model"]["hf"] == str(tmp_path / "ln" / "spec-model")          # the config object's folder
 
-    out = tmp_path / "exported"
-    r = subprocess.run([sys.executable, "-m", "iota_subnet.cli", "export", "--run", str(tmp_path / "ln"), "--out",
-                        str(out), "--merged"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = run.export(tmp_path / "exported", merged=True)
+    assert out == tmp_path / "exported"
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(out))          # no trust_remote_code
     assert type(model).__name__ == "Qwen2ForCausalLM"

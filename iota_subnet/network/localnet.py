@@ -339,14 +339,35 @@ class LocalNet(NeuronProcesses, RunSummary):
                 per_lane[lane] = per_lane.get(lane, 0) + int(n)
         return min(per_lane.values()) if per_lane else 0
 
-    def _progress_line(self, st: list[dict]) -> str:
-        live = sum(1 for c in self.children if c.kind == "miner" and c.alive())
-        tok_s = sum(s.get("tokens_per_s") or 0 for s in st)
+    def progress_stats(self, st: Optional[list[dict]] = None) -> dict:
+        """What the run's progress line shows, as numbers, from the validators' ``status.json`` (``st``:
+        :meth:`validator_status`, read when not given) and the miner processes: ``steps_done`` (slowest
+        lane, :meth:`_steps_done`) of ``steps``; ``loss`` (mean of the validators' latest training loss,
+        nats/token; None before the first step); ``tokens_per_s`` (sum over validators); ``miners_live`` of
+        ``miners_total``; ``reroutes``; ``miners``: one dict per miner process (``name``, ``stage``,
+        ``uid`` from its status, None before it wrote one; ``alive``; ``weight``: mean over validators of
+        the latest weight each set for the uid, 0 before any)."""
+        st = self.validator_status() if st is None else st
         losses = [s["loss"] for s in st if s.get("loss") is not None]
-        loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
-        reroutes = sum(s.get("reroutes", 0) for s in st)
-        return (f"loss {loss} tok/s {tok_s:.0f} miners {live}/{self.stages * self.replicas} "
-                f"reroutes {reroutes}")
+        miners = []
+        for c in self.children:
+            if c.kind != "miner":
+                continue
+            uid = c.status().get("uid")
+            weight = (sum(float((v.get("last_weights") or {}).get(str(uid), 0.0)) for v in st) / len(st)) \
+                if st and uid is not None else 0.0
+            miners.append({"name": c.name, "stage": c.stage, "uid": uid, "alive": c.alive(), "weight": weight})
+        return {"steps_done": self._steps_done(st), "steps": self.steps,
+                "loss": sum(losses) / len(losses) if losses else None,
+                "tokens_per_s": float(sum(s.get("tokens_per_s") or 0 for s in st)),
+                "miners_live": sum(m["alive"] for m in miners), "miners_total": self.stages * self.replicas,
+                "reroutes": sum(s.get("reroutes", 0) for s in st), "miners": miners}
+
+    def _progress_line(self, st: list[dict]) -> str:
+        p = self.progress_stats(st)
+        loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
+        return (f"loss {loss} tok/s {p['tokens_per_s']:.0f} miners {p['miners_live']}/{p['miners_total']} "
+                f"reroutes {p['reroutes']}")
 
     def _weights_landed(self, st: list[dict]) -> bool:
         """Each validator set weights after it finished, and an epoch has paid incentive since."""
