@@ -10,6 +10,7 @@ and the miner processes).
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from iota_subnet.hf.runtime import evaluate_file
 from iota_subnet.network.localnet import LocalNet
 
 from .spec import RunSpec
+
+#: Seconds an exiting script waits for the run's neurons to stop (SIGTERM, then SIGKILL after 15 s).
+STOP_AT_EXIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,17 @@ class LocalRun:
             self.error = e
 
     def start(self) -> "LocalRun":
+        """Start the run's thread; a script that exits while the run goes on stops every neuron first
+        (:meth:`_stop_at_exit`), so no miner or validator is left running without its parent."""
         self._t0 = time.monotonic()
         self._thread.start()
+        atexit.register(self._stop_at_exit)
         return self
+
+    def _stop_at_exit(self) -> None:
+        if self.running:
+            self.net.request_stop()
+            self._thread.join(STOP_AT_EXIT_S)
 
     @property
     def running(self) -> bool:
