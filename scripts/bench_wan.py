@@ -18,6 +18,9 @@ emulated rows, ``--emulate-gpu``, then reads its ``summary.json``, the miners' `
   ``final_loss`` (train rows), ``val_loss``: from the summary when it has them; None otherwise. A
   summary of the data plane before issue 9 (every tensor relayed by the validator) has only
   ``wire_bytes_per_token``: then that is the validator's figure and miners exchange 0 bytes.
+* ``wire_dtype``: of the activations and gradients between miners, as the validators report it
+  (the summary's ``wire_dtype``), else the row's, which the localnet is given (``--wire-dtype``; bf16
+  unless the bench's ``--wire-dtype`` says otherwise).
 * ``host_cpu_busy``: share of this machine's CPU time (all cores, all users: /proc/stat) not idle
   while the row trained; ``own_cpu_busy``: the row's own processes only (rusage of the localnet).
   An emulated row must stay <= 0.5 (else it measures the host, not the design): raise ``--time-scale``.
@@ -27,6 +30,7 @@ Every emulated row says ``"mode": "emulated"`` and carries an ``emulation`` note
     python scripts/bench_wan.py --list                      # the rows and their ideal figures, no runs
     python scripts/bench_wan.py --json                      # every row (hours on 2 cores)
     python scripts/bench_wan.py --json --rows tiny-train-loopback,8b-a100-r64-100mbit:50ms
+    python scripts/bench_wan.py --json --rows tiny-train-loopback --wire-dtype fp8
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from iota_subnet.config import RunConfig, load_config  # noqa: E402
 from iota_subnet.hardware import DEFAULT_MFU, parse_accelerator  # noqa: E402
+from iota_subnet.protocol.ticket import WIRE_DTYPES  # noqa: E402
 from iota_subnet.transport.shaping import LINK_PROFILES, parse_link  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +95,7 @@ def _emulated(model: str, gpu: str, stages: int, replicas: int, ratio: int, link
 
 def rows() -> list[Row]:
     """The rows issue 9 asks for, in order."""
-    out = [Row(f"tiny-train-{link}", "train", "configs/tiny_merge.yaml", 3, 2, 8, "fp32", link, 150,
+    out = [Row(f"tiny-train-{link}", "train", "configs/tiny_merge.yaml", 3, 2, 8, "bf16", link, 150,
                rows_per_microbatch=4) for link in ("loopback", "100mbit:50ms")]
     out += [_emulated("8b", "a100", 8, 2, 64, link) for link in LINK_PROFILES]
     out += [_emulated("8b", "a100", 8, 2, 8, link) for link in LINK_PROFILES]
@@ -235,7 +240,8 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
 def localnet_argv(row: Row, out: Path, data: str) -> list[str]:
     argv = [sys.executable, "-m", "iota_subnet.cli", "localnet", "--stages", str(row.stages),
             "--replicas", str(row.replicas), "--config", str(REPO / row.config), "--data", data,
-            "--steps", str(row.steps), "--out", str(out), "--link", row.link, "--no-restart"]
+            "--steps", str(row.steps), "--out", str(out), "--link", row.link, "--wire-dtype", row.wire_dtype,
+            "--no-restart"]
     ovr = {k: dict(v) for k, v in row.overrides.items()}
     ovr.setdefault("pipeline", {})["compression_ratio"] = row.compression_ratio
     for sec, vals in ovr.items():
@@ -304,6 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="override every row's inner steps")
     p.add_argument("--time-scale", type=float, default=None, help="override every emulated row's time scale")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per row")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
+                   help="wire dtype of activations and gradients in every row (default: each row's, bf16)")
     a = p.parse_args(argv)
     todo = rows()
     if a.rows:
@@ -318,12 +326,15 @@ def main(argv=None) -> int:
         todo = [dataclasses.replace(r, steps=a.steps, overrides={**r.overrides, "train": {
             **r.overrides.get("train", {}), "total_steps": a.steps}} if r.mode == "emulated" else r.overrides)
             for r in todo]
+    if a.wire_dtype:
+        todo = [dataclasses.replace(r, wire_dtype=a.wire_dtype) for r in todo]
     if a.time_scale:
         todo = [dataclasses.replace(r, time_scale=a.time_scale) if r.mode == "emulated" else r for r in todo]
     if a.list:
         for r in todo:
             print(json.dumps({"name": r.name, "mode": r.mode, "config": r.config, "stages": r.stages,
-                              "replicas": r.replicas, "compression_ratio": r.compression_ratio, "link": r.link,
+                              "replicas": r.replicas, "compression_ratio": r.compression_ratio,
+                              "wire_dtype": r.wire_dtype, "link": r.link,
                               "gpu": r.gpu, "mfu": r.mfu if r.gpu else None, "time_scale": r.time_scale,
                               "ideal_tokens_per_s": ideal_tokens_per_s(r)}))
         return 0

@@ -120,8 +120,34 @@ def test_localnet_argv_carries_link_and_emulation(bench):
     s = " ".join(argv)
     assert "--link 20mbit:100ms" in s and "--emulate-gpu a100" in s and "--time-scale 2.0" in s
     assert "--set data.tokenizer=null" in s and "--set pipeline.compression_ratio=8" in s
+    assert "--wire-dtype bf16" in s
     tiny = bench.localnet_argv(bench.rows()[1], Path("/tmp/x"), "data.txt")
-    assert "--emulate-gpu" not in tiny and "100mbit:50ms" in tiny
+    assert "--emulate-gpu" not in tiny and "100mbit:50ms" in tiny and "--wire-dtype bf16" in " ".join(tiny)
+
+
+def test_wire_dtype_is_the_one_the_validators_used(bench, monkeypatch, capsys):
+    """``--wire-dtype`` sets every row's, which the localnet is given; the row reports the dtype the
+    summary (the validators' status) says was used, the row's only when the summary has none."""
+    import argparse
+
+    from iota_subnet.network.cli import register
+    seen = []
+    monkeypatch.setattr(bench, "run_row", lambda r, *a, **k: seen.append(r) or {"name": r.name})
+    monkeypatch.setattr(bench, "cpu_stage_seconds_per_token", lambda cfg: [1.0])
+    assert bench.main(["--rows", "tiny-train-loopback,8b-a100-r8-20mbit:100ms", "--wire-dtype", "fp8", "--json"]) == 0
+    assert [r.wire_dtype for r in seen] == ["fp8", "fp8"]
+    argv = bench.localnet_argv(seen[0], Path("/tmp/x"), "data.txt")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(argv[3:]).wire_dtype == "fp8"          # after: python -m iota_subnet.cli
+    with pytest.raises(SystemExit):
+        bench.main(["--list", "--wire-dtype", "fp4"])
+    capsys.readouterr()
+    assert bench.main(["--list", "--rows", "tiny-train-loopback"]) == 0
+    assert json.loads(capsys.readouterr().out)["wire_dtype"] == "bf16"
+    kw = dict(ideal=None, host_cpu_busy=None, own_cpu_busy=None, wall_s=None)
+    assert bench.result_row(seen[0], {"wire_dtype": "int8"}, [], [], **kw)["wire_dtype"] == "int8"
+    assert bench.result_row(seen[0], {}, [], [], **kw)["wire_dtype"] == "fp8"
 
 
 def test_localnet_emulation_plumbing():

@@ -321,20 +321,40 @@ def test_partitioned_neurons_fail_fast_over_http(tmp_path):
 
 def test_localnet_children_get_their_link_flags(tmp_path):
     """Every localnet neuron is started with --link, --time-scale and its own --link-control file (the
-    chaos harness's partition / slow), and the neurons' parsers accept them."""
+    chaos harness's partition / slow), every validator with the localnet's --wire-dtype (none given:
+    the validator's default, bf16), and the neurons' parsers accept them."""
     from iota_subnet.entry.miner import build_parser as miner_parser
     from iota_subnet.network.localnet import LocalNet
     from iota_subnet.entry.validator import build_parser as validator_parser
-    net = LocalNet(stages=2, replicas=1, validators=1, config="configs/tiny.yaml", data="x.txt", steps=2,
-                   out=tmp_path / "ln", link="20mbit:100ms", time_scale=2.0)
+    from iota_subnet.network.localnet_summary import wire_dtype_used
+    net = LocalNet(stages=2, replicas=1, validators=2, config="configs/tiny.yaml", data="x.txt", steps=2,
+                   out=tmp_path / "ln", link="20mbit:100ms", time_scale=2.0, wire_dtype="fp8")
     net.miner_wallets = {(s, 0): None for s in range(2)}
-    net.val_wallets = [None]
+    net.val_wallets = [None, None]
     net._make_children()
+    assert sorted(c.kind for c in net.children) == ["miner", "miner", "validator", "validator"]
     for c in net.children:
         argv = c.argv[3:]                                   # after: python -m module
         a = (miner_parser() if c.kind == "miner" else validator_parser()).parse_args(argv)
         assert a.link == LinkSpec(20e6, 0.1) and a.time_scale == 2.0
         assert a.link_control == str(c.out / "link-control.json")
+        if c.kind == "validator":
+            assert a.wire_dtype == "fp8" and " --wire-dtype fp8 " in f" {' '.join(argv)} "
+        else:
+            assert "--wire-dtype" not in argv               # the tickets carry it to the miners
+    plain = LocalNet(stages=2, replicas=1, validators=1, config="configs/tiny.yaml", data="x.txt", steps=2,
+                     out=tmp_path / "plain")
+    plain.miner_wallets, plain.val_wallets = {(s, 0): None for s in range(2)}, [None]
+    plain._make_children()
+    (v,) = [c for c in plain.children if c.kind == "validator"]
+    assert "--wire-dtype" not in v.argv and validator_parser().parse_args(v.argv[3:]).wire_dtype == "bf16"
+    with pytest.raises(ConfigError, match="--wire-dtype 'fp4' is not one of fp32, bf16, int8, fp8"):
+        LocalNet(stages=2, replicas=1, validators=1, config="configs/tiny.yaml", data="x.txt", steps=2,
+                 out=tmp_path / "bad", wire_dtype="fp4")
+    # the summary reports the dtype the validators' status.json say they used
+    assert wire_dtype_used([{"wire_dtype": "fp8"}, {"wire_dtype": "fp8"}], "fp8") == "fp8"
+    assert wire_dtype_used([{"wire_dtype": "bf16"}], None) == "bf16"
+    assert wire_dtype_used([{}], "int8") == "int8" and wire_dtype_used([], None) is None
 
 
 def test_a_slow_event_slows_a_miners_compute_even_on_an_unshaped_link(tmp_path, tmp_home):

@@ -129,6 +129,43 @@ def test_localnet_set_overrides_parse_and_refuse_bad_items():
             parse_sets([bad])
 
 
+def test_localnet_stages_default_to_the_configs_and_must_fit_its_layer_split(tmp_path):
+    """``iota-subnet localnet`` without ``--stages`` runs the config's own ``pipeline.stages`` (3 for
+    configs/tiny.yaml, what ``make localnet`` runs; 4 for a run YAML that says 4: the CLI's old default
+    of 3 overrode it); a ``--stages`` that a ``pipeline.layer_split`` of the config cannot serve is a
+    one-line error (exit 2) before anything is set up."""
+    import argparse
+
+    from iota_subnet.cli import main as cli_main
+    from iota_subnet.config import ConfigError
+    from iota_subnet.network.cli import register
+    from iota_subnet.network.localnet import LocalNet
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    a = parser.parse_args(["localnet"])
+    assert a.stages is None and a.wire_dtype is None
+    ln = LocalNet(stages=a.stages, replicas=2, validators=1, config=a.config, data=None, steps=2, out=tmp_path / "a")
+    assert ln.stages == ln.cfg.pipeline.stages == 3
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    four, split = tmp_path / "four.yaml", tmp_path / "split.yaml"
+    four.write_text(yaml.safe_dump({**raw, "pipeline": {**raw["pipeline"], "stages": 4}}))
+    split.write_text(yaml.safe_dump({**raw, "pipeline": {**raw["pipeline"], "stages": 2, "layer_split": [5, 3]}}))
+    assert LocalNet(replicas=1, validators=1, config=str(four), data=None, steps=2, out=tmp_path / "b").stages == 4
+    assert LocalNet(stages=2, replicas=1, validators=1, config=str(four), data=None, steps=2,
+                    out=tmp_path / "c").cfg.pipeline.stages == 2          # no layer_split: --stages wins
+    ln = LocalNet(replicas=1, validators=1, config=str(split), data=None, steps=2, out=tmp_path / "d")
+    assert ln.stages == 2 and ln.cfg.pipeline.layer_split == [5, 3]
+    with pytest.raises(ConfigError, match=r"--stages 3 conflicts with pipeline.layer_split \[5, 3\] .*\(2 stages\)"):
+        LocalNet(stages=3, replicas=1, validators=1, config=str(split), data=None, steps=2, out=tmp_path / "e")
+    ln = LocalNet(stages=3, replicas=1, validators=1, config=str(split), data=None, steps=2, out=tmp_path / "f",
+                  overrides={"pipeline": {"layer_split": [3, 3, 2]}})   # a --set split for 3 stages fits
+    assert ln.stages == 3 and ln.cfg.pipeline.layer_split == [3, 3, 2]
+    with pytest.raises(ConfigError, match="--stages, --replicas and --validators must each be >= 1"):
+        LocalNet(stages=0, replicas=1, validators=1, config=str(four), data=None, steps=2, out=tmp_path / "g")
+    assert cli_main(["localnet", "--config", str(split), "--stages", "3", "--out", str(tmp_path / "h")]) == 2
+    assert not any((tmp_path / d).exists() for d in "abcdefgh")
+
+
 def test_localnet_refuses_unknown_adversary_and_poison_without_three_replicas(tmp_path):
     from iota_subnet.config import ConfigError
     from iota_subnet.network.localnet import LocalNet

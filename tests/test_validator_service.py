@@ -38,6 +38,7 @@ def test_validator_service_end_to_end_and_resume(tmp_home, tmp_path, wikitext_pa
             assert st["done"] and st["lanes"] == 2 and st["steps_done"] == {"0": 3, "1": 3}, st
             assert st["val_loss"] is not None and st["weights_set_blocks"] and st["tokens"] == 2 * 3 * tokens_per_step
             assert st["uid"] == 0 and st["live_miners"] == 6 and st["n_validators"] == 1
+            assert st["wire_dtype"] == "bf16"              # its tickets' (the default; localnet summaries report it)
             rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
             assert sorted((r["lane"], r["step"]) for r in rows) == [(l, k) for l in range(2) for k in range(3)]
             assert all(r["loss"] > 0 and r["lr"] > 0 for r in rows)

@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from iota_subnet.protocol.ticket import WIRE_DTYPES
+
 
 def parse_sets(items: list[str]) -> dict:
     """``["merge.every_steps=10", ...]`` -> ``{"merge": {"every_steps": 10}}`` (values parsed as YAML).
@@ -33,7 +35,7 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
                            restart_dead=not a.no_restart, device=a.device,
                            timeout_s=a.timeout, adversary=a.adversary, chaos=a.chaos,
                            chaos_duration_s=a.chaos_duration, link=a.link, emulate_gpu=a.emulate_gpu,
-                           mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale)
+                           mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale, wire_dtype=a.wire_dtype)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -79,7 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sc.set_defaults(func=_cmd_scores)
 
     p = sub.add_parser("localnet", help="run a whole subnet (devnet chain, miners, validators) on this machine")
-    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeline stages (default: the config's pipeline.stages, 3 in configs/tiny.yaml); must "
+                        "match a pipeline.layer_split the config fixes")
     p.add_argument("--replicas", type=int, default=2, help="miners per stage")
     p.add_argument("--validators", type=int, default=1)
     p.add_argument("--config", default="configs/tiny.yaml")
@@ -115,6 +119,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem", type=float, default=None, help="memory of the emulated GPU in GiB")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="run emulated links and compute this many times slower (host CPU headroom)")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
+                   help="activations and gradients on the wire between miners, given to every validator "
+                        "(default: the validator's, bf16); summary.json reports the one used")
     p.set_defaults(func=_cmd_localnet)
 
     from iota_subnet.entry.miner import build_parser as miner_parser

@@ -4,7 +4,8 @@
    (one SQLite file; block height follows the wall clock) with subnet 9;
 2. validators registered and staked (they alone hold validator permits), miners registered;
 3. data and tokenizer prepared once (children load them from the shared cache);
-4. miners (``--stages x --replicas``) and validators started as processes; a miner that dies is
+4. miners (``--stages x --replicas``; ``--stages`` defaults to the config's ``pipeline.stages``) and
+   validators (every one with ``--wire-dtype`` when given) started as processes; a miner that dies is
    restarted after ``restart_delay_s`` (it resumes from its checkpoint);
 5. progress shown until the validators finish ``--steps`` inner steps per lane and have set
    weights that an epoch has turned into incentive;
@@ -29,7 +30,7 @@ from iota_subnet.config import RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
 from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
-from .localnet_args import emulation_argv, localnet_config
+from .localnet_args import emulation_argv, localnet_config, wire_dtype_argv
 from .localnet_summary import RunSummary
 from .processes import Child, NeuronProcesses
 
@@ -45,19 +46,20 @@ class LocalNet(NeuronProcesses, RunSummary):
     """A whole subnet on one machine (see the module docstring): its setup, its neurons, the run and
     its summary (:mod:`.processes`, :mod:`.localnet_summary`; arguments checked in :mod:`.localnet_args`)."""
 
-    def __init__(self, *, stages: int, replicas: int, validators: int, config: str, data: Optional[str], steps: int,
-                 out: str | Path, block_time: float = 1.0, tempo: int = 20, restart_dead: bool = True,
-                 restart_delay_s: float = 3.0, progress: Optional[bool] = None,
+    def __init__(self, *, stages: Optional[int] = None, replicas: int, validators: int, config: str,
+                 data: Optional[str], steps: int, out: str | Path, block_time: float = 1.0, tempo: int = 20,
+                 restart_dead: bool = True, restart_delay_s: float = 3.0, progress: Optional[bool] = None,
                  extra_miner_args: Optional[list[str]] = None, device: Optional[str] = None,
                  timeout_s: Optional[float] = None, overrides: Optional[dict] = None,
                  adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None,
                  chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
                  link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
-                 gpu_mem: Optional[float] = None, time_scale: float = 1.0):
+                 gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None):
         self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
                                    steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
-        self.stages, self.replicas, self.n_validators = stages, replicas, validators
+        #: stages: ``stages`` when given, else the config's own ``pipeline.stages``
+        self.stages, self.replicas, self.n_validators = self.cfg.pipeline.stages, replicas, validators
         self.data, self.steps = data, steps
         self.block_time, self.tempo = block_time, tempo
         self.restart_dead, self.restart_delay_s = restart_dead, restart_delay_s
@@ -68,12 +70,14 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.link, self.emulation, miner_argv, validator_argv = emulation_argv(link, emulate_gpu, mfu, gpu_mem,
                                                                                time_scale)
         self.extra_miner_args = [*miner_argv, *self.extra_miner_args]
-        self.extra_validator_args = [*validator_argv, *self.extra_validator_args]
+        #: wire dtype of activations and gradients between miners, given to every validator (None: theirs, bf16)
+        self.wire_dtype = wire_dtype
+        self.extra_validator_args = [*validator_argv, *wire_dtype_argv(wire_dtype), *self.extra_validator_args]
         self.device = device
         self.timeout_s = timeout_s
         #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
         self.adversary = adversary
-        self.adversary_pos = (stages // 2, replicas - 1) if adversary else None
+        self.adversary_pos = (self.stages // 2, replicas - 1) if adversary else None
         self.val_wallets: list = []            # built by :meth:`prepare`
         self.miner_wallets: dict = {}          # (stage, replica) -> wallet, built by :meth:`prepare`
         self.children: list[Child] = []

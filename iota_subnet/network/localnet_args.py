@@ -4,23 +4,33 @@ Both raise :class:`~iota_subnet.config.ConfigError` for arguments that do not fi
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
+import yaml
 from loguru import logger
 
-from iota_subnet.config import ConfigError, RunConfig, load_config
+from iota_subnet.config import ConfigError, RunConfig, load_config, load_yaml
+from iota_subnet.protocol.ticket import WIRE_DTYPES
 
 
-def localnet_config(config: str, overrides: Optional[dict], *, stages: int, replicas: int, validators: int,
+def localnet_config(config: str, overrides: Optional[dict], *, stages: Optional[int], replicas: int, validators: int,
                     steps: int, adversary: Optional[str]) -> RunConfig:
     """The run's config: ``config`` (a YAML path) with ``overrides`` (``{section: {key: value}}``),
-    ``--stages`` and ``--steps`` applied; ``--adversary poison`` turns merges on (every 5 inner steps)
-    when the config has none. Raises ConfigError for counts below 1, an unknown adversary kind, or
-    ``poison`` with fewer than 3 replicas."""
-    if stages < 1 or replicas < 1 or validators < 1:
+    ``--stages`` (None: the config's own ``pipeline.stages``) and ``--steps`` applied; ``--adversary
+    poison`` turns merges on (every 5 inner steps) when the config has none. Raises ConfigError for
+    counts below 1, a ``--stages`` other than the stage count of a ``pipeline.layer_split`` the config
+    (or an override) fixes, an unknown adversary kind, or ``poison`` with fewer than 3 replicas."""
+    if (stages is not None and stages < 1) or replicas < 1 or validators < 1:
         raise ConfigError("--stages, --replicas and --validators must each be >= 1")
     ovr = {k: dict(v) for k, v in (overrides or {}).items()}
-    ovr.setdefault("pipeline", {})["stages"] = stages
+    if stages is not None:
+        split = fixed_layer_split(config, ovr)
+        if split is not None and len(split) != stages:
+            raise ConfigError(f"--stages {stages} conflicts with pipeline.layer_split {list(split)} of {config} "
+                              f"({len(split)} stages): leave --stages out (the config's stage count), pass "
+                              f"--stages {len(split)}, or --set pipeline.layer_split=[...] with {stages} counts")
+        ovr.setdefault("pipeline", {})["stages"] = stages
     ovr.setdefault("train", {})["total_steps"] = steps
     cfg = load_config(config, ovr)
     if adversary is not None:
@@ -37,6 +47,34 @@ def localnet_config(config: str, overrides: Optional[dict], *, stages: int, repl
         cfg = load_config(config, ovr)
         logger.info("--adversary poison: merging every 5 inner steps (merge.every_steps)")
     return cfg
+
+
+def fixed_layer_split(config: str, overrides: dict) -> Optional[list]:
+    """The ``pipeline.layer_split`` that ``overrides`` or the YAML file ``config`` itself gives (one
+    layer count per stage), None when neither does (a split balanced or derived when the config is
+    loaded is not fixed). A file that cannot be read or parsed gives None: :func:`load_config` then
+    reports it."""
+    if "layer_split" in (overrides.get("pipeline") or {}):
+        split = overrides["pipeline"]["layer_split"]
+    else:
+        try:
+            raw = load_yaml(Path(config).read_text())
+        except (OSError, yaml.YAMLError):
+            return None
+        pipeline = raw.get("pipeline") if isinstance(raw, dict) else None
+        split = pipeline.get("layer_split") if isinstance(pipeline, dict) else None
+    return list(split) if isinstance(split, (list, tuple)) else None
+
+
+def wire_dtype_argv(wire_dtype: Optional[str]) -> list[str]:
+    """``--wire-dtype`` for every validator of the localnet (the dtype its tickets ask miners to send
+    activations and their gradients in, :mod:`iota_subnet.protocol.wire`); None: no flag, the
+    validator's own default. Raises ConfigError for a dtype not in ``WIRE_DTYPES``."""
+    if wire_dtype is None:
+        return []
+    if wire_dtype not in WIRE_DTYPES:
+        raise ConfigError(f"--wire-dtype {wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+    return ["--wire-dtype", wire_dtype]
 
 
 def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], gpu_mem: Optional[float],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import Optional
 
 from iota_subnet.train.metrics import write_summary
 from iota_subnet.utils.atomic import atomic_write_text
@@ -32,6 +33,15 @@ def audit_summary(statuses: list[dict]) -> dict:
         flagged |= {int(m["uid"]) for m in s.get("scores") or [] if (m.get("audits") or {}).get("flagged")}
     return {"audits": audits, "audits_failed": failed, "audits_per_miner_per_tempo_min": min(per) if per else None,
             "audits_per_miner_per_tempo_mean": sum(per) / len(per) if per else None, "flagged": sorted(flagged), "audit_cpu_s": round(cpu, 3)}
+
+
+def wire_dtype_used(statuses: list[dict], asked: Optional[str]) -> Optional[str]:
+    """The wire dtype (activations and gradients between miners) the validators report in their
+    ``status.json`` (``wire_dtype``): the one they all report, several comma-joined (sorted) should they
+    differ; ``asked`` (the localnet's ``--wire-dtype``, None for the validators' default) when none
+    reports one (no status written)."""
+    used = sorted({s["wire_dtype"] for s in statuses if s.get("wire_dtype")})
+    return ",".join(used) if used else asked
 
 
 class RunSummary:
@@ -121,6 +131,7 @@ class RunSummary:
             "audits": audit_summary(st),
             "reroutes": sum(s.get("reroutes", 0) for s in st), "failures": sum(s.get("failures", 0) for s in st),
             "compression_ratio": self.cfg.pipeline.compression_ratio, "lanes": n_lanes,
+            "wire_dtype": wire_dtype_used(st, self.wire_dtype),
             "miner_restarts": sum(c.restarts for c in self.children), "wall_s": round(wall_s, 1),
             "train_s": train_s,
             "merge": {"every_steps": self.cfg.merge.every_steps, "every_blocks": self.cfg.merge.every_blocks,

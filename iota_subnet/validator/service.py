@@ -35,16 +35,17 @@ traceback and the loop restarts after a backoff; ``status.json`` (``tasks``), th
 failing) show it. A :class:`ValidatorError` of the lane driving (no complete pipeline) still stops it.
 
 status.json fields: ``hotkey, uid, run_id, netuid, lanes, lane_members, steps_done (per lane),
-next_step (per lane), total_steps, validator_index, n_validators, tokens, tokens_per_s, loss (mean of
-the last step of each lane), losses (per lane), reroutes, failures, lane_held_s (p2p: seconds each
-lane waited at a merge window's last step for the slowest lane, :mod:`.pacing`), microbatches_ok,
-microbatches_failed, live_miners, stage_replicas, replicas (per replica: uid, hotkey, stage, endpoint,
-lane, available, throughput, successes, failures), miners (per uid: hotkey, stage, work, tokens,
-completed, failures, reroutes), probe_loss (latest CLASP round: round, loss, paths), dashboard (its
-URL or null), val_loss, done, weights_set_blocks, last_weights, scores, verification_bytes (bodies and
-headers of every verification request), audits (``audits, failed, bytes, cpu_s, recent`` and
-``per_tempo``: tempo -> hotkey -> hop audits; null when off), elapsed_s, updated_at, tasks`` (per
-supervised task: state, restarts, failures, consecutive_failures, last_error, last_error_at).
+next_step (per lane), total_steps, wire_dtype (of its tickets), validator_index, n_validators, tokens,
+tokens_per_s, loss (mean of the last step of each lane), losses (per lane), reroutes, failures,
+lane_held_s (p2p: seconds each lane waited at a merge window's last step for the slowest lane,
+:mod:`.pacing`), microbatches_ok, microbatches_failed, live_miners, stage_replicas, replicas (per
+replica: uid, hotkey, stage, endpoint, lane, available, throughput, successes, failures), miners (per
+uid: hotkey, stage, work, tokens, completed, failures, reroutes), probe_loss (latest CLASP round:
+round, loss, paths), dashboard (its URL or null), val_loss, done, weights_set_blocks, last_weights,
+scores, verification_bytes (bodies and headers of every verification request), audits (``audits,
+failed, bytes, cpu_s, recent`` and ``per_tempo``: tempo -> hotkey -> hop audits; null when off),
+elapsed_s, updated_at, tasks`` (per supervised task: state, restarts, failures, consecutive_failures,
+last_error, last_error_at).
 """
 from __future__ import annotations
 

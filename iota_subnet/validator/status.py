@@ -38,6 +38,8 @@ class StatusFile:
             "steps_done": {str(k): n for k, n in sorted(p.steps_done.items())},
             "next_step": {str(k): n for k, n in sorted(p.next_steps.items())},
             "total_steps": svc.opts.run.steps, "validator_index": svc.validator_index,
+            # the dtype of the activations and gradients its tickets ask miners to send (--wire-dtype)
+            "wire_dtype": svc.opts.tickets.wire_dtype,
             "n_validators": svc.n_validators, "tokens": tokens,
             "tokens_per_s": (tokens - p.tokens_at_start) / el if el > 0 else 0.0,
             "loss": sum(losses) / len(losses) if losses else None,
