@@ -90,7 +90,7 @@ async def _one_run(tmp, home, cfg, *, foreign: bool, steps: int = STEPS, refresh
         opts = ValidatorOptions.from_flat(network="devnet", chain_db=str(db), netuid=NETUID, steps=steps,
                                           out=str(out), run_id=RUN, sync_interval_s=refresh_s, status_interval_s=0.5,
                                           weights_check_s=1.0, hop_timeout_s=30, exit_when_done=True,
-                                          wait_miners_s=60, clasp_interval_s=0.0)
+                                          wait_miners_s=60, clasp_interval_s=0.0, wait_peers_s=3.0)
         svc = ValidatorService(opts, wallet=v, chain=chain, cfg=cfg, dataset=data)
         stop = asyncio.Event()
         runner = asyncio.create_task(asyncio.wait_for(svc.run(), 600))

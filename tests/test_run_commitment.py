@@ -119,6 +119,7 @@ def test_only_live_validators_of_the_same_run_coordinate():
                                    fingerprints=FP)
     assert view.coordinating == ["alive-by-commitment", "alive-by-weights", "me"]
     assert view.foreign == 20 + 9 and view.other_runs == {"other#0": 10, "run#1": 10}
+    assert view.unannounced == 10                         # no commitment at all (a starting validator's view)
     assert len(view.dead) == 10 and set(view.mismatched) == {"mismatch"}
     # the run's fingerprints as the other validators advertise them (the mismatching one has less stake)
     assert run_fingerprints(neurons, run="run", epoch=0, block=block, alive_blocks=alive, exclude="me")[0] == FP

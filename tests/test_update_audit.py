@@ -349,8 +349,9 @@ def test_a_joiner_re_warms_its_fresh_optimizer_and_its_updates_pass_audit():
 
 
 def test_an_adam_step_count_that_buys_a_lower_rate_fails():
-    """The re-warm factor follows the committed AdamW step count, which the miner reports: a count
-    above the inner steps taken, or a fresh state's count (1) on moments that are not empty, fails."""
+    """The re-warm factor follows the committed AdamW step count, which the miner reports: a fresh
+    state's count (1) on moments that are not empty fails, and so does another count than the one
+    the moments were updated with (the recomputed update does not match)."""
     from iota_subnet.train.optim import update_lr
     c = cfg()
     total = c.train.total_steps
@@ -362,7 +363,7 @@ def test_an_adam_step_count_that_buys_a_lower_rate_fails():
     auditor = UpdateAuditor(c, run_id="r", total_steps=total, rows=1, rng=random.Random(0))
     assert audit_in_process(auditor, h, commit)[0].ok
     req = auditor.plan(1, commit)
-    for adam_step, why in ((1, "fresh state"), (64, "exceeds")):
+    for adam_step, why in ((1, "fresh state"), (64, "AdamW")):
         lie = UpdateCommit.from_dict({**commit.to_dict(), "adam_step": adam_step,
                                       "lr": update_lr(commit.step, adam_step, total, c.train)})
         resp = h.updates.open(req.inner_step, req.merges, req.rows, req.kinds)
@@ -370,3 +371,23 @@ def test_an_adam_step_count_that_buys_a_lower_rate_fails():
         chk = check_update_opening(lie, [tuple(r) for r in req.rows], resp, auditor.layout(1), auditor.hp,
                                    expected_lr=auditor.expected_lr(lie.step, lie.adam_step))
         assert not chk.ok and why in chk.reason, chk
+
+
+def test_a_replica_handed_a_lane_at_a_lower_step_passes_with_its_own_count():
+    """A replica that trained 5 inner steps in one lane and is handed another lane at step 0 keeps
+    its moments and AdamW count (:mod:`iota_subnet.miner.lane_handover`): its update at step 0 is
+    committed with count 6, and an honest update audits as passed."""
+    c = cfg()
+    total = c.train.total_steps
+    h = StageWorker(c, 1, seed=0, total_steps=total, audit_window=8)
+    train(h, 5)
+    with h.lock:                                   # what take_lane does when no state is taken
+        h.opt.zero_grad(set_to_none=True)
+        h.pending = 0
+        h.inner_step = 0
+    train(h, 1, seed=1)
+    commit = h.updates.commitment(0, timeout_s=10)
+    assert commit is not None and (commit.step, commit.adam_step, commit.skipped) == (0, 6, False)
+    auditor = UpdateAuditor(c, run_id="r", total_steps=total, rows=2, rng=random.Random(0))
+    chk, _, _ = audit_in_process(auditor, h, commit)
+    assert chk.ok, chk.reason

@@ -1,10 +1,12 @@
 """Validator pure logic: discovery, lanes, SWARM rerouting, cooldowns; scoring; state persistence."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
 import random
+import time
 from collections import Counter
 from types import SimpleNamespace as NS
 
@@ -13,6 +15,9 @@ import pytest
 from iota_subnet.config import load_config
 from iota_subnet.model import PipelineStage
 from iota_subnet.validator.lanes import sample_start, steps_of
+from iota_subnet.validator.metagraph_view import MetagraphView
+from iota_subnet.validator.options import ChainOptions, RunOptions
+from iota_subnet.validator.peers import PeerView
 from iota_subnet.validator.progress import LaneProgress
 from iota_subnet.validator.routing import Replica, Router, discover, parse_commitment, served_endpoint
 from iota_subnet.validator.scoring import Ledger, MinerRecord, compute_weights, stage_compute_shares
@@ -67,6 +72,7 @@ def test_lanes_are_replica_r_of_each_stage_and_sticky():
     r = Router(3)
     t = topo([2, 3, 2])
     r.update(t)
+    r.freeze()                               # the validator drives its first step
     assert r.n_lanes == 2 and r.stage_counts() == [2, 3, 2]
     assert [[x.uid for x in lane] for lane in r.lanes()] == [[1, 3, 6], [2, 4, 7]]
     # uid 4 leaves; the spare uid 5 takes its slot; uid 3 keeps lane 0
@@ -83,6 +89,31 @@ def test_lanes_are_replica_r_of_each_stage_and_sticky():
     assert r.lane_member(0, 1).key == (3, "new") and r.lane_member(1, 1).uid == 5
     assert r.get((3, "hk3")) is None
     assert Router(2).n_lanes == 0
+
+
+def test_validators_that_discovered_miners_in_other_orders_agree_on_the_lanes():
+    """Before a validator drives its first step the slots follow the uid order: one that saw each
+    stage's second miner first (its first miner's axon came later) forms the same lanes as one that
+    saw both at once, so the two do not hand a replica another lane at every step."""
+    t = topo([2, 2, 2])                      # uids 1-2 | 3-4 | 5-6
+    early = Router(3)
+    early.update({s: [rs[1]] for s, rs in t.items()})
+    assert [[x.uid for x in lane] for lane in early.lanes()] == [[2, 4, 6]]
+    early.update(t)
+    late = Router(3)
+    late.update(t)
+    for r in (early, late):
+        r.freeze()
+    assert [[x.uid for x in lane] for lane in early.lanes()] == [[1, 3, 5], [2, 4, 6]]
+    assert early.slot_table() == late.slot_table()
+    # once frozen, a lower uid that appears later does not reshuffle the lanes
+    early.update({0: t[0], 1: [Replica(0, "hk0", "x:1", 1)] + t[1], 2: t[2]})
+    assert [[x.uid for x in lane] for lane in early.lanes()] == [[1, 3, 5], [2, 4, 6]]
+    # a restarted validator's saved table is sticky at once
+    back = Router(3)
+    back.load_slot_table(early.slot_table())
+    back.update(t)
+    assert back.slot_table() == late.slot_table()
 
 
 def test_reroute_cooldown_backoff_and_probe():
@@ -130,6 +161,7 @@ def test_a_lane_member_down_for_long_gives_its_lane_to_an_available_spare():
     clock = Clock()
     r = Router(2, vacate_after_s=120.0, clock=clock)
     r.update(topo([3, 4]))                                  # lanes 0-1 driven; uid 3, 6 and 7 are spares
+    r.freeze()
     gone, back = r.lane_member(0, 0), r.lane_member(1, 1)
     r.record_failure(gone, "connection refused")
     r.record_failure(back, "timeout")
@@ -157,6 +189,7 @@ def test_a_barred_miner_gets_no_hop_and_its_lane_goes_to_a_spare():
     clock = Clock()
     r = Router(2, rng=random.Random(0), clock=clock)
     r.update(topo([3, 2]))                      # stage 0: uids 1-3 (uid 3 spare); stage 1: uids 4-5
+    r.freeze()
     cheat, other = r.lane_member(1, 0), r.lane_member(0, 1)
     assert r.bar([cheat.key]) == [cheat.key] and r.bar([cheat.key]) == []
     assert not r.is_available(cheat) and all(r.choose(0).key != cheat.key for _ in range(200))
@@ -342,3 +375,27 @@ def test_lane_progress_unrouted_in_a_bounded_and_an_open_ended_run(tmp_path):
     lp.next_steps = {0: 5, 1: 3}
     assert lp.unrouted(router, 5, 2) == {router.lane_member(0, s).key for s in range(2)}
     assert lp.unrouted(router, None, 2) == set()
+
+
+def test_a_starting_validator_waits_for_a_permit_holder_without_a_commitment():
+    """Two validators started together: the one that read the metagraph before the other's
+    commitment landed waits (syncing) until it lands, so both split the lane steps the same way;
+    a permit holder that never publishes costs at most ``wait_peers_s``."""
+    async def go(lands_after: int, wait_s: float) -> tuple[int, float]:
+        view = MetagraphView(ChainOptions(wait_peers_s=wait_s), RunOptions())
+        view.peers = PeerView(["me"], foreign=1, unannounced=1)
+        syncs = 0
+
+        async def sync():
+            nonlocal syncs
+            syncs += 1
+            if syncs >= lands_after:
+                view.peers = PeerView(["me", "other"])
+        t0 = time.monotonic()
+        await view.wait_for_peers(asyncio.Event(), sync)
+        return syncs, time.monotonic() - t0
+
+    syncs, took = asyncio.run(go(lands_after=2, wait_s=30.0))
+    assert syncs == 2 and took < 5.0
+    syncs, took = asyncio.run(go(lands_after=10**6, wait_s=2.0))     # never publishes: bounded
+    assert 1 <= syncs <= 3 and 1.5 < took < 5.0

@@ -130,6 +130,24 @@ class MetagraphView:
             return True
         return False
 
+    async def wait_for_peers(self, stop: asyncio.Event, sync: Callable[[], Awaitable[None]]) -> None:
+        """Before the lane steps are split: while a validator-permit holder has no commitment at all
+        (``peers.unannounced``), sync again every second for up to ``wait_peers_s``. Validators started
+        together publish their commitments a few blocks apart; one that read the metagraph before the
+        other's landed would drive every step alone while the other drives its share of them (each
+        step twice, and neither the other's receipts). A permit holder that runs other code never
+        publishes one: it costs one ``wait_peers_s`` at start."""
+        deadline = time.monotonic() + self.chain_opts.wait_peers_s
+        if self.peers.unannounced:
+            logger.info("{} validator-permit holder(s) publish no commitment yet; waiting up to {:.0f} s for them "
+                        "before splitting the lane steps", self.peers.unannounced, self.chain_opts.wait_peers_s)
+        while self.peers.unannounced and time.monotonic() < deadline and not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            await sync()
+
     async def wait_for_lanes(self, router: Router, stop: asyncio.Event, sync: Callable[[], Awaitable[None]]) -> int:
         """Wait (``wait_miners_s``, syncing) for ``min_lanes`` complete lanes; returns how many there are
         (0 when ``stop`` is set). Raises :class:`ValidatorError` when there is none by then."""

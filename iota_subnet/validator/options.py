@@ -45,6 +45,9 @@ class ChainOptions:
     chain_timeout_s: float = 30.0  # deadline of every chain call
     peer_alive_blocks: Optional[int] = None  # liveness window of the other validators (default: 2 tempos + 10)
     sync_interval_s: float = 5.0  # seconds between metagraph syncs
+    #: seconds a starting validator waits, syncing, for permit holders without a commitment to publish
+    #: one before it splits the lane steps (a validator started beside it publishes within seconds)
+    wait_peers_s: float = 15.0
     weights_check_s: float = 2.0  # seconds between checks whether weights are due
     version_key: int = WEIGHTS_VERSION_KEY
 

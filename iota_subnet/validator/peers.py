@@ -36,13 +36,15 @@ class PeerView:
     ``foreign``: permit holders without a validator commitment of ours (other code, or none);
     ``other_runs``: run label -> validators advertising another run or epoch; ``dead``: hotkeys of
     ours that were silent longer than the window; ``mismatched``: hotkey -> fingerprints of
-    validators of this run whose fingerprints differ from this one's."""
+    validators of this run whose fingerprints differ from this one's; ``unannounced``: those of the
+    ``foreign`` with no commitment at all (one starting up has not published its own yet)."""
 
     coordinating: list[str]
     foreign: int = 0
     other_runs: dict[str, int] = field(default_factory=dict)
     dead: list[str] = field(default_factory=list)
     mismatched: dict[str, Fingerprints] = field(default_factory=dict)
+    unannounced: int = 0
 
     def summary(self) -> dict:
         return {"coordinating": len(self.coordinating), "foreign": self.foreign, "other_runs": dict(self.other_runs),
@@ -63,7 +65,7 @@ def coordinating_validators(neurons: Iterable[Any], *, run: str, epoch: int, blo
 
     ``neurons``: metagraph neurons (``hotkey``, ``validator_permit``, ``last_update``,
     ``commitment`` with ``value`` and ``block``)."""
-    coordinating, dead, foreign = {str(self_hotkey)}, [], 0
+    coordinating, dead, foreign, unannounced = {str(self_hotkey)}, [], 0, 0
     other: dict[str, int] = {}
     mismatched: dict[str, Fingerprints] = {}
     for n in neurons:
@@ -73,6 +75,7 @@ def coordinating_validators(neurons: Iterable[Any], *, run: str, epoch: int, blo
         c, published = _advert(n)
         if c is None or c.role != VALIDATOR:
             foreign += 1
+            unannounced += getattr(getattr(n, "commitment", None), "value", None) is None
             continue
         if not c.same_run(run, epoch):
             label = f"{c.run}#{c.epoch}"
@@ -85,7 +88,7 @@ def coordinating_validators(neurons: Iterable[Any], *, run: str, epoch: int, blo
             dead.append(hk)
             continue
         coordinating.add(hk)
-    return PeerView(sorted(coordinating), foreign, other, sorted(dead), mismatched)
+    return PeerView(sorted(coordinating), foreign, other, sorted(dead), mismatched, unannounced)
 
 
 def run_fingerprints(neurons: Iterable[Any], *, run: str, epoch: int, block: int, alive_blocks: int,

@@ -9,7 +9,11 @@ Discovery
 Lanes
     Replica ``r`` of every stage (ordered by uid) forms lane ``r``: a fixed chain of replicas that
     carries one micro-batch stream. Replicas of a stage are not merged (yet), so they diverge; a
-    fixed lane keeps each replica's optimizer on one consistent stream. Lane membership is sticky:
+    fixed lane keeps each replica's optimizer on one consistent stream. Until the validator drives
+    its first step (:meth:`Router.freeze`) the slots follow the uid order, so that validators that
+    discovered the miners in different orders (one saw a stage's second miner first) agree on the
+    lanes: they share the lanes, and a replica that two validators put in different lanes would be
+    handed the other lane at every step. From then on membership is sticky:
     once assigned, a replica keeps its slot while it stays registered with the same hotkey; a
     freed slot goes to the lowest unassigned uid, else to the replica of the stage's highest slot. ``n_lanes`` is the smallest replica count over
     the stages (extra replicas are spares that only take rerouted hops). A member unavailable for
@@ -124,6 +128,8 @@ class Router:
         self._slots: dict[int, list[Optional[Key]]] = {s: [] for s in range(self.n_stages)}
         #: miners flagged as cheaters (:meth:`bar`): never available again
         self.barred: set[Key] = set()
+        #: slots are sticky (:meth:`freeze`, or a loaded :meth:`slot_table`); before, they follow the uid order
+        self.frozen = False
 
     # ---------------------------------------------------------------- topology
     def update(self, replicas: Mapping[int, Sequence[Replica]]) -> None:
@@ -139,6 +145,9 @@ class Router:
                     h.cooldown_until = 0.0          # a failed replica served a new endpoint (it restarted): probe now
         for s in range(self.n_stages):
             keys = [r.key for r in self.replicas[s]]
+            if not self.frozen:
+                self._slots[s] = list(keys)
+                continue
             slots = [k if k in keys else None for k in self._slots.get(s, [])]
             free = [k for k in keys if k not in slots]
             for i, k in enumerate(slots):
@@ -154,6 +163,10 @@ class Router:
             while slots and slots[-1] is None:
                 slots.pop()
             self._slots[s] = slots
+
+    def freeze(self) -> None:
+        """Make the lane assignment sticky from now on (the validator drives its first step)."""
+        self.frozen = True
 
     def bar(self, keys: Iterable[Key]) -> list[Key]:
         """Take miners flagged as cheaters out of routing for good: no hop, reroute, alternate or
@@ -224,6 +237,7 @@ class Router:
                     raise ValueError(f"lane slot {k!r} of stage {s} is not [uid, hotkey] or null")
             slots[s] = out
         self._slots = slots
+        self.frozen = True
 
     @property
     def n_lanes(self) -> int:

@@ -365,6 +365,8 @@ class ValidatorService:
         await self.verification.close(forget=True)   # a restart after an exception: the last attempt's parts go first
         p.close()
         available = await self.view.wait_for_lanes(self.router, self.stop_event, self.sync)
+        await self.view.wait_for_peers(self.stop_event, self.sync)
+        self.router.freeze()
         if self.stop_event.is_set():
             return
         if o.n_lanes:
