@@ -200,6 +200,8 @@ class NeuronServer:
             logger.warning("NeuronServer without authorizer: every authenticated hotkey is accepted")
         self.routes: dict[str, Route] = {}
         self.public_gets: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {}
+        #: a relay's forwarder (:meth:`set_forwarder`): requests signed for another hotkey it relays for
+        self.forwarder: Optional[Callable[[web.Request], Awaitable[Optional[web.StreamResponse]]]] = None
         self.app = web.Application(middlewares=[self._middleware], client_max_size=self.max_body_bytes)
         self._runner: Optional[web.AppRunner] = None
         self._inflight = 0
@@ -250,6 +252,13 @@ class NeuronServer:
             raise RuntimeError("add routes before start()")
         self.public_gets[path] = handler
         self.app.router.add_get(path, handler)
+
+    def set_forwarder(self, forwarder: Callable[[web.Request], Awaitable[Optional[web.StreamResponse]]]) -> None:
+        """Offer every request to ``forwarder`` first (a relay, :class:`~iota_subnet.transport.relay.RelayHost`):
+        it answers those signed for a hotkey it relays for and returns None for the rest."""
+        if self._runner is not None:
+            raise RuntimeError("set the forwarder before start()")
+        self.forwarder = forwarder
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> int:
@@ -420,6 +429,10 @@ class NeuronServer:
         _set_nodelay(request)
         if request.method == "GET" and request.path in self.public_gets:
             return await self.public_gets[request.path](request)
+        if self.forwarder is not None:
+            relayed = await self.forwarder(request)
+            if relayed is not None:
+                return relayed
         route = self.routes.get(request.path)
         if route is None or request.method != "POST":
             return self._refuse(ProtocolError(Outcome.UNKNOWN_ROUTE, f"no route {request.method} {request.path}"),

@@ -1,0 +1,255 @@
+"""Relays (iota_subnet/transport/relay.py): real NeuronServers on 127.0.0.1, real btauth/1 signing.
+
+A "home" neuron serves on loopback only and is reached through a relay it attached to over an
+outbound WebSocket; the caller signs for the home hotkey and dials the relay's address. Faulty
+relays are subclasses of RelayHost over its public ``send``."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+import torch
+from bittensor import http_auth
+from bittensor.sp_core import Keypair
+
+from iota_subnet.protocol import Hop, Outcome, ProtocolError
+from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
+from iota_subnet.transport.relay import RelayHost, RelayTunnel, TokenBucket, pack_frame, unpack_frame
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def kp(name: str) -> Keypair:
+    return Keypair.create_from_uri(f"//relay-test-{name}")
+
+
+class Home:
+    """A neuron on loopback with one route, ``/hop``, that echoes and counts what it handled."""
+
+    def __init__(self):
+        self.key = kp("home")
+        self.handled: list[str] = []
+        self.server = NeuronServer(self.key, "127.0.0.1", 0, None, None)
+        self.server.add_route("/hop", self.hop, Hop)
+
+    async def hop(self, msg: Hop, ctx) -> Hop:
+        self.handled.append(msg.microbatch_id)
+        return Hop(microbatch_id=msg.microbatch_id, data=msg.data * 2, info={"caller": ctx.caller_hotkey})
+
+
+class Net:
+    """A relay (``relay_cls``), a home neuron attached to it, a caller."""
+
+    def __init__(self, relay_cls=RelayHost, **relay_kw):
+        self.home = Home()
+        self.relay_key = kp("relay")
+        self.relay_server = NeuronServer(self.relay_key, "127.0.0.1", 0, None, None)
+        self.relay = relay_cls(self.relay_key, **relay_kw)
+        self.relay.mount(self.relay_server)
+        self.caller = NeuronClient(kp("caller"))
+        self.stop = asyncio.Event()
+        self.tunnel = None
+        self.task = None
+
+    async def __aenter__(self):
+        await self.home.server.start()
+        await self.relay_server.start()
+        self.tunnel = RelayTunnel(self.home.key, [(self.relay_server.endpoint, self.relay_key.ss58_address)],
+                                  self.home.server.endpoint)
+        self.task = asyncio.create_task(self.tunnel.run(self.stop))
+        await asyncio.wait_for(self.tunnel.attached.wait(), 10)
+        for _ in range(100):                      # the relay registers the socket once it is prepared
+            if self.relay.attached:
+                break
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.stop.set()
+        await asyncio.wait_for(self.task, 10)
+        await self.caller.close()
+        await self.relay_server.stop()
+        await self.home.server.stop()
+
+    async def call(self, mb: str, data: torch.Tensor, timeout_s: float = 10.0) -> Hop:
+        return await self.caller.call(self.relay_server.endpoint, self.home.key.ss58_address, "/hop",
+                                      Hop(microbatch_id=mb, data=data), Hop, timeout_s=timeout_s, retries=0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_home_neuron_is_reached_through_the_relay_end_to_end_signed():
+    async def main():
+        async with Net() as net:
+            x = torch.randn(2, 4, 8)
+            got = await net.call("mb-1", x)
+            assert torch.equal(got.data, x * 2) and got.microbatch_id == "mb-1"
+            assert got.info == {"caller": net.caller.hotkey}      # the home saw the caller's own signature
+            assert net.home.handled == ["mb-1"]
+            st = net.relay.status()
+            home = net.home.key.ss58_address
+            assert list(st["attached"]) == [home] and st["attached"][home]["requests"] == 1
+            assert st["attached"][home]["bytes"] > x.numel() * 4 * 2
+            assert net.tunnel.status()["relay"] == net.relay_server.endpoint
+            # a request for the relay's own hotkey is still the relay's: no such route there
+            with pytest.raises(ProtocolError) as e:
+                await net.caller.call(net.relay_server.endpoint, net.relay_key.ss58_address, "/hop",
+                                      Hop(data=x), Hop, retries=0)
+            assert e.value.outcome == Outcome.UNKNOWN_ROUTE
+            # a hotkey never attached here: the relay's usual refusal, nothing forwarded
+            with pytest.raises(ProtocolError) as e:
+                await net.caller.call(net.relay_server.endpoint, kp("nobody").ss58_address, "/hop",
+                                      Hop(data=x), Hop, retries=0)
+            assert e.value.outcome == Outcome.UNKNOWN_ROUTE
+            assert net.home.handled == ["mb-1"]
+    run(main())
+
+
+class AlteringRelay(RelayHost):
+    """Flips one byte of every body it forwards."""
+
+    async def send(self, peer, header, body):
+        b = bytearray(body)
+        b[len(b) // 2] ^= 0x01
+        return await super().send(peer, header, bytes(b))
+
+
+class ReplayingRelay(RelayHost):
+    """Forwards every request twice."""
+
+    async def send(self, peer, header, body):
+        first = await super().send(peer, header, body)
+        self.second = await super().send(peer, header, body)
+        return first
+
+
+class DroppingRelay(RelayHost):
+    """Forwards a request with probability ``keep`` and drops the rest (never answers them)."""
+
+    keep = 0.0
+    rng = random.Random(0)
+
+    async def send(self, peer, header, body):
+        if self.rng.random() >= self.keep:
+            await asyncio.Event().wait()
+        return await super().send(peer, header, body)
+
+
+def test_a_relay_cannot_alter_or_replay_and_a_dropping_relay_looks_unreachable():
+    async def main():
+        x = torch.randn(2, 4, 8)
+        async with Net(AlteringRelay) as net:
+            with pytest.raises(ProtocolError) as e:
+                await net.call("mb-a", x)
+            assert e.value.outcome == Outcome.BAD_SIGNATURE       # refused by the home, not by the relay
+            assert net.home.handled == []
+        async with Net(ReplayingRelay) as net:
+            got = await net.call("mb-r", x)
+            assert torch.equal(got.data, x * 2)
+            assert net.home.handled == ["mb-r"]                   # the replay never reached the handler
+            status, _ = net.relay.second[0]["status"], net.relay.second[1]
+            assert status == 409 or net.home.server.outcomes.get(Outcome.REPLAYED_NONCE.value) == 1
+            assert net.home.server.outcomes.get(Outcome.REPLAYED_NONCE.value) == 1
+        async with Net(DroppingRelay, forward_timeout_s=1.0) as net:
+            with pytest.raises(TransportError):                   # no answer: unreachable, not a refusal
+                await net.call("mb-d", x, timeout_s=3.0)
+            assert net.home.handled == []
+            assert net.relay.status()["counts"].get("dropped_lost") == 1
+    run(main())
+
+
+def test_a_detached_home_is_unreachable_and_reattaches_to_the_next_relay():
+    async def main():
+        async with Net() as net:
+            x = torch.randn(1, 4, 8)
+            await net.call("before", x)
+            second_key = kp("relay-2")
+            second = NeuronServer(second_key, "127.0.0.1", 0, None, None)
+            RelayHost(second_key).mount(second)
+            await second.start()
+            try:
+                net.tunnel.relays.append((second.endpoint, second_key.ss58_address))
+                net.tunnel.backoff_s = (0.2, 1.0)
+                await net.relay_server.stop()                     # the first relay dies
+                t0 = time.monotonic()
+                while net.tunnel.status()["relay"] != second.endpoint and time.monotonic() - t0 < 15:
+                    await asyncio.sleep(0.1)
+                assert net.tunnel.status()["relay"] == second.endpoint
+                got = await net.caller.call(second.endpoint, net.home.key.ss58_address, "/hop",
+                                            Hop(microbatch_id="after", data=x), Hop, retries=0)
+                assert torch.equal(got.data, x * 2) and net.home.handled == ["before", "after"]
+            finally:
+                await second.stop()
+    run(main())
+
+
+def test_the_per_peer_bandwidth_cap_holds_within_ten_percent():
+    async def main():
+        rate = 2_000_000                                          # bytes/s, both directions together
+        async with Net(rate_bytes_per_s=rate) as net:
+            x = torch.randn(64, 4, 256)                           # 256 kB each way per call
+            await net.call("warm", torch.randn(256, 4, 256))      # 1 MB each way: spends the 1 s of burst
+            t0 = time.monotonic()
+            n = 8
+            for i in range(n):
+                await net.call(f"mb-{i}", x)
+            took = time.monotonic() - t0
+            moved = n * 2 * x.numel() * 4
+            assert moved / took == pytest.approx(rate, rel=0.10), (moved / took, rate)
+    run(main())
+
+
+def test_attach_needs_a_fresh_signature_for_this_relay_and_the_authorizer():
+    async def main():
+        relay_key = kp("relay")
+        server = NeuronServer(relay_key, "127.0.0.1", 0, None, None)
+        allowed = kp("home").ss58_address
+        RelayHost(relay_key, authorize=lambda hk: hk == allowed).mount(server)
+        await server.start()
+        url = f"http://{server.endpoint}/relay/attach"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url) as r:                                    # unsigned
+                    assert r.status == 401
+                other = http_auth.sign(kp("home"), method="GET", path="/relay/attach", body=b"",
+                                       receiver_ss58=kp("elsewhere").ss58_address)
+                async with s.get(url, headers=other) as r:                     # signed for another relay
+                    assert r.status == 401
+                stranger = http_auth.sign(kp("stranger"), method="GET", path="/relay/attach", body=b"",
+                                          receiver_ss58=relay_key.ss58_address)
+                async with s.get(url, headers=stranger) as r:                  # not allowed to attach
+                    assert r.status == 403
+                ok = http_auth.sign(kp("home"), method="GET", path="/relay/attach", body=b"",
+                                    receiver_ss58=relay_key.ss58_address)
+                async with s.ws_connect(url, headers=ok) as ws:
+                    assert not ws.closed
+                with pytest.raises(aiohttp.WSServerHandshakeError):            # the same signature again
+                    async with s.ws_connect(url, headers=ok):
+                        pass
+        finally:
+            await server.stop()
+    run(main())
+
+
+def test_frames_and_the_token_bucket():
+    h, b = unpack_frame(pack_frame({"id": 7, "path": "/hop"}, b"\x00\x01"))
+    assert h == {"id": 7, "path": "/hop"} and b == b"\x00\x01"
+    for bad in (b"", b"\x00\x00\x00\x09{}", b"\x00\x00\x00\x02[]"):
+        with pytest.raises(ValueError):
+            unpack_frame(bad)
+    clock = [0.0]
+    bucket = TokenBucket(100.0, clock=lambda: clock[0])
+
+    async def take():
+        await bucket.take(100)                     # the burst
+        t = asyncio.create_task(bucket.take(50))
+        await asyncio.sleep(0.01)
+        assert not t.done()                        # no credit until the clock moves
+        clock[0] += 0.5
+        await asyncio.wait_for(t, 2)
+    asyncio.run(take())
