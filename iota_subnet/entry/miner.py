@@ -41,6 +41,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="weights versions (and the hops that used them) kept for hop audits, and inner steps kept "
                         "for update audits (host memory: about 20 x K + 12 bytes per parameter of the stage); "
                         "0: off (validators then count every audit of this miner as refused)")
+    m.add_argument("--relay", action="append", default=[], metavar="IP:PORT|HOTKEY@IP:PORT|auto",
+                   help="behind a NAT (no port can be opened): be reached through this relay instead (repeat for "
+                        "more; 'auto': the run's relay hosts, validators started with --relay-host). The relay's "
+                        "address is published as this miner's axon; it cannot read keys or forge messages")
     add_emulation_args(p)
     return p
 
@@ -94,7 +98,9 @@ async def run_miner(args: argparse.Namespace) -> int:
     from iota_subnet.wallets import load_wallet
 
     stop = install_stop(asyncio.get_running_loop())      # before anything that can wait on the chain
-    external_ip = check_external_ip(args.network, args.external_ip, args.allow_private_ip)
+    # reached through relays, its own address is never published
+    external_ip = args.external_ip if args.relay else check_external_ip(args.network, args.external_ip,
+                                                                         args.allow_private_ip)
     if args.adversary:
         from iota_subnet.sim.adversary import ADVERSARY_KINDS
         if args.adversary not in ADVERSARY_KINDS:
@@ -117,7 +123,7 @@ async def run_miner(args: argparse.Namespace) -> int:
                         max_in_flight=args.max_in_flight, hop_timeout_s=args.hop_timeout,
                         audit_window=max(0, args.audit_window),
                         serve=ServeOptions(host=args.host, port=args.port, external_ip=external_ip,
-                                           dashboard_port=args.dashboard_port),
+                                           dashboard_port=args.dashboard_port, relays=tuple(args.relay)),
                         data=DataOptions(source=args.data, cache_dir=args.cache_dir,
                                          allow_fallback=args.allow_data_fallback))
     svc = MinerService(cfg, wallet, chain, opts, parts=parts)

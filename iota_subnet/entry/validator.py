@@ -52,6 +52,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "independent of --hop-timeout, which only sets how fast dead training hops are routed around)")
     v.add_argument("--exit-when-done", action="store_true",
                    help="exit once the steps, the evaluation and one round of weights are done")
+    v.add_argument("--relay-host", action="store_true",
+                   help="relay for this run's miners that cannot be dialled (behind a NAT; they start with "
+                        "--relay auto): their traffic passes through this validator's port, signed end to end")
+    v.add_argument("--relay-rate", type=float, default=None, metavar="BYTES_PER_S",
+                   help="with --relay-host: at most this many bytes per second per relayed miner (default: no cap)")
     return p
 
 
@@ -70,7 +75,8 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                            ("--ticket-lookahead", a.ticket_lookahead >= 1, ">= 1"),
                            ("--stall", a.stall > 0, "> 0"),
                            ("--audits-per-tempo", a.audits_per_tempo >= 1, ">= 1"),
-                           ("--audit-timeout", a.audit_timeout > 0, "> 0")):
+                           ("--audit-timeout", a.audit_timeout > 0, "> 0"),
+                           ("--relay-rate", a.relay_rate is None or a.relay_rate > 0, "> 0")):
         if not ok:
             raise ValidatorError(f"{name} must be {want}")
     steps = a.steps if a.steps is not None else load_config(a.config).train.total_steps
@@ -86,6 +92,7 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             min_lanes=a.min_lanes,
                             clasp_interval_s=a.clasp_interval, clasp_paths=a.clasp_paths, score_window=a.score_window,
                             stale_grace=a.stale_grace, burn_uid=None if a.burn_uid < 0 else a.burn_uid,
+                            relay_host=a.relay_host, relay_rate_bytes_per_s=a.relay_rate,
                             host=a.host, external_ip=check_external_ip(a.network, a.external_ip, a.allow_private_ip),
                             wire_dtype=a.wire_dtype,
                             ticket_lookahead=a.ticket_lookahead, stall_s=a.stall, audits=a.audits,

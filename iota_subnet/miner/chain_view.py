@@ -82,6 +82,22 @@ class ChainView:
             return None
         return n.axon
 
+    def relays_of(self, hotkey: str) -> tuple[str, ...]:
+        """The relays (``ip:port``) ``hotkey``'s commitment publishes: it cannot be dialled and is
+        reached through them (its axon is the first; :mod:`iota_subnet.transport.relay`)."""
+        c = RunCommitment.decode(self.commitments.get(hotkey))
+        return c.relays if c is not None else ()
+
+    def relay_hosts(self) -> list[tuple[str, str]]:
+        """(endpoint, hotkey) of the neurons that host a relay for this run (their commitment's
+        ``rh``, a served axon), validators first, then by uid."""
+        out = []
+        for hk, raw in self.commitments.items():
+            c, n, ep = RunCommitment.decode(raw), self.neurons.get(hk), self.endpoint_of(hk)
+            if c is not None and c.relay_host and c.same_run(self.run_id, self.run_epoch) and n is not None and ep:
+                out.append((not n.validator_permit, int(n.uid), ep, hk))
+        return [(ep, hk) for _, _, ep, hk in sorted(out)]
+
     def stage_peers(self) -> list[str]:
         """Hotkeys of the other miners of this run that hold this stage, sorted."""
         return sorted(hk for hk, s in self.stages.items() if s == self.stage and hk != self.hotkey)

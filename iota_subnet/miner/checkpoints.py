@@ -163,7 +163,7 @@ class Checkpoints:
         """(uid, /state answer) of the first replica of this stage that answers, or None."""
         v = self.view
         peers = [hk for hk, s in v.stages.items() if s == v.stage and hk != v.hotkey]
-        async with NeuronClient(self.wallet) as client:
+        async with NeuronClient(self.wallet, alternates=v.relays_of) as client:
             for hk in peers:
                 n = v.neurons.get(hk)
                 if n is None or not n.axon or n.axon.startswith("0.0.0.0:0"):

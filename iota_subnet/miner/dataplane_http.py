@@ -15,7 +15,7 @@ sender (:mod:`.refusals`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 from iota_subnet.protocol import (HOP_DIRECTIONS, Hop, HopAck, Outcome, ProtocolError, ReceiptBatch,
                                   Ticket, TicketAck, TicketBatch, hop_contract)
@@ -43,7 +43,9 @@ class NodeLinks:
     ``gate()``: awaited before each compute (a running replica merge; None: none);
     ``after_compute()``: called after each (starts merges that are due; None: none);
     ``take_lane(ticket)``: gives this replica a lane's weights before it trains in a lane it did not
-    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover).
+    train (:mod:`iota_subnet.miner.dataplane.handover`; None: no handover);
+    ``relays_of(hotkey)``: the relays a peer that cannot be dialled publishes (tried when its axon
+    does not answer; None: none).
     """
 
     neurons: Callable[[], Mapping[str, Any]]
@@ -52,6 +54,7 @@ class NodeLinks:
     gate: Optional[Callable[[], Awaitable[None]]] = None
     after_compute: Optional[Callable[[], None]] = None
     take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None
+    relays_of: Optional[Callable[[str], Sequence[str]]] = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ class DataPlaneNode:
         self._compute, self._gate, self._after = compute, links.gate, links.after_compute
         self.checker = TicketChecker(shape, stage=stage, me=self.me, neurons=links.neurons)
         self.transport: DataPlaneTransport = parts.transport if parts.transport is not None else \
-            HttpDataPlaneTransport(wallet, links.endpoint_of, links.refresh, tunables.hop_timeout_s)
+            HttpDataPlaneTransport(wallet, links.endpoint_of, links.refresh, tunables.hop_timeout_s,
+                                   alternates=links.relays_of)
         #: hops this miner refused for a provable fault go to their ticket's validator as evidence
         self.refusals = RefusalReporter(run_id=shape.run_id, post=self.transport.post_refusal)
         self.plane = DataPlane(worker, me=self.me, n_stages=shape.n_stages, compute=self.compute,

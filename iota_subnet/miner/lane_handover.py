@@ -89,7 +89,7 @@ async def take_lane(t: Ticket, *, worker: Any, wallet: Any, view: ChainView, com
     merge = merging.engine if merging is not None else None
     tensors: Optional[dict] = None
     how = "own"
-    async with NeuronClient(wallet) as client:
+    async with NeuronClient(wallet, alternates=view.relays_of) as client:
         found = await lane_holder(view, t.lane, client)
         if found is not None:
             hk, step = found

@@ -97,7 +97,7 @@ class MinerMerging:
         peers and mount the merge routes on ``server``."""
         mc, run_id, stage = self.cfg.merge, self.view.run_id, self.stage
         self.worker = worker
-        self.client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop)
+        self.client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop, alternates=self.view.relays_of)
         transport = HttpTransport(self.client, self.view.endpoint_of, timeout_s=mc.phase_timeout_s + 5,
                                   bytes_per_s=mc.assumed_uplink_bps / 8, reply_bytes=4 * mc.chunk_numel)
         self.claims = MergeClaims(self.wallet.hotkey, run_id, stage, int8_block=mc.int8_block,

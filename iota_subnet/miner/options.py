@@ -20,12 +20,15 @@ from iota_subnet.protocol.commitment import Fingerprints
 class ServeOptions:
     """The miner's HTTP server. ``host``: the interface it binds; ``port``: its port (0: the port this
     hotkey already serves on chain, else any free one); ``external_ip``: the address published on chain
-    (``serve_axon``); ``dashboard_port``: the read-only web dashboard (None: off; 0: any free port)."""
+    (``serve_axon``); ``dashboard_port``: the read-only web dashboard (None: off; 0: any free port);
+    ``relays``: reached through these relays instead of being dialled (``--relay``, see
+    :mod:`iota_subnet.miner.relaying`; empty: dialled at ``external_ip:port``)."""
 
     host: str = "0.0.0.0"
     port: int = 0
     external_ip: str = "127.0.0.1"
     dashboard_port: Optional[int] = None
+    relays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

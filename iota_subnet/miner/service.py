@@ -55,6 +55,7 @@ from iota_subnet.miner.lane_handover import take_lane
 from iota_subnet.miner.merging import MergingLinks, MinerMerging
 from iota_subnet.miner.options import MinerOptions
 from iota_subnet.miner.parts import MinerParts
+from iota_subnet.miner.relaying import MinerRelays
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.miner.update_store import UpdateStore
@@ -122,6 +123,7 @@ class MinerService:
         self.metrics.watch(self.status)
         self.view = ChainView(chain, netuid=opts.netuid, run_id=opts.run_id, run_epoch=self.run_epoch,
                               hotkey=self.hotkey, refresh_s=opts.metagraph_refresh_s)
+        self.relays = MinerRelays(opts.serve.relays, self.view, wallet)
         self.compute = ComputeThread()
         self.checkpoints = Checkpoints(self.out, opts.checkpoint_every, compute=self.compute, view=self.view,
                                        wallet=wallet, updates=self.update_store)
@@ -172,7 +174,7 @@ class MinerService:
 
     def commitment(self) -> str:
         return RunCommitment(self.run_id, MINER, self.run_epoch, stage=self.stage,
-                             fingerprints=self.fingerprints).encode()
+                             fingerprints=self.fingerprints, relays=self.relays.endpoints()).encode()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> int:
@@ -204,7 +206,8 @@ class MinerService:
                           refresh=lambda: view.refresh(force=True),
                           gate=self.merging.gate if self.merge is not None else None,
                           after_compute=self.merging.maybe_merge,
-                          take_lane=self._take_lane if self.worker.has_weights else None)
+                          take_lane=self._take_lane if self.worker.has_weights else None,
+                          relays_of=view.relays_of)
         tunables = DataPlaneTunables(max_in_flight=in_flight_window(self.cfg, o.max_in_flight, bound),
                                      hop_timeout_s=o.hop_timeout_s, boot=self.started_at)
         self.node = DataPlaneNode(self.worker, self.wallet,
@@ -229,7 +232,12 @@ class MinerService:
                 self.port = await self.server.start()
             else:
                 raise
-        self.publisher.set_axon(o.serve.external_ip, self.port)
+        if self.relays.enabled:              # reached through relays: their address is the axon
+            await self.relays.resolve()
+            self.relays.open(self.server.endpoint)
+            self.publisher.set_axon(*self.relays.axon())
+        else:
+            self.publisher.set_axon(o.serve.external_ip, self.port)
         self.publisher.set_commitment(self.commitment())
         if not await self.publisher.sync():
             logger.warning(f"not yet published on chain: {self.publisher.status()}; retrying in the background")
@@ -283,8 +291,11 @@ class MinerService:
         publishes, checkpoints and writes status every second (a round in progress may end first)."""
         try:
             chain = self.sup.spawn("chain", lambda: self._chain_rounds(stop))
+            tasks = [chain]
+            if self.relays.enabled:
+                tasks.append(self.sup.spawn("relay", lambda: self.relays.run(stop)))
             await stop.wait()
-            await asyncio.wait([chain], timeout=10.0)
+            await asyncio.wait(tasks, timeout=10.0)
         finally:
             await self.stop()
 
@@ -358,6 +369,9 @@ class MinerService:
         merge = self.merging.status()
         if merge is not None:
             d["merge"] = merge
+        relays = self.relays.status()
+        if relays is not None:
+            d["relay"] = relays
         return d
 
     def write_status(self) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import yaml
 from loguru import logger
 
-from iota_subnet.config import RunConfig
+from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
 from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
@@ -54,7 +54,8 @@ class LocalNet(NeuronProcesses, RunSummary):
                  adversary: Optional[str] = None, extra_validator_args: Optional[list[str]] = None,
                  chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
                  link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
-                 gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None):
+                 gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None,
+                 home_replicas: int = 0):
         self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
                                    steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
@@ -75,6 +76,13 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.extra_validator_args = [*validator_argv, *wire_dtype_argv(wire_dtype), *self.extra_validator_args]
         self.device = device
         self.timeout_s = timeout_s
+        #: the last ``home_replicas`` replicas of every stage are reached only through relays (``--relay
+        #: auto``), which every validator hosts (``--relay-host``)
+        if not 0 <= int(home_replicas) <= replicas:
+            raise ConfigError(f"--home-replicas must be between 0 and --replicas ({replicas}), got {home_replicas}")
+        self.home_replicas = int(home_replicas)
+        if self.home_replicas:
+            self.extra_validator_args = [*self.extra_validator_args, "--relay-host"]
         #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
         self.adversary = adversary
         self.adversary_pos = (self.stages // 2, replicas - 1) if adversary else None
@@ -157,6 +165,8 @@ class LocalNet(NeuronProcesses, RunSummary):
                 "--allow-data-fallback", *self.extra_miner_args]
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
+        if r >= self.replicas - self.home_replicas:
+            argv += ["--relay", "auto"]
         return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
 
     def _make_children(self) -> None:

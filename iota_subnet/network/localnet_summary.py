@@ -106,8 +106,11 @@ class RunSummary:
                            # mean over validators of the latest weight each set for this uid
                            "weight": (sum(float((v.get("last_weights") or {}).get(str(uid), 0.0)) for v in st)
                                       / len(st)) if st else 0.0,
-                           "adversary": ms.get("adversary")})
+                           "adversary": ms.get("adversary"),
+                           # a home miner: the relays it is reached through and the one it last used
+                           "relay": ms.get("relay")})
         vals = [{"name": c.name, "uid": s.get("uid"), "hotkey": s.get("hotkey"),
+                 "relay": s.get("relay"),
                  "dividends": chain_rows.get(s.get("uid"), {}).get("dividends", 0.0),
                  "weights_set_blocks": s.get("weights_set_blocks", []), "val_loss": s.get("val_loss")}
                 for c, s in zip([c for c in self.children if c.kind == "validator"], st)]

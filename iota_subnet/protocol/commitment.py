@@ -4,15 +4,19 @@ One small, versioned JSON object for both roles (a few dozen to a few hundred by
 keeps at most 2048, and every write costs commitment space, so it changes only when its content
 does)::
 
-    miner      {"v":2,"r":"tiny","e":0,"k":"m","s":1,"t":"<tokenizer fp>","d":"<data fp>"}
-    validator  {"v":2,"r":"tiny","e":0,"k":"v","t":"...","d":"...","hb":3,"mw":{"5":0.0}}
+    miner      {"v":2,"r":"tiny","e":0,"k":"m","s":1,"t":"<tokenizer fp>","d":"<data fp>","rl":["ip:port"]}
+    validator  {"v":2,"r":"tiny","e":0,"k":"v","t":"...","d":"...","hb":3,"mw":{"5":0.0},"rh":1}
 
 ``r`` run id and ``e`` run epoch (a run is identified by both: a new epoch is a new run that
 reuses the id); ``k`` role (``m`` miner, ``v`` validator); ``s`` the miner's stage; ``t`` / ``d``
 the tokenizer and data fingerprints (16 hex chars each; absent when the neuron does not load the
 data); ``hb`` a validator's heartbeat counter (bumped to show it is alive when it has set no weights
 for a while); ``mw`` the validator's merge weights (uid -> weight, only entries that differ from
-the default 1.0; see :mod:`iota_subnet.validator.merge_weights`).
+the default 1.0; see :mod:`iota_subnet.validator.merge_weights`); ``rl`` the relays a miner that
+cannot be dialled is reached through (``ip:port`` each, at most :data:`MAX_RELAYS`; its axon is the
+first, the others are tried when it fails: :mod:`iota_subnet.transport.relay`); ``rh`` a neuron that
+hosts a relay for the run's neurons. Four relays of 21 bytes (``255.255.255.255:65535``) add 96 bytes
+to a miner's commitment of about 100: about 200 of the 2048.
 
 :meth:`RunCommitment.decode` never raises: anything that is not a commitment of this format (other
 subnets' code, garbage, too large) decodes to None. Version-1 texts (``{"v":1,"run","stage"}``
@@ -28,6 +32,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 COMMITMENT_VERSION = 2
 MAX_COMMITMENT_BYTES = 2048
+#: relays a miner may publish (``rl``), and the longest ``host:port`` accepted for one
+MAX_RELAYS, MAX_RELAY_CHARS = 4, 64
 MINER, VALIDATOR = "miner", "validator"
 _ROLE_CODE = {MINER: "m", VALIDATOR: "v"}
 _ROLE_NAME = {v: k for k, v in _ROLE_CODE.items()}
@@ -61,6 +67,8 @@ class RunCommitment:
     fingerprints: Optional[Fingerprints] = None
     heartbeat: int = 0                       # validators
     merge_weights: Mapping[int, float] = field(default_factory=dict)   # validators
+    relays: tuple[str, ...] = ()             # miners reached through relays: their ``ip:port``
+    relay_host: bool = False                 # hosts a relay for the run's neurons
 
     def same_run(self, run: str, epoch: int) -> bool:
         return self.run == run and self.epoch == int(epoch)
@@ -76,6 +84,12 @@ class RunCommitment:
             d["hb"] = int(self.heartbeat)
         if self.merge_weights:
             d["mw"] = {str(int(u)): round(float(w), 3) for u, w in sorted(self.merge_weights.items())}
+        if self.relays:
+            if _relays(list(self.relays)) is None:
+                raise ValueError(f"relays must be at most {MAX_RELAYS} 'host:port' strings: {list(self.relays)}")
+            d["rl"] = list(self.relays)
+        if self.relay_host:
+            d["rh"] = 1
         raw = json.dumps(d, separators=(",", ":"))
         if len(raw.encode()) > MAX_COMMITMENT_BYTES:
             raise ValueError(f"commitment is {len(raw.encode())} bytes; at most {MAX_COMMITMENT_BYTES} fit on chain")
@@ -110,9 +124,11 @@ class RunCommitment:
             if not _nonneg_int(hb):
                 return None
             mw = _weights(d.get("mw", {}))
-            if mw is None:
+            relays = _relays(d.get("rl", []))
+            if mw is None or relays is None or d.get("rh", 0) not in (0, 1):
                 return None
-            return RunCommitment(run, role, int(epoch), int(stage) if role == MINER else None, fps, int(hb), mw)
+            return RunCommitment(run, role, int(epoch), int(stage) if role == MINER else None, fps, int(hb), mw,
+                                 relays, bool(d.get("rh", 0)))
         except (ValueError, TypeError, AttributeError, RecursionError):
             return None
 
@@ -135,6 +151,19 @@ def _weights(w: Any) -> Optional[dict[int, float]]:
             return None
         out[int(k)] = f
     return out
+
+
+def _relays(v: Any) -> Optional[tuple[str, ...]]:
+    """``rl``: at most MAX_RELAYS ``host:port`` strings with a port in 1..65535; None when not."""
+    if not isinstance(v, list) or len(v) > MAX_RELAYS:
+        return None
+    for e in v:
+        if not isinstance(e, str) or not 0 < len(e) <= MAX_RELAY_CHARS or ":" not in e:
+            return None
+        host, _, port = e.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return None
+    return tuple(v)
 
 
 def _decode_v1(d: dict) -> Optional[RunCommitment]:

@@ -19,7 +19,7 @@ import json
 import random
 import socket
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import aiohttp
 from bittensor import http_auth
@@ -75,13 +75,19 @@ class NeuronClient:
     ``on_request(route, bytes_sent, bytes_received, seconds, outcome)``: called after every attempt
     (``outcome``: ``OK``, the refusal's outcome name, or ``TRANSPORT_ERROR``); the metrics hook
     (:meth:`iota_subnet.telemetry.NeuronMetrics.observe_hop`).
+
+    ``alternates(hotkey)``: other endpoints that reach ``hotkey`` (the relays a neuron behind a NAT
+    publishes, :mod:`iota_subnet.transport.relay`); a call whose endpoint stays unreachable after its
+    retries is sent once to each in turn. None: no alternates.
     """
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
                  verify_responses: bool = True, max_response_bytes: Optional[int] = 256 << 20,
                  shaper: Optional[UplinkShaper] = None, downlink: Optional[DownlinkShaper] = None,
-                 on_request: Optional[Callable[[str, int, int, float, str], None]] = None):
+                 on_request: Optional[Callable[[str, int, int, float, str], None]] = None,
+                 alternates: Optional[Callable[[str], Sequence[str]]] = None):
         self.wallet = wallet
+        self.alternates = alternates
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
         self.hotkey: str = self._signer.ss58_address
@@ -154,6 +160,27 @@ class NeuronClient:
         :data:`~iota_subnet.transport.streaming.PIECE_BYTES` then goes out in pieces,
         :func:`~iota_subnet.transport.streaming.body_pieces`; so does every large body through an
         emulated uplink, whose receiver sees it arrive as over a real link)."""
+        try:
+            return await self._call_endpoint(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
+                                             backoff_s, response_contract, on_progress)
+        except TransportError as e:
+            alts = [a for a in (self.alternates(receiver_hotkey) if self.alternates is not None else ()) if a != endpoint]
+            if not alts:
+                raise
+            last = e
+        for alt in alts:
+            logger.debug("{}{} unreachable; trying {} for {}", endpoint, path, alt, receiver_hotkey[:10])
+            try:
+                return await self._call_endpoint(alt, receiver_hotkey, path, body, response_type, timeout_s, 0,
+                                                 backoff_s, response_contract, on_progress)
+            except TransportError as e:
+                last = e
+        raise last
+
+    async def _call_endpoint(self, endpoint: str, receiver_hotkey: str, path: str, body: bytes,
+                             response_type: type[M], timeout_s: float, retries: int, backoff_s: float,
+                             response_contract: Optional[TensorContract],
+                             on_progress: Optional[Callable[[int], None]]) -> M:
         session = self._get_session()
         url = f"http://{endpoint}{path}"
         attempts = max(1, int(retries) + 1)

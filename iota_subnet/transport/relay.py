@@ -253,6 +253,8 @@ class RelayHost:
                 "attached": {hk: {"since": a.since, "from": a.remote, "requests": self.requests_by[hk],
                                   "bytes": self.bytes_by[hk], "in_flight": len(a.pending)}
                              for hk, a in self.attached.items()},
+                # every hotkey relayed here since start, attached now or not
+                "relayed": {hk: {"requests": self.requests_by[hk], "bytes": self.bytes_by[hk]} for hk in sorted(self.known)},
                 "counts": dict(self.counts)}
 
 

@@ -16,6 +16,7 @@ from iota_subnet.protocol.refusal import MAX_REPORT_BODY_BYTES, RefusalAck, Refu
 from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.probe import PeerProbe
+from iota_subnet.transport.relay import RelayHost
 from iota_subnet.utils.supervise import Supervisor
 
 from .options import OutputOptions
@@ -33,6 +34,8 @@ class ValidatorEndpoints:
         self.server: Any = None   # NeuronServer: /receipts, GET /scores
         self.dashboard: Optional[DashboardServer] = None
         self._dashboard_client: Optional[NeuronClient] = None
+        #: the relay for miners that cannot be dialled (``relay_host``; built with the server)
+        self.relay: Optional[RelayHost] = None
 
     async def serve(self, svc: Any) -> None:
         """The validator's own server for validator ``svc``: miners deliver receipts (``/receipts``,
@@ -82,6 +85,10 @@ class ValidatorEndpoints:
         self.server.add_public_get("/health", health_handler(self.sup))
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers
             self.server.add_public_get(path, handler)
+        if o.relay_host:          # registered hotkeys may attach; who is relayed shows in status.json
+            self.relay = RelayHost(svc.wallet, authorize=lambda hk: hk in svc.current.values(),
+                                   rate_bytes_per_s=o.relay_rate_bytes_per_s)
+            self.relay.mount(self.server)
         self.prom.instrument(self.server.app)
         try:
             port = await self.server.start()

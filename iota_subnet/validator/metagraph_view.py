@@ -27,6 +27,7 @@ class MetagraphView:
         self.chain_opts = chain
         self.run = run
         self.current: dict[int, str] = {}  # uid -> hotkey (metagraph)
+        self.relays: dict[str, tuple[str, ...]] = {}  # hotkey -> relays its commitment publishes
         self.peers = PeerView([])
         self.validators: list[str] = []
         self.other_runs: dict[str, int] = {}
@@ -65,13 +66,21 @@ class MetagraphView:
                    if n.commitment is not None and n.commitment.value is not None}
         router.update(discover(graph.neurons, commits, o.run_id, stages, o.run_epoch))
         others: dict[str, int] = {}
-        for raw in commits.values():
+        relays: dict[str, tuple[str, ...]] = {}
+        for hk, raw in commits.items():
             c = RunCommitment.decode(raw)
+            if c is not None and c.relays:
+                relays[hk] = c.relays
             if c is not None and c.role == MINER and not c.same_run(o.run_id, o.run_epoch):
                 label = c.run if c.epoch == 0 else f"{c.run}#{c.epoch}"
                 others[label] = others.get(label, 0) + 1
         self.other_runs = others
+        self.relays = relays
         self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
+
+    def relays_of(self, hotkey: str) -> tuple[str, ...]:
+        """The relays ``hotkey`` is reached through (its commitment's ``rl``; empty: dialled directly)."""
+        return self.relays.get(hotkey, ())
 
     @staticmethod
     def bar(router: Router, flagged: set[tuple[int, str]]) -> list:

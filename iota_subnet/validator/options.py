@@ -117,6 +117,8 @@ class OutputOptions:
     host: str = "0.0.0.0"
     external_ip: str = "127.0.0.1"  # published on chain (ServeAxon) so miners can deliver receipts
     status_interval_s: float = 1.0  # seconds between rewrites of status.json
+    relay_host: bool = False  # relay for the run's miners that cannot be dialled (iota_subnet.transport.relay)
+    relay_rate_bytes_per_s: Optional[float] = None  # per relayed miner, both directions (None: no cap)
 
 
 @dataclass

@@ -203,8 +203,10 @@ class ValidatorService:
         self.weights.weights_blocks = self.state.weights_blocks()
         self.router = Router(self.cfg.pipeline.stages)
         self.view.load_slots(self.router, self.state)
-        self.client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)         # training hops
-        self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop)  # audits, merge evidence
+        relays = self.view.relays_of     # miners that cannot be dialled: their other relays
+        self.client = NeuronClient(self.wallet, on_request=self.prom.observe_hop, alternates=relays)  # training hops
+        self.verify_client = NeuronClient(self.wallet, on_request=self.prom.observe_hop,
+                                          alternates=relays)                                  # audits, merge evidence
         self.verification.load(self.state)
         self.scores.load(self.state)
         self.publisher = ChainPublisher(self.chain, self.wallet, c.netuid)
@@ -237,7 +239,8 @@ class ValidatorService:
         """This validator's commitment: the run it drives, its fingerprints, heartbeat, merge weights."""
         o = self.opts.run
         return RunCommitment(o.run_id, VALIDATOR, o.run_epoch, fingerprints=self.fingerprints,
-                             heartbeat=self.view.heartbeat, merge_weights=self.merges.weights).encode()
+                             heartbeat=self.view.heartbeat, merge_weights=self.merges.weights,
+                             relay_host=self.opts.outputs.relay_host).encode()
 
     async def sync(self) -> None:
         """Re-read metagraph and commitments: routing, uid -> hotkey, the validators that coordinate

@@ -54,6 +54,10 @@ class StatusFile:
             # miners flagged as cheaters, out of routing for good ([uid, hotkey])
             "barred": sorted(list(k) for k in r.barred) if r else [],
             "blame": d.blame.status() if getattr(d, "blame", None) is not None else {},
+            # the miners this validator relays for (relay_host), their requests and bytes
+            "relay": svc.endpoints.relay.status() if svc.endpoints.relay is not None else None,
+            # miner hotkey -> the relays it is reached through (its commitment)
+            "relayed": {hk: list(rl) for hk, rl in svc.view.relays.items()},
             "probe_loss": svc.scores.last_probe, "dashboard": dashboard.url if dashboard else None,
             "val_loss": p.val_loss, "done": p.done, "weights_set_blocks": list(svc.weights.weights_blocks),
             "last_weights": {str(k): w for k, w in svc.weights.last_weights.items()},

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Awaitable, Callable, Iterable, Optional, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Optional, Protocol, Sequence
 
 from iota_subnet.protocol import (Hop, HopAck, Message, Outcome, ProtocolError, ReceiptAck, ReceiptBatch, decode,
                                   encode)
@@ -59,15 +59,17 @@ class DataPlaneTransport(Protocol):
 
 class HttpDataPlaneTransport:
     """``wallet``: signs every request; ``endpoint_of(hotkey)``: ``"ip:port"`` or None;
-    ``refresh()``: re-read the metagraph now; ``hop_timeout_s``: one hop's HTTP timeout (s)."""
+    ``refresh()``: re-read the metagraph now; ``hop_timeout_s``: one hop's HTTP timeout (s);
+    ``alternates(hotkey)``: the relays of a peer that cannot be dialled (None: none)."""
 
     def __init__(self, wallet: Any, endpoint_of: Callable[[str], Optional[str]],
-                 refresh: Callable[[], Awaitable[None]], hop_timeout_s: float = 30.0):
+                 refresh: Callable[[], Awaitable[None]], hop_timeout_s: float = 30.0, *,
+                 alternates: Optional[Callable[[str], Sequence[str]]] = None):
         self.me: str = wallet.hotkey.ss58_address
         self.endpoint_of, self.refresh, self.hop_timeout_s = endpoint_of, refresh, hop_timeout_s
         #: hops to other miners (data plane bytes) and receipts to validators (control plane bytes)
-        self.hop_client = NeuronClient(wallet)
-        self.receipt_client = NeuronClient(wallet)
+        self.hop_client = NeuronClient(wallet, alternates=alternates)
+        self.receipt_client = NeuronClient(wallet, alternates=alternates)
 
     async def endpoint(self, hotkey: str) -> str:
         """``hotkey``'s ``ip:port``; raises TransportError when it serves none on the metagraph."""
