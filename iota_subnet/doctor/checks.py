@@ -367,12 +367,16 @@ async def peer_checks(o: DoctorOptions, discovered: list[str]) -> list[Check]:
                 note = ""
                 if o.external_ip and not seen.startswith(o.external_ip + ":"):
                     note = f"; the peer sees you as {seen}, --external-ip says {o.external_ip}"
-                out.append(Check("reachability", WARN if note else PASS, f"{p} reached {seen}{note}",
+                out.append(Check("reachability", WARN if note else PASS,
+                                 f"reachable directly: {p} reached {seen}{note}",
                                  "publish the address peers see (--external-ip)"))
             else:
-                out.append(Check("reachability", FAIL, f"{p} could not reach {res.get('address')}: {res.get('error')}",
-                                 f"open TCP port {o.port} in the firewall / forward it on the router, or pass the "
-                                 "public --external-ip"))
+                out.append(Check("reachability", FAIL,
+                                 f"relay only: {p} could not reach {res.get('address')} ({res.get('error')}); behind a "
+                                 "NAT or a firewall, a miner started with --relay auto is reached through the run's "
+                                 "relays (it opens no port)",
+                                 f"forward TCP port {o.port} on the router to this machine (and open it in the "
+                                 "firewall) to be dialled directly, or start the miner with --relay auto"))
         finally:
             if server is not None:
                 server.close()
