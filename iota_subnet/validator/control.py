@@ -36,9 +36,12 @@ from loguru import logger
 
 from iota_subnet.config import RunConfig
 from iota_subnet.protocol import ReceiptAck, ReceiptBatch
+from iota_subnet.transport.server import Route
 
 from .blame import BlameBook
 from .control_context import ControlContext, ControlCounters, ControlOptions
+from .control_routes import control_routes
+from .control_transport import ControlTransport, HttpControlTransport
 from .flights import Flight, FlightBook
 from .health import HealthProbe
 from .hindrance import Hindrances
@@ -60,7 +63,9 @@ def _counter(name: str) -> property:
 
 class ControlPlane:
     """Drives lanes through tickets and receipts. ``client``: a :class:`~iota_subnet.transport.NeuronClient`
-    (tickets, health probes); ``keypair``: the validator's wallet (signs tickets); ``dataset``: only its
+    (tickets, health probes over signed HTTP: :class:`~.control_transport.HttpControlTransport`), or
+    ``transport``: a :class:`~.control_transport.ControlTransport` (exactly one; ValueError otherwise);
+    ``keypair``: the validator's wallet (signs tickets); ``dataset``: only its
     ``n_val_rows`` is used (the miners read the rows themselves); ``opts``: :class:`ControlOptions`.
 
     Driving interface: :meth:`run`, :meth:`evaluate`, :meth:`clasp_round`, :meth:`probe`, and the
@@ -83,15 +88,20 @@ class ControlPlane:
     hash_mismatches = _counter("hash_mismatches")
     tickets_sent = _counter("tickets_sent")
 
-    def __init__(self, cfg: RunConfig, *, router: Router, client: Any, keypair: Any, dataset: Any, ledger: Ledger,
-                 opts: ControlOptions):
+    def __init__(self, cfg: RunConfig, *, router: Router, keypair: Any, dataset: Any, ledger: Ledger,
+                 opts: ControlOptions, client: Any = None, transport: Optional[ControlTransport] = None):
+        if (client is None) == (transport is None):
+            raise ValueError("a control plane needs exactly one of client (HTTP) and transport")
         self.cfg, self.router, self.client, self.dataset, self.ledger = cfg, router, client, dataset, ledger
+        #: tickets and health probes out (receipts and refusal reports in: :meth:`routes`)
+        self.transport: ControlTransport = transport if transport is not None else HttpControlTransport(
+            client, router, getattr(keypair, "hotkey", keypair).ss58_address)
         self.opts = o = opts.resolved(cfg)
         self.run_id, self.n_lanes, self.clock = o.run_id, o.n_lanes, o.clock
         #: miners held back by another miner's fault (:mod:`.hindrance`), taken by each scoring update
         self.hindrances = Hindrances(o.clock)
         self.book = FlightBook(o.clock)
-        self.ctx = ControlContext(cfg, o, router, client, ledger, self.hindrances, self.book)
+        self.ctx = ControlContext(cfg, o, router, self.transport, ledger, self.hindrances, self.book)
         self.counters = self.ctx.counters
         self.n_stages, self.mb, self.micro_per_step = self.ctx.n_stages, self.ctx.mb, self.ctx.micro_per_step
         self.tickets = TicketIssuer(self.ctx, keypair)
@@ -114,6 +124,11 @@ class ControlPlane:
     def lookahead(self) -> int:
         """Lane steps whose tickets are at the head before they are needed."""
         return self.opts.lookahead
+
+    def routes(self) -> list[Route]:
+        """This plane's ``/receipts`` and ``/refusals`` (:func:`.control_routes.control_routes`), for
+        ``transport.serve`` where no validator service mounts them (in process)."""
+        return control_routes(self.run_id, lambda: self)
 
     def on_receipts(self, batch: ReceiptBatch, caller: str) -> ReceiptAck:
         """A miner's receipt batch (``caller``: its hotkey, authenticated):

@@ -1,6 +1,6 @@
 """What the parts of the validator's control plane (:mod:`.control`) share: its options
 (:class:`ControlOptions`), its counters (:class:`ControlCounters`) and its collaborators
-(:class:`ControlContext`: run config, router, client, ledger, hindrances, flights)."""
+(:class:`ControlContext`: run config, router, transport, ledger, hindrances, flights)."""
 from __future__ import annotations
 
 import time
@@ -103,15 +103,15 @@ class ControlCounters:
 
 @dataclass
 class ControlContext:
-    """The collaborators every part of a control plane uses. ``client``: a
-    :class:`~iota_subnet.transport.NeuronClient`; ``opts`` already :meth:`~ControlOptions.resolved`.
+    """The collaborators every part of a control plane uses. ``transport``: a
+    :class:`~.control_transport.ControlTransport` (tickets, health probes); ``opts`` already :meth:`~ControlOptions.resolved`.
     Derived: ``n_stages``, ``mb`` (rows per micro-batch), ``micro_per_step``, ``width`` (wire
     activation width)."""
 
     cfg: RunConfig
     opts: ControlOptions
     router: Router
-    client: Any
+    transport: Any
     ledger: Ledger
     hindrances: Hindrances
     book: FlightBook

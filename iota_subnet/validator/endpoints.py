@@ -10,15 +10,14 @@ from aiohttp import web
 from loguru import logger
 
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
-from iota_subnet.protocol import Outcome, ProtocolError, ReceiptBatch
-from iota_subnet.protocol.messages import MAX_UPDATES_PER_BATCH
-from iota_subnet.protocol.refusal import MAX_REPORT_BODY_BYTES, RefusalAck, RefusalReport
+from iota_subnet.protocol import Outcome, ProtocolError
 from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.transport.relay import RelayHost
 from iota_subnet.utils.supervise import Supervisor
 
+from .control_routes import control_routes
 from .options import OutputOptions
 
 
@@ -39,8 +38,8 @@ class ValidatorEndpoints:
 
     async def serve(self, svc: Any) -> None:
         """The validator's own server for validator ``svc``: miners deliver receipts (``/receipts``,
-        signed, registered hotkeys) and evidence of hops they refused (``/refusals``, :mod:`.blame`);
-        ``GET /scores`` is public and read-only. Its endpoint is published on chain."""
+        signed, registered hotkeys) and evidence of hops they refused (``/refusals``, :mod:`.blame`)
+        (both :func:`.control_routes.control_routes`); ``GET /scores`` is public and read-only. Its endpoint is published on chain."""
         run_id = svc.opts.run.run_id
 
         async def scores(_request):
@@ -53,33 +52,18 @@ class ValidatorEndpoints:
                 raise ProtocolError(Outcome.UNREGISTERED_HOTKEY, f"hotkey {hotkey} is not registered on netuid "
                                                                   f"{svc.opts.chain.netuid}")
 
-        async def receipts(msg: ReceiptBatch, ctx):
-            if msg.run_id != run_id:
-                raise ProtocolError(Outcome.FORBIDDEN, f"this validator drives run {run_id!r}")
-            if svc.driver is None:
-                raise ProtocolError(Outcome.NOT_READY, "not driving lanes yet")
-            if svc.auditing is not None and msg.updates:
-                svc.auditing.on_updates(ctx.caller_hotkey, msg.updates[:MAX_UPDATES_PER_BATCH])
-            return svc.driver.on_receipts(msg, ctx.caller_hotkey)
-
-        async def refusals(msg: RefusalReport, ctx):
-            blame = getattr(svc.driver, "blame", None)
-            if msg.run_id != run_id or blame is None:
-                raise ProtocolError(Outcome.NOT_READY, "not driving lanes of this run")
-            return RefusalAck(run_id=run_id, verdict=blame.on_report(msg, ctx.caller_hotkey))
-
-        def refused_receipts(*args):
-            blame = getattr(svc.driver, "blame", None)
-            if blame is not None:
-                blame.on_refused_receipts(*args)
-
         o = self.opts
         # --port, else the port already served on chain (a restart then re-publishes nothing)
         want = int(o.port) or await svc.publisher.served_port(o.external_ip)
         self.server = NeuronServer(svc.wallet, o.host, want, authorizer=authorize,
                                    nonce_store_path=self.out / "nonces.sqlite", max_body_bytes=8 << 20)
-        self.server.add_route("/receipts", receipts, ReceiptBatch, None, on_refused=refused_receipts)
-        self.server.add_route("/refusals", refusals, RefusalReport, None, max_body_bytes=MAX_REPORT_BODY_BYTES)
+        def on_updates(hotkey: str, updates: list) -> None:
+            if svc.auditing is not None:
+                svc.auditing.on_updates(hotkey, updates)
+
+        for r in control_routes(run_id, lambda: svc.driver, on_updates):
+            self.server.add_route(r.path, r.handler, r.message_type, r.contract_fn, max_body_bytes=r.max_body_bytes,
+                                  on_refused=r.on_refused)
         self.server.add_public_get("/scores", scores)
         self.server.add_public_get("/metrics", self.prom.handler)
         self.server.add_public_get("/health", health_handler(self.sup))

@@ -15,7 +15,7 @@ from .routing import Replica
 
 
 class HealthProbe:
-    """Probes miners over ``ctx.client``; one probe round at a time."""
+    """Probes miners over ``ctx.transport``; one probe round at a time."""
 
     def __init__(self, ctx: ControlContext):
         self.ctx = ctx
@@ -31,9 +31,7 @@ class HealthProbe:
 
             async def one(r: Replica) -> bool:
                 try:
-                    h = await c.client.call(r.endpoint, r.hotkey, "/health",
-                                            Health(run_id=c.opts.run_id, stage=r.stage), Health,
-                                            timeout_s=timeout_s, retries=0)
+                    h = await c.transport.health(r.hotkey, Health(run_id=c.opts.run_id, stage=r.stage), timeout_s)
                     if not h.ready:
                         raise ProtocolError("NOT_READY", "syncing")
                 except (ProtocolError, TransportError) as e:
@@ -60,8 +58,7 @@ class HealthProbe:
         if head is None or not c.router.is_available(head):
             return None
         try:
-            h = await c.client.call(head.endpoint, head.hotkey, "/health", Health(run_id=c.opts.run_id, stage=0),
-                                    Health, timeout_s=5.0, retries=0)
+            h = await c.transport.health(head.hotkey, Health(run_id=c.opts.run_id, stage=0), 5.0)
             return int(h.inner_step)
         except (ProtocolError, TransportError):
             return None

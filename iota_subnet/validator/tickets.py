@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from loguru import logger
 
-from iota_subnet.protocol import ProtocolError, Ticket, TicketAck, TicketBatch
+from iota_subnet.protocol import ProtocolError, Ticket, TicketBatch
 from iota_subnet.transport import TransportError
 
 from .control_context import ControlContext
@@ -95,10 +95,8 @@ class TicketIssuer:
             try:
                 base = {str(l): max(0, k - c.opts.n_validators + 1) for l, k in self.lane_step.items()
                         if any(t.lane == l for t in ts)}
-                ack = await c.client.call(r.endpoint, r.hotkey, "/tickets",
-                                          TicketBatch(run_id=c.opts.run_id, stage=0, tickets=[t.to_json() for t in ts],
-                                                      base_steps=base),
-                                          TicketAck, timeout_s=30.0, retries=2)
+                ack = await c.transport.send_tickets(r.hotkey, TicketBatch(
+                    run_id=c.opts.run_id, stage=0, tickets=[t.to_json() for t in ts], base_steps=base))
             except (ProtocolError, TransportError) as e:
                 c.router.record_failure(r, f"{type(e).__name__}: {e}")
                 c.ledger.fail(r.uid, r.hotkey, 0)

@@ -14,6 +14,7 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.miner.dataplane import DataPlaneTunables, RowSource
 from iota_subnet.miner.dataplane.transport import InProcessDataPlaneTransport
+from iota_subnet.miner.hop_store import HopStore
 from iota_subnet.miner.dataplane_http import DataPlaneNode, NodeLinks, NodeParts
 from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.config import bottleneck_dims
@@ -40,17 +41,17 @@ async def _nothing() -> None:
 def inprocess_node(net: InProcessDataPlaneTransport, worker: Any, key: Keypair, cfg: Any, *, run_id: str,
                    stage: int, metagraph: Mapping[str, Any], rows: Optional[RowSource] = None,
                    take_lane: Optional[Callable[[Ticket], Awaitable[str]]] = None,
-                   tunables: DataPlaneTunables = DataPlaneTunables()) -> DataPlaneNode:
+                   tunables: DataPlaneTunables = DataPlaneTunables(), hops: Optional[HopStore] = None) -> DataPlaneNode:
     """A DataPlaneNode of ``key`` for ``stage`` on ``net`` (its routes served there), reading ``rows``
-    (head and tail), handing lanes over with ``take_lane`` (None: no handover), paced by ``tunables``.
-    Not started."""
+    (head and tail), handing lanes over with ``take_lane`` (None: no handover), paced by ``tunables``,
+    keeping its training hops in ``hops`` (the audit window; None: none). Not started."""
     b, _ = bottleneck_dims(cfg.model, cfg.pipeline)
     node = DataPlaneNode(worker, SimpleNamespace(hotkey=key),
                          shape=TicketShape.of_run(cfg, run_id=run_id, width=b, max_rows=cfg.train.micro_batch),
                          stage=stage, compute=lambda fn: asyncio.to_thread(fn),
                          links=NodeLinks(neurons=lambda: metagraph, endpoint_of=lambda hk: None, refresh=_nothing,
                                          take_lane=take_lane),
-                         parts=NodeParts(rows=rows, transport=net.view(key.ss58_address)), tunables=tunables)
+                         parts=NodeParts(rows=rows, hops=hops, transport=net.view(key.ss58_address)), tunables=tunables)
     node.mount()
     return node
 

@@ -15,7 +15,9 @@
     endpoint); routes mounted on the miner's :class:`~iota_subnet.transport.NeuronServer`.
 
 :class:`InProcessDataPlaneTransport`
-    a registry ``hotkey -> routes`` for nodes in one process (tests); :meth:`~InProcessDataPlaneTransport.view`
+    a registry ``hotkey -> routes`` for nodes in one process (tests; an
+    :class:`~iota_subnet.transport.inprocess.InProcessNetwork`, shared with validators' in-process
+    control transports); :meth:`~InProcessDataPlaneTransport.view`
     gives the transport of one hotkey (the caller identity a signature would give). Every request
     and reply is encoded and decoded with the wire codec, the request against its route's tensor
     contract, and handled by the same route handler as over HTTP, so a request is refused in
@@ -26,15 +28,13 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
-import time
 from typing import Any, Awaitable, Callable, Iterable, Optional, Protocol, Sequence
 
-from iota_subnet.protocol import (Hop, HopAck, Message, Outcome, ProtocolError, ReceiptAck, ReceiptBatch, decode,
-                                  encode)
+from iota_subnet.protocol import Hop, HopAck, Message, ReceiptAck, ReceiptBatch
 from iota_subnet.protocol.refusal import RefusalAck, RefusalReport
 from iota_subnet.transport import NeuronClient, TransportError
-from iota_subnet.transport.server import RequestContext, Route
+from iota_subnet.transport.inprocess import InProcessNetwork
+from iota_subnet.transport.server import Route
 
 #: Receipt batches and refusal reports: how long a validator may take to answer (s).
 RECEIPT_TIMEOUT_S = 15.0
@@ -110,27 +110,15 @@ class HttpDataPlaneTransport:
         await self.receipt_client.close()
 
 
-class InProcessDataPlaneTransport:
-    """Nodes in one process: ``register(hotkey, routes)`` (or a view's :meth:`_View.serve`), then
-    calls between the views. ``sent`` / ``received``: body bytes per hotkey (requests and replies)."""
+class InProcessDataPlaneTransport(InProcessNetwork):
+    """Nodes in one process (an :class:`~iota_subnet.transport.inprocess.InProcessNetwork`):
+    ``register(hotkey, routes)`` (or a view's :meth:`_View.serve`), then calls between the views.
+    ``sent`` / ``received``: body bytes per hotkey (requests and replies). A validator's in-process
+    control transport on the same network reaches the miners' ``/tickets`` and answers their receipts."""
 
     def __init__(self) -> None:
-        self.routes: dict[str, dict[str, Route]] = {}
-        self.dead: set[str] = set()
-        self.sent: dict[str, int] = {}
-        self.received: dict[str, int] = {}
+        super().__init__()
         self.views: dict[str, "_View"] = {}
-
-    def register(self, hotkey: str, routes: Iterable[Route]) -> None:
-        """``hotkey`` answers ``routes`` (added to those it already answers)."""
-        table = self.routes.setdefault(hotkey, {})
-        for r in routes:
-            table[r.path] = r
-        self.dead.discard(hotkey)
-
-    def kill(self, hotkey: str) -> None:
-        """``hotkey`` no longer answers (and cannot call): TransportError."""
-        self.dead.add(hotkey)
 
     def view(self, me: str) -> "_View":
         """The transport of the node ``me``."""
@@ -138,46 +126,6 @@ class InProcessDataPlaneTransport:
         if v is None:
             v = self.views[me] = _View(self, me)
         return v
-
-    def _count(self, table: dict[str, int], hotkey: str, n: int) -> None:
-        table[hotkey] = table.get(hotkey, 0) + n
-
-    async def call(self, me: str, peer: str, path: str, msg: Message, response_type: type) -> Any:
-        """``msg`` from ``me`` to ``peer``'s route ``path``; its decoded reply. Raises ProtocolError as
-        the route refuses it (``UNKNOWN_ROUTE`` for a route ``peer`` does not serve), TransportError
-        when either end is dead or ``peer`` never registered."""
-        if me in self.dead:
-            raise TransportError(peer[:10], f"the caller {me[:10]} is dead")
-        table = self.routes.get(peer)
-        if table is None or peer in self.dead:
-            raise TransportError(peer[:10], "unreachable (not registered in process, or killed)")
-        route = table.get(path)
-        if route is None:
-            raise ProtocolError(Outcome.UNKNOWN_ROUTE, f"no route POST {path}")
-        body = encode(msg)
-        self._count(self.sent, me, len(body))
-        self._count(self.received, peer, len(body))
-        kw = {} if route.max_body_bytes is None else {"max_body_bytes": route.max_body_bytes}
-        req = decode(body, route.message_type, route.contract(), **kw)
-        ctx = RequestContext(caller_hotkey=me, route=path, nonce_ns=time.time_ns(), remote=None, body_bytes=len(body),
-                             received_at=time.time())
-        try:
-            reply = route.handler(req, ctx)
-            if inspect.isawaitable(reply):
-                reply = await reply
-        except (ProtocolError, asyncio.CancelledError):
-            raise
-        except Exception as e:  # noqa: BLE001 - as the HTTP server answers a handler fault
-            raise ProtocolError(Outcome.INTERNAL, f"{type(e).__name__} in handler") from e
-        finally:
-            for cb in ctx.on_sent:
-                cb()
-        if peer in self.dead:
-            raise TransportError(peer[:10], "died while answering")
-        rbody = encode(reply)
-        self._count(self.sent, peer, len(rbody))
-        self._count(self.received, me, len(rbody))
-        return decode(rbody, response_type)
 
 
 class _View:
