@@ -8,9 +8,9 @@ DATA   ?= $(firstword $(wildcard ../shared/data/wikitext-2/wiki.valid.raw.txt))
 STEPS  ?= 150
 OUT    ?= runs/localnet
 
-.PHONY: setup browser lint test test-slow localnet colocated bench clean
+.PHONY: setup browser nat lint test test-slow localnet colocated bench clean
 
-setup: $(VENV)/.installed browser
+setup: $(VENV)/.installed browser nat
 
 # Debian's chromium + chromium-driver for the dashboard's browser test (tests/test_ops_localnet.py).
 # Needs apt-get as root; where it cannot install them it says so and that test skips with the reason.
@@ -21,6 +21,16 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
 	    || echo "could not install chromium: the dashboard browser test will skip"; \
 	else echo "no chromium and no root apt-get: the dashboard browser test will skip"; fi
+
+# Debian's iptables for the home-behind-a-NAT test (tests/test_relay_nat.py: masquerading router namespaces).
+# Needs apt-get as root; where it cannot install it, it says so and that test skips with the reason.
+nat:
+	@if command -v iptables >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's iptables (NAT test)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null) \
+	    || echo "could not install iptables: the NAT test will skip"; \
+	else echo "no iptables and no root apt-get: the NAT test will skip"; fi
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)

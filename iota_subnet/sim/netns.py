@@ -21,6 +21,12 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
 
 
+def _must(*argv: str) -> None:
+    r = _run(*argv)
+    if r.returncode:
+        raise RuntimeError(f"`{' '.join(argv)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
 def netns_available() -> tuple[bool, str]:
     """(available, reason): root, the ``ip`` and ``tc`` tools, and a namespace + veth + tbf that can be made."""
     if os.geteuid() != 0:
@@ -52,9 +58,7 @@ class NetnsLink:
         self._made: list[str] = []
 
     def _must(self, *argv: str) -> None:
-        r = _run(*argv)
-        if r.returncode:
-            raise RuntimeError(f"`{' '.join(argv)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+        _must(*argv)
 
     def exec_argv(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns, *argv]
@@ -88,6 +92,82 @@ class NetnsLink:
         if "ns" in self._made:
             _run("ip", "netns", "del", self.ns)
         self._made.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def nat_available() -> tuple[bool, str]:
+    """(available, reason): :func:`netns_available` plus ``iptables`` with a NAT table, and a
+    :class:`HomeRouter` that can be made."""
+    ok, why = netns_available()
+    if not ok:
+        return ok, why
+    if shutil.which("iptables") is None:
+        return False, "no `iptables` command (make setup installs it as root with apt-get)"
+    try:
+        with HomeRouter():
+            pass
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return False, f"cannot build a NAT'd home namespace: {e}"
+    return True, "root, ip netns, veth, tc tbf and iptables masquerade available"
+
+
+class HomeRouter:
+    """A home network behind a NAT, for neurons that cannot be dialled: a router namespace joined to
+    this one by a :class:`NetnsLink` (its WAN: this side, ``public_ip``, stands for the internet,
+    shaped at ``rate_bps`` when given), and a home namespace ``ns`` on the router's LAN
+    (``home_ip``, 192.168.x.2/24, default route via the router). The router masquerades what leaves
+    its WAN (``random_fully``: ``MASQUERADE --random-fully``, no port preserved); nothing from this
+    side can open a connection into the home. Run a process inside with :meth:`exec_argv`."""
+
+    def __init__(self, rate_bps: Optional[float] = None, random_fully: bool = False):
+        self.wan = NetnsLink(rate_bps)
+        n = next(_counter)
+        tag = f"{os.getpid() % 100000}{n}"
+        self.ns = f"iotah-{tag}"
+        self.lan_if, self.home_if = f"iotl{tag}a"[:15], f"iotl{tag}b"[:15]
+        octet = (os.getpid() * 11 + n) % 250 + 1
+        self.router_lan_ip, self.home_ip = f"192.168.{octet}.1", f"192.168.{octet}.2"
+        self.random_fully = random_fully
+        self._made: list[str] = []
+
+    @property
+    def public_ip(self) -> str:
+        """This side of the router's WAN: where a public neuron for the home listens."""
+        return self.wan.host_ip
+
+    def exec_argv(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def __enter__(self) -> "HomeRouter":
+        try:
+            self.wan.__enter__()
+            router = ["ip", "netns", "exec", self.wan.ns]
+            _must("ip", "netns", "add", self.ns)
+            self._made.append("ns")
+            _must("ip", "link", "add", self.lan_if, "netns", self.wan.ns, "type", "veth", "peer", "name",
+                           self.home_if, "netns", self.ns)
+            _must(*router, "ip", "addr", "add", f"{self.router_lan_ip}/24", "dev", self.lan_if)
+            _must(*router, "ip", "link", "set", self.lan_if, "up")
+            home = ["ip", "netns", "exec", self.ns]
+            _must(*home, "ip", "addr", "add", f"{self.home_ip}/24", "dev", self.home_if)
+            _must(*home, "ip", "link", "set", self.home_if, "up")
+            _must(*home, "ip", "link", "set", "lo", "up")
+            _must(*home, "ip", "route", "add", "default", "via", self.router_lan_ip)
+            _must(*router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            masq = ["-j", "MASQUERADE"] + (["--random-fully"] if self.random_fully else [])
+            _must(*router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", self.wan.ns_if, *masq)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        if "ns" in self._made:
+            _run("ip", "netns", "del", self.ns)            # its veth end goes with it
+        self._made.clear()
+        self.wan.close()
 
     def __exit__(self, *exc) -> None:
         self.close()
