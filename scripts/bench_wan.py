@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import dataclasses
 import os
 import resource
 import subprocess
@@ -77,6 +78,8 @@ class Row:
     time_scale: float = 1.0
     rows_per_microbatch: int = 1
     overrides: dict = field(default_factory=dict)
+    #: the last N replicas of every stage are home miners, reached only through the validator's relay
+    home_replicas: int = 0
 
     def run_config(self) -> RunConfig:
         ovr = {k: dict(v) for k, v in self.overrides.items()}
@@ -100,6 +103,10 @@ def rows() -> list[Row]:
     out += [_emulated("8b", "a100", 8, 2, 64, link) for link in LINK_PROFILES]
     out += [_emulated("8b", "a100", 8, 2, 8, link) for link in LINK_PROFILES]
     out.append(_emulated("1b", "4090", 4, 4, 64, "100mbit:50ms"))
+    # Train at Home: consumer GPUs on home uplinks, public miners beside the same row with half the
+    # replicas of every stage behind NATs (reached through the validator's relay, no per-peer cap)
+    home = _emulated("1b", "4090", 4, 2, 64, "20mbit:100ms")
+    out += [home, dataclasses.replace(home, name=home.name + "-home", home_replicas=1)]
     return out
 
 
@@ -249,6 +256,8 @@ def localnet_argv(row: Row, out: Path, data: str) -> list[str]:
             argv += ["--set", f"{sec}.{k}={'null' if v is None else json.dumps(v)}"]
     if row.mode == "emulated":
         argv += ["--emulate-gpu", row.gpu, "--mfu", repr(row.mfu), "--time-scale", repr(row.time_scale)]
+    if row.home_replicas:
+        argv += ["--home-replicas", str(row.home_replicas)]
     return argv
 
 

@@ -253,3 +253,38 @@ def test_frames_and_the_token_bucket():
         clock[0] += 0.5
         await asyncio.wait_for(t, 2)
     asyncio.run(take())
+
+
+def test_a_caller_goes_around_a_relay_that_drops_and_avoids_it_afterwards():
+    """The home is attached to two relays; the first drops everything. A caller with the home's relays
+    as alternates is answered through the second, and its next call goes there first."""
+    async def main():
+        async with Net(DroppingRelay, forward_timeout_s=1.0) as net:
+            good_key = kp("relay-good")
+            good = NeuronServer(good_key, "127.0.0.1", 0, None, None)
+            RelayHost(good_key).mount(good)
+            await good.start()
+            stop = asyncio.Event()
+            second = RelayTunnel(net.home.key, [(good.endpoint, good_key.ss58_address)], net.home.server.endpoint)
+            task = asyncio.create_task(second.run(stop))
+            caller = NeuronClient(kp("caller-2"), alternates=lambda hk: [net.relay_server.endpoint, good.endpoint])
+            try:
+                await asyncio.wait_for(second.attached.wait(), 10)
+                await asyncio.sleep(0.1)
+                x = torch.randn(1, 4, 8)
+                home = net.home.key.ss58_address
+                got = await caller.call(net.relay_server.endpoint, home, "/hop", Hop(microbatch_id="a", data=x), Hop,
+                                        timeout_s=5, retries=0)
+                assert torch.equal(got.data, x * 2) and net.home.handled == ["a"]
+                assert net.relay_server.endpoint in caller.unreachable
+                t0 = time.monotonic()
+                await caller.call(net.relay_server.endpoint, home, "/hop", Hop(microbatch_id="b", data=x), Hop,
+                                  timeout_s=5, retries=0)
+                assert time.monotonic() - t0 < 0.9                # straight to the good relay
+                assert net.home.handled == ["a", "b"] and net.relay.status()["counts"]["dropped_lost"] == 1
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 10)
+                await caller.close()
+                await good.stop()
+    run(main())

@@ -59,6 +59,10 @@ def _refusal_from(status: int, body: bytes) -> ProtocolError:
         return ProtocolError(outcome, f"HTTP {status} without a refusal body", status=status)
 
 
+#: seconds an endpoint that stayed unreachable is tried after a receiver's other relays
+AVOID_S = 60.0
+
+
 class NeuronClient:
     """Calls other neurons' :class:`~iota_subnet.transport.server.NeuronServer` routes.
 
@@ -78,7 +82,8 @@ class NeuronClient:
 
     ``alternates(hotkey)``: other endpoints that reach ``hotkey`` (the relays a neuron behind a NAT
     publishes, :mod:`iota_subnet.transport.relay`); a call whose endpoint stays unreachable after its
-    retries is sent once to each in turn. None: no alternates.
+    retries is sent once to each in turn, and for :data:`AVOID_S` after that the endpoint that failed
+    is tried last (a relay that drops traffic is avoided). None: no alternates.
     """
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
@@ -88,6 +93,8 @@ class NeuronClient:
                  alternates: Optional[Callable[[str], Sequence[str]]] = None):
         self.wallet = wallet
         self.alternates = alternates
+        #: endpoint -> time.monotonic() it last stayed unreachable (with alternates: tried last for AVOID_S)
+        self.unreachable: dict[str, float] = {}
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
         self.hotkey: str = self._signer.ss58_address
@@ -160,20 +167,24 @@ class NeuronClient:
         :data:`~iota_subnet.transport.streaming.PIECE_BYTES` then goes out in pieces,
         :func:`~iota_subnet.transport.streaming.body_pieces`; so does every large body through an
         emulated uplink, whose receiver sees it arrive as over a real link)."""
-        try:
+        alts = [a for a in (self.alternates(receiver_hotkey) if self.alternates is not None else ()) if a != endpoint]
+        if not alts:
             return await self._call_endpoint(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
                                              backoff_s, response_contract, on_progress)
-        except TransportError as e:
-            alts = [a for a in (self.alternates(receiver_hotkey) if self.alternates is not None else ()) if a != endpoint]
-            if not alts:
-                raise
-            last = e
-        for alt in alts:
-            logger.debug("{}{} unreachable; trying {} for {}", endpoint, path, alt, receiver_hotkey[:10])
+        now = time.monotonic()
+        order = [endpoint, *alts]
+        order.sort(key=lambda ep: now - self.unreachable.get(ep, -1e18) < AVOID_S)     # stable: failed ones last
+        last: Optional[TransportError] = None
+        for i, ep in enumerate(order):
             try:
-                return await self._call_endpoint(alt, receiver_hotkey, path, body, response_type, timeout_s, 0,
-                                                 backoff_s, response_contract, on_progress)
+                reply = await self._call_endpoint(ep, receiver_hotkey, path, body, response_type, timeout_s,
+                                                  retries if i == 0 else 0, backoff_s, response_contract, on_progress)
+                self.unreachable.pop(ep, None)
+                return reply
             except TransportError as e:
+                self.unreachable[ep] = time.monotonic()
+                logger.debug("{}{} unreachable for {}; {}", ep, path, receiver_hotkey[:10],
+                             "trying the next of its relays" if i + 1 < len(order) else "none left")
                 last = e
         raise last
 
