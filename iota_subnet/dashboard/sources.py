@@ -192,6 +192,7 @@ class ValidatorSource:
         ledger = st.get("miners") or {}
         weights = st.get("last_weights") or {}
         cells = []
+        relayed = st.get("relayed") or {}           # miner hotkey -> the relays it is reached through
         for r in st.get("replicas") or []:
             uid = int(r["uid"])
             h = self.health_state.get(uid) or {}
@@ -215,7 +216,7 @@ class ValidatorSource:
                           "failures": r.get("failures"), "inner_step": h.get("inner_step"),
                           "work": _finite(led.get("work")), "tokens": led.get("tokens"),
                           "weight": _finite(weights.get(str(uid))), "quality": sc.get("quality"),
-                          "health_error": h.get("error")})
+                          "health_error": h.get("error"), "relays": list(relayed.get(r.get("hotkey")) or [])})
         merges = []
         for c in cells:
             h = self.health_state.get(c["uid"]) or {}
@@ -256,6 +257,8 @@ class ValidatorSource:
             "pipeline": {"stages": len(st.get("stage_replicas") or []) or (max((c["stage"] for c in cells), default=-1) + 1),
                          "lanes": st.get("lanes"), "cells": cells},
             "merges": {"replicas": merges},
+            # the miners this validator relays for (its --relay-host): requests and bytes since start
+            "relays": st.get("relay"),
             "scores": {"miners": scores},
             "chain": chain,
         }

@@ -151,6 +151,7 @@
                          el("span", { text: c.lane !== null && c.lane !== undefined ? `lane ${c.lane}` : "spare" })]),
           el("div", { text: `step ${fmt(c.inner_step)} · ${fmt(c.throughput, 0)} tok/s · ok ${fmt(c.successes)} / fail ${fmt(c.failures)}` }),
           el("div", { text: `work ${fmt(c.work)} · weight ${fmt(c.weight, 4)}` + (c.health_error ? ` · ${c.health_error}` : "") }),
+          (c.relays && c.relays.length) ? el("div", { class: "relay", text: `behind a NAT, via relay ${c.relays.join(", ")}` }) : el("span", {}),
           el("div", { class: "bar" }, [el("div", { style: `width:${Math.round(100 * (c.weight || 0) / maxW)}%` })]),
         ])))));
     }
@@ -187,6 +188,15 @@
                      fmt(r.merge_last_wall_s, 2), r.in_sync === null || r.in_sync === undefined ? "–" : (r.in_sync ? "yes" : "no")]),
       [0, 1, 2, 3, 4, 5]) : el("p", { text: "merging is off for this run (or no replica has reported a merge yet)" }));
   }
+  function renderRelays(r) {
+    const card = document.getElementById("relays-card");
+    const rows = Object.entries((r && r.relayed) || {});
+    card.hidden = !rows.length;
+    if (!rows.length) return;
+    const now = (r && r.attached) || {};
+    replace("relays", table(["miner", "attached now", "requests", "bytes"],
+      rows.map(([hk, v]) => [hk.slice(0, 10), hk in now ? "yes" : "no", fmt(v.requests), fmt(v.bytes)]), [2, 3]));
+  }
   function renderChain(c) {
     const card = document.getElementById("chain-card");
     if (!c) { card.hidden = true; return; }
@@ -217,6 +227,7 @@
     renderPipeline(s.pipeline);
     renderScores(s.scores);
     renderMerges(s.merges);
+    renderRelays(s.relays);
     renderChain(s.chain);
     renderOutcomes(s.role === "miner" ? s.outcomes : null);
   }
