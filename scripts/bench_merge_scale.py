@@ -63,6 +63,9 @@ def main() -> None:
               f"received {r['received_meta'] / n:,.0f} B x N (max {r['max_received_meta'] / n:,.0f}); "
               f"wall {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mib']:,} MiB, merged {r['merged']}, "
               f"identical {r['identical']}", flush=True)
+        print("  metadata per replica per peer, each direction, by message type: " + ", ".join(
+            f"{t} {b:,.0f} B ({r['messages_per_peer_by_type'][t]:.2f} bodies)" for t, b in r["meta_per_peer_by_type"].items()),
+            flush=True)
 
 
 if __name__ == "__main__":

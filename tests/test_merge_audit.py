@@ -18,9 +18,12 @@ import time
 import pytest
 import torch
 
-from iota_subnet.merge.claims import (CONTRIBUTION, RESULT, MergeClaims, chunk_tree, sign_claim, statement, verify_claim)
-from iota_subnet.protocol import (MERGE_AUDIT_KEEP_EPOCHS, MergeAuditRequest, MergeAuditResponse, MergePayload, Outcome, ProtocolError,
-                                  tensor_sha256)
+from iota_subnet.merge.claims import (CONTRIBUTION, RESULT, MergeClaims, chunk_tree, co_result, co_signature, contributions_root,
+                                      result_from_wire,
+                                      sign_claim, statement, verify_claim, wire_contribution)
+from iota_subnet.merge.plan import MergePlan
+from iota_subnet.protocol import (MERGE_AUDIT_KEEP_EPOCHS, MergeAuditRequest, MergeAuditResponse, MergePayload, MergeResult, Outcome,
+                                  ProtocolError, tensor_sha256)
 from iota_subnet.transport import NeuronClient
 from iota_subnet.validator.audit_policy import AuditPolicy
 from iota_subnet.validator.merge_audit import MergeAuditor, record_verdicts
@@ -43,18 +46,68 @@ def test_claims_sign_verify_and_incoming_checks():
     assert not verify_claim({**c, "sig": "zz"}, a.ss58_address, CONTRIBUTION)
     assert statement(c) == statement({k: v for k, v in c.items() if k != "sig"})
     # a reducer refuses a slice whose claim is missing, foreign, for other coordinates or another slice
+    # (claims travel as their signature: the receiver rebuilds the statement from the slice it got)
     mine = MergeClaims(b, "r", 1, chunk=4)
     x = torch.arange(10, dtype=torch.float32)
     ok = sign_claim({"t": CONTRIBUTION, "run": "r", "stage": 1, "epoch": 0, "attempt": 0, "plan_id": "p", "shard": 0,
                      "offset": 0, "numel": 10, "sha256": tensor_sha256(x), "root": chunk_tree(x, 4).root.hex()}, a)
     msg = MergePayload(run_id="r", stage=1, epoch=0, attempt=0, plan_id="p", shard_index=0, offset=0, total_numel=10,
-                       shard=x, info={"claim": ok})
+                       shard=x, info={"claim": wire_contribution(ok, whole=True)})
+    assert set(msg.info["claim"]) == {"sig"}
     mine.on_contribution_in(a.ss58_address, msg, x)
-    for bad in ({}, {"claim": sign_claim(dict(ok, by=None), b)}, {"claim": sign_claim({**ok, "epoch": 1}, a)},
-                {"claim": sign_claim({**ok, "sha256": "00" * 32}, a)}):
+    assert mine.received[(0, 0, "p", 0)][a.ss58_address] == ok          # the full signed claim, for audits
+    for bad in ({}, {"claim": {}}, {"claim": {"sig": "zz"}}, {"claim": ok},
+                {"claim": wire_contribution(sign_claim(dict(ok, by=None), b), whole=True)},
+                {"claim": wire_contribution(sign_claim({**ok, "epoch": 1}, a), whole=True)},
+                {"claim": wire_contribution(sign_claim({**ok, "sha256": "00" * 32}, a), whole=True)},
+                {"claim": wire_contribution(sign_claim({**ok, "sha256": "00" * 32}, a), whole=False)}):
         with pytest.raises(ProtocolError) as ei:
             mine.on_contribution_in(a.ss58_address, MergePayload(**{**msg.__dict__, "info": bad}), x)
         assert ei.value.outcome == Outcome.FORBIDDEN
+    # replayed onto another shard or epoch, or with other values: the rebuilt statement is not the signed one
+    for kw, vals in (({"shard_index": 1}, x), ({"epoch": 2}, x), ({"plan_id": "q"}, x), ({}, x + 1)):
+        with pytest.raises(ProtocolError) as ei:
+            mine.on_contribution_in(a.ss58_address, MergePayload(**{**msg.__dict__, **kw, "shard": vals}), vals)
+        assert ei.value.outcome == Outcome.FORBIDDEN
+    # a chunk of a slice streamed in parts carries the slice's bounds and hashes with the signature
+    part = MergePayload(**{**msg.__dict__, "shard": x[:4], "num_chunks": 3, "info": {"claim": wire_contribution(ok, whole=False)}})
+    mine.on_contribution_in(a.ss58_address, part, x[:4])
+    with pytest.raises(ProtocolError):               # ... and a chunk outside them is refused
+        mine.on_contribution_in(a.ss58_address, MergePayload(**{**part.__dict__, "offset": 8}), torch.zeros(4))
+
+
+def test_result_claims_travel_as_signatures_and_co_signatures_verify():
+    """A result claim travels as its signature and two roots; the gatherer rebuilds the statement from the
+    result and the plan. A co-reducer's signature rides with the result only when it signed the same."""
+    from bittensor.sp_core import Keypair
+    keys = [Keypair.create_from_uri(f"//r{i}") for i in range(3)]
+    hks = [k.ss58_address for k in keys]
+    plan = MergePlan.make(0, 0, b"s" * 32, hks, 30)
+    s = 0
+    off, n = plan.bounds[s]
+    served = torch.arange(n, dtype=torch.float32)
+    res = {}
+    for k in keys[:2]:
+        r = MergeResult(run_id="r", stage=1, epoch=0, attempt=0, plan_id=plan.plan_id, shard_index=s, status="ok",
+                        contributions_root=contributions_root(list(plan.participants), [1.0] * 3, ["cd" * 32] * 3),
+                        mean_sha256=tensor_sha256(served))
+        MergeClaims(k, "r", 1).on_result(r, served, off, plan.chunk_numel, contributors=list(plan.participants),
+                                         weights=[1.0] * 3, contribution_sha256=["cd" * 32] * 3)
+        assert set(r.info["claim"]) == {"sig", "claims_root", "mean_root"}
+        full = result_from_wire(r, k.ss58_address, plan)
+        assert verify_claim(full, k.ss58_address, RESULT) and (full["offset"], full["numel"], full["n"]) == (off, n, 3)
+        res[k.ss58_address] = r
+    a, b = hks[:2]
+    sig = co_signature(res[a], res[b], b, plan)
+    assert sig is not None
+    carried = MergeResult(**{**res[a].__dict__, "info": {**res[a].info, "co": sig}})
+    got = co_result(carried, b, plan)
+    assert got is not None and verify_claim(result_from_wire(got, b, plan), b, RESULT)
+    assert co_result(carried, hks[2], plan) is None                      # not that replica's signature
+    assert co_result(MergeResult(**{**carried.__dict__, "mean_sha256": "ee" * 32}), b, plan) is None   # other mean
+    other = MergeResult(**{**res[b].__dict__, "mean_sha256": "ee" * 32})
+    assert co_signature(res[a], other, b, plan) is None                  # disagrees: no co-signature
+    assert result_from_wire(MergeResult(**{**res[a].__dict__, "plan_id": "x"}), a, plan) is None
 
 
 async def _verify(net, mo: MergeOversight, collect: bool = True):

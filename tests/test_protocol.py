@@ -1,6 +1,7 @@
 """Wire protocol: round trips (bit-exact), contracts, and every typed refusal of decode()."""
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 import struct
@@ -10,8 +11,8 @@ import safetensors.torch
 import torch
 
 from iota_subnet.protocol import (
-    HTTP_STATUS, SPEC_VERSION, Health, Hop, HopAck, MergePayload, Outcome, ProtocolError, StateRequest, StateResponse,
-    TensorContract, TensorSpec, decode, encode, from_wire, hop_contract, read_header, to_wire,
+    HTTP_STATUS, SPEC_VERSION, Health, Hop, HopAck, MergePayload, MergeResult, Outcome, ProtocolError, StateRequest,
+    StateResponse, TensorContract, TensorSpec, decode, encode, from_wire, hop_contract, read_header, tensor_sha256, to_wire,
 )
 from iota_subnet.protocol.wire import bytes_per_token, check_scales, needs_scales, rounding_bound
 
@@ -74,8 +75,11 @@ def test_body_is_plain_safetensors_with_json_metadata():
     meta = json.loads(header["__metadata__"]["iota"])
     assert meta["type"] == "MergePayload" and meta["spec_version"] == SPEC_VERSION
     assert meta["run_id"] == "run-1" and meta["microbatch_id"] == "mb-7" and meta["inner_step"] == 42
-    t = meta["tensors"]["shard"]
-    assert t["dtype"] == "float32" and t["shape"] == [B * S * D] and len(t["sha256"]) == 64
+    # the tensor's digest (base64 of its 32 bytes); dtype and shape are the safetensors header's
+    assert base64.urlsafe_b64decode(meta["tensors"]["shard"] + "=").hex() == tensor_sha256(msg.shard)
+    assert header["shard"]["dtype"] == "F32" and header["shard"]["shape"] == [B * S * D]
+    # fields equal to their default are left out, and decode to it
+    assert "epoch" not in meta and "quant" not in meta and "scales" not in meta["tensors"]
     assert torch.equal(safetensors.torch.load(body)["shard"], msg.shard)
 
 
@@ -184,10 +188,25 @@ def test_wrong_type_and_bad_fields_malformed():
     assert _refused(body, Health) == Outcome.MALFORMED
     body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("evil", 1))
     assert _refused(body, Health) == Outcome.MALFORMED
-    # metadata lying about a tensor's shape
-    body = _rewrite_meta(encode(Hop(data=torch.randn(B, S, D))),
-                         lambda m: m["tensors"]["data"].__setitem__("shape", [B, D, S]))
+    # metadata naming a tensor the payload does not hold, or a malformed digest
+    body = _rewrite_meta(encode(Hop(data=torch.randn(B, S, D))), lambda m: m["tensors"].__setitem__("scales", ""))
     assert _refused(body, Hop) == Outcome.MALFORMED
+    body = _rewrite_meta(encode(MergePayload(shard=torch.randn(8))), lambda m: m["tensors"].__setitem__("shard", "zz"))
+    assert _refused(body, MergePayload) == Outcome.MALFORMED
+
+
+def test_digest_fields_travel_as_base64_and_round_trip():
+    h = tensor_sha256(torch.arange(4.0))
+    msg = MergeResult(contributions_root=h, mean_sha256=h, chunk_sha256=[h, h])
+    meta = json.loads(read_header(encode(msg))[0]["__metadata__"]["iota"])
+    assert len(meta["mean_sha256"]) == 43 and len(meta["chunk_sha256"][1]) == 43
+    out = decode(encode(msg), MergeResult)
+    assert (out.contributions_root, out.mean_sha256, out.chunk_sha256) == (h, h, [h, h])
+    with pytest.raises(ValueError):
+        encode(MergeResult(mean_sha256="ABCD"))                 # not a lowercase hex digest: cannot travel
+    for bad in ("x" * 43, h, 5):
+        body = _rewrite_meta(encode(msg), lambda m: m.__setitem__("mean_sha256", bad))
+        assert _refused(body, MergeResult) == Outcome.MALFORMED
 
 
 @pytest.mark.parametrize("body", [

@@ -6,9 +6,11 @@
 * **scatter**: the pseudo-gradient ``anchor - weights`` (host float32 [P]) is cut by the plan and
   quantized; each slice streams, chunk by chunk, to both reducers of its shard;
 * **gather + verify**: for every shard the mean (rounded by its reducers to ``merge.gather_quantization``
-  and sent in that encoding) is fetched chunk by chunk from one reducer and its hash from the other; equal hashes and equal contributions roots (the same contributors, weights
-  and inputs; each result's metadata is O(1) in the number of replicas) and chunks matching them
-  accept the shard;
+  and sent in that encoding) is fetched chunk by chunk from one reducer, after its header, which
+  carries the other reducer's signature over the same statement when the two agree
+  (:func:`~.claims.co_result`; else the other's header is asked for too); equal hashes and equal
+  contributions roots (the same contributors, weights and inputs; each result's metadata is O(1) in
+  the number of replicas) and chunks matching them accept the shard;
 * **third-party recompute** (:meth:`AllReduceAttempt._recompute`): when the reducers disagree, every
   participant's chunks are fetched, the mean recomputed and used, and evidence naming the reducer(s)
   whose hash differs is recorded (``engine.reports``, for validators);
@@ -31,6 +33,7 @@ from iota_subnet.utils.progress import Progress
 
 from .deadlines import bytes_per_value, phase_deadline_s, scatter_bytes
 from .outer import dequantize, outer_step, quantize, rounded, weighted_mean
+from .claims import co_result, co_signature, result_from_wire, wire_contribution
 from .plan import MergePlan
 from .serve import STILL_REDUCING, _Session, _ShardReduce
 
@@ -126,7 +129,8 @@ class AllReduceAttempt:
                         plan_id=plan.plan_id, shard_index=s, num_shards=plan.num_shards, chunk=c,
                         num_chunks=len(chunks), offset=off, total_numel=plan.total_numel,
                         weight=plan.weight(self.me), quant=quant, shard=q, scales=sc,
-                        info={"claim": claims[s]} if s in claims else {}), MergeAck)
+                        info={"claim": wire_contribution(claims[s], whole=len(chunks) == 1 and c < 1)}
+                        if s in claims else {}), MergeAck)
                     if c < len(chunks):
                         sess.acked[(r, s)] = c + 1
                 return None
@@ -162,6 +166,33 @@ class AllReduceAttempt:
         finally:
             for t in sending:
                 t.cancel()
+
+    async def _cosign(self, sess: _Session, s: int, deadline: float) -> None:
+        """Ask the other reducer of shard ``s`` for its result header (it answers a co-reducer as soon
+        as its result is computed) and, when it signed exactly this replica's statement, keep its
+        signature in this replica's result (``info["co"]``, :func:`~.claims.co_signature`): a gatherer
+        then takes both signed results from one answer. Gives up (no ``co``: gatherers ask the other
+        reducer themselves) when it refuses, is unreachable, disagrees, or is not done by ``deadline``
+        (monotonic seconds)."""
+        plan, mine = sess.plan, sess.results[s]
+        other = [r for r in plan.reducers[s] if r != self.me]
+        if not other:
+            return
+        while True:
+            try:
+                res = await self._call(other[0], "/merge/result", MergeResultRequest(
+                    run_id=self.run_id, stage=self.stage, epoch=plan.epoch, attempt=plan.attempt,
+                    plan_id=plan.plan_id, shard_index=s, with_tensor=False), MergeResult)
+                break
+            except ProtocolError as e:
+                if e.outcome != Outcome.NOT_READY or STILL_REDUCING not in str(e) or time.monotonic() >= deadline:
+                    return
+                await asyncio.sleep(0.05)
+            except Exception:  # noqa: BLE001 - unreachable: gatherers find out themselves
+                return
+        sig = await asyncio.to_thread(co_signature, mine, res, other[0], plan)
+        if sig is not None:
+            mine.info = {**mine.info, "co": sig}
 
     async def _gather_apply(self, plan: MergePlan, sess: _Session, rep: "MergeReport", unreachable: set[str],
                             gather_deadline: float, carry: Optional[torch.Tensor]) -> tuple[bool, list[str], str]:
@@ -208,8 +239,9 @@ class AllReduceAttempt:
             return True
 
         async def head(s: int) -> dict[str, Any]:
-            """Phase 1: the result header of shard ``s`` from the reducer this replica does not fetch
-            the mean from (from the other reducer when it reduces ``s`` itself)."""
+            """Phase 1: the result headers of shard ``s``: the one of the reducer this replica fetches the
+            mean from, which carries the other reducer's when they signed the same statement (else the
+            other reducer is asked too); from the other reducer only when this replica reduces ``s``."""
             a, b = plan.reducers[s]
             if self.me in (a, b):
                 mine_res = sess.results.get(s)
@@ -219,8 +251,13 @@ class AllReduceAttempt:
                     return {self.me: None}
                 other = [r for r in (a, b) if r != self.me]
                 return {other[0]: await result(other[0], s, 0, False)} if other else {}
-            sec = b if plan.primary_for(self.me, s) == a else a
-            return {sec: await result(sec, s, 0, False)}
+            prim = plan.primary_for(self.me, s)
+            sec = b if prim == a else a
+            got = {prim: await result(prim, s, 0, False)}
+            if sec != prim:     # the secondary's signed result rides with the primary's when they agree
+                co = co_result(got[prim], sec, plan) if isinstance(got[prim], MergeResult) else None
+                got[sec] = co if co is not None else await result(sec, s, 0, False)
+            return got
 
         async def gather_one(s: int, pre: dict[str, Any]) -> None:
             a, b = plan.reducers[s]
@@ -238,18 +275,16 @@ class AllReduceAttempt:
                 served_digest = mine_res.mean_sha256
             else:
                 prim = plan.primary_for(self.me, s)
-                first = got[prim] = await result(prim, s, 0, True)
+                first = got[prim]                   # its header (phase 1); the chunks come alone
                 served_digest = None
                 if isinstance(first, MergeResult) and first.status == "ok":
-                    hashes = list(first.chunk_sha256)
+                    hashes = list(first.chunk_sha256) or [first.mean_sha256]     # one chunk: its hash is the mean's
                     chunks_ok = len(hashes) == len(chunks)
-                    reply = first
                     for c, (off, n) in enumerate(chunks):
-                        if c:
-                            reply = await result(prim, s, c, True)
-                            if not isinstance(reply, MergeResult):
-                                got[prim] = reply           # unreachable mid-way
-                                break
+                        reply = await result(prim, s, c, True)
+                        if not isinstance(reply, MergeResult) or reply.status != "ok":
+                            got[prim] = reply           # unreachable (or incomplete) mid-way
+                            break
                         m = self._decode_mean(reply)
                         if m is None or m.numel() != n:
                             chunks_ok = False
@@ -284,7 +319,8 @@ class AllReduceAttempt:
                   "reducers": [a, b], "claimed_sha256": hashes, "served_sha256": served, "recomputed_sha256": digest,
                   "wrong": wrong, "reporter": self.me, "stage": self.stage, "run_id": self.run_id,
                   "contributions_root": {r: c.contributions_root for r, c in claims.items()},
-                  "results": {r: dict(c.info) for r, c in claims.items() if c.info},   # reducers' signed claims
+                  # the reducers' signed claims, rebuilt whole from their results' fields
+                  "results": {r: {"claim": full} for r, c in claims.items() if (full := result_from_wire(c, r, plan))},
                   "time": time.time()}
             self.reports.append(ev)
             rep.mismatches.append(ev)

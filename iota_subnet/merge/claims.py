@@ -7,15 +7,22 @@ Two statements, each a canonical JSON object signed with the replica's hotkey (s
   epoch, attempt, plan_id, shard, offset, numel, quant, sha256, root, by``: ``sha256`` of the
   dequantized float32 slice (what reducers record as ``contribution_sha256``), ``root`` the Merkle
   root of its chunks (:func:`chunk_tree`: rows of :data:`CHUNK_NUMEL` values, the last shorter).
-  It travels in ``MergePayload.info["claim"]``; a reducer refuses a slice whose claim is unsigned,
-  signed by another hotkey, for other coordinates, or does not match the slice (``FORBIDDEN``).
+  It travels in ``MergePayload.info["claim"]`` as its signature only (:func:`wire_contribution`;
+  a slice streamed in several chunks also carries its bounds and hashes): the reducer rebuilds the
+  statement from the payload's coordinates, its sender and, for a slice sent whole, the hashes of the
+  values received (:func:`contribution_from_wire`), so it refuses (``FORBIDDEN``) a slice whose claim
+  is unsigned, signed by another hotkey, for other coordinates (a replay), or does not match the slice.
 * **result claim** (by a reducer): ``t="iota-merge-result/2", run, stage, epoch, attempt, plan_id,
   shard, offset, numel, n, contributions_root, claims_root, mean_sha256, mean_root, chunk_numel, by``
   over the mean it serves. Its size does not grow with the number of replicas: ``n`` contributors,
   ``contributions_root`` (:func:`contributions_root`) binds who contributed, with which weight and
   the sha256 of the values used from each, ``claims_root`` (:func:`claims_root`) binds the
-  contributors' signed claims it used. It travels in ``MergeResult.info["claim"]`` (a replica
-  gathering N shards receives O(N) claim bytes, not O(N^2)); the list itself (the records:
+  contributors' signed claims it used. It travels in ``MergeResult.info["claim"]`` as its signature
+  and the two roots not in the result (:func:`wire_result`; the gatherer rebuilds the rest from the
+  result and the plan, :func:`result_from_wire`, and files the full claim as evidence), with the
+  other reducer's signature over the same statement when both signed it (``info["co"]``,
+  :func:`co_signature`: one answer carries both results; a replica gathering N shards receives O(N)
+  claim bytes, not O(N^2)); the list itself (the records:
   ``contributors``, ``weights``, ``contribution_sha256``, ``contrib_claims``) is kept with the mean
   and served to validators with it (``/audit/merge``), where it must hash to the signed roots: the
   reducer cannot alter a contributor's claim, nor the list, after signing without the mismatch
@@ -35,6 +42,7 @@ the means it served (about 2 / N of the stage per attempt).
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import threading
@@ -130,6 +138,121 @@ def coords(run_id: str, stage: int, epoch: int, attempt: int, plan_id: str, shar
             "shard": int(shard)}
 
 
+def _b64(hexstr: str) -> str:
+    """Hex digest or signature -> unpadded url-safe base64 (32 bytes: 43 characters, not 64)."""
+    return base64.urlsafe_b64encode(bytes.fromhex(hexstr)).rstrip(b"=").decode()
+
+
+def _unb64(text: Any, nbytes: int) -> str:
+    """:func:`_b64` undone (hex); raises ValueError unless ``text`` encodes exactly ``nbytes`` bytes."""
+    if not isinstance(text, str) or len(text) != -(-4 * nbytes // 3):
+        raise ValueError("bad base64 length")
+    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if len(raw) != nbytes or _b64(raw.hex()) != text:
+        raise ValueError("not canonical base64")
+    return raw.hex()
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:
+        raise ValueError("not an integer")
+    return v
+
+
+def wire_contribution(claim: Mapping[str, Any], whole: bool) -> dict:
+    """The wire form of a signed contribution claim (``MergePayload.info["claim"]``): its signature
+    (base64) and, unless the payload carries the whole slice (``whole``), ``offset``, ``numel``,
+    ``sha256`` and ``root`` (base64). The rest is the payload's own coordinates and sender, from which
+    the receiver rebuilds the signed statement (:func:`contribution_from_wire`); a whole slice's
+    hashes are recomputed from its values, so its signature also binds the values received."""
+    w: dict[str, Any] = {"sig": _b64(claim["sig"])}
+    if not whole:
+        w.update(offset=int(claim["offset"]), numel=int(claim["numel"]), sha256=_b64(claim["sha256"]),
+                 root=_b64(claim["root"]))
+    return w
+
+
+def contribution_from_wire(w: Any, msg: MergePayload, sender: str, x: torch.Tensor, chunk: int = CHUNK_NUMEL) -> dict:
+    """The full contribution claim (``t``, coordinates, ``offset``, ``numel``, ``sha256``, ``root``,
+    ``by``, hex ``sig``: what was signed) of the wire form ``w`` received with ``msg`` (``x``: its
+    dequantized values) from ``sender``. Raises ValueError/TypeError when ``w`` is malformed; the
+    signature is not checked here (:func:`verify_claim`)."""
+    if not isinstance(w, Mapping) or not set(w) <= {"sig", "offset", "numel", "sha256", "root"}:
+        raise ValueError("not a contribution claim")
+    c: dict[str, Any] = {"t": CONTRIBUTION, **coords(msg.run_id, msg.stage, msg.epoch, msg.attempt, msg.plan_id,
+                                                      msg.shard_index)}
+    c["offset"] = _int(w["offset"]) if "offset" in w else int(msg.offset)
+    c["numel"] = _int(w["numel"]) if "numel" in w else int(x.numel())
+    c["sha256"] = _unb64(w["sha256"], 32) if "sha256" in w else tensor_sha256(x.float().contiguous())
+    c["root"] = _unb64(w["root"], 32) if "root" in w else chunk_tree(x, chunk).root.hex()
+    c["by"], c["sig"] = sender, _unb64(w.get("sig"), 64)
+    return c
+
+
+def wire_result(claim: Mapping[str, Any]) -> dict:
+    """The wire form of a signed result claim (``MergeResult.info["claim"]``): ``sig``, ``claims_root``
+    and ``mean_root`` (base64). The rest is the result's own fields (coordinates,
+    ``contributions_root``, ``mean_sha256``), its reducer (``by``) and the plan the result's plan id
+    names (``offset``, ``numel``: the shard's bounds; ``n``: its participants; ``chunk_numel``), from
+    which a gatherer rebuilds the statement (:func:`result_from_wire`)."""
+    return {"sig": _b64(claim["sig"]), "claims_root": _b64(claim["claims_root"]), "mean_root": _b64(claim["mean_root"])}
+
+
+def result_from_wire(res: MergeResult, reducer: str, plan: Any) -> Optional[dict]:
+    """The full result claim ``reducer`` signed (``t``, coordinates, ``offset``, ``numel``, ``n``,
+    ``contributions_root``, ``claims_root``, ``mean_sha256``, ``mean_root``, ``chunk_numel``, ``by``,
+    hex ``sig``: what :meth:`MergeClaims.on_result` signs), rebuilt from ``res``, the wire form in
+    ``res.info["claim"]`` and ``plan`` (a :class:`~iota_subnet.merge.plan.MergePlan`, the one
+    ``res.plan_id`` names), for the evidence a gatherer files (validators verify it:
+    :mod:`iota_subnet.validator.merge_audit`). None when ``res`` carries none, a malformed one, or is
+    for another plan. The signature is not checked here (:func:`verify_claim`)."""
+    w = res.info.get("claim") if isinstance(res.info, Mapping) else None
+    if (not isinstance(w, Mapping) or set(w) != {"sig", "claims_root", "mean_root"} or res.plan_id != plan.plan_id
+            or not 0 <= res.shard_index < plan.num_shards):
+        return None
+    off, n = plan.bounds[res.shard_index]
+    try:
+        return {"t": RESULT, **coords(res.run_id, res.stage, res.epoch, res.attempt, res.plan_id, res.shard_index),
+                "offset": int(off), "numel": int(n), "n": len(plan.participants),
+                "contributions_root": res.contributions_root, "claims_root": _unb64(w["claims_root"], 32),
+                "mean_sha256": res.mean_sha256, "mean_root": _unb64(w["mean_root"], 32),
+                "chunk_numel": int(plan.chunk_numel), "by": reducer, "sig": _unb64(w["sig"], 64)}
+    except (TypeError, ValueError):
+        return None
+
+
+def co_signature(mine: MergeResult, other: MergeResult, other_reducer: str, plan: Any) -> Optional[str]:
+    """The signature (wire form) of ``other_reducer``'s result ``other`` when it states exactly what
+    this reducer's ``mine`` states (status ok, coordinates, ``contributions_root``, ``mean_sha256`` and
+    every field of the signed claim but ``by``) and verifies; else None. Carried in
+    ``mine.info["co"]``, it lets a gatherer take both reducers' signed results from one answer
+    (:func:`co_result`) instead of asking each reducer for its own."""
+    wm = mine.info.get("claim") if isinstance(mine.info, Mapping) else None
+    wo = other.info.get("claim") if isinstance(other.info, Mapping) else None
+    if not (isinstance(wm, Mapping) and isinstance(wo, Mapping)) or mine.status != "ok" or other.status != "ok":
+        return None
+    same = ("run_id", "stage", "epoch", "attempt", "plan_id", "shard_index", "contributions_root", "mean_sha256")
+    if any(getattr(mine, k) != getattr(other, k) for k in same) or (
+            {k: v for k, v in wm.items() if k != "sig"} != {k: v for k, v in wo.items() if k != "sig"}):
+        return None
+    full = result_from_wire(other, other_reducer, plan)
+    return str(wo["sig"]) if full is not None and verify_claim(full, other_reducer, RESULT) else None
+
+
+def co_result(res: MergeResult, co_reducer: str, plan: Any) -> Optional[MergeResult]:
+    """``co_reducer``'s result as ``res`` (its co-reducer's header) carries it in ``info["co"]``
+    (:func:`co_signature`): the same header with the co-reducer's signature, once that verifies over
+    the statement rebuilt for ``co_reducer``; None when ``res`` carries none or an invalid one (then
+    ask the co-reducer itself)."""
+    co = res.info.get("co") if isinstance(res.info, Mapping) else None
+    w = res.info.get("claim") if isinstance(res.info, Mapping) else None
+    if not isinstance(co, str) or not isinstance(w, Mapping) or res.status != "ok":
+        return None
+    other = MergeResult(**{**res.__dict__, "info": {"claim": {**w, "sig": co}}, "mean": None, "mean_scales": None})
+    full = result_from_wire(other, co_reducer, plan)
+    return other if full is not None and verify_claim(full, co_reducer, RESULT) else None
+
+
 @dataclass
 class _Kept:
     flat: torch.Tensor
@@ -188,31 +311,34 @@ class MergeClaims:
                 self.contributions[key] = _Kept(*self._keep(x), tree, claim)
                 self.received.setdefault(key, {})[self.me] = claim
         for m in payloads:
-            m.info = {**m.info, "claim": claims[m.shard_index]}
+            m.info = {**m.info, "claim": wire_contribution(claims[m.shard_index],
+                                                           whole=m.shard is not None and m.shard.numel() == claims[m.shard_index]["numel"])}
         self._prune(plan.epoch)
         return claims
 
     def on_contribution_in(self, sender: str, msg: MergePayload, x: torch.Tensor) -> None:
-        """Check the claim of an incoming slice (``x``: dequantized); raises ProtocolError(FORBIDDEN)."""
-        c = msg.info.get("claim") if isinstance(msg.info, Mapping) else None
-        if not verify_claim(c, sender, CONTRIBUTION):
-            raise ProtocolError(Outcome.FORBIDDEN, "merge slice without a valid contribution claim signed by its sender")
-        want = coords(self.run_id, self.stage, msg.epoch, msg.attempt, msg.plan_id, msg.shard_index)
-        if any(c.get(k) != v for k, v in want.items()):
-            raise ProtocolError(Outcome.FORBIDDEN, "contribution claim is for other coordinates than the slice")
+        """Check the claim of an incoming slice (``x``: dequantized; the claim in its wire form,
+        :func:`contribution_from_wire`); raises ProtocolError(FORBIDDEN)."""
+        w = msg.info.get("claim") if isinstance(msg.info, Mapping) else None
         try:
-            c_off, c_n = int(c.get("offset", -1)), int(c.get("numel", -1))
+            c = contribution_from_wire(w, msg, sender, x, self.chunk)
         except (TypeError, ValueError):
-            raise ProtocolError(Outcome.FORBIDDEN, "contribution claim without a valid offset and numel") from None
+            raise ProtocolError(Outcome.FORBIDDEN, "merge slice without a well-formed contribution claim") from None
+        if not verify_claim(c, sender, CONTRIBUTION):
+            # rebuilt from the slice's own coordinates (and values, when sent whole): a claim for other
+            # coordinates or another slice, or signed by another hotkey, fails here
+            raise ProtocolError(Outcome.FORBIDDEN, "merge slice without a valid contribution claim signed by its sender "
+                                                   "for this slice")
+        c_off, c_n = c["offset"], c["numel"]
         if not (c_off <= msg.offset and msg.offset + x.numel() <= c_off + c_n):
             raise ProtocolError(Outcome.FORBIDDEN, "contribution claim does not cover this chunk of the slice")
         # a slice sent whole is checked here; a slice streamed in chunks is bound to its claim by the
         # reducer's digest of the chunks it received (contribution_sha256, checked in on_result)
-        if x.numel() == c_n and (c.get("sha256") != tensor_sha256(x.float().contiguous())
-                                 or c.get("root") != chunk_tree(x, self.chunk).root.hex()):
+        if x.numel() == c_n and ("sha256" in w or "root" in w) and (
+                c["sha256"] != tensor_sha256(x.float().contiguous()) or c["root"] != chunk_tree(x, self.chunk).root.hex()):
             raise ProtocolError(Outcome.FORBIDDEN, "contribution claim does not match the slice sent")
         with self._lock:
-            self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = dict(c)
+            self.received.setdefault((msg.epoch, msg.attempt, msg.plan_id, msg.shard_index), {})[sender] = c
 
     def on_result(self, res: MergeResult, served: torch.Tensor, offset: int, chunk_numel: Optional[int] = None, *,
                   contributors: list[str], weights: list[float], contribution_sha256: list[str],
@@ -244,7 +370,7 @@ class MergeClaims:
                             "claims_root": claims_root(contributors, used), "mean_sha256": res.mean_sha256,
                             "mean_root": tree.root.hex(),
                             **({"chunk_numel": int(chunk_numel)} if chunk_numel is not None else {})}, self.keypair)
-        res.info = {**res.info, "claim": claim}
+        res.info = {**res.info, "claim": wire_result(claim)}
         with self._lock:
             self.means[key] = _Kept(*self._keep(served), tree, claim, records)
 

@@ -25,16 +25,19 @@ cross between the module's device and the host):
    (quantized as configured; the sender keeps the dequantized copy so both reducers and the sender
    see the same values) to both reducers of ``s`` (``/merge/contribute``) as consecutive chunks of at
    most ``merge.chunk_numel`` values, one message each, one stream per (reducer, shard).
-4. **reduce**: chunk ``c`` of a shard is reduced (weighted mean in the plan's participant order, then
-   the outer step, :func:`.outer.outer_step`) as soon as every participant's chunk ``c`` is there;
+4. **reduce**: chunk ``c`` of a shard is reduced (weighted mean in the plan's participant order) as
+   soon as every participant's chunk ``c`` is there;
    a reducer acknowledges a chunk only when the shard's reduced chunks are at most
    :data:`.serve.STREAM_WINDOW` behind it, so it buffers a bounded number of chunks per contributor. A
    shard is ``incomplete`` (its ``missing`` list names who) when the contributors it waits for
    moved no byte for ``merge.progress_timeout_s``, or at the phase deadline derived from the
-   scatter's bytes and the declared uplink rate (:mod:`.deadlines`).
-5. **gather + verify**: for every shard ``me`` fetches the mean chunk by chunk from one reducer and
-   the hash from the other (``/merge/result``). Equal hashes and contributions roots (and chunks
-   matching them): accepted.
+   scatter's bytes and the declared uplink rate (:mod:`.deadlines`). With signed claims a reducer
+   then asks the shard's other reducer for its result; when both signed the same statement, its
+   result carries the other's signature too (``info["co"]``, :func:`.claims.co_signature`).
+5. **gather + verify**: for every shard ``me`` fetches the result header from one reducer, with the
+   other reducer's co-signature (without one, ``me`` asks the other reducer for its header itself),
+   then the mean chunk by chunk from the same reducer (``/merge/result``). Equal hashes and
+   contributions roots (and chunks matching them): accepted.
    Different hashes, or chunks that do not match: ``me`` acts as the third party, fetches every
    participant's chunks (``/merge/contribution``), recomputes the mean, uses it and records evidence
    naming the reducer(s) whose hash differs (:attr:`MergeEngine.reports`).
@@ -469,15 +472,17 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
             weights = [plan.weight(p) for p in order]
             hashes = [red.contribution_h[p].hexdigest() for p in order]
             sess.results[s] = MergeResult(**base, status="ok", contributions_root=contributions_root(order, weights, hashes),
-                                          mean_sha256=sha256_of(served), shard_sha256=red.shard_h.hexdigest(),
-                                          momentum_sha256=red.momentum_h.hexdigest(),
-                                          chunk_sha256=[tensor_sha256(t) for t in served])
+                                          mean_sha256=sha256_of(served),
+                                          chunk_sha256=[tensor_sha256(t) for t in served] if len(served) > 1 else [])
             if self.observer is not None:
                 await asyncio.to_thread(self.observer.on_result, sess.results[s], torch.cat(served), plan.bounds[s][0],
                                         plan.chunk_numel, contributors=order, weights=weights,
                                         contribution_sha256=hashes,
                                         **({} if plan.base is None else {"base": [plan.base[0], list(plan.base[1])]}))
         sess.ready_event(s).set()
+        if self.observer is not None and sess.results[s].status == "ok":
+            await self._cosign(sess, s, deadline)
+        sess.cosigned_event(s).set()
 
     def mean_to_serve(self, shard_index: int, mean: list[torch.Tensor]) -> list[torch.Tensor]:
         """The mean pseudo-gradient of shard ``shard_index`` this replica, as its reducer, signs and

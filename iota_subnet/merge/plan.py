@@ -28,6 +28,7 @@ the weights must sum to more than 0.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -103,7 +104,8 @@ class MergePlan:
             reducers = _replace_dead(reducers, parts, digest + f"|repair|{attempt}|".encode())
             ident.append([base_attempt, layout])
         wt = tuple(sorted(w.items()))
-        pid = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
+        # 128 bits as unpadded url-safe base64 (22 characters): it travels in most merge messages
+        pid = base64.urlsafe_b64encode(hashlib.sha256(json.dumps(ident).encode()).digest()[:16]).rstrip(b"=").decode()
         return cls(epoch, attempt, parts, total_numel, tuple(bounds), tuple(reducers), wt, pid, cn,
                    None if base is None else (base_attempt, layout))
 
@@ -141,8 +143,8 @@ class MergePlan:
         and the second of the next, so it serves half of each of its shards' gatherers (within one)
         and no replica sends more than about 3P (:meth:`expected_bytes`; a draw per gatherer put
         some reducers at 3.25P with 32 replicas); and every gatherer asks every reducer something
-        before it fetches any mean (the hash of one of its two shards from it, the mean of the
-        other), so a dead reducer is found before any mean is fetched (:mod:`.allreduce`)."""
+        before it fetches any mean (the header of one of its two shards, whose mean it then fetches
+        from it), so a dead reducer is found before any mean is fetched (:mod:`.allreduce`)."""
         a, b = self.reducers[shard]
         return a if self._rank[hotkey] % 2 == 0 else b
 

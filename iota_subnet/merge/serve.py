@@ -29,7 +29,7 @@ from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult
 from iota_subnet.protocol.codec import host_bytes
 
 from .deadlines import phase_deadline_s, scatter_bytes
-from .outer import dequantize, outer_step, rounded, weighted_mean
+from .outer import dequantize, rounded, weighted_mean
 from .plan import MergePlan
 
 #: Sessions (epoch, attempt, plan) a replica keeps at once; more are refused with BUSY.
@@ -57,7 +57,6 @@ class _ShardReduce:
         self.reduced = 0                                        # chunks reduced so far
         self.means: list[torch.Tensor] = []                      # reduced chunks, rounded to the gather's encoding
         self.wire: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []   # the same, encoded (values, scales)
-        self.shard_h, self.momentum_h = hashlib.sha256(), hashlib.sha256()
         self.progress = asyncio.Event()
         self.kept: Optional[dict[str, list[tuple[torch.Tensor, Optional[torch.Tensor]]]]] = (
             {p: [] for p in self.got} if keep else None)
@@ -83,6 +82,8 @@ class _Session:
         self.served: dict[int, list[torch.Tensor]] = {}          # the mean chunks this replica serves
         self.served_wire: dict[int, list[tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}   # encoded
         self.result_ready: dict[int, asyncio.Event] = {}
+        #: set once a result holds its co-reducer's signature, or the attempt to get it ended (:meth:`_cosign`)
+        self.result_cosigned: dict[int, asyncio.Event] = {}
         #: my chunks each reducer holds: (reducer, shard) -> chunks acknowledged (a repair resends the rest)
         self.acked: dict[tuple[str, int], int] = {}
         self.carry: Optional[torch.Tensor] = None                 # weights read at the start (merge.overlap)
@@ -91,6 +92,9 @@ class _Session:
 
     def ready_event(self, s: int) -> asyncio.Event:
         return self.result_ready.setdefault(s, asyncio.Event())
+
+    def cosigned_event(self, s: int) -> asyncio.Event:
+        return self.result_cosigned.setdefault(s, asyncio.Event())
 
 
 class MergeServing:
@@ -185,14 +189,14 @@ class MergeServing:
             self.observer.on_contribution_in(caller, msg, x)
         sess = self._session(msg.epoch, msg.attempt, msg.plan_id)
         if x.numel() == 0:       # a claim only: a repair attempt's sender whose chunks this reducer holds already
-            return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
+            return MergeAck()
         if sess.plan is None:
             if len(sess.raw) > 4 * 64:
                 raise ProtocolError(Outcome.BUSY, "too many early contributions")
             sess.raw.append((caller, msg))
         else:
             self._accept(sess, caller, msg.shard_index, msg.chunk, msg.offset, x, (msg.shard, msg.scales))
-        return MergeAck(run_id=self.run_id, stage=self.stage, status="ok")
+        return MergeAck()      # an answer to the request: no coordinates (spec 2)
 
     async def _throttle(self, msg: MergePayload) -> None:
         """Backpressure: acknowledge chunk ``c`` only once this replica has a plan for it and the shard's
@@ -258,14 +262,8 @@ class MergeServing:
         while not red.done and len(red.inbox.get(red.reduced, {})) == len(order):
             c = red.reduced
             box = red.inbox.pop(c)
-            off, n = red.chunks[c]
             mean, wire = rounded(weighted_mean([(plan.weight(p), box[p]) for p in order]), self.cfg.gather_quant,
                                  self.cfg.int8_block)
-            new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
-                                  mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
-            for h, t in ((red.shard_h, new), (red.momentum_h, mom)):
-                for view in host_bytes(t):
-                    h.update(view)
             red.means.append(mean)
             red.wire.append(wire)
             red.reduced += 1
@@ -294,7 +292,10 @@ class MergeServing:
                 raise ProtocolError(Outcome.NOT_READY, f"not running plan {msg.plan_id}") from None
         if msg.shard_index not in sess.reduce:
             raise ProtocolError(Outcome.FORBIDDEN, f"this replica does not reduce shard {msg.shard_index}")
-        ev = sess.ready_event(msg.shard_index)
+        # the co-reducer gets the result as soon as it is computed (it signs the same statement); every
+        # other caller once it carries the co-reducer's signature too, or the try to get it ended
+        co = caller in sess.plan.reducers[msg.shard_index]
+        ev = (sess.ready_event if co else sess.cosigned_event)(msg.shard_index)
         try:    # answered within half the progress timeout: the caller asks again (see .deadlines)
             await asyncio.wait_for(ev.wait(), timeout=cap)
         except asyncio.TimeoutError:
@@ -308,8 +309,8 @@ class MergeServing:
         if not 0 <= msg.chunk < len(served):
             raise ProtocolError(Outcome.BAD_SHAPE, f"shard {msg.shard_index} has {len(served)} chunks, not {msg.chunk}")
         values, scales = served[msg.chunk]
-        return MergeResult(**{**res.__dict__, "chunk": msg.chunk, "quant": self.cfg.gather_quant, "mean": values,
-                              "mean_scales": scales})
+        # the chunk alone: its hashes and signed claims came with the header (asked first, without tensor)
+        return MergeResult(chunk=msg.chunk, quant=self.cfg.gather_quant, mean=values, mean_scales=scales)
 
     def _on_contribution(self, msg: MergeResultRequest, caller: str) -> MergePayload:
         sess = self.sessions.get((msg.epoch, msg.attempt, msg.plan_id))

@@ -11,7 +11,8 @@
   link, piece by piece, to both ends' ``on_progress(peer, nbytes)`` (a view's attribute, set by the
   engine: :mod:`.deadlines`). Per replica (as caller and as callee), ``sent`` / ``received`` count
   whole bodies and ``sent_dense`` / ``received_dense`` the tensor bytes in them; the difference is
-  the metadata (JSON header, safetensors framing).
+  the metadata (JSON header, safetensors framing); ``meta_by_type`` / ``count_by_type``: metadata
+  bytes and bodies per message type, over every replica.
 * :class:`HttpTransport`: signed HTTP through :class:`~iota_subnet.transport.NeuronClient`; peers
   resolved from hotkey to ``ip:port`` by ``resolve(hotkey)``.
 """
@@ -46,6 +47,8 @@ class InProcessTransport:
         self.sent_dense: dict[str, int] = {}     # tensor bytes of those bodies
         self.received_dense: dict[str, int] = {}
         self.max_body = 0                    # largest message body seen (bytes)
+        self.meta_by_type: dict[str, int] = {}   # message type -> metadata bytes of its bodies, all replicas
+        self.count_by_type: dict[str, int] = {}  # message type -> bodies
         self.uplinks: dict[str, Any] = {}    # hotkey -> UplinkShaper
         self.views: dict[str, "_View"] = {}
 
@@ -125,6 +128,9 @@ class InProcessTransport:
         for k, n in ((peer, len(body)), (me, len(rbody))):
             self.received[k] = self.received.get(k, 0) + n
         dq, dr = payload_nbytes(msg), payload_nbytes(reply)
+        for m, size, dense in ((msg, len(body), dq), (reply, len(rbody), dr)):
+            self.meta_by_type[m.TYPE] = self.meta_by_type.get(m.TYPE, 0) + size - dense
+            self.count_by_type[m.TYPE] = self.count_by_type.get(m.TYPE, 0) + 1
         for k, n in ((me, dq), (peer, dr)):
             self.sent_dense[k] = self.sent_dense.get(k, 0) + n
         for k, n in ((peer, dq), (me, dr)):

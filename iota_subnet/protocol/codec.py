@@ -4,9 +4,14 @@ Layout (standard safetensors, readable by any safetensors implementation)::
 
     u64 little-endian header length N | N bytes JSON header | tensor data
 
-The JSON header's ``__metadata__`` is ``{"iota": "<JSON>"}`` where ``<JSON>`` holds every
-non-tensor field of the message, ``"type"`` (the message class) and ``"tensors"``
-(per wire key: ``dtype``, ``shape``, ``sha256`` of the raw little-endian bytes).
+The JSON header's ``__metadata__`` is ``{"iota": "<JSON>"}`` where ``<JSON>`` holds ``"type"`` (the
+message class), ``"spec_version"``, every other non-tensor field of the message whose value differs
+from the class's default (a field left out decodes to its default: spec 2, so that the merge's ten
+small messages per peer stay small, docs/BENCHMARKS.md "Merge metadata at N replicas") and, when the
+message carries tensors, ``"tensors"`` (per wire key: the sha256 of its raw little-endian bytes, its
+dtype and shape being the safetensors header's own). Digests (those tensor hashes and the fields
+declared with :func:`~.messages.digest_field`) travel as unpadded url-safe base64 of their 32 bytes
+(43 characters, not 64 of hex); a message holds them as lowercase hex.
 
 Never pickle: :func:`decode` parses the header itself, checks it against the expected message
 type and the :class:`TensorContract` before any tensor is materialised, hashes the raw data
@@ -14,6 +19,9 @@ slices, then loads with ``safetensors.torch.load`` and checks finiteness.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import hashlib
 import json
 import math
@@ -130,19 +138,57 @@ def payload_nbytes(msg: Message) -> int:
     return total
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """The value a JSON field takes when the wire leaves it out (its dataclass default)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def with_defaults(meta: dict[str, Any], cls: type[Message]) -> dict[str, Any]:
+    """``meta`` (a message's raw JSON metadata) with every field it leaves out set to ``cls``'s default."""
+    return {**{name: field_default(f) for name, f in cls.json_fields().items()}, **meta}
+
+
+def b64_digest(hexstr: str) -> str:
+    """A sha256 digest in lowercase hex -> unpadded url-safe base64 of its 32 bytes (``""`` stays
+    ``""``). Raises ValueError for anything else (the wire must give it back unchanged)."""
+    raw = bytes.fromhex(hexstr) if isinstance(hexstr, str) else None
+    if raw is None or raw.hex() != hexstr or len(raw) not in (0, 32):
+        raise ValueError(f"{hexstr!r} is not a lowercase hex sha256 digest")
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def hex_digest(text: Any, where: str) -> str:
+    """:func:`b64_digest` undone; raises ProtocolError(MALFORMED) unless ``text`` is the canonical
+    base64 of 32 bytes (or ``""``)."""
+    try:
+        if not isinstance(text, str):
+            raise ValueError
+        out = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).hex()
+        if b64_digest(out) != text:
+            raise ValueError
+    except (ValueError, binascii.Error):
+        raise ProtocolError(Outcome.MALFORMED, f"{where} is not a base64 digest") from None
+    return out
+
+
 def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header."""
+    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header (fields equal to
+    their default left out, ``spec_version`` always sent)."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode() takes a Message, got {type(msg).__name__}")
     tensors = _wire_tensors(msg)
-    meta: dict[str, Any] = {"type": msg.TYPE}
-    for name in type(msg).json_fields():
-        meta[name] = getattr(msg, name)
+    meta: dict[str, Any] = {"type": msg.TYPE, "spec_version": msg.spec_version}
+    for name, f in type(msg).json_fields().items():
+        value, default = getattr(msg, name), field_default(f)
+        if name != "spec_version" and (type(value) is not type(default) or value != default):
+            if f.metadata.get("digest"):
+                value = [b64_digest(v) for v in value] if isinstance(value, list) else b64_digest(value)
+            meta[name] = value
     hashed = type(msg).HASH_TENSORS
-    meta["tensors"] = {
-        key: {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "sha256": tensor_sha256(t) if hashed else ""}
-        for key, t in tensors.items()
-    }
+    if tensors:
+        meta["tensors"] = {key: b64_digest(tensor_sha256(t)) if hashed else "" for key, t in tensors.items()}
     return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
 
 
@@ -153,7 +199,7 @@ def _refuse_constant(token: str) -> Any:
 @lru_cache(maxsize=None)
 def _fields_model(cls: type[Message]) -> type[pydantic.BaseModel]:
     hints = get_type_hints(cls)
-    fields = {name: (hints[name], ...) for name in cls.json_fields()}
+    fields = {name: (hints[name], field_default(f)) for name, f in cls.json_fields().items()}
     return pydantic.create_model(f"{cls.__name__}Fields",
                                  __config__=pydantic.ConfigDict(extra="forbid", strict=True), **fields)
 
@@ -212,7 +258,7 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
         raise ProtocolError(Outcome.SPEC_VERSION, f"spec_version {version!r}, this node speaks {SPEC_VERSION}")
     if meta.get("type") != expected.TYPE:
         raise ProtocolError(Outcome.MALFORMED, f"expected a {expected.TYPE}, got {meta.get('type')!r}")
-    tmeta = meta.pop("tensors", None)
+    tmeta = meta.pop("tensors", {})
     meta.pop("type")
     if not isinstance(tmeta, dict) or set(tmeta) != set(header):
         raise ProtocolError(Outcome.MALFORMED, "tensor list in metadata does not match the payload")
@@ -224,7 +270,7 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
         tm = tmeta[key]
         try:
             st_dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            digest = tm["sha256"]
+            digest = "" if tm == "" else hex_digest(tm, f"tensor {key!r}'s sha256")
         except (KeyError, TypeError, ValueError):
             raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: incomplete header entry") from None
         dtype = ST_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
@@ -237,8 +283,6 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
         numel = math.prod(shape)
         if (end - start) != numel * torch.tensor([], dtype=dtype).element_size():
             raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: {end - start} bytes for shape {shape}")
-        if tm.get("dtype") != _DTYPE_NAMES[dtype] or tm.get("shape") != shape:
-            raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: metadata disagrees with the payload")
         layout[key] = (dtype, tuple(shape), start, end, digest)
 
     # Tensor keys must map onto the expected message's tensor fields.
@@ -280,6 +324,11 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
             contract.check_values(key, t)
 
     _check_floats(meta, "metadata")
+    for name, f in expected.json_fields().items():
+        if f.metadata.get("digest") and name in meta:
+            v = meta[name]
+            meta[name] = ([hex_digest(x, f"{name}[{i}]") for i, x in enumerate(v)] if isinstance(v, list)
+                          else hex_digest(v, name))
     try:
         fields = _fields_model(expected).model_validate(meta)
     except pydantic.ValidationError as e:

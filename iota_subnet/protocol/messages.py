@@ -45,7 +45,8 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-SPEC_VERSION = 1
+#: 2: the codec leaves out JSON fields equal to their default; MergeResult sends no shard/momentum hashes
+SPEC_VERSION = 2
 
 TENSOR_ONE = "one"
 TENSOR_DICT = "dict"
@@ -56,6 +57,13 @@ def tensor_field(*, required: bool = False, kind: str = TENSOR_ONE) -> Any:
     if kind == TENSOR_DICT:
         return field(default_factory=dict, metadata={"tensor": kind, "required": required})
     return field(default=None, metadata={"tensor": kind, "required": required})
+
+
+def digest_field(*, many: bool = False) -> Any:
+    """A sha256 digest (lowercase hex; ``many``: a list of them) that travels as base64 (see the codec)."""
+    if many:
+        return field(default_factory=list, metadata={"digest": True})
+    return field(default="", metadata={"digest": True})
 
 
 @dataclass(kw_only=True)
@@ -135,8 +143,8 @@ class MergeAck(Message):
 
 @dataclass(kw_only=True)
 class MergeResultRequest(Message):
-    """Ask a reducer for its result for one shard (``with_tensor``: include chunk ``chunk`` of the
-    mean), or (route ``/merge/contribution``) ask a contributor for chunk ``chunk`` of the
+    """Ask a reducer for its result for one shard: its header (``with_tensor`` false: hashes and signed
+    claims), or chunk ``chunk`` of the mean alone (``with_tensor``: the header is asked for first), or (route ``/merge/contribution``) ask a contributor for chunk ``chunk`` of the
     pseudo-gradient slice it sent."""
     TYPE: ClassVar[str] = "MergeResultRequest"
     epoch: int = 0
@@ -150,28 +158,32 @@ class MergeResultRequest(Message):
 @dataclass(kw_only=True)
 class MergeResult(Message):
     """A reducer's result for one shard. ``status``: ``ok`` | ``incomplete`` (``missing`` names the
-    contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``) of the
-    whole shard; ``chunk_sha256``: of each chunk of the mean, in order; ``mean``: chunk ``chunk`` of
+    contributors it lacks). Hashes are sha256 of raw float32 bytes (see ``tensor_sha256``):
+    ``mean_sha256`` of the whole shard's mean; ``chunk_sha256``: of each chunk of the mean, in order
+    (empty when the shard is one chunk: its hash is ``mean_sha256``; spec 2 also dropped the hashes of
+    the reducer's new weights and momentum, which nobody read); ``mean``: chunk ``chunk`` of
     the mean (when asked with ``with_tensor``), encoded as ``quant`` says (``none``: float32 [n];
     ``bf16``; ``int8`` [n] with ``mean_scales`` float32 [ceil(n / block)]); the hashes are of the
     decoded float32 values. ``contributions_root``: one digest over the
     contributors, their weights and the sha256 of the dequantized values it used from each
     (:func:`iota_subnet.merge.claims.contributions_root`): two reducers that agree on it reduced the
     same inputs; the list itself is not sent (it would make every result O(N), every replica's
-    gather O(N^2)): validators fetch it from the reducer's audit copy (``/audit/merge``)."""
+    gather O(N^2)): validators fetch it from the reducer's audit copy (``/audit/merge``).
+    ``info``: ``claim``, the reducer's signed result claim in its wire form, and ``co``, the other
+    reducer's signature over the same statement when both signed it
+    (:mod:`iota_subnet.merge.claims`). An answer with the mean carries only ``chunk``, ``quant`` and
+    the tensors."""
     TYPE: ClassVar[str] = "MergeResult"
     epoch: int = 0
     attempt: int = 0
     plan_id: str = ""
     shard_index: int = 0
     status: str = "ok"
-    contributions_root: str = ""
+    contributions_root: str = digest_field()
     missing: list[str] = field(default_factory=list)
-    mean_sha256: str = ""
-    shard_sha256: str = ""
-    momentum_sha256: str = ""
+    mean_sha256: str = digest_field()
     chunk: int = 0
-    chunk_sha256: list[str] = field(default_factory=list)
+    chunk_sha256: list[str] = digest_field(many=True)
     quant: str = "none"
     mean: Optional[torch.Tensor] = tensor_field()
     mean_scales: Optional[torch.Tensor] = tensor_field()

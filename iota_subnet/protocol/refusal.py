@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from .codec import META_KEY, read_header
-from .messages import Message, tensor_field
+from .codec import META_KEY, read_header, with_defaults
+from .messages import Hop, Message, tensor_field
 from .outcome import Outcome, ProtocolError
 
 #: Refusal outcomes a hop's signed body proves on its own.
@@ -71,4 +71,7 @@ def hop_header(body: bytes) -> Optional[dict[str, Any]]:
         meta = json.loads(header["__metadata__"][META_KEY])
     except (ProtocolError, KeyError, TypeError, ValueError):
         return None
-    return meta if isinstance(meta, dict) and isinstance(meta.get("ticket"), dict) else None
+    if not isinstance(meta, dict):
+        return None
+    meta = with_defaults(meta, Hop)          # the codec leaves out fields equal to their default
+    return meta if isinstance(meta.get("ticket"), dict) else None

@@ -61,6 +61,7 @@ from torch import nn
 
 from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.merge import MergeEngine
+from iota_subnet.merge.claims import result_from_wire
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.parts import MinerParts, make_worker
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
@@ -150,7 +151,7 @@ class Accuser:
               "claimed_sha256": {tgt: res.mean_sha256, **{r: forged_hash(plan.plan_id, s, "other") for r in other}},
               "served_sha256": {}, "recomputed_sha256": forged_hash(plan.plan_id, s, "recomputed"), "wrong": [tgt],
               "reporter": e.me, "stage": e.stage, "run_id": e.run_id, "contribution_sha256": {},
-              "results": {tgt: dict(res.info)}, "time": 0.0}
+              "results": {tgt: {"claim": result_from_wire(res, tgt, plan)}}, "time": 0.0}
         e.reports.append(ev)
         self.forged.append(ev)
 

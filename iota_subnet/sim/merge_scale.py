@@ -81,7 +81,9 @@ def run_scale(n: int, numel: int = 1 << 18, *, quant: str = "none", run_id: str 
     maxima of the bytes sent and received (``dense``: tensor bytes; ``meta``: the rest), the stage's
     bytes in the payload dtype (``stage_bytes``), ``wall_s`` (the merge only), ``peak_rss_mib``
     (the process's, so far), ``merged`` (every replica applied) and ``identical`` (every replica
-    holds the same weights after it); ``per_replica`` (hotkey -> its byte counts).
+    holds the same weights after it); ``per_replica`` (hotkey -> its byte counts);
+    ``meta_per_peer_by_type`` / ``messages_per_peer_by_type`` (message type -> metadata bytes and
+    bodies, over every replica, divided by ``n`` squared: per replica per peer, each direction).
 
     ``kill`` replicas (:func:`victims`) die after the join (``kill_at``, see the module docstring;
     ``progress_timeout_s``: how long a reducer waits for a dead contributor's chunks, default
@@ -138,6 +140,10 @@ def run_scale(n: int, numel: int = 1 << 18, *, quant: str = "none", run_id: str 
     out["dense_x_stage"] = round(max(out["max_sent_dense"], out["max_received_dense"]) / out["stage_bytes"], 4)
     out["meta_per_replica_per_n"] = round(max(out["max_sent_meta"], out["max_received_meta"]) / n_live, 1)
     out["max_message_bytes"] = net.max_body
+    # per message type: metadata bytes per replica per peer (each direction: every body is sent once and
+    # received once) and bodies per replica per peer
+    out["meta_per_peer_by_type"] = {t: round(b / (n * n), 1) for t, b in sorted(net.meta_by_type.items())}
+    out["messages_per_peer_by_type"] = {t: round(c / (n * n), 3) for t, c in sorted(net.count_by_type.items())}
     out["wall_s"] = round(wall, 2)
     out["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out["merged"] = all(r.applied for r in reps)
