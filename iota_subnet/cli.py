@@ -83,7 +83,8 @@ _EXTRA_COMMANDS: list = []
 
 def _load_extra_commands() -> None:
     import importlib
-    for mod in ("iota_subnet.chain_cli", "iota_subnet.network.cli", "iota_subnet.hf.cli", "iota_subnet.doctor"):
+    for mod in ("iota_subnet.chain_cli", "iota_subnet.network.cli", "iota_subnet.hf.cli", "iota_subnet.doctor",
+                "iota_subnet.entry.relay"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

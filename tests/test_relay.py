@@ -255,11 +255,12 @@ def test_frames_and_the_token_bucket():
     asyncio.run(take())
 
 
-def test_a_caller_goes_around_a_relay_that_drops_and_avoids_it_afterwards():
-    """The home is attached to two relays; the first drops everything. A caller with the home's relays
-    as alternates is answered through the second, and its next call goes there first."""
+@pytest.mark.parametrize("bad", [DroppingRelay, AlteringRelay], ids=["drops", "alters"])
+def test_a_caller_goes_around_a_bad_relay_and_avoids_it_afterwards(bad):
+    """The home is attached to two relays; the first drops or alters everything. A caller with the
+    home's relays as alternates is answered through the second, and its next call goes there first."""
     async def main():
-        async with Net(DroppingRelay, forward_timeout_s=1.0) as net:
+        async with Net(bad, forward_timeout_s=1.0) as net:
             good_key = kp("relay-good")
             good = NeuronServer(good_key, "127.0.0.1", 0, None, None)
             RelayHost(good_key).mount(good)
@@ -276,12 +277,16 @@ def test_a_caller_goes_around_a_relay_that_drops_and_avoids_it_afterwards():
                 got = await caller.call(net.relay_server.endpoint, home, "/hop", Hop(microbatch_id="a", data=x), Hop,
                                         timeout_s=5, retries=0)
                 assert torch.equal(got.data, x * 2) and net.home.handled == ["a"]
-                assert net.relay_server.endpoint in caller.unreachable
+                assert net.relay_server.endpoint in caller.health.unreachable
                 t0 = time.monotonic()
                 await caller.call(net.relay_server.endpoint, home, "/hop", Hop(microbatch_id="b", data=x), Hop,
                                   timeout_s=5, retries=0)
                 assert time.monotonic() - t0 < 0.9                # straight to the good relay
-                assert net.home.handled == ["a", "b"] and net.relay.status()["counts"]["dropped_lost"] == 1
+                assert net.home.handled == ["a", "b"]
+                if bad is DroppingRelay:
+                    assert net.relay.status()["counts"]["dropped_lost"] == 1
+                else:                                             # the home refused the altered one
+                    assert net.home.server.outcomes.get(Outcome.BAD_SIGNATURE.value) == 1
             finally:
                 stop.set()
                 await asyncio.wait_for(task, 10)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
+import time
 
 import pytest
 import yaml
@@ -68,3 +71,64 @@ def test_home_miners_train_merge_and_are_paid_through_the_validators_relay(tmp_p
         assert home["merge"]["merges"] >= 1 and home["merge"]["last"]["status"] == "merged", home["merge"]
     status = json.loads((tmp_path / "ln" / "validators" / "validator0" / "status.json").read_text())
     assert set(status["relayed"]) == {by_name[f"miner-s{st}-r1"]["hotkey"] for st in range(3)}
+
+
+def _home_run(tmp_path, monkeypatch, wikitext_path, **kw):
+    monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    return LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=16,
+                    out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=420,
+                    home_replicas=1, relays=2, **kw)
+
+
+def _check_paid_and_unflagged(s: dict) -> None:
+    assert s["ended"] == "done", s["ended"]
+    worked = [m for m in s["miners"] if m["work"] > 0]
+    assert len(worked) == 6 and all(m["incentive"] > 0 for m in worked), [(m["name"], m["incentive"]) for m in worked]
+
+
+@pytest.mark.slow          # about 1 min each on 2 cores
+@pytest.mark.parametrize("fault", ["drop", "alter", "replay"])
+def test_home_miners_go_around_a_bad_relay(tmp_path, tmp_home, wikitext_path, monkeypatch, fault):
+    """Two standalone relays, relay 0 (every home miner's axon) misbehaves: the run trains to the end
+    through relay 1, every miner is paid, nobody is flagged, and relay 0's fault did happen."""
+    s = _home_run(tmp_path, monkeypatch, wikitext_path, relay_fault=fault).run()
+    _check_paid_and_unflagged(s)
+    v = json.loads((tmp_path / "ln" / "validators" / "validator0" / "status.json").read_text())
+    assert v["barred"] == [], v["barred"]
+    bad, good = {r["name"]: r for r in s["relays"]}["relay0"], {r["name"]: r for r in s["relays"]}["relay1"]
+    assert bad["counts"].get({"drop": "fault_dropped", "alter": "fault_altered", "replay": "fault_replayed"}[fault], 0) > 0
+    homes = [m for m in s["miners"] if m["name"].endswith("-r1")]
+    assert all(good["relayed"][m["hotkey"]]["requests"] > 0 for m in homes), good["relayed"]
+
+
+@pytest.mark.slow
+def test_home_miners_outlive_a_killed_relay(tmp_path, tmp_home, wikitext_path, monkeypatch):
+    """Relay 0 is killed (SIGKILL) once training runs; the home miners' callers reach them through
+    relay 1 (no republication on chain) and the run ends with every miner paid."""
+    net = _home_run(tmp_path, monkeypatch, wikitext_path)
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.update(summary=net.run()), daemon=True)
+    th.start()
+    vstatus = tmp_path / "ln" / "validators" / "validator0" / "status.json"
+    deadline = time.monotonic() + 300
+    killed = None
+    while time.monotonic() < deadline and th.is_alive() and killed is None:
+        time.sleep(0.5)
+        try:
+            done = sum(json.loads(vstatus.read_text()).get("steps_done", {}).values())
+        except (OSError, ValueError):
+            continue
+        if done >= 6:
+            relay0 = next(c for c in net.children if c.name == "relay0")
+            relay0.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+    assert killed is not None, "training never reached 6 lane steps"
+    th.join(420)
+    assert not th.is_alive()
+    s = result["summary"]
+    _check_paid_and_unflagged(s)
+    axons = _axons(tmp_path / "ln" / "chain.db")
+    relay0_ep = f"127.0.0.1:{net.relay_ports[0]}"
+    assert all(axons[m["hotkey"]] == relay0_ep for m in s["miners"] if m["name"].endswith("-r1"))   # never republished

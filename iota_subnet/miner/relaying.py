@@ -6,11 +6,12 @@
 * ``HOTKEY@ip:port``: a relay that is not on the metagraph;
 * ``auto``: the run's relay hosts, from their commitments (``rh``; validators first), at most two.
 
-The miner attaches to one over an outbound WebSocket (:class:`~iota_subnet.transport.relay.RelayTunnel`,
-the supervised task ``relay``; the next one when it fails), publishes the first relay's address as its
-axon and every relay in its commitment (``rl``), so validators and peers reach it through any of them
-with no configuration of theirs (:class:`~iota_subnet.transport.NeuronClient` tries a neuron's other
-relays when its axon does not answer). Nothing it sends or receives can be forged or replayed by a
+The miner stays attached to every one of them, each over an outbound WebSocket
+(:class:`~iota_subnet.transport.relay.RelayTunnel`, one per relay, all in the supervised task
+``relay``; a tunnel whose relay dies reattaches with backoff), publishes the first relay's address
+as its axon and every relay in its commitment (``rl``), so validators and peers reach it through any
+of them with no configuration of theirs (:class:`~iota_subnet.transport.NeuronClient` tries a
+neuron's other relays when one does not answer, and avoids it for a while). Nothing it sends or receives can be forged or replayed by a
 relay: requests and answers stay signed end to end.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ class MinerRelays:
         self.keypair = keypair
         #: (endpoint, relay hotkey) chosen at :meth:`resolve`; the tunnel, built once the server listens
         self.relays: list[tuple[str, str]] = []
-        self.tunnel: Optional[RelayTunnel] = None
+        self.tunnels: list[RelayTunnel] = []
 
     @property
     def enabled(self) -> bool:
@@ -94,19 +95,25 @@ class MinerRelays:
         return tuple(ep for ep, _ in self.relays)
 
     def open(self, local: str) -> None:
-        """Build the tunnel to the relays for this miner's own server at ``local`` (``ip:port``)."""
-        self.tunnel = RelayTunnel(self.keypair, self.relays, local)
+        """Build a tunnel to each relay for this miner's own server at ``local`` (``ip:port``)."""
+        self.tunnels = [RelayTunnel(self.keypair, [r], local) for r in self.relays]
         logger.info("reached through relay(s) {} (axon {}:{}); this miner accepts no inbound connection",
                     ", ".join(f"{ep} ({hk[:10]})" for ep, hk in self.relays), *self.axon())
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Keep one relay attached until ``stop`` (the supervised task ``relay``)."""
-        if self.tunnel is not None:
-            await self.tunnel.run(stop)
+        """Keep every relay attached until ``stop`` (the supervised task ``relay``)."""
+        await asyncio.gather(*(t.run(stop) for t in self.tunnels))
 
     def status(self) -> Optional[dict]:
-        """For status.json and the dashboard: the relay attached now, the others, counts (None: direct)."""
+        """For status.json and the dashboard: per relay, attached now or not and what came through
+        it; ``counts`` summed over the relays (None: dialled directly)."""
         if not self.enabled:
             return None
-        st = self.tunnel.status() if self.tunnel is not None else {"relay": None, "counts": {}}
-        return {**st, "relays": [{"endpoint": ep, "hotkey": hk} for ep, hk in self.relays]}
+        per = [t.status() for t in self.tunnels]
+        counts: dict[str, int] = {}
+        for st in per:
+            for k, v in st["counts"].items():
+                counts[k] = counts.get(k, 0) + v
+        return {"counts": counts, "attached": [st["relay"] for st in per if st["relay"]],
+                "relays": [{"endpoint": ep, "hotkey": hk, "counts": st["counts"], "last_error": st["last_error"]}
+                           for (ep, hk), st in zip(self.relays, per)]}

@@ -36,7 +36,7 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
                            timeout_s=a.timeout, adversary=a.adversary, chaos=a.chaos,
                            chaos_duration_s=a.chaos_duration, link=a.link, emulate_gpu=a.emulate_gpu,
                            mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale, wire_dtype=a.wire_dtype,
-                           home_replicas=a.home_replicas)
+                           home_replicas=a.home_replicas, relays=a.relays, relay_fault=a.relay_fault)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -120,6 +120,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem", type=float, default=None, help="memory of the emulated GPU in GiB")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="run emulated links and compute this many times slower (host CPU headroom)")
+    p.add_argument("--relays", type=int, default=0, metavar="K",
+                   help="with --home-replicas: K standalone relays (iota-subnet relay) the home miners attach to, "
+                        "all of them at once, instead of the validators")
+    p.add_argument("--relay-fault", default=None, choices=["drop", "drop30", "alter", "replay"],
+                   help="relay 0 misbehaves so (testing: the home miners' callers must go around it)")
     p.add_argument("--home-replicas", type=int, default=0, metavar="N",
                    help="the last N replicas of every stage are home miners: reached only through relays "
                         "(--relay auto), which every validator hosts (--relay-host)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,6 +38,13 @@ from .processes import Child, NeuronProcesses
 NETUID = 9
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def resolved_config_yaml(cfg: RunConfig) -> str:
     d = cfg.to_dict()
     return yaml.safe_dump(d, sort_keys=False)
@@ -55,7 +63,7 @@ class LocalNet(NeuronProcesses, RunSummary):
                  chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
                  link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
                  gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None,
-                 home_replicas: int = 0):
+                 home_replicas: int = 0, relays: int = 0, relay_fault: Optional[str] = None):
         self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
                                    steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
@@ -81,7 +89,16 @@ class LocalNet(NeuronProcesses, RunSummary):
         if not 0 <= int(home_replicas) <= replicas:
             raise ConfigError(f"--home-replicas must be between 0 and --replicas ({replicas}), got {home_replicas}")
         self.home_replicas = int(home_replicas)
-        if self.home_replicas:
+        #: standalone relays (``iota-subnet relay``) the home miners attach to (0: the validators relay);
+        #: ``relay_fault``: relay 0 misbehaves so (:mod:`iota_subnet.sim.relay_faults`)
+        self.n_relays, self.relay_fault = int(relays), relay_fault
+        if self.n_relays and not self.home_replicas:
+            raise ConfigError("--relays needs --home-replicas: nobody would attach to them")
+        if self.relay_fault and not self.n_relays:
+            raise ConfigError("--relay-fault needs --relays")
+        self.relay_wallets: list = []
+        self.relay_ports: list[int] = []
+        if self.home_replicas and not self.n_relays:
             self.extra_validator_args = [*self.extra_validator_args, "--relay-host"]
         #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
         self.adversary = adversary
@@ -130,6 +147,8 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.val_wallets = [create_wallet(f"validator{v}", "default", wallets) for v in range(self.n_validators)]
         self.miner_wallets = {(s, r): create_wallet(f"miner-s{s}-r{r}", "default", wallets)
                               for s in range(self.stages) for r in range(self.replicas)}
+        self.relay_wallets = [create_wallet(f"relay{i}", "default", wallets) for i in range(self.n_relays)]
+        self.relay_ports = [free_port() for _ in range(self.n_relays)]
         asyncio.run(self._register_all())
         for w in self.val_wallets:
             add_stake(self.chain_db, w.hotkey.ss58_address, w.coldkey.ss58_address, 1000.0, netuid=NETUID)
@@ -166,7 +185,11 @@ class LocalNet(NeuronProcesses, RunSummary):
         if self.adversary_pos == (s, r):
             argv += ["--adversary", str(self.adversary)]
         if r >= self.replicas - self.home_replicas:
-            argv += ["--relay", "auto"]
+            if self.n_relays:
+                for rw, port in zip(self.relay_wallets, self.relay_ports):
+                    argv += ["--relay", f"{rw.hotkey.ss58_address}@127.0.0.1:{port}"]
+            else:
+                argv += ["--relay", "auto"]
         return Child(name, "miner", argv, self.out / "logs" / f"{name}.log", out, stage=s)
 
     def _make_children(self) -> None:
@@ -181,6 +204,21 @@ class LocalNet(NeuronProcesses, RunSummary):
                     str(out / "link-control.json"), "--allow-data-fallback", "--dashboard-port", "0",
                     *self.extra_validator_args]
             self.children.append(Child(name, "validator", argv, self.out / "logs" / f"{name}.log", out))
+        self.children.extend(self._relay_children())
+
+    def _relay_children(self) -> list[Child]:
+        """The standalone relays, on fixed ports the home miners were told (only registered hotkeys attach)."""
+        out = []
+        for i, (w, port) in enumerate(zip(self.relay_wallets, self.relay_ports)):
+            name = f"relay{i}"
+            argv = [sys.executable, "-m", "iota_subnet.entry.relay", "--wallet-name", name, "--wallet-path",
+                    str(self.out / "wallets"), "--network", "devnet", "--chain-db", str(self.chain_db), "--netuid",
+                    str(NETUID), "--host", "127.0.0.1", "--port", str(port), "--out", str(self.out / "relays" / name),
+                    "--sync-interval", "2"]
+            if i == 0 and self.relay_fault:
+                argv += ["--fault", self.relay_fault]
+            out.append(Child(name, "relay", argv, self.out / "logs" / f"{name}.log", self.out / "relays" / name))
+        return out
 
     def add_miner(self, stage: int) -> Child:
         """A new miner registers mid-run on ``stage`` and starts (it syncs from its peers)."""
@@ -298,7 +336,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         """Neurons up: miners that serve (their status.json names a port), validators driving lanes."""
         n = sum(1 for s in st if s.get("lanes"))
         for c in self.children:
-            if c.kind == "miner" and c.alive():
+            if c.kind in ("miner", "relay") and c.alive():
                 n += bool(c.status().get("port"))
         return n
 

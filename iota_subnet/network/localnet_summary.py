@@ -115,6 +115,7 @@ class RunSummary:
                  "weights_set_blocks": s.get("weights_set_blocks", []), "val_loss": s.get("val_loss")}
                 for c, s in zip([c for c in self.children if c.kind == "validator"], st)]
         val_losses = [s["val_loss"] for s in st if s.get("val_loss") is not None]
+        relays = [{"name": c.name, **c.status()} for c in self.children if c.kind == "relay"]
         summary = {
             "stages": self.stages, "replicas": self.replicas, "validators": self.n_validators, "steps": self.steps,
             "ended": self.ended, "steps_done": self._steps_done(st),
@@ -142,7 +143,7 @@ class RunSummary:
                       "mismatch_reports": sum((m.get("merge") or {}).get("mismatch_reports", 0) for m in miners)},
             "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
             "link": self.link, "emulation": self.emulation,
-            "miners": miners, "validators_detail": vals, "chain_db": str(self.chain_db),
+            "miners": miners, "validators_detail": vals, "relays": relays, "chain_db": str(self.chain_db),
         }
         if self.chaos is not None:
             summary["chaos"] = {**self.chaos.log.summary(), **self._sample_accounting()}

@@ -61,6 +61,48 @@ def _refusal_from(status: int, body: bytes) -> ProtocolError:
 
 #: seconds an endpoint that stayed unreachable is tried after a receiver's other relays
 AVOID_S = 60.0
+#: seconds a relay that has not answered lately gets before the receiver's next relay is tried
+UNPROVEN_TIMEOUT_S = 5.0
+
+
+class EndpointHealth:
+    """What this process saw of endpoints that reach a receiver through relays: when each last
+    stayed unreachable and last answered. One per process (:func:`endpoint_health`), shared by every
+    client, so a relay that drops traffic is learnt once, not once per client."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.unreachable: dict[str, float] = {}
+        self.answered: dict[str, float] = {}
+
+    def order(self, endpoints: Sequence[str]) -> list[str]:
+        """Recently failed ones last; among the others the one that answered last first."""
+        now = self.clock()
+        return sorted(endpoints, key=lambda ep: (now - self.unreachable.get(ep, -1e18) < AVOID_S,
+                                                 -self.answered.get(ep, -1e18)))
+
+    def proven(self, endpoint: str) -> bool:
+        """It answered within the last AVOID_S seconds."""
+        return self.clock() - self.answered.get(endpoint, -1e18) < AVOID_S
+
+    def ok(self, endpoint: str) -> None:
+        self.unreachable.pop(endpoint, None)
+        self.answered[endpoint] = self.clock()
+
+    def failed(self, endpoint: str) -> None:
+        self.unreachable[endpoint] = self.clock()
+
+
+_HEALTH = EndpointHealth()
+
+
+def endpoint_health() -> EndpointHealth:
+    """The process's :class:`EndpointHealth`."""
+    return _HEALTH
+#: refusals that, through a relay, mean the relay altered or replayed the request (or the answer): with
+#: alternates the call goes on through the receiver's next relay
+RELAY_TAMPERING = frozenset({Outcome.BAD_SIGNATURE, Outcome.REPLAYED_NONCE, Outcome.MALFORMED,
+                             Outcome.WRONG_RECEIVER})
 
 
 class NeuronClient:
@@ -83,7 +125,10 @@ class NeuronClient:
     ``alternates(hotkey)``: other endpoints that reach ``hotkey`` (the relays a neuron behind a NAT
     publishes, :mod:`iota_subnet.transport.relay`); a call whose endpoint stays unreachable after its
     retries is sent once to each in turn, and for :data:`AVOID_S` after that the endpoint that failed
-    is tried last (a relay that drops traffic is avoided). None: no alternates.
+    is tried last (a relay that drops traffic is avoided); the one that answered last is tried first,
+    and one that has not answered lately gets :data:`UNPROVEN_TIMEOUT_S` while another is left. With
+    alternates an endpoint is not retried: the next one is. What answers is shared by the process's
+    clients (:func:`endpoint_health`). None: no alternates.
     """
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
@@ -93,8 +138,8 @@ class NeuronClient:
                  alternates: Optional[Callable[[str], Sequence[str]]] = None):
         self.wallet = wallet
         self.alternates = alternates
-        #: endpoint -> time.monotonic() it last stayed unreachable (with alternates: tried last for AVOID_S)
-        self.unreachable: dict[str, float] = {}
+        #: which of a receiver's endpoints answer (with alternates; shared by the process's clients)
+        self.health = endpoint_health()
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
         self.hotkey: str = self._signer.ss58_address
@@ -171,20 +216,23 @@ class NeuronClient:
         if not alts:
             return await self._call_endpoint(endpoint, receiver_hotkey, path, body, response_type, timeout_s, retries,
                                              backoff_s, response_contract, on_progress)
-        now = time.monotonic()
-        order = [endpoint, *alts]
-        order.sort(key=lambda ep: now - self.unreachable.get(ep, -1e18) < AVOID_S)     # stable: failed ones last
-        last: Optional[TransportError] = None
-        for i, ep in enumerate(order):
+        health = self.health
+        order = health.order([endpoint, *alts])
+        last: Optional[BaseException] = None
+        for i, ep in enumerate(order):        # one attempt each: the next relay rather than the same again
+            # a relay that has not answered lately gets a short try while another one is left to try
+            t = timeout_s if i + 1 == len(order) or health.proven(ep) else min(timeout_s, UNPROVEN_TIMEOUT_S)
             try:
-                reply = await self._call_endpoint(ep, receiver_hotkey, path, body, response_type, timeout_s,
-                                                  retries if i == 0 else 0, backoff_s, response_contract, on_progress)
-                self.unreachable.pop(ep, None)
+                reply = await self._call_endpoint(ep, receiver_hotkey, path, body, response_type, t,
+                                                  0, backoff_s, response_contract, on_progress)
+                health.ok(ep)
                 return reply
-            except TransportError as e:
-                self.unreachable[ep] = time.monotonic()
-                logger.debug("{}{} unreachable for {}; {}", ep, path, receiver_hotkey[:10],
-                             "trying the next of its relays" if i + 1 < len(order) else "none left")
+            except (TransportError, ProtocolError) as e:
+                if isinstance(e, ProtocolError) and e.outcome not in RELAY_TAMPERING:
+                    raise                 # the receiver's own refusal: the same through any relay
+                health.failed(ep)
+                logger.debug("{}{} for {}: {}; trying the next of its relays if any", ep, path,
+                             receiver_hotkey[:10], e)
                 last = e
         raise last
 
