@@ -89,16 +89,18 @@ def _check_paid_and_unflagged(s: dict) -> None:
 
 
 @pytest.mark.slow          # about 1 min each on 2 cores
-@pytest.mark.parametrize("fault", ["drop", "alter", "replay"])
+@pytest.mark.parametrize("fault", ["drop", "alter"])
 def test_home_miners_go_around_a_bad_relay(tmp_path, tmp_home, wikitext_path, monkeypatch, fault):
     """Two standalone relays, relay 0 (every home miner's axon) misbehaves: the run trains to the end
-    through relay 1, every miner is paid, nobody is flagged, and relay 0's fault did happen."""
+    through relay 1, every miner is paid, nobody is flagged, and relay 0's fault did happen. (A
+    replaying relay needs no way around: the first answer is right and the replay is refused,
+    tests/test_relay.py.)"""
     s = _home_run(tmp_path, monkeypatch, wikitext_path, relay_fault=fault).run()
     _check_paid_and_unflagged(s)
     v = json.loads((tmp_path / "ln" / "validators" / "validator0" / "status.json").read_text())
     assert v["barred"] == [], v["barred"]
     bad, good = {r["name"]: r for r in s["relays"]}["relay0"], {r["name"]: r for r in s["relays"]}["relay1"]
-    assert bad["counts"].get({"drop": "fault_dropped", "alter": "fault_altered", "replay": "fault_replayed"}[fault], 0) > 0
+    assert bad["counts"].get({"drop": "fault_dropped", "alter": "fault_altered"}[fault], 0) > 0
     homes = [m for m in s["miners"] if m["name"].endswith("-r1")]
     assert all(good["relayed"][m["hotkey"]]["requests"] > 0 for m in homes), good["relayed"]
 
