@@ -130,3 +130,15 @@ def test_heartbeat_due_when_neither_weights_nor_commitment_are_recent():
     assert not heartbeat_due([_neuron(0, "me", text=ours, published=900, last_update=0)], "me", 1000, 210)
     assert heartbeat_due([_neuron(0, "me", text=ours, published=800, last_update=0)], "me", 1000, 210)
     assert not heartbeat_due([_neuron(0, "me", text=ours, published=0, last_update=950)], "me", 1000, 210)
+
+
+def test_relays_in_a_miners_commitment_are_checked_both_ways():
+    c = RunCommitment("run", MINER, stage=1, relays=("10.0.0.1:8091", "relay.example.org:443"))
+    assert RunCommitment.decode(c.encode()) == c
+    for bad in (("10.0.0.1",), ("10.0.0.1:0",), ("10.0.0.1:65536",), (":8091",), ("a:1",) * 5, ("x" * 70 + ":1",)):
+        with pytest.raises(ValueError):
+            RunCommitment("run", MINER, stage=1, relays=bad).encode()
+        raw = json.dumps({"v": 2, "r": "run", "e": 0, "k": "m", "s": 1, "rl": list(bad)})
+        assert RunCommitment.decode(raw) is None, bad
+    assert RunCommitment.decode(json.dumps({"v": 2, "r": "run", "e": 0, "k": "v", "rh": 2})) is None
+    assert RunCommitment.decode(json.dumps({"v": 2, "r": "run", "e": 0, "k": "v", "rh": 1})).relay_host
