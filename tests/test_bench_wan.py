@@ -37,8 +37,13 @@ def test_rows_are_the_issues_table(bench):
         assert cfg.pipeline.compression_ratio == r.compression_ratio and cfg.data.seq_len == 2048
         assert cfg.train.micro_batch == r.rows_per_microbatch == 1
         assert cfg.data.tokenizer is None               # emulation needs no hub tokenizer
-    (one_b,) = [r for r in rows if r.config.endswith("1b.yaml")]
+    one_b, public, home = [r for r in rows if r.config.endswith("1b.yaml")]
     assert (one_b.gpu, one_b.stages, one_b.replicas, one_b.link) == ("4090", 4, 4, "100mbit:50ms")
+    # Train at Home: the same row with public miners, and with one replica of every stage behind a relay
+    assert [(r.gpu, r.stages, r.replicas, r.link, r.home_replicas) for r in (public, home)] == \
+        [("4090", 4, 2, "20mbit:100ms", 0), ("4090", 4, 2, "20mbit:100ms", 1)]
+    assert "--home-replicas" not in bench.localnet_argv(public, Path("o"), "d")
+    assert bench.localnet_argv(home, Path("o"), "d")[-2:] == ["--home-replicas", "1"]
     checked = set()
     for r in rows:
         parse_link(r.link)
