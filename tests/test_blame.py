@@ -1,20 +1,21 @@
 """Output nobody can use is charged to the miner that sent it, and the lanes route around it.
 
 A whole p2p network in process (3 stages x 2 replicas, real HTTP, real text): the head of lane 0
-corrupts its training forwards from lane step 1 on (through the public ``send`` of its data plane:
-non-finite values, a wrong shape or dtype, content not matching the root it committed); its
-next-stage peer refuses each hop and proves it to the validator with the sender's signed body. In
-the last case a colluding tail (lane 1) also reports NaN losses. Each run checks that every lane
-step completes in both lanes, the bad miners are barred with weight 0, no honest miner is charged
-a failure, and the honest miners hold at least 95 % of the weights. About 10-15 s each on 2 cores
-(6 network tests: about 70 s together). The judge alone: a report proves only bytes the sender signed
-for the reporter (a relay or a forger frames nobody).
+corrupts its training forwards from lane step 1 on (:mod:`iota_subnet.sim.bad_output`: its data
+plane transport sends non-finite values, a wrong shape or dtype, content not matching the root it
+committed); its next-stage peer refuses each hop and proves it to the validator with the sender's
+signed body. In the last case a colluding tail (lane 1) also reports NaN losses. Each run checks
+that every lane step completes in both lanes, the bad miners are barred with weight 0, no honest
+miner is charged a failure, and the honest miners hold at least 95 % of the weights. About 10-15 s
+each on 2 cores (6 network tests: about 70 s together). The localnet form, with spares and bad output
+from lane step 5, is ``tests/test_bad_output_localnet.py`` (slow). The judge alone: a report proves
+only bytes the sender signed for the reporter (a relay or a forger frames nobody).
 """
 from __future__ import annotations
 
 import pytest
 
-from support.bad_outputs import MODES, corrupt_forwards, nan_losses
+from iota_subnet.sim.bad_output import MODES, bad_output_parts
 from support.dataplane_net import P2PNet, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,14 +23,17 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 3
 
 
-async def _train_with(net: P2PNet, bad: dict) -> None:
+async def _train_with(net: P2PNet, bad: dict[tuple[int, int], str]) -> None:
+    await net.start(per_miner=lambda s, r: {"parts": bad_output_parts(bad[(s, r)], from_step=1)}
+                    if (s, r) in bad else {})
     vali = net.validator(steps=STEPS)
     assert await vali.run() == 0
     st = net.status()
     assert st["done"] and st["steps_done"] == {"0": STEPS, "1": STEPS}, st
+    corrupted = {k: net.miners[k].node.transport.status()["corrupted"] for k in bad}
+    assert all(corrupted.values()), corrupted           # the bad miners did send bad output
     hk = {k: w.hotkey.ss58_address for k, w in net.miner_wallets.items()}
     bad_hk = {hk[k] for k in bad}
-    assert all(c for c in bad.values()), bad        # the bad miners did send bad output
     barred = {h for _, h in st["barred"]}
     assert barred == bad_hk, (st["barred"], st["blame"])
     for (uid, h), rec in vali.ledger.records.items():
@@ -48,10 +52,8 @@ def test_a_head_whose_output_is_refused_is_charged_and_routed_around(mode, tmp_h
                                                                       cache_dir):
     async def main():
         net = P2PNet(tmp_path, wikitext_path, cache_dir)
-        await net.start()
         try:
-            bad = {(0, 0): corrupt_forwards(net.miners[(0, 0)], mode, from_step=1)}
-            await _train_with(net, bad)
+            await _train_with(net, {(0, 0): f"bad-{mode}"})
         finally:
             await net.close()
 
@@ -61,11 +63,8 @@ def test_a_head_whose_output_is_refused_is_charged_and_routed_around(mode, tmp_h
 def test_a_bad_head_and_a_colluding_tail_reporting_nan_losses(tmp_home, tmp_path, wikitext_path, cache_dir):
     async def main():
         net = P2PNet(tmp_path, wikitext_path, cache_dir)
-        await net.start()
         try:
-            bad = {(0, 0): corrupt_forwards(net.miners[(0, 0)], "inf", from_step=1),
-                   (2, 1): nan_losses(net.miners[(2, 1)], from_step=1)}
-            await _train_with(net, bad)
+            await _train_with(net, {(0, 0): "bad-inf", (2, 1): "nan-loss"})
         finally:
             await net.close()
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 HK = [f"5Hotkey{i:02d}" for i in range(8)]
 
 
-def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None, hidden=32):
+def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None, hidden=32, options=None):
     net = transport or InProcessTransport()
     engines, mods = [], []
     for i in range(n):
@@ -31,7 +31,8 @@ def make_replicas(n, cfg, *, seed=0, tamper=None, steps=3, transport=None, hidde
             e = TamperingMergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
                                      tamper=tamper[1])
         else:
-            e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1)
+            e = MergeEngine(HK[i], cfg, ModuleParams(m), net.view(HK[i]), run_id="r", stage=1,
+                            options=(options or {}).get(i, MergeEngineOptions()))
         net.register(HK[i], e.handle)
         engines.append(e)
     # local training: different data per replica
@@ -476,3 +477,19 @@ def test_an_unreachable_peer_does_not_hold_the_lane_for_the_join_timeout():
     reps = asyncio.run(merge_all(engines, 0, alive=[0, 1]))
     assert all(r.applied and r.participants == HK[:2] and r.missing == [HK[2]] for r in reps)
     assert time.monotonic() - t0 < 10 and torch.equal(flat(mods[0]), flat(mods[1]))
+
+
+def test_a_spare_that_trains_in_no_lane_is_not_waited_for_at_the_join():
+    """A spare (a replica the validators never handed a lane) answers the join but can never reach a
+    boundary: its stage's replicas merged only after the join timeout (30 s by default) at every
+    first merge of a run with spares. Now it says so in its answer and is not waited for; it takes
+    no part and keeps its weights."""
+    import time
+    cfg = MergeConfig(every_steps=1, **{**FAST, "join_timeout_s": 20.0})
+    net, engines, mods = make_replicas(3, cfg, options={2: MergeEngineOptions(spare_fn=lambda: True)})
+    before = flat(mods[2]).clone()
+    t0 = time.monotonic()
+    reps = asyncio.run(merge_all(engines, 0, alive=[0, 1]))
+    assert all(r.applied and r.participants == HK[:2] for r in reps), reps
+    assert time.monotonic() - t0 < 10 and torch.equal(flat(mods[0]), flat(mods[1]))
+    assert torch.equal(flat(mods[2]), before)

@@ -399,3 +399,27 @@ def test_a_starting_validator_waits_for_a_permit_holder_without_a_commitment():
     assert syncs == 2 and took < 5.0
     syncs, took = asyncio.run(go(lands_after=10**6, wait_s=2.0))     # never publishes: bounded
     assert 1 <= syncs <= 3 and 1.5 < took < 5.0
+
+
+def test_barring_a_miner_fails_every_flight_still_running_through_it_at_once():
+    """Tickets issued ahead (8 steps) still named a barred head: each waited out a stall timeout
+    (3-10 s per lane step) before its re-issue routed around it."""
+    import asyncio
+
+    from iota_subnet.protocol import Ticket
+    from iota_subnet.validator.flights import FlightBook
+
+    def t(step, route):
+        return Ticket(run_id="r", validator="v", lane=0, step=step, index=0, microbatch_id=f"mb-{step}",
+                      split="train", seed=0, start=0, rows=2, seq_len=32, width=16, wire_dtype="bf16", train=True,
+                      micro_per_step=1, route=route)
+
+    async def main():
+        book = FlightBook(clock=lambda: 0.0)
+        for step, route in ((5, ("bad", "b", "c")), (6, ("bad", "b", "c")), (7, ("a", "b", "c"))):
+            book.open(t(step, route))
+        book.flights["mb-5"].done = True
+        assert book.fail_through("bad", "barred") == 1
+        assert [book.index_state(0, s, 0) for s in (5, 6, 7)] == ["done", "failed", "running"]
+        assert book.flights["mb-6"].unreachable == {"bad"}
+    asyncio.run(main())

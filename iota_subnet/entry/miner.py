@@ -22,8 +22,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
-                        "noisy-update, precision, accuse, dodge; see iota_subnet/sim/adversary.py) so validators' "
-                        "verification can be exercised")
+                        "noisy-update, precision, accuse, dodge; see iota_subnet/sim/adversary.py), or send bad "
+                        "output from lane step 5 on (bad-inf, bad-nan, bad-shape, bad-dtype, bad-hash, nan-loss; "
+                        "iota_subnet/sim/bad_output.py) so validators' verification can be exercised")
     m.add_argument("--register", action="store_true",
                    help="register the hotkey if it is not (burns TAO from the coldkey; needs --max-burn)")
     m.add_argument("--max-burn", type=float, default=None, metavar="TAO",
@@ -102,9 +103,9 @@ async def run_miner(args: argparse.Namespace) -> int:
     external_ip = args.external_ip if args.relay else check_external_ip(args.network, args.external_ip,
                                                                          args.allow_private_ip)
     if args.adversary:
-        from iota_subnet.sim.adversary import ADVERSARY_KINDS
-        if args.adversary not in ADVERSARY_KINDS:
-            raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
+        from iota_subnet.sim.adversary import ALL_KINDS
+        if args.adversary not in ALL_KINDS:
+            raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ALL_KINDS)}")
     cfg = load_config(args.config)
     emulation = emulation_of(args)
     if emulation is not None and args.adversary:

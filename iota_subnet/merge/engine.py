@@ -131,6 +131,9 @@ class MergeEngineOptions:
     the merge weights from the chain. ``observer``: signs and checks merge claims
     (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
     ``step_fn() -> int``: this replica's inner step (said in join answers; None: -1).
+    ``spare_fn() -> bool``: True while this replica trains in no lane (a spare never handed one;
+    said in join answers, so that its stage's replicas do not wait for it at a boundary it cannot
+    reach; None: never).
     """
 
     weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None
@@ -139,6 +142,7 @@ class MergeEngineOptions:
     before_attempt: Optional[Callable[[], Any]] = None
     observer: Any = None
     step_fn: Optional[Callable[[], int]] = None
+    spare_fn: Optional[Callable[[], bool]] = None
 
 
 class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
@@ -153,7 +157,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
     def __init__(self, me: str, cfg: MergeConfig, params: ModuleParams, transport: Optional[PeerTransport] = None, *,
                  run_id: str = "", stage: int = 0, options: MergeEngineOptions = MergeEngineOptions()):
         self.me, self.cfg, self.params, self.transport = me, cfg, params, transport
-        self.step_fn = options.step_fn
+        self.step_fn, self.spare_fn = options.step_fn, options.spare_fn
         self.observer = options.observer
         self.run_id, self.stage = run_id, stage
         self.weights_fn, self.work_fn, self.on_applied = options.weights_fn, options.work_fn, options.on_applied
@@ -192,6 +196,9 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
 
     def _inner_step(self) -> int:
         return int(self.step_fn()) if self.step_fn is not None else -1
+
+    def _spare(self) -> bool:
+        return bool(self.spare_fn()) if self.spare_fn is not None else False
 
     def window_work(self) -> float:
         """Work done since the last merge (1.0 without ``work_fn``: every replica weighs the same)."""

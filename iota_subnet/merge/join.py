@@ -65,8 +65,9 @@ class MergeJoining:
         boundary. Lanes can reach a boundary more than a step apart (a validator restart, a
         reroute): were the first replica to give up on its peer after the grace, the peer, arriving
         seconds later, would find the epoch closed and go alone too (two "alone" merges instead of
-        one; ``docs/BENCHMARKS.md``, "Design notes moved from docstrings"). A peer that does not advance (a
-        spare), or stopped advancing a grace period ago, is still given up."""
+        one; ``docs/BENCHMARKS.md``, "Design notes moved from docstrings"). A peer that does not advance,
+        or stopped advancing a grace period ago, is still given up; a peer that says it trains in no
+        lane (``spare``) at its first answer."""
         started = time.monotonic()
         if deadline is None:
             # a later attempt also covers a peer still ending the previous one: cut at the phase timeout,
@@ -85,6 +86,12 @@ class MergeJoining:
         behind_ok = max(1, int(self.cfg.every_steps) // 2)
         first = True
         while True:
+            # validators may exclude a peer while it is waited for (merge weight 0: barred as a cheater,
+            # it no longer trains and never gets here): read the weights again
+            w = self._weights([p for p in want if p not in ready])
+            for p in [p for p in want if p not in ready and w.get(p, 1.0) <= 0]:
+                want.remove(p)
+                out.not_ready.add(p)
             # excluded peers are still asked once: one of them may have completed this epoch (then we are late)
             todo = [p for p in want if p not in ready] + ([p for p in peers if p in exclude and p != self.me]
                                                           if first else [])
@@ -111,7 +118,11 @@ class MergeJoining:
                         near.add(p)
                     else:
                         near.discard(p)
-                    if r.merged_epoch > self.merged_epoch:
+                    if r.spare and r.ready_epoch != epoch:
+                        if p in want:             # trains in no lane: never at a boundary, not waited for
+                            want.remove(p)
+                            out.not_ready.add(p)
+                    elif r.merged_epoch > self.merged_epoch:
                         out.ahead.append(p)       # it holds newer merged weights: this replica is late
                     elif r.merged_epoch < self.merged_epoch or not r.in_sync:
                         # behind: it pulls first, never mixing its old state into this merge. One at this

@@ -128,7 +128,7 @@ class MergeServing:
                          closed_epoch=max([self.merged_epoch] + [e for e, a in self.closed_epochs.items()
                                                                  if a >= self.cfg.max_attempts]),
                          in_sync=self.in_sync, work=self.ready_work,
-                         inner_step=self._inner_step())
+                         inner_step=self._inner_step(), spare=self._spare())
 
     def _late(self, epoch: int, attempt: int) -> bool:
         return epoch <= self.merged_epoch or self.closed_epochs.get(epoch, -1) >= attempt

@@ -22,6 +22,10 @@ event loop once the service has its stage and uid.
 ``make_update_audit_route(store, run_id, stage)``: the ``/audit/update`` handler, by default an
 :class:`~iota_subnet.miner.update_store.UpdateAuditRoute`.
 
+``make_dataplane_transport(wallet, endpoint_of, refresh, hop_timeout_s, alternates=)``: how the data
+plane's hops, receipts and refusal reports travel, a
+:class:`~iota_subnet.miner.dataplane.transport.HttpDataPlaneTransport` (same arguments).
+
 ``status``: fields added to the service's status (``status.json``), e.g. what the parts emulate.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ from loguru import logger
 from iota_subnet.config import RunConfig
 from iota_subnet.merge import MergeEngine
 from iota_subnet.miner.activation_cache import ActivationCache
+from iota_subnet.miner.dataplane.transport import HttpDataPlaneTransport
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.stage_worker import StageWorker
 from iota_subnet.miner.update_store import UpdateAuditRoute
@@ -85,4 +90,5 @@ class MinerParts:
     make_merge_engine: Callable[..., MergeEngine] = MergeEngine
     make_hop_audit_routes: Callable[..., HopAuditRoutes] = HopAuditRoutes
     make_update_audit_route: Callable[[Any, str, int], Callable] = UpdateAuditRoute
+    make_dataplane_transport: Callable[..., Any] = HttpDataPlaneTransport
     status: dict[str, Any] = field(default_factory=dict)

@@ -210,11 +210,13 @@ class MinerService:
                           relays_of=view.relays_of)
         tunables = DataPlaneTunables(max_in_flight=in_flight_window(self.cfg, o.max_in_flight, bound),
                                      hop_timeout_s=o.hop_timeout_s, boot=self.started_at)
+        transport = self.parts.make_dataplane_transport(self.wallet, view.endpoint_of, links.refresh,
+                                                        o.hop_timeout_s, alternates=view.relays_of)
         self.node = DataPlaneNode(self.worker, self.wallet,
                                   shape=TicketShape.of_run(self.cfg, run_id=self.run_id, width=b, max_rows=mb),
                                   stage=self.stage, compute=self.compute.run, links=links,
                                   parts=NodeParts(rows=rows, hops=self.audits.hops, updates=self.worker.updates,
-                                                  supervisor=self.sup),
+                                                  supervisor=self.sup, transport=transport),
                                   tunables=tunables)
         for client in (self.node.transport.hop_client, self.node.transport.receipt_client):  # hops, receipts: metrics
             client.on_request = self.metrics.observe_hop

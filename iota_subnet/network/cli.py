@@ -36,7 +36,8 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
                            timeout_s=a.timeout, adversary=a.adversary, chaos=a.chaos,
                            chaos_duration_s=a.chaos_duration, link=a.link, emulate_gpu=a.emulate_gpu,
                            mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale, wire_dtype=a.wire_dtype,
-                           home_replicas=a.home_replicas, relays=a.relays, relay_fault=a.relay_fault)
+                           home_replicas=a.home_replicas, relays=a.relays, relay_fault=a.relay_fault,
+                           spares=a.spares)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -102,7 +103,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adversary", default=None, metavar="KIND",
                    help="one replica of the middle stage cheats this way (random, zero, lazy, replay, copy, stale, "
                         "claim, noisy-update, precision, dodge; poison (turns merging on) and accuse need merging "
-                        "and 3 or more replicas); summary.json lists adversary_uids and each miner's weight")
+                        "and 3 or more replicas); or the output of a stage-0 miner goes bad from lane step 5 on "
+                        "(bad-inf, bad-nan, bad-shape, bad-dtype, bad-hash), or a tail reports NaN losses (nan-loss); "
+                        "several kinds: comma separated, e.g. bad-inf,nan-loss; summary.json lists adversary_uids "
+                        "and each miner's weight")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="validators drive --replicas minus N lanes: N replicas of every stage wait as spares, "
+                        "handed a lane whose member departs or is barred")
     p.add_argument("--chaos", default=None, metavar="SPEC",
                    help="inject faults on a seeded schedule, e.g. kill=2/min,pause=1/min,join=0.5/min,seed=7,min_live=2 "
                         "(kinds: kill, pause, leave, join, partition, slow, validator-kill; rates per minute, or /s; "

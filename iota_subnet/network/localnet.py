@@ -31,7 +31,7 @@ from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
 from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
-from .localnet_args import emulation_argv, localnet_config, wire_dtype_argv
+from .localnet_args import adversary_positions, emulation_argv, localnet_config, wire_dtype_argv
 from .localnet_summary import RunSummary
 from .processes import Child, NeuronProcesses
 
@@ -63,7 +63,7 @@ class LocalNet(NeuronProcesses, RunSummary):
                  chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
                  link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
                  gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None,
-                 home_replicas: int = 0, relays: int = 0, relay_fault: Optional[str] = None):
+                 home_replicas: int = 0, relays: int = 0, relay_fault: Optional[str] = None, spares: int = 0):
         self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
                                    steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
@@ -100,9 +100,16 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.relay_ports: list[int] = []
         if self.home_replicas and not self.n_relays:
             self.extra_validator_args = [*self.extra_validator_args, "--relay-host"]
-        #: cheater-suite kind run by one replica of the middle stage (``stages // 2``, last replica); None = all honest
+        #: ``--adversary``: the cheater-suite or bad-output kinds, ``(stage, replica) -> kind`` (empty: all
+        #: honest; see :func:`~.localnet_args.adversary_positions`)
         self.adversary = adversary
-        self.adversary_pos = (self.stages // 2, replicas - 1) if adversary else None
+        self.adversary_pos = adversary_positions(adversary, self.stages, replicas)
+        #: replicas per stage that validators keep as spares (they drive ``replicas - spares`` lanes)
+        if not 0 <= int(spares) < replicas:
+            raise ConfigError(f"--spares must be between 0 and --replicas - 1 ({replicas - 1}), got {spares}")
+        self.lanes = replicas - int(spares)
+        if spares:
+            self.extra_validator_args = [*self.extra_validator_args, "--lanes", str(self.lanes)]
         self.val_wallets: list = []            # built by :meth:`prepare`
         self.miner_wallets: dict = {}          # (stage, replica) -> wallet, built by :meth:`prepare`
         self.children: list[Child] = []
@@ -182,8 +189,8 @@ class LocalNet(NeuronProcesses, RunSummary):
         argv = [sys.executable, "-m", "iota_subnet.entry.miner", *self._common(name), "--stage", str(s), "--out",
                 str(out), "--no-register", *self._data_args(), "--link-control", str(out / "link-control.json"),
                 "--allow-data-fallback", *self.extra_miner_args]
-        if self.adversary_pos == (s, r):
-            argv += ["--adversary", str(self.adversary)]
+        if (s, r) in self.adversary_pos:
+            argv += ["--adversary", self.adversary_pos[(s, r)]]
         if r >= self.replicas - self.home_replicas:
             if self.n_relays:
                 for rw, port in zip(self.relay_wallets, self.relay_ports):
@@ -443,13 +450,13 @@ class LocalNet(NeuronProcesses, RunSummary):
             return []
 
     def adversary_uids(self) -> list[int]:
-        if not self.adversary_pos:
-            return []
-        s, r = self.adversary_pos
-        try:
-            return [int(json.loads((self.miner(f"miner-s{s}-r{r}").out / "status.json").read_text())["uid"])]
-        except (OSError, ValueError, KeyError, TypeError, StopIteration):
-            return []
+        uids = []
+        for s, r in sorted(self.adversary_pos):
+            try:
+                uids.append(int(json.loads((self.miner(f"miner-s{s}-r{r}").out / "status.json").read_text())["uid"]))
+            except (OSError, ValueError, KeyError, TypeError, StopIteration):
+                pass
+        return uids
 
 
 def run_localnet(**kw) -> dict:

@@ -34,9 +34,7 @@ def localnet_config(config: str, overrides: Optional[dict], *, stages: Optional[
     ovr.setdefault("train", {})["total_steps"] = steps
     cfg = load_config(config, ovr)
     if adversary is not None:
-        from iota_subnet.sim.adversary import ADVERSARY_KINDS
-        if adversary not in ADVERSARY_KINDS:
-            raise ConfigError(f"unknown --adversary {adversary!r}; one of {', '.join(ADVERSARY_KINDS)}")
+        adversary_positions(adversary, cfg.pipeline.stages, replicas)      # the kinds and where they go
         if adversary == "poison" and replicas < 3:
             raise ConfigError("--adversary poison needs --replicas 3 or more: a poisoning reducer is penalised "
                               "when two other replicas of its stage prove it wrong (with two replicas either "
@@ -47,6 +45,30 @@ def localnet_config(config: str, overrides: Optional[dict], *, stages: Optional[
         cfg = load_config(config, ovr)
         logger.info("--adversary poison: merging every 5 inner steps (merge.every_steps)")
     return cfg
+
+
+def adversary_positions(adversary: Optional[str], stages: int, replicas: int) -> dict[tuple[int, int], str]:
+    """Where ``--adversary KIND[,KIND...]`` puts each kind: ``(stage, replica) -> kind``. A cheater
+    (:data:`~iota_subnet.sim.adversary.ADVERSARY_KINDS`) is the middle stage's last replica; a
+    ``bad-*`` kind the first replica of stage 0 (a head whose forwards go bad); ``nan-loss`` the
+    second replica of the last stage (a tail in another lane, colluding with a ``bad-*`` head).
+    Raises ConfigError for an unknown kind or two kinds on one miner."""
+    from iota_subnet.sim.adversary import ALL_KINDS
+    out: dict[tuple[int, int], str] = {}
+    for kind in (k.strip() for k in (adversary or "").split(",") if k.strip()):
+        if kind not in ALL_KINDS:
+            raise ConfigError(f"unknown --adversary {kind!r}; one of {', '.join(ALL_KINDS)}")
+        if kind.startswith("bad-"):
+            pos = (0, 0)
+        elif kind == "nan-loss":
+            pos = (stages - 1, min(1, replicas - 1))
+        else:
+            pos = (stages // 2, replicas - 1)
+        if pos in out:
+            raise ConfigError(f"--adversary {adversary!r}: {out[pos]} and {kind} would be the same miner "
+                              f"(stage {pos[0]}, replica {pos[1]})")
+        out[pos] = kind
+    return out
 
 
 def fixed_layer_split(config: str, overrides: dict) -> Optional[list]:

@@ -66,10 +66,14 @@ from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.parts import MinerParts, make_worker
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
 from iota_subnet.protocol import MergeResult, MergeResultRequest, Outcome, ProtocolError
+from iota_subnet.sim.bad_output import BAD_OUTPUT_KINDS, bad_output_parts
 
 #: Adversary kinds this module implements (``poison`` needs merging: ``merge.every_steps`` > 0).
 ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim", "poison", "noisy-update", "precision",
                    "accuse", "dodge")
+#: Every kind ``--adversary`` takes: the cheaters above and the miners whose output goes bad
+#: (:data:`iota_subnet.sim.bad_output.BAD_OUTPUT_KINDS`).
+ALL_KINDS = ADVERSARY_KINDS + BAD_OUTPUT_KINDS
 
 
 class AdversaryError(ValueError):
@@ -77,9 +81,9 @@ class AdversaryError(ValueError):
 
 
 def check_kind(kind: str) -> None:
-    """Raises :class:`AdversaryError` unless ``kind`` is one of :data:`ADVERSARY_KINDS`."""
-    if kind not in ADVERSARY_KINDS:
-        raise AdversaryError(f"unknown adversary {kind!r}; one of {', '.join(ADVERSARY_KINDS)}")
+    """Raises :class:`AdversaryError` unless ``kind`` is one of :data:`ALL_KINDS`."""
+    if kind not in ALL_KINDS:
+        raise AdversaryError(f"unknown adversary {kind!r}; one of {', '.join(ALL_KINDS)}")
 
 
 # ---- merges: poison, accuse ---------------------------------------------------------------------
@@ -435,10 +439,14 @@ def adversary_parts(kind: str, cfg: RunConfig, *, accomplices: tuple = ()) -> Mi
     a :class:`CheatingStageWorker` (``copy`` fetches a replica's weights with the service's
     :meth:`~iota_subnet.miner.service.MinerService.peer_weights`; the noise is seeded by its uid),
     for ``poison`` a :class:`TamperingMergeEngine`, for ``accuse`` an :class:`AccusingMergeEngine`
-    (never accusing ``accomplices``), for ``dodge`` a :class:`Dodger` behind its audit routes. Its
+    (never accusing ``accomplices``), for ``dodge`` a :class:`Dodger` behind its audit routes; for a
+    kind of :data:`~iota_subnet.sim.bad_output.BAD_OUTPUT_KINDS` an honest miner whose data plane
+    transport corrupts its output (:func:`~iota_subnet.sim.bad_output.bad_output_parts`). Its
     status says ``adversary``. Raises :class:`AdversaryError`, and :class:`ConfigError` for a merge
     cheat in a run that does not merge."""
     check_kind(kind)
+    if kind in BAD_OUTPUT_KINDS:
+        return bad_output_parts(kind)
     if kind == "poison" and not cfg.merge.enabled:
         raise ConfigError("--adversary poison poisons replica merges: enable merging (merge.every_steps "
                           "or merge.every_blocks > 0 in the config)")

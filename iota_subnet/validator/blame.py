@@ -157,10 +157,12 @@ class BlameBook:
         logger.warning("uid {} ({}) charged: {}", rep.uid, hotkey[:10], why[:300])
         if self.charges[rep.key] >= self.bar_after and rep.key not in p.router.barred:
             reason = f"{self.charges[rep.key]} proven refusals of its output, last: {why[:160]}"
-            if self.flag is not None:
-                self.flag(rep.key, rep.stage, reason)
             p.router.bar([rep.key])
-            logger.warning("uid {} ({}) is barred: {}", rep.uid, hotkey[:10], reason)
+            if self.flag is not None:      # flagged for the weights; a spare takes its lane seat
+                self.flag(rep.key, rep.stage, reason)
+            n = p.book.fail_through(hotkey, f"route through {hotkey[:10]}, barred: {reason[:160]}")
+            logger.warning("uid {} ({}) is barred: {}; {} micro-batch(es) in flight through it re-issued", rep.uid,
+                           hotkey[:10], reason, n)
         return rep.key
 
     def on_refused_receipts(self, caller: str, headers: Any, path: str, body: bytes, err: ProtocolError) -> None:

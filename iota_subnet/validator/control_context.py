@@ -42,7 +42,7 @@ class ControlOptions:
 
     Observers (the audit scheduler): ``on_receipt(ticket, receipt, reporter's hotkey)`` for every
     accepted receipt, ``on_hop((uid, hotkey), ok, when)`` for every training hop outcome per miner.
-    ``on_flag((uid, hotkey), stage, reason)``: a miner proven to have sent bad output is barred
+    ``on_flag((uid, hotkey), stage, reason)``: a miner proven to have sent bad output was barred
     (:class:`~.blame.BlameBook`'s ``flag``; e.g. the audit policy's flag, weight 0).
     """
 

@@ -110,6 +110,17 @@ class FlightBook:
             fl.future.set_result(None)
         self.wake(fl.ticket.lane)
 
+    def fail_through(self, hotkey: str, error: str) -> int:
+        """Mark failed every flight still running whose route goes through ``hotkey`` (a miner just
+        barred: tickets issued ahead still name it, and each would otherwise wait out a stall timeout
+        before its re-issue routes around it). Returns how many."""
+        n = 0
+        for mb_id, fl in list(self.flights.items()):
+            if not fl.done and not fl.failed and hotkey in fl.ticket.route:
+                self.fail(mb_id, error, unreachable=[hotkey])
+                n += 1
+        return n
+
     def forget(self, lane: int, step: int) -> None:
         """Drop the flights and attempts of ``lane``'s steps up to ``step`` (forward-only ones excepted)."""
         for key in [k for k in self.attempts if k[0] == lane and k[1] <= step]:

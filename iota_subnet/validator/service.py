@@ -253,6 +253,13 @@ class ValidatorService:
             self.publisher.set_commitment(self.advert())
         await self.publisher.sync()
 
+    def _on_proven_fault(self, key: tuple[int, str], stage: int, why: str) -> None:
+        """A miner barred for output it was proven to send: flagged for the weights, and a spare of its
+        stage takes its lane seat now (not at the next metagraph sync), before the re-issued
+        micro-batches that went through it are routed."""
+        self.audits.stat(*key, stage).flag(why)
+        self.view.reassign(self.router, self.n_lanes, self.state)
+
     def _bar_flagged(self) -> None:
         """Bar newly flagged miners from routing and save the flags at once, so that a restarted
         validator bars them again (saved only with the next weights set, they would be lost by a
@@ -390,7 +397,7 @@ class ValidatorService:
                                     lookahead=t.ticket_lookahead, stall_s=t.stall_s, wire_dtype=t.wire_dtype,
                                     on_receipt=self.auditing.on_receipt if self.auditing else None,
                                     on_hop=self.auditing.on_hop if self.auditing else None,
-                                    on_flag=lambda k, s, why: self.audits.stat(*k, s).flag(why))
+                                    on_flag=self._on_proven_fault)
         self.driver = ControlPlane(self.cfg, router=self.router, client=self.client, keypair=self.wallet,
                                    dataset=self.dataset, ledger=self.ledger, opts=plane_opts)
         saved = self.state.get_meta("hindrances")
