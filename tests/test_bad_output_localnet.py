@@ -6,7 +6,8 @@ that does not match its committed root; :mod:`iota_subnet.sim.bad_output`), and 
 colluding tail in lane 1 that reports NaN losses (``bad-inf,nan-loss``). Each run: every lane step
 of both lanes is done, the bad miners' weight is 0 from the third weights row set after lane step 5
 began (3 tempos), no honest miner is flagged or charged a failure, honest miners hold >= 95 % of
-the weight, and the chain pays every honest miner that worked and none of the bad ones. About
+the weight, the spares that take the bad miners' lane seats do not take their weights, and the chain
+pays every honest miner that worked and none of the bad ones. About
 40-70 s each on 2 cores. The in-process form (bad from lane step 1, no spares) is
 ``tests/test_blame.py``.
 """
@@ -63,6 +64,11 @@ def test_bad_output_is_charged_to_its_sender_and_both_lanes_train_on(adversary, 
     assert len(after) >= 3, (len(rows), after)
     assert all(v.get(u, 0.0) == 0.0 for v in after[2:] for u in bad), after
     miners = {m["uid"]: m for m in summary["miners"]}
+    # the spares that took the bad miners' lanes did not take the barred miners' weights
+    took = [line for p in (tmp_path / "ln" / "logs").glob("miner-*.log")
+            for line in p.read_text(errors="replace").splitlines() if "took lane" in line]
+    assert took, "no spare took a lane"
+    assert not [line for line in took for u in bad if f"holder {miners[u]['hotkey'][:10]}" in line], took
     total = sum(m["weight"] for m in miners.values())
     assert total > 0 and sum(m["weight"] for u, m in miners.items() if u not in bad) >= 0.95 * total, miners
     # on chain: every honest miner that worked is paid, the bad ones are not

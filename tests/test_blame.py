@@ -122,3 +122,58 @@ def test_a_forger_cannot_frame_a_miner(tmp_path):
     rep, hk = _evidence(tmp_path, float("nan"), signer=create_wallet("x", "default", tmp_path / "w"))
     verdict, sender, _, _ = judge(rep, hk["m1"], hk["vali"])
     assert verdict == "unproven" and sender == hk["x"]
+
+
+def test_with_every_head_barred_the_lanes_stall_and_weights_decay_to_burn(tmp_home, tmp_path, wikitext_path,
+                                                                           cache_dir):
+    """Both stage-0 replicas send bad output from lane step 2 on and are barred: no lane can train
+    (stage 0 has nobody left to route to). The weights this validator sets (it holds the burn uid, 0)
+    must decay to burn from the second stalled tempo on, not renormalise the miners' stale scores
+    (before: the sender kept a normal share, 6.7 %). About 15-30 s."""
+    import asyncio
+    import contextlib
+    import json
+    import time
+
+    from iota_subnet.validator.state import ValidatorState
+
+    async def main():
+        net = P2PNet(tmp_path, wikitext_path, cache_dir)
+        try:
+            await net.start(per_miner=lambda s, r: {"parts": bad_output_parts("bad-inf", from_step=2)}
+                            if s == 0 else {})
+            vali = net.validator(steps=40)
+            task = asyncio.create_task(vali.run())
+            rows: list[dict] = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 60 and not task.done():
+                await asyncio.sleep(1.0)
+                st = ValidatorState(tmp_path / "vali0" / "validator.sqlite")
+                try:
+                    rows = [dict(zip(json.loads(r["uids"]), json.loads(r["weights"])))
+                            for r in st.conn.execute("SELECT uids, weights FROM weights ORDER BY id").fetchall()]
+                finally:
+                    st.close()
+                paid = [i for i, v in enumerate(rows) if sum(w for u, w in v.items() if u != 0) > 0.5]
+                if paid and rows[-1].get(0, 0.0) >= 0.9:   # paid miners, then went to burn
+                    break
+            if task.done():
+                raise AssertionError(f"the validator ended before its weights went to burn: {task.result()!r}")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            heads = {w.hotkey.ss58_address for (s, _), w in net.miner_wallets.items() if s == 0}
+            return rows, net.status(), vali.uid, heads
+        finally:
+            await net.close()
+
+    rows, st, vuid, heads = run(main(), timeout=150)
+    assert vuid == 0                                   # the validator holds the burn uid
+    assert {h for _, h in st["barred"]} == heads, st["barred"]
+    assert all(int(k) < 40 for k in st["steps_done"].values()), st["steps_done"]     # no lane finished
+    paid = [i for i, v in enumerate(rows) if sum(w for u, w in v.items() if u != 0) > 0.5]
+    assert paid, rows                                  # miners were paid while the lanes trained
+    after = rows[paid[-1]:]
+    assert after[-1].get(0, 0.0) >= 0.9, rows          # then the weight went to burn
+    burn = [v.get(0, 0.0) for v in after]
+    assert all(b2 >= b1 - 1e-9 for b1, b2 in zip(burn, burn[1:])), burn     # decaying, never back to full

@@ -61,14 +61,14 @@ async def start_pair(net: Net):
     return a, b, head, tail
 
 
-def lane_ticket(net: Net, member, head, tail, lane: int, step: int, index: int = 0) -> Ticket:
+def lane_ticket(net: Net, member, head, tail, lane: int, step: int, index: int = 0, not_from=()) -> Ticket:
     cfg, now = net.cfg, time.time()
     t = Ticket(run_id=RUN, validator=net.val.hotkey.ss58_address, lane=lane, step=step, index=index,
                microbatch_id=f"l{lane}-k{step}-m{index}", split="train", seed=0, start=4 * step + 2 * index,
                rows=cfg.train.micro_batch, seq_len=cfg.data.seq_len, width=16, wire_dtype="bf16", train=True,
                micro_per_step=cfg.train.batch_size // cfg.train.micro_batch,
                route=(head.hotkey.ss58_address, member.hotkey, tail.hotkey.ss58_address),
-               issued_at=now, deadline=now + 60)
+               issued_at=now, deadline=now + 60, not_from=tuple(not_from))
     return t.signed(net.val.hotkey)
 
 
@@ -220,3 +220,29 @@ def test_a_holder_state_that_does_not_fit_the_stage_is_not_taken():
     assert "shape" in state_mismatch(own, {"w": torch.ones(2, 3, dtype=torch.float64), "b": torch.ones(3)})
     assert "non-finite" in state_mismatch(own, {"w": torch.full((2, 3), float("nan")), "b": torch.ones(3)})
     assert "names" in state_mismatch(own, None)
+
+
+def test_a_spare_never_takes_a_barred_members_weights(tmp_path, tmp_home):
+    """Lane 0's member a was barred as a cheater and still answers that it trained lane 0: the
+    validator's ticket names it in ``not_from``, so the spare b takes the stage's merged state, not
+    a's weights (before, b copied whatever the barred miner served)."""
+    async def main():
+        net = Net(tmp_path)
+        try:
+            a, b, head, tail = await start_pair(net)
+            H = net.cfg.merge.every_steps
+            train_locally(a, 5)
+            a.worker.lane, a.worker.inner_step = 0, H + 1
+            barred_hash = weights_hash(a.merge.params.read())
+            merged_hash = weights_hash(b.merge.anchor)
+            seen = record_training_forwards(b)
+            ack = await send_forward(net, b, head, lane_ticket(net, b, head, tail, lane=0, step=H + 1,
+                                                               not_from=[a.hotkey]))
+            await until(lambda: seen)
+            return ack, seen, barred_hash, merged_hash
+        finally:
+            await net.close()
+    ack, seen, barred_hash, merged_hash = asyncio.run(main())
+    assert ack.status == "accepted"
+    assert seen[0] != barred_hash, "the spare took the barred member's weights"
+    assert seen[0] == merged_hash

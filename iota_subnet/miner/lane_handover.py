@@ -9,7 +9,9 @@ latest merged state plus what that replica trained since (the replicas of a stag
    every stage peer's ``/health`` (``stats["lane"]``: the lane it last trained in as the lane's own
    miner, ``stats["inner_step"]``: its step; the one with the highest step). A departed member that
    is still reachable (unavailable to validators for a while, or moved to another slot) gives its
-   state this way. Its optimizer state does not travel: the taker's own moments go on.
+   state this way. Its optimizer state does not travel: the taker's own moments go on. A peer the
+   ticket's validator barred as a cheater (``Ticket.not_from``) is never asked: its weights are
+   not trusted, whatever lane it says it trained.
 2. ``merged``: the stage's latest merged state (the anchor; pulled by state sync first when a peer
    holds a later merged epoch than this replica). What the lane trained since that merge on a
    member that is gone is lost.
@@ -40,9 +42,11 @@ ASK_TIMEOUT_S = 5.0
 STATE_TIMEOUT_S = 60.0
 
 
-async def lane_holder(view: ChainView, lane: int, client: NeuronClient) -> Optional[tuple[str, int]]:
+async def lane_holder(view: ChainView, lane: int, client: NeuronClient,
+                      not_from: frozenset = frozenset()) -> Optional[tuple[str, int]]:
     """(hotkey, inner step) of the stage peer (seen through ``view``, the miner's chain view) that
-    trained ``lane`` last, among those that answer ``/health``; None when none did."""
+    trained ``lane`` last, among those that answer ``/health`` and are not in ``not_from`` (miners the
+    ticket's validator barred); None when none did."""
     async def ask(hk: str):
         ep = view.endpoint_of(hk)
         if ep is None:
@@ -60,7 +64,12 @@ async def lane_holder(view: ChainView, lane: int, client: NeuronClient) -> Optio
         except (AttributeError, TypeError, ValueError, OverflowError):      # a malformed answer: not a holder
             logger.info(f"stage {view.stage}: {hk[:10]} answered /health with malformed stats; not asked for lane {lane}")
             return None
-    found = [r for r in await asyncio.gather(*(ask(hk) for hk in view.stage_peers())) if r is not None]
+    barred = [hk for hk in view.stage_peers() if hk in not_from]
+    if barred:
+        logger.info(f"stage {view.stage}: not taking lane {lane}'s weights from {len(barred)} peer(s) the validator "
+                    f"barred ({', '.join(h[:10] for h in barred)})")
+    found = [r for r in await asyncio.gather(*(ask(hk) for hk in view.stage_peers() if hk not in not_from))
+             if r is not None]
     return max(found, key=lambda r: r[1]) if found else None
 
 
@@ -90,7 +99,7 @@ async def take_lane(t: Ticket, *, worker: Any, wallet: Any, view: ChainView, com
     tensors: Optional[dict] = None
     how = "own"
     async with NeuronClient(wallet, alternates=view.relays_of) as client:
-        found = await lane_holder(view, t.lane, client)
+        found = await lane_holder(view, t.lane, client, frozenset(t.not_from))
         if found is not None:
             hk, step = found
             try:

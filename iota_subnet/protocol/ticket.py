@@ -28,6 +28,8 @@ from .wire import WIRE_TORCH_DTYPES
 
 #: Ticket format version; a miner refuses other versions.
 TICKET_VERSION = 1
+#: Barred miners a ticket names at most (``Ticket.not_from``).
+MAX_NOT_FROM = 32
 #: Wire dtypes a ticket may ask for (see :mod:`.wire`).
 WIRE_DTYPES = tuple(WIRE_TORCH_DTYPES)   # fp32, bf16, int8, fp8
 SPLITS = ("train", "val")
@@ -53,7 +55,9 @@ class Ticket:
     ``route[s]`` is the hotkey of the miner that serves stage ``s``; ``trains[s]`` whether it is the
     lane's own miner of that stage and accumulates this micro-batch (False when the validator routes
     around an unavailable lane member); ``alternates[s]`` may take the hop when ``route[s]`` fails
-    (they never train on it).
+    (they never train on it). ``not_from``: miners the validator barred as cheaters (at most
+    :data:`MAX_NOT_FROM`): a replica handed this lane does not take the lane's weights from them
+    (:mod:`iota_subnet.miner.lane_handover`); left out of the signed body when empty.
     """
 
     run_id: str
@@ -77,6 +81,7 @@ class Ticket:
     attempt: int = 0
     issued_at: float = 0.0
     deadline: float = 0.0
+    not_from: tuple[str, ...] = ()
     v: int = TICKET_VERSION
     signature: str = field(default="", compare=False)
 
@@ -87,6 +92,10 @@ class Ticket:
         d["route"] = list(self.route)
         d["alternates"] = [list(a) for a in self.alternates]
         d["trains"] = list(self.trains)
+        if self.not_from:
+            d["not_from"] = list(self.not_from)
+        else:
+            d.pop("not_from")
         return d
 
     def canonical(self) -> bytes:
@@ -104,7 +113,7 @@ class Ticket:
         if not isinstance(d, dict):
             raise TicketError("MALFORMED", "a ticket is a JSON object")
         want = {f for f in Ticket.__dataclass_fields__}
-        if set(d) != want:
+        if set(d) | {"not_from"} != want:
             missing, extra = sorted(want - set(d)), sorted(set(d) - want)
             raise TicketError("MALFORMED", f"ticket fields differ: missing {missing}, unexpected {extra}")
         ints = ("lane", "step", "index", "seed", "start", "rows", "seq_len", "width", "micro_per_step", "attempt", "v")
@@ -129,7 +138,12 @@ class Ticket:
         trains = d["trains"]
         if not isinstance(trains, list) or len(trains) not in (0, len(route)) or not all(type(b) is bool for b in trains):
             raise TicketError("MALFORMED", "ticket.trains must be one true/false per stage")
+        not_from = d.get("not_from", [])
+        if (not isinstance(not_from, list) or len(not_from) > MAX_NOT_FROM
+                or not all(isinstance(h, str) and 0 < len(h) <= 64 for h in not_from)):
+            raise TicketError("MALFORMED", f"ticket.not_from must be a list of at most {MAX_NOT_FROM} hotkeys")
         t = Ticket(**{**d, "route": tuple(route), "alternates": tuple(tuple(a) for a in alts),
+                      "not_from": tuple(not_from),
                       "trains": tuple(trains), "issued_at": float(d["issued_at"]), "deadline": float(d["deadline"])})
         t.check_shape_fields()
         return t

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from loguru import logger
 
 from iota_subnet.protocol import ProtocolError, Ticket, TicketBatch
+from iota_subnet.protocol.ticket import MAX_NOT_FROM
 from iota_subnet.transport import TransportError
 
 from .control_context import ControlContext
@@ -72,7 +73,8 @@ class TicketIssuer:
                    split=split, seed=o.seed, start=start, rows=c.mb, seq_len=c.cfg.data.seq_len,
                    width=c.width, wire_dtype=o.wire_dtype, train=train, micro_per_step=c.micro_per_step,
                    route=tuple(route[0]), trains=tuple(route[1]), alternates=tuple(tuple(a) for a in route[2]),
-                   attempt=attempt, issued_at=now, deadline=now + o.ticket_ttl_s * (1 + max(0, ahead)))
+                   attempt=attempt, issued_at=now, deadline=now + o.ticket_ttl_s * (1 + max(0, ahead)),
+                   not_from=tuple(sorted(h for _, h in c.router.barred))[:MAX_NOT_FROM] if train else ())
         return t.signed(self.keypair)
 
     # ---------------------------------------------------------------- delivery
