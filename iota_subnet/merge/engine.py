@@ -131,9 +131,9 @@ class MergeEngineOptions:
     the merge weights from the chain. ``observer``: signs and checks merge claims
     (:class:`~iota_subnet.merge.claims.MergeClaims`): outgoing slices, incoming slices, results.
     ``step_fn() -> int``: this replica's inner step (said in join answers; None: -1).
-    ``spare_fn() -> bool``: True while this replica trains in no lane (a spare never handed one;
-    said in join answers, so that its stage's replicas do not wait for it at a boundary it cannot
-    reach; None: never).
+    ``spare_fn() -> bool``: True while this replica has trained nothing in any lane (a spare never
+    handed one; said in join answers, so that its stage's replicas do not wait for it at a boundary
+    it cannot reach; None: never).
     """
 
     weights_fn: Optional[Callable[[list[str]], dict[str, float]]] = None

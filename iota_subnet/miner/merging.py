@@ -106,7 +106,7 @@ class MinerMerging:
         options = MergeEngineOptions(weights_fn=self.view.merge_weights, work_fn=lambda: float(worker.trained_tokens),
                                      on_applied=self._on_merged, before_attempt=lambda: self.view.refresh(force=True),
                                      observer=self.claims, step_fn=lambda: worker.inner_step,
-                                     spare_fn=lambda: worker.lane is None)
+                                     spare_fn=lambda: worker.lane is None and worker.trained_tokens == 0)
         self.engine = self.parts.make_merge_engine(self.view.hotkey, mc, params, transport, run_id=run_id, stage=stage,
                                                    options=options)
         server.add_route("/audit/merge", MergeAuditRoute(self.claims), MergeAuditRequest, None)

@@ -133,7 +133,7 @@ class MergeJoin(Message):
     #: the replica's inner step when it answered (-1: not said): one within a step of the asker's
     #: boundary is about to be ready and is waited for, even when it was found gone before
     inner_step: int = -1
-    #: True while the replica trains in no lane (a spare the validators never handed one): it cannot
+    #: True while the replica has trained nothing in any lane (a spare never handed one): it cannot
     #: reach a merge boundary, so its stage's replicas merge without waiting for it (it takes the
     #: merged state when it is handed a lane)
     spare: bool = False
