@@ -49,3 +49,24 @@ def test_a_ticket_may_ask_for_any_wire_dtype_and_no_other():
         replace(t, wire_dtype=w).check_shape_fields()
     with pytest.raises(TicketError, match="wire_dtype 'fp4'"):
         replace(t, wire_dtype="fp4").check_shape_fields()
+
+
+def test_not_from_is_signed_when_set_and_a_malformed_one_is_refused():
+    """``not_from`` (the validator's barred miners a lane taker must not take weights from) is covered by
+    the signature when set, absent from the signed body when empty (a ticket without it reads as
+    before), and a malformed one is MALFORMED."""
+    t, checker, head = _setup()
+    assert "not_from" not in t.to_json() and Ticket.from_json(t.to_json()) == t
+    val = Keypair.create_from_uri("//tk-val")
+    barred = replace(t, signature="", not_from=(head,)).signed(val)
+    d = barred.to_json()
+    assert d["not_from"] == [head] and Ticket.from_json(d).not_from == (head,)
+    assert checker.check(d, sender=head, direction="forward").not_from == (head,)
+    stripped = replace(barred, not_from=())                       # the validator's list dropped in transit
+    with pytest.raises(ProtocolError) as e:
+        checker.check(stripped.to_json(), sender=head, direction="forward")
+    assert e.value.outcome == Outcome.BAD_TICKET
+    for bad in ("5Abc", [1, 2], ["x" * 65], ["5Abc"] * 33):
+        with pytest.raises(TicketError) as te:
+            Ticket.from_json({**d, "not_from": bad})
+        assert te.value.outcome == "MALFORMED", bad
