@@ -82,6 +82,12 @@ async def send_forward(net: Net, member, head, t: Ticket) -> HopAck:
                                  HopAck, retries=0, timeout_s=30)
 
 
+def train_lane(svc, k: int, lane: int, step: int) -> None:
+    """``svc`` trains ``lane`` up to inner step ``step`` (a stand-in: :func:`train_locally` with seed ``k``)."""
+    train_locally(svc, k)
+    svc.worker.lane, svc.worker.inner_step = lane, step
+
+
 async def until(cond, timeout_s: float = 60.0) -> None:
     t0 = time.monotonic()
     while not cond():
@@ -122,10 +128,8 @@ def test_with_the_departed_member_gone_the_spare_takes_the_stages_merged_state(t
         try:
             a, b, head, tail = await start_pair(net)
             H = net.cfg.merge.every_steps
-            train_locally(a, 5)
-            a.worker.lane, a.worker.inner_step = 0, H + 1
-            train_locally(b, 6)                     # lane 1's step H on b
-            b.worker.lane, b.worker.inner_step = 1, H + 1
+            train_lane(a, 5, lane=0, step=H + 1)
+            train_lane(b, 6, lane=1, step=H + 1)   # lane 1's step H on b
             await a.stop()
             merged_hash = weights_hash(b.merge.anchor)
             assert weights_hash(b.merge.params.read()) != merged_hash
@@ -231,8 +235,7 @@ def test_a_spare_never_takes_a_barred_members_weights(tmp_path, tmp_home):
         try:
             a, b, head, tail = await start_pair(net)
             H = net.cfg.merge.every_steps
-            train_locally(a, 5)
-            a.worker.lane, a.worker.inner_step = 0, H + 1
+            train_lane(a, 5, lane=0, step=H + 1)
             barred_hash = weights_hash(a.merge.params.read())
             merged_hash = weights_hash(b.merge.anchor)
             seen = record_training_forwards(b)

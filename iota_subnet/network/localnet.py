@@ -455,7 +455,7 @@ class LocalNet(NeuronProcesses, RunSummary):
             try:
                 uids.append(int(json.loads((self.miner(f"miner-s{s}-r{r}").out / "status.json").read_text())["uid"]))
             except (OSError, ValueError, KeyError, TypeError, StopIteration):
-                pass
+                pass        # not started or not serving yet: not counted
         return uids
 
 
