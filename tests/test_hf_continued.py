@@ -38,7 +38,7 @@ from iota_subnet.model.hf_folder import (
 from iota_subnet.train.hf_trainer import HFPipelineTrainer, HFTrainOptions, continue_pretraining, dataset_batches
 from iota_subnet.train.wire_boundary import through_wire, wire_round_trip
 
-WIKI = Path("/work/shared/data/wikitext-2/wiki.valid.raw.txt")
+WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
 VOCAB, SEQ, STAGES = 320, 32, 3
 BF16_WIRE_BOUND, INT8_WIRE_BOUND = 2e-3, 3e-3
 

@@ -21,7 +21,7 @@ from iota_subnet.errors import UserError
 from iota_subnet.model.hf_family import build_hf_stages, load_stage_state, run_stages
 from iota_subnet.model.lm_loss import masked_lm_loss
 
-WIKI = Path("/work/shared/data/wikitext-2/wiki.valid.raw.txt")
+WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
 SEQ = 32
 
 

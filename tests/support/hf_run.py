@@ -9,7 +9,8 @@ from typing import Optional
 
 import yaml
 
-WIKI = Path("/work/shared/data/wikitext-2/wiki.valid.raw.txt")
+#: ../shared beside the repository (read in place, never copied)
+WIKI = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "wiki.valid.raw.txt"
 
 
 def write_jsonl(folder: Path, max_docs: int = 400, mask: bool = False) -> Path:
