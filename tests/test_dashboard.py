@@ -93,11 +93,17 @@ def test_validator_snapshot_from_status_and_metrics(tmp_path):
     assert snap["pipeline"]["stages"] == 2
     # a miner behind a NAT: its cell names its relays; the relays card what this validator relays
     relay = {"attached": {"5Hb": {"requests": 3}}, "relayed": {"5Hb": {"requests": 3, "bytes": 900}}}
-    src = ValidatorSource(status=lambda: {**STATUS, "relayed": {"5Hb": ["10.0.0.9:8091"]}, "relay": relay},
-                          metrics_path=mp, health=health)
+    # and each cell the path this validator's latest call to the miner took (status.json paths)
+    paths = {"5Ha": {"out": {"kind": "direct", "via": None, "requests": 2}},
+             "5Hb": {"out": {"kind": "relayed", "via": "10.0.0.9:8091", "requests": 3}},
+             "5Hc": {"in": {"kind": "direct", "via": None, "requests": 1}}}
+    src = ValidatorSource(status=lambda: {**STATUS, "relayed": {"5Hb": ["10.0.0.9:8091"]}, "relay": relay,
+                                          "paths": paths}, metrics_path=mp, health=health)
     asyncio.run(src.sample())
     snap = src.snapshot()
     assert {c["uid"]: c["relays"] for c in snap["pipeline"]["cells"]} == {1: [], 2: ["10.0.0.9:8091"]}
+    assert {c["uid"]: c["path"] for c in snap["pipeline"]["cells"]} == \
+        {1: {"kind": "direct", "via": None}, 2: {"kind": "relayed", "via": "10.0.0.9:8091"}}
     assert snap["relays"] == relay
     assert finite({"a": [float("nan"), 1.0, float("inf")]}) == {"a": [None, 1.0, None]}
 

@@ -293,3 +293,31 @@ def test_a_caller_goes_around_a_bad_relay_and_avoids_it_afterwards(bad):
                 await caller.close()
                 await good.stop()
     run(main())
+
+
+def test_both_ends_record_whether_a_pair_went_directly_or_through_the_relay():
+    """The path book (iota_subnet/transport/paths.py): the caller records "relayed" via the relay when
+    it dialled one of the home's relays (its alternates), "direct" when it dialled the home's own
+    address; the home records the same per caller (relayed: its tunnel replayed the request)."""
+    async def main():
+        async with Net() as net:
+            home, relay_ep = net.home.key.ss58_address, net.relay_server.endpoint
+            caller = NeuronClient(kp("caller-paths"), alternates=lambda hk: [relay_ep] if hk == home else [])
+            try:
+                x = torch.randn(1, 4, 8)
+                await caller.call(net.home.server.endpoint, home, "/hop", Hop(microbatch_id="d", data=x), Hop,
+                                  timeout_s=5, retries=0)
+                out = caller.paths.snapshot(caller.hotkey)[home]["out"]
+                assert out["kind"] == "direct" and out["via"] is None and out["requests"] == 1
+                await caller.call(relay_ep, home, "/hop", Hop(microbatch_id="r", data=x), Hop, timeout_s=5, retries=0)
+                out = caller.paths.snapshot(caller.hotkey)[home]["out"]
+                assert (out["kind"], out["via"], out["requests"]) == ("relayed", relay_ep, 2)
+                assert out["by_kind"]["direct"]["requests"] == 1 and out["by_kind"]["relayed"]["requests"] == 1
+                assert out["bytes"] > 2 * x.numel() * 4 * 2 and out["last"] > 0
+                seen = net.home.server.paths.snapshot(home)[caller.hotkey]["in"]
+                assert (seen["kind"], seen["via"], seen["requests"]) == ("relayed", relay_ep, 2)
+                assert seen["by_kind"]["direct"]["requests"] == 1
+                assert "hole-punched" not in out["by_kind"]             # never recorded: no hole punching here
+            finally:
+                await caller.close()
+    run(main())

@@ -46,6 +46,12 @@ def test_validator_service_end_to_end_and_resume(tmp_home, tmp_path, wikitext_pa
             miner_uids = {m.uid for m in net.miners.values()}
             assert set(u for u, _ in weights[0]) == miner_uids == {1, 2, 3, 4, 5, 6}   # not the validator
             assert all(m.worker.inner_step == 3 for m in net.miners.values())
+            # path records (status.json paths): no relays here, so every pair that talked went directly
+            assert {hk for hk, p in st["paths"].items() if "out" in p} >= {m.hotkey for m in net.miners.values()}
+            assert {p[d]["kind"] for p in st["paths"].values() for d in p} == {"direct"}
+            for m in net.miners.values():
+                mine = m.status()["paths"]
+                assert mine[st["hotkey"]]["in"]["kind"] == "direct" and mine[st["hotkey"]]["in"]["requests"] > 0
 
             # resume: the same folder, more steps -> continues at step 3 of each lane
             assert await net.validator(steps=5).run() == 0

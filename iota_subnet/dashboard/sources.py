@@ -65,6 +65,13 @@ def _short(hk: Any) -> str:
     return str(hk or "")[:10]
 
 
+def _path(rec: Optional[dict]) -> Optional[dict]:
+    """The path this validator's latest call to a miner took (status.json ``paths``, its ``out``
+    record): ``{"kind": "direct" | "relayed", "via": relay ip:port or None}``; None before any call."""
+    out = (rec or {}).get("out") or {}
+    return {"kind": out.get("kind"), "via": out.get("via")} if out.get("kind") else None
+
+
 def _finite(v: Any) -> Optional[float]:
     try:
         f = float(v)
@@ -193,6 +200,7 @@ class ValidatorSource:
         weights = st.get("last_weights") or {}
         cells = []
         relayed = st.get("relayed") or {}           # miner hotkey -> the relays it is reached through
+        paths = st.get("paths") or {}               # peer hotkey -> how this validator's calls reached it
         for r in st.get("replicas") or []:
             uid = int(r["uid"])
             h = self.health_state.get(uid) or {}
@@ -216,7 +224,8 @@ class ValidatorSource:
                           "failures": r.get("failures"), "inner_step": h.get("inner_step"),
                           "work": _finite(led.get("work")), "tokens": led.get("tokens"),
                           "weight": _finite(weights.get(str(uid))), "quality": sc.get("quality"),
-                          "health_error": h.get("error"), "relays": list(relayed.get(r.get("hotkey")) or [])})
+                          "health_error": h.get("error"), "relays": list(relayed.get(r.get("hotkey")) or []),
+                          "path": _path(paths.get(r.get("hotkey")))})
         merges = []
         for c in cells:
             h = self.health_state.get(c["uid"]) or {}

@@ -65,6 +65,7 @@ from iota_subnet.protocol.commitment import MINER, RunCommitment
 from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.transport import NeuronServer
+from iota_subnet.transport.paths import path_book
 from iota_subnet.transport.probe import PeerProbe
 from iota_subnet.utils.aio import StopRequested, until_stopped
 from iota_subnet.utils.atomic import atomic_write_json
@@ -374,6 +375,8 @@ class MinerService:
         relays = self.relays.status()
         if relays is not None:
             d["relay"] = relays
+        # per peer hotkey that exchanged traffic with this miner: direct or relayed (via which relay)
+        d["paths"] = path_book().snapshot(self.hotkey)
         return d
 
     def write_status(self) -> None:

@@ -119,9 +119,14 @@ class HomeRouter:
     shaped at ``rate_bps`` when given), and a home namespace ``ns`` on the router's LAN
     (``home_ip``, 192.168.x.2/24, default route via the router). The router masquerades what leaves
     its WAN (``random_fully``: ``MASQUERADE --random-fully``, no port preserved); nothing from this
-    side can open a connection into the home. Run a process inside with :meth:`exec_argv`."""
+    side can open a connection into the home. Run a process inside with :meth:`exec_argv`.
 
-    def __init__(self, rate_bps: Optional[float] = None, random_fully: bool = False):
+    ``double_nat``: a second router between the home and that one (carrier-grade NAT, or a home
+    router behind the ISP's): home ns -> ``inner`` router ns (masquerades out of its uplink,
+    10.214.x.2/30) -> the WAN router ns (masquerades out of its WAN) -> this side. Both masquerade
+    the same way (``random_fully``); the WAN router's ``wan.ns_ip`` is still the address this side sees."""
+
+    def __init__(self, rate_bps: Optional[float] = None, random_fully: bool = False, double_nat: bool = False):
         self.wan = NetnsLink(rate_bps)
         n = next(_counter)
         tag = f"{os.getpid() % 100000}{n}"
@@ -130,6 +135,11 @@ class HomeRouter:
         octet = (os.getpid() * 11 + n) % 250 + 1
         self.router_lan_ip, self.home_ip = f"192.168.{octet}.1", f"192.168.{octet}.2"
         self.random_fully = random_fully
+        #: the inner router (double NAT only): its namespace, its uplink's two ends and addresses
+        self.inner: Optional[str] = f"iotar-{tag}" if double_nat else None
+        self.up_if, self.inner_up_if = f"iotu{tag}a"[:15], f"iotu{tag}b"[:15]
+        up = (os.getpid() * 13 + n) % 250 + 1
+        self.outer_lan_ip, self.inner_wan_ip = f"10.214.{up}.1", f"10.214.{up}.2"
         self._made: list[str] = []
 
     @property
@@ -140,14 +150,33 @@ class HomeRouter:
     def exec_argv(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns, *argv]
 
+    def _masquerade(self, router: list[str], out_if: str) -> None:
+        masq = ["-j", "MASQUERADE"] + (["--random-fully"] if self.random_fully else [])
+        _must(*router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        _must(*router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", out_if, *masq)
+
     def __enter__(self) -> "HomeRouter":
         try:
             self.wan.__enter__()
-            router = ["ip", "netns", "exec", self.wan.ns]
+            outer = ["ip", "netns", "exec", self.wan.ns]
+            router, router_ns = outer, self.wan.ns          # the router the home hangs off
+            if self.inner is not None:
+                _must("ip", "netns", "add", self.inner)
+                self._made.append("inner")
+                router, router_ns = ["ip", "netns", "exec", self.inner], self.inner
+                _must("ip", "link", "add", self.up_if, "netns", self.wan.ns, "type", "veth", "peer", "name",
+                      self.inner_up_if, "netns", self.inner)
+                _must(*outer, "ip", "addr", "add", f"{self.outer_lan_ip}/30", "dev", self.up_if)
+                _must(*outer, "ip", "link", "set", self.up_if, "up")
+                _must(*router, "ip", "addr", "add", f"{self.inner_wan_ip}/30", "dev", self.inner_up_if)
+                _must(*router, "ip", "link", "set", self.inner_up_if, "up")
+                _must(*router, "ip", "link", "set", "lo", "up")
+                _must(*router, "ip", "route", "add", "default", "via", self.outer_lan_ip)
+                self._masquerade(router, self.inner_up_if)
             _must("ip", "netns", "add", self.ns)
             self._made.append("ns")
-            _must("ip", "link", "add", self.lan_if, "netns", self.wan.ns, "type", "veth", "peer", "name",
-                           self.home_if, "netns", self.ns)
+            _must("ip", "link", "add", self.lan_if, "netns", router_ns, "type", "veth", "peer", "name",
+                  self.home_if, "netns", self.ns)
             _must(*router, "ip", "addr", "add", f"{self.router_lan_ip}/24", "dev", self.lan_if)
             _must(*router, "ip", "link", "set", self.lan_if, "up")
             home = ["ip", "netns", "exec", self.ns]
@@ -155,9 +184,7 @@ class HomeRouter:
             _must(*home, "ip", "link", "set", self.home_if, "up")
             _must(*home, "ip", "link", "set", "lo", "up")
             _must(*home, "ip", "route", "add", "default", "via", self.router_lan_ip)
-            _must(*router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-            masq = ["-j", "MASQUERADE"] + (["--random-fully"] if self.random_fully else [])
-            _must(*router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", self.wan.ns_if, *masq)
+            self._masquerade(outer, self.wan.ns_if)
         except BaseException:
             self.close()
             raise
@@ -166,6 +193,8 @@ class HomeRouter:
     def close(self) -> None:
         if "ns" in self._made:
             _run("ip", "netns", "del", self.ns)            # its veth end goes with it
+        if "inner" in self._made:
+            _run("ip", "netns", "del", self.inner)
         self._made.clear()
         self.wan.close()
 

@@ -26,6 +26,7 @@ from bittensor import http_auth
 from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
+from .paths import path_book
 from .server import HEADER_REQUEST_NONCE, OFFLOAD_BYTES, RESPONSE_METHOD, response_sign_path
 from .shaping import DownlinkShaper, UplinkShaper, process_downlink, process_shaper, request_head_bytes
 from .streaming import PIECE_BYTES, body_pieces
@@ -129,6 +130,10 @@ class NeuronClient:
     and one that has not answered lately gets :data:`UNPROVEN_TIMEOUT_S` while another is left. With
     alternates an endpoint is not retried: the next one is. What answers is shared by the process's
     clients (:func:`endpoint_health`). None: no alternates.
+
+    Every call that got an answer is recorded in the process's path book (:mod:`.paths`) under this
+    client's hotkey: ``"relayed"`` via the endpoint when it is one of ``alternates(receiver)``,
+    ``"direct"`` otherwise.
     """
 
     def __init__(self, wallet: Any, *, max_connections: int = 64, keepalive_timeout: float = 60.0,
@@ -140,6 +145,8 @@ class NeuronClient:
         self.alternates = alternates
         #: which of a receiver's endpoints answer (with alternates; shared by the process's clients)
         self.health = endpoint_health()
+        #: per receiver, the path each call took (direct or through which relay; :mod:`.paths`)
+        self.paths = path_book()
         # Load the hotkey once: signing through the Wallet re-reads and parses the key file (~2 ms) every time.
         self._signer = getattr(wallet, "hotkey", wallet)
         self.hotkey: str = self._signer.ss58_address
@@ -282,6 +289,8 @@ class NeuronClient:
                                                max(1e-3, timeout_s - (time.perf_counter() - t0)))
                     self.bytes_received += len(data)
                     self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + len(body) + head_out + head_in + len(data)
+                    self.paths.record(self.hotkey, receiver_hotkey, "out", self._relay_of(receiver_hotkey, endpoint),
+                                      len(body) + head_out + head_in + len(data))
                     if resp.status == 200:
                         if self.verify_responses:
                             self._verify_response(resp, data, path, receiver_hotkey, headers, head_at_ns)
@@ -310,6 +319,12 @@ class NeuronClient:
             raise last
         what = "timed out" if isinstance(last, asyncio.TimeoutError) else f"{type(last).__name__}: {last}"
         raise TransportError(endpoint, what, attempts) from last
+
+    def _relay_of(self, receiver_hotkey: str, endpoint: str) -> Optional[str]:
+        """``endpoint`` when it is one of the receiver's relays (its alternates), else None (direct)."""
+        if self.alternates is not None and endpoint in self.alternates(receiver_hotkey):
+            return endpoint
+        return None
 
     async def _read(self, resp: aiohttp.ClientResponse, on_progress: Optional[Callable[[int], None]] = None) -> bytes:
         limit = self.max_response_bytes

@@ -46,6 +46,8 @@ from aiohttp import web
 from bittensor import http_auth
 from loguru import logger
 
+from .paths import tunnel_headers
+
 ATTACH_PATH = "/relay/attach"
 #: request headers a relay forwards (btauth/1 and the body's type); everything else stays behind
 FORWARDED = tuple(h.lower() for h in (http_auth.HEADER_VERSION, http_auth.HEADER_HOTKEY, http_auth.HEADER_NONCE,
@@ -346,7 +348,8 @@ class RelayTunnel:
             return
         try:
             async with session.request(str(header.get("method", "POST")), f"http://{self.local}{header.get('path', '/')}",
-                                       data=body, headers=_forwarded(header.get("headers") or {})) as resp:
+                                       data=body, headers={**_forwarded(header.get("headers") or {}),
+                                                         **tunnel_headers(self.current)}) as resp:
                 out = await resp.read()
                 reply = pack_frame({"id": header["id"], "status": resp.status,
                                     "headers": {k: v for k, v in resp.headers.items()

@@ -47,6 +47,7 @@ from loguru import logger
 
 from ..protocol import Message, Outcome, ProtocolError, TensorContract, decode, encode, payload_nbytes
 from .nonce_store import MemoryNonceStore, SqliteNonceStore
+from .paths import path_book, relayed_via
 from .shaping import DownlinkShaper, LinkDown, UplinkShaper, process_downlink, process_shaper, response_head_bytes
 from .streaming import PIECE_BYTES, body_pieces
 from iota_subnet.errors import UserError
@@ -216,6 +217,9 @@ class NeuronServer:
         self.header_bytes_sent = 0
         #: bytes (bodies + headers, both directions) per route
         self.route_bytes: Counter[str] = Counter()
+        #: per caller whose signature verified, whether its requests came directly or through this
+        #: process's relay tunnel (:mod:`.paths`)
+        self.paths = path_book()
 
     # ------------------------------------------------------------------ routes
     def add_route(self, path: str, handler: Handler, message_type: type[Message], contract_fn: ContractFn = None,
@@ -482,8 +486,12 @@ class NeuronServer:
             request[_CTX_KEY] = RequestContext(caller_hotkey=caller.hotkey_ss58, route=route.path,
                                                  nonce_ns=caller.nonce_ns, remote=request.remote,
                                                  body_bytes=len(body), received_at=t0)
-            return await handler(request)
+            resp = await handler(request)
+            self._record_path(request, caller.hotkey_ss58, hdr + len(body), resp)
+            return resp
         except ProtocolError as e:
+            if signed is not None:
+                self._record_path(request, signed[0], hdr + len(signed[1]), None)
             if signed is not None and route.on_refused is not None:
                 try:
                     route.on_refused(signed[0], request.headers, request.raw_path, signed[1], e)
@@ -502,6 +510,16 @@ class NeuronServer:
                 self._inflight_by[claim[0]] -= 1
                 if self._inflight_by[claim[0]] <= 0:
                     del self._inflight_by[claim[0]]
+
+    def _record_path(self, request: web.Request, caller: str, nbytes: int,
+                     resp: Optional[web.StreamResponse]) -> None:
+        """The path book's ``in`` record of a verified caller's request (``nbytes``: its head and body;
+        the response's body is added when known)."""
+        if isinstance(resp, web.Response) and isinstance(resp.body, (bytes, bytearray)):
+            nbytes += len(resp.body)
+        elif resp is not None:
+            nbytes += resp.body_length
+        self.paths.record(self.hotkey, caller, "in", relayed_via(request.headers), nbytes)
 
     async def _run_handler(self, route: Route, request: web.Request) -> web.StreamResponse:
         msg: Message = request[_MSG_KEY]

@@ -44,7 +44,9 @@ uid: hotkey, stage, work, tokens, completed, failures, reroutes), probe_loss (la
 round, loss, paths), dashboard (its URL or null), val_loss, done, weights_set_blocks, last_weights,
 scores, verification_bytes (bodies and headers of every verification request), audits (``audits,
 failed, bytes, cpu_s, recent`` and ``per_tempo``: tempo -> hotkey -> hop audits; null when off),
-elapsed_s, updated_at, tasks`` (per supervised task: state, restarts, failures, consecutive_failures,
+paths (per peer hotkey that exchanged traffic with it, ``out`` and ``in``: kind ``direct`` or
+``relayed``, via, requests, bytes, last; :mod:`iota_subnet.transport.paths`), elapsed_s, updated_at,
+tasks`` (per supervised task: state, restarts, failures, consecutive_failures,
 last_error, last_error_at).
 """
 from __future__ import annotations

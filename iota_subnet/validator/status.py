@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from iota_subnet.transport.paths import path_book
 from iota_subnet.utils.atomic import atomic_write_json
 
 
@@ -77,5 +78,8 @@ class StatusFile:
             "verification_bytes_by_path": dict(v.bytes_by_path) if v is not None else {},
             "audits": svc.auditing.status() | {"per_tempo": {str(k): n for k, n in svc.auditing.per_tempo().items()}}
             if svc.auditing is not None else None,
+            # per peer hotkey that exchanged traffic with this validator: direct or relayed (and via
+            # which relay), calls made ("out") and served ("in") (iota_subnet.transport.paths)
+            "paths": path_book().snapshot(svc.hotkey),
             "elapsed_s": round(svc.elapsed_s(), 3), "updated_at": time.time(), "tasks": svc.sup.status(),
         }

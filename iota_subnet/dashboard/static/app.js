@@ -152,6 +152,7 @@
           el("div", { text: `step ${fmt(c.inner_step)} · ${fmt(c.throughput, 0)} tok/s · ok ${fmt(c.successes)} / fail ${fmt(c.failures)}` }),
           el("div", { text: `work ${fmt(c.work)} · weight ${fmt(c.weight, 4)}` + (c.health_error ? ` · ${c.health_error}` : "") }),
           (c.relays && c.relays.length) ? el("div", { class: "relay", text: `behind a NAT, via relay ${c.relays.join(", ")}` }) : el("span", {}),
+          c.path ? el("div", { class: "relay", text: `path: ${c.path.kind}${c.path.via ? " via " + c.path.via : ""}` }) : el("span", {}),
           el("div", { class: "bar" }, [el("div", { style: `width:${Math.round(100 * (c.weight || 0) / maxW)}%` })]),
         ])))));
     }
