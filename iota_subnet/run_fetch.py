@@ -44,29 +44,32 @@ class AdoptedRun:
 
 
 def advertisers(graph: Any, commitments: dict[str, str], spec_hash: str) -> list[tuple[int, str, RunCommitment]]:
-    """(uid, ``host:port``, commitment) of the validators (role ``v``) whose commitment advertises
-    ``spec_hash`` and who serve an address, by uid."""
+    """(uid, ``host:port``, commitment) of the validators (a validator permit and role ``v``, as
+    :meth:`iota_subnet.miner.chain_view.ChainView.run_fingerprints` counts them) whose commitment
+    advertises ``spec_hash`` and who serve an address, by uid."""
     out = []
     for n in graph.neurons:
         c = RunCommitment.decode(commitments.get(n.hotkey))
         ep = n.axon
-        if c is None or c.role != VALIDATOR or c.spec_hash != spec_hash or not ep or ep.startswith("0.0.0.0:"):
+        if c is None or c.role != VALIDATOR or c.spec_hash != spec_hash or not n.validator_permit or not ep \
+                or ep.startswith("0.0.0.0:"):
             continue
         out.append((int(n.uid), ep, c))
     return sorted(out, key=lambda t: t[0])
 
 
-def the_run(found: list[tuple[int, str, RunCommitment]], commitments: dict[str, str], spec_hash: str) -> tuple[str, int]:
+def the_run(found: list[tuple[int, str, RunCommitment]], graph: Any, commitments: dict[str, str],
+            spec_hash: str) -> tuple[str, int]:
     """The (run id, epoch) the advertisers of ``spec_hash`` publish (the most common). Raises
-    :class:`UserError` when a validator publishes that run id and epoch with another spec hash: two
-    runs share the id, and a neuron could not tell their neurons apart."""
+    :class:`UserError` when a validator (with a permit) publishes that run id and epoch with another spec
+    hash: two runs share the id, and a neuron could not tell their neurons apart."""
     runs = Counter((c.run, c.epoch) for _, _, c in found)
     (run, epoch), _ = runs.most_common(1)[0]
     if len(runs) > 1:
         logger.warning("validators advertise spec {} under several runs {}; joining {!r} epoch {}", spec_hash[:12],
                        sorted(runs), run, epoch)
-    for raw in commitments.values():
-        c = RunCommitment.decode(raw)
+    for n in graph.neurons:
+        c = RunCommitment.decode(commitments.get(n.hotkey)) if n.validator_permit else None
         if c is not None and c.role == VALIDATOR and c.same_run(run, epoch) and c.spec_hash not in ("", spec_hash):
             raise UserError(f"run {run!r} epoch {epoch} is advertised with two spec hashes, {spec_hash} and "
                             f"{c.spec_hash}: two runs share one run id; their validators must use distinct --run-id")
@@ -113,7 +116,7 @@ async def fetch_run_spec(chain: Chain, netuid: int, spec_hash: str, cache_dir: P
                        if c is not None and c.role == VALIDATOR and c.spec_hash})
         raise RunNotFoundError(f"no validator on netuid {netuid} advertises spec hash {spec_hash} (advertised: "
                                f"{', '.join(seen) or 'none'}); start the run's validators first, or check the hash")
-    run, epoch = the_run(found, commitments, spec_hash)
+    run, epoch = the_run(found, graph, commitments, spec_hash)
     path = Path(cache_dir) / "runs" / f"{spec_hash}.yaml"
     uids = tuple(u for u, _, c in found if c.same_run(run, epoch))
     if not _cached(path, spec_hash):

@@ -20,9 +20,9 @@ hosts a relay for the run's neurons; ``h`` the run's spec hash (64 hex: the sha2
 config, :mod:`iota_subnet.config_hash`; a validator serves that spec, :mod:`.run_spec`; absent: not
 advertised). Four relays of 21 bytes (``255.255.255.255:65535``) add 96 bytes to a miner's commitment.
 Measured (``tests/test_run_spec_hash.py``), with a 16-character run id, epoch 3, both fingerprints and
-the spec hash: a miner at stage 2 with four such relays is 308 bytes; a validator with heartbeat 999999,
-relay host and merge weights for 8 uids is 253 bytes (the spec hash is 71 of each): at most 15 % of the
-2048.
+the spec hash: a miner at stage 2 with four such relays is 270 bytes; a validator with heartbeat 999999,
+relay host and merge weights for 8 three-digit uids is 267 bytes (the spec hash is 71 of each; each
+further merge weight about 12): at most 14 % of the 2048.
 
 :meth:`RunCommitment.decode` never raises: anything that is not a commitment of this format (other
 subnets' code, garbage, too large) decodes to None. Version-1 texts (``{"v":1,"run","stage"}``
