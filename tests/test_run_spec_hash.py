@@ -161,3 +161,79 @@ def test_a_tampered_spec_is_refused_and_an_honest_validator_is_used(tmp_path, tm
     assert rc == 2
     err = capfd.readouterr().err
     assert "does not match its hash" in err and h in err and spec_digest(tampered) in err
+
+
+# ---- (b) two runs on one devnet, miners joining by hash ------------------------------------------------
+async def _two_runs(tmp, home) -> dict:
+    db = create_devnet(tmp / "chain.db", NETUID, tempo=20, block_time=0.1, weights_rate_limit=1,
+                       immunity_period=0, max_uids=32)
+    cfgs = {"runa": load_config("configs/tiny.yaml", OVR),
+            "runb": load_config("configs/tiny.yaml", {**OVR, "train": {**OVR["train"], "lr": 1e-3}})}
+    names = ["va", "vb"] + [f"{r}{s}" for r in ("a", "b") for s in range(3)]
+    wallets = {n: create_wallet(n, "default", home / "wallets") for n in names}
+    chain = await open_devnet(db)
+    vals, miners, tasks, stop = {}, [], [], asyncio.Event()
+    try:
+        for w in wallets.values():
+            await chain.register(w, NETUID)
+        for run, v in (("runa", "va"), ("runb", "vb")):
+            w = wallets[v]
+            add_stake(db, w.hotkey.ss58_address, w.coldkey.ss58_address, 10_000.0, netuid=NETUID)
+            data = PatternData(cfgs[run].model.vocab_size, cfgs[run].data.seq_len)
+            opts = ValidatorOptions.from_flat(network="devnet", chain_db=str(db), netuid=NETUID, steps=3,
+                                              out=str(tmp / v), run_id=run, sync_interval_s=1.0, status_interval_s=0.5,
+                                              weights_check_s=1.0, exit_when_done=True, wait_miners_s=90,
+                                              clasp_interval_s=0.0, wait_peers_s=2.0, external_ip="127.0.0.1",
+                                              host="127.0.0.1")
+            vals[run] = ValidatorService(opts, wallet=w, chain=chain, cfg=cfgs[run], dataset=data)
+            tasks.append(asyncio.create_task(asyncio.wait_for(vals[run].run(), 240)))
+        hashes = {run: config_hash(cfg) for run, cfg in cfgs.items()}
+        for _ in range(200):                       # both validators serve and advertise their spec
+            commits = [RunCommitment.decode(r) for r in (await chain.commitments(NETUID)).values()]
+            if {c.spec_hash for c in commits if c is not None} >= set(hashes.values()):
+                break
+            await asyncio.sleep(0.1)
+        adopted = {}
+        for run in ("runa", "runb"):               # each run's miners are given only its hash
+            adopted[run] = await fetch_run_spec(chain, NETUID, hashes[run], tmp / f"cache-{run}")
+            got = adopted[run]
+            cfg = load_config(got.path)
+            for s in range(3):
+                m = MinerService(cfg, wallets[f"{run[-1]}{s}"], chain, MinerOptions(
+                    netuid=NETUID, run_id=got.run_id, run_epoch=got.run_epoch, stage=s, out_dir=tmp / f"m{run}{s}",
+                    serve=LOCAL, metagraph_refresh_s=1.0, data=DataOptions(dataset=PatternData(
+                        cfg.model.vocab_size, cfg.data.seq_len))))
+                await m.start()
+                miners.append(m)
+        loops = [asyncio.create_task(m.run(stop)) for m in miners]
+        try:
+            rcs = await asyncio.gather(*tasks)
+        finally:
+            stop.set()
+            await asyncio.gather(*loops, return_exceptions=True)
+        commits = {hk: RunCommitment.decode(raw) for hk, raw in (await chain.commitments(NETUID)).items()}
+        status = {run: json.loads((tmp / v / "status.json").read_text()) for run, v in (("runa", "va"), ("runb", "vb"))}
+    finally:
+        for m in miners:
+            if m.server is not None:
+                await m.stop()
+        await chain.close()
+    return {"rcs": rcs, "hashes": hashes, "adopted": adopted, "commits": commits, "status": status,
+            "wallets": {n: w.hotkey.ss58_address for n, w in wallets.items()}}
+
+
+@pytest.mark.slow
+def test_two_runs_launched_by_spec_hash_train_side_by_side_on_one_devnet(tmp_path, tmp_home):
+    got = asyncio.run(_two_runs(tmp_path, tmp_home))
+    assert got["rcs"] == [0, 0]
+    hashes, adopted, commits, hk = got["hashes"], got["adopted"], got["commits"], got["wallets"]
+    assert hashes["runa"] != hashes["runb"]
+    for run in ("runa", "runb"):
+        assert (adopted[run].run_id, adopted[run].run_epoch) == (run, 0)
+        assert adopted[run].path.read_bytes() == canonical_yaml(load_config(adopted[run].path)).encode()
+        st = got["status"][run]
+        assert st["done"] and st["steps_done"] == {"0": 3}, st
+        assert st["peers"]["other_runs"] == {f"{'runb' if run == 'runa' else 'runa'}#0": 1}, st["peers"]
+        for s in range(3):                           # the miner given this run's hash is in this run only
+            c = commits[hk[f"{run[-1]}{s}"]]
+            assert (c.run, c.stage, c.spec_hash) == (run, s, hashes[run])
