@@ -35,6 +35,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (must match the subnet's run)")
     r.add_argument("--run-id", default=None, help="run identifier shared by the run's neurons (default: config name)")
+    r.add_argument("--spec-hash", default=None, metavar="SHA256",
+                   help="join the run whose validators advertise this spec hash (64 hex, their commitment's h): "
+                        "its config is fetched from one of them, refused unless its sha256 is SHA256, cached under "
+                        "--cache-dir/runs/, and used with the run id and epoch they publish (replaces --config)")
     r.add_argument("--run-epoch", type=int, default=0,
                    help="the run's epoch: a new epoch is a new run under the same id (state of the old one is set "
                         "aside in --out/previous/)")

@@ -9,7 +9,7 @@ from pathlib import Path
 from loguru import logger
 
 from iota_subnet.miner.hop_store import DEFAULT_KEEP_VERSIONS
-from iota_subnet.entry.chain import open_network_chain
+from iota_subnet.entry.chain import adopt_spec_hash, open_network_chain
 from iota_subnet.neuron_common import (StopRequested, add_common_args, check_external_ip, install_stop, run_id_for,
                                        setup_process, until_stopped)
 
@@ -106,11 +106,11 @@ async def run_miner(args: argparse.Namespace) -> int:
         from iota_subnet.sim.adversary import ALL_KINDS
         if args.adversary not in ALL_KINDS:
             raise SystemExit(f"error: unknown --adversary {args.adversary!r}; one of {', '.join(ALL_KINDS)}")
-    cfg = load_config(args.config)
     emulation = emulation_of(args)
     if emulation is not None and args.adversary:
         raise SystemExit("error: --adversary and --emulate-gpu cannot be combined (an emulated stage computes nothing)")
-    parts = miner_parts(args, cfg, emulation)
+    if not args.spec_hash:
+        load_config(args.config)            # a bad config is refused before any chain work
     wallet = load_wallet(args.wallet_name, args.wallet_hotkey, args.wallet_path)
     out = Path(args.out or Path("~/.iota-subnet/miners").expanduser() / wallet.hotkey.ss58_address)
     try:
@@ -118,6 +118,16 @@ async def run_miner(args: argparse.Namespace) -> int:
     except StopRequested:
         logger.info("miner stopped while connecting to the chain")
         return 0
+    try:
+        await until_stopped(adopt_spec_hash(args, chain), stop)     # --spec-hash: the run's config, id, epoch
+        cfg = load_config(args.config)
+        parts = miner_parts(args, cfg, emulation)
+    except BaseException as e:
+        await chain.close()
+        if isinstance(e, StopRequested):
+            logger.info("miner stopped while fetching its run's spec")
+            return 0
+        raise
     opts = MinerOptions(netuid=args.netuid, run_id=run_id_for(args), out_dir=out, stage=args.stage,
                         run_epoch=args.run_epoch, device=str(pick_device(args.device)), total_steps=args.steps,
                         checkpoint_every=args.checkpoint_every, register=args.register, max_burn_tao=args.max_burn,

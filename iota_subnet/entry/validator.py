@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from iota_subnet.entry.chain import open_network_chain
+from iota_subnet.entry.chain import adopt_spec_hash, open_network_chain
 from iota_subnet.neuron_common import add_common_args, check_external_ip, run_id_for, setup_process
 from iota_subnet.protocol.ticket import WIRE_DTYPES
 from iota_subnet.validator.service import ValidatorError, ValidatorOptions, run_validator
@@ -99,10 +99,21 @@ def options_from(a: argparse.Namespace) -> ValidatorOptions:
                             audits_per_tempo=a.audits_per_tempo, audit_timeout_s=a.audit_timeout)
 
 
+async def _adopt(a: argparse.Namespace) -> None:
+    """``--spec-hash``: the run's config, id and epoch from a validator already serving it."""
+    chain = await open_network_chain(a.network, a.chain_db, timeout_s=a.chain_timeout)
+    try:
+        await adopt_spec_hash(a, chain)
+    finally:
+        await chain.close()
+
+
 def run_validator_cli(a: argparse.Namespace) -> int:
     setup_process(a, "validator")
     from iota_subnet.errors import known_errors
     try:
+        if a.spec_hash:
+            asyncio.run(_adopt(a))
         return asyncio.run(run_validator(options_from(a), chain_opener=open_network_chain))
     except (ValidatorError, StateError, *known_errors()) as e:
         logger.error(str(e))

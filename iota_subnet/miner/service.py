@@ -42,6 +42,7 @@ from iota_subnet.chain import Chain
 from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.chain.registration import ensure_registered
 from iota_subnet.config import ConfigError, RunConfig
+from iota_subnet.config_hash import config_hash
 from iota_subnet.dashboard import DashboardServer, MinerSource
 from iota_subnet.data import DataError, build_dataset, fingerprints
 from iota_subnet.miner.audits import MinerAudits
@@ -106,6 +107,8 @@ class MinerService:
         self.netuid, self.run_id, self.run_epoch = opts.netuid, opts.run_id, int(opts.run_epoch)
         #: the tokenizer and data fingerprints (given, or those of the data built at start)
         self.fingerprints = opts.fingerprints
+        #: the run's spec hash (:func:`iota_subnet.config_hash.config_hash` of ``cfg``), published as ``h``
+        self.spec_hash = config_hash(cfg)
         self.publisher = ChainPublisher(chain, wallet, opts.netuid)
         self.out = Path(opts.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +178,8 @@ class MinerService:
 
     def commitment(self) -> str:
         return RunCommitment(self.run_id, MINER, self.run_epoch, stage=self.stage,
-                             fingerprints=self.fingerprints, relays=self.relays.endpoints()).encode()
+                             fingerprints=self.fingerprints, relays=self.relays.endpoints(),
+                             spec_hash=self.spec_hash).encode()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> int:

@@ -4,8 +4,9 @@ One small, versioned JSON object for both roles (a few dozen to a few hundred by
 keeps at most 2048, and every write costs commitment space, so it changes only when its content
 does)::
 
-    miner      {"v":2,"r":"tiny","e":0,"k":"m","s":1,"t":"<tokenizer fp>","d":"<data fp>","rl":["ip:port"]}
-    validator  {"v":2,"r":"tiny","e":0,"k":"v","t":"...","d":"...","hb":3,"mw":{"5":0.0},"rh":1}
+    miner      {"v":2,"r":"tiny","e":0,"k":"m","s":1,"t":"<tokenizer fp>","d":"<data fp>","h":"<spec hash>",
+                "rl":["ip:port"]}
+    validator  {"v":2,"r":"tiny","e":0,"k":"v","t":"...","d":"...","h":"<spec hash>","hb":3,"mw":{"5":0.0},"rh":1}
 
 ``r`` run id and ``e`` run epoch (a run is identified by both: a new epoch is a new run that
 reuses the id); ``k`` role (``m`` miner, ``v`` validator); ``s`` the miner's stage; ``t`` / ``d``
@@ -15,8 +16,13 @@ for a while); ``mw`` the validator's merge weights (uid -> weight, only entries 
 the default 1.0; see :mod:`iota_subnet.validator.merge_weights`); ``rl`` the relays a miner that
 cannot be dialled is reached through (``ip:port`` each, at most :data:`MAX_RELAYS`; its axon is the
 first, the others are tried when it fails: :mod:`iota_subnet.transport.relay`); ``rh`` a neuron that
-hosts a relay for the run's neurons. Four relays of 21 bytes (``255.255.255.255:65535``) add 96 bytes
-to a miner's commitment of about 100: about 200 of the 2048.
+hosts a relay for the run's neurons; ``h`` the run's spec hash (64 hex: the sha256 of its canonical
+config, :mod:`iota_subnet.config_hash`; a validator serves that spec, :mod:`.run_spec`; absent: not
+advertised). Four relays of 21 bytes (``255.255.255.255:65535``) add 96 bytes to a miner's commitment.
+Measured (``tests/test_run_spec_hash.py``), with a 16-character run id, epoch 3, both fingerprints and
+the spec hash: a miner at stage 2 with four such relays is 270 bytes; a validator with heartbeat 999999,
+relay host and merge weights for 8 three-digit uids is 267 bytes (the spec hash is 71 of each; each
+further merge weight about 12): at most 14 % of the 2048.
 
 :meth:`RunCommitment.decode` never raises: anything that is not a commitment of this format (other
 subnets' code, garbage, too large) decodes to None. Version-1 texts (``{"v":1,"run","stage"}``
@@ -29,6 +35,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
+
+from .run_spec import is_spec_hash
 
 COMMITMENT_VERSION = 2
 MAX_COMMITMENT_BYTES = 2048
@@ -69,6 +77,7 @@ class RunCommitment:
     merge_weights: Mapping[int, float] = field(default_factory=dict)   # validators
     relays: tuple[str, ...] = ()             # miners reached through relays: their ``ip:port``
     relay_host: bool = False                 # hosts a relay for the run's neurons
+    spec_hash: str = ""                      # the run's spec hash (64 hex; "" = not advertised)
 
     def same_run(self, run: str, epoch: int) -> bool:
         return self.run == run and self.epoch == int(epoch)
@@ -90,6 +99,10 @@ class RunCommitment:
             d["rl"] = list(self.relays)
         if self.relay_host:
             d["rh"] = 1
+        if self.spec_hash:
+            if not is_spec_hash(self.spec_hash):
+                raise ValueError(f"spec_hash must be 64 lowercase hex digits: {self.spec_hash!r}")
+            d["h"] = self.spec_hash
         raw = json.dumps(d, separators=(",", ":"))
         if len(raw.encode()) > MAX_COMMITMENT_BYTES:
             raise ValueError(f"commitment is {len(raw.encode())} bytes; at most {MAX_COMMITMENT_BYTES} fit on chain")
@@ -125,10 +138,11 @@ class RunCommitment:
                 return None
             mw = _weights(d.get("mw", {}))
             relays = _relays(d.get("rl", []))
-            if mw is None or relays is None or d.get("rh", 0) not in (0, 1):
+            h = d.get("h", "")
+            if mw is None or relays is None or d.get("rh", 0) not in (0, 1) or not (h == "" or is_spec_hash(h)):
                 return None
             return RunCommitment(run, role, int(epoch), int(stage) if role == MINER else None, fps, int(hb), mw,
-                                 relays, bool(d.get("rh", 0)))
+                                 relays, bool(d.get("rh", 0)), h)
         except (ValueError, TypeError, AttributeError, RecursionError):
             return None
 

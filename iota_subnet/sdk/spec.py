@@ -16,8 +16,14 @@ without a folder writes it under ``$IOTA_CACHE/sdk/<hash>/`` (content addressed)
 :meth:`RunSpec.spec_hash` is the sha256 of the canonical resolved config (YAML, keys sorted) with the
 model named by its ``transformers`` config content rather than by the folder holding it, so that the same
 run written in two places has one hash. Local data and tokenizer files (and a pretrained start's folder)
-are named by their absolute paths, not their content. Runs addressed by this hash on chain (a validator
-reading the spec from its hash) are not done yet.
+are named by their absolute paths, not their content (:mod:`iota_subnet.config_hash`, the same hash for any
+config).
+
+A run is addressed by this hash on chain: its validators serve the canonical YAML (``GET /run/spec``) and
+advertise the hash in their commitment (``h``); ``iota-subnet miner --spec-hash HASH`` (or ``validator``)
+fetches the text from a validator advertising it, refuses it unless its sha256 is ``HASH``
+(:class:`~iota_subnet.protocol.run_spec.SpecHashMismatchError`, naming both hashes), caches it under
+``$IOTA_CACHE/runs/HASH.yaml`` and joins that validator's run id and epoch (:mod:`iota_subnet.run_fetch`).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import yaml
 from transformers import PreTrainedConfig
 
 from iota_subnet.config import ConfigError, RunConfig, load_config, load_yaml
-from iota_subnet.config_hf import HFModelConfig
+from iota_subnet.config_hash import canonical_yaml, config_hash  # noqa: F401 (re-exported: iota_subnet.sdk)
 from iota_subnet.data import default_cache_dir
 from iota_subnet.utils.atomic import atomic_write_text
 
@@ -47,8 +53,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     "eval_batches": ("train", "eval_batches"), "precision": ("train", "precision"),
     "merge_every": ("merge", "every_steps"),
 }
-#: keys of a ``transformers`` config dict that say where or when it was written, not what the model is
-_VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset")
 
 
 def _local(p: Union[str, Path]) -> str:
@@ -203,21 +207,3 @@ class RunSpec:
     def replace(self, **changes) -> "RunSpec":
         """A copy with ``changes`` (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
-
-
-def canonical_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML with sorted keys; a ``transformers`` model scratch-initialised is named
-    by its config's content (keys that record where or when it was written dropped), not its folder."""
-    d = cfg.to_dict()
-    m = cfg.model
-    if isinstance(m, HFModelConfig):
-        tc = json.loads(m.transformers_config().to_json_string(use_diff=False))
-        for k in _VOLATILE:
-            tc.pop(k, None)
-        d["model"] = {"hf": m.hf if m.init == "pretrained" else tc.get("model_type"), "init": m.init, "config": tc}
-    return yaml.safe_dump(json.loads(json.dumps(d, default=str)), sort_keys=True)
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """sha256 (hex) of :func:`canonical_yaml`: the content address of a run."""
-    return hashlib.sha256(canonical_yaml(cfg).encode()).hexdigest()

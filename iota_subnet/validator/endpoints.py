@@ -1,5 +1,6 @@
 """What the validator serves: its own signed server (``/receipts`` and ``/refusals`` from miners,
-public ``GET /scores``, ``/metrics``, ``/health`` and the peer probe), published on chain, and the
+public ``GET /scores``, ``/run/spec`` (the run's spec, :mod:`iota_subnet.protocol.run_spec`), ``/metrics``,
+``/health`` and the peer probe), published on chain, and the
 read-only web dashboard (``dashboard_port``, :mod:`iota_subnet.dashboard`)."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from loguru import logger
 
 from iota_subnet.dashboard import DashboardServer, ValidatorSource, health_poller
 from iota_subnet.protocol import Outcome, ProtocolError
+from iota_subnet.protocol.run_spec import SPEC_HASH_HEADER, SPEC_ROUTE
 from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.probe import PeerProbe
@@ -39,11 +41,16 @@ class ValidatorEndpoints:
     async def serve(self, svc: Any) -> None:
         """The validator's own server for validator ``svc``: miners deliver receipts (``/receipts``,
         signed, registered hotkeys) and evidence of hops they refused (``/refusals``, :mod:`.blame`)
-        (both :func:`.control_routes.control_routes`); ``GET /scores`` is public and read-only. Its endpoint is published on chain."""
+        (both :func:`.control_routes.control_routes`); ``GET /scores`` and ``GET /run/spec`` (the run's
+        canonical config, whose sha256 its commitment advertises) are public and read-only. Its endpoint is published on chain."""
         run_id = svc.opts.run.run_id
 
         async def scores(_request):
             return web.json_response(svc.scores.explained or {"miners": []})
+
+        async def run_spec(_request):          # content addressed: the reader checks it against the hash
+            return web.Response(text=svc.spec_text, content_type="text/yaml",
+                                headers={SPEC_HASH_HEADER: svc.spec_hash})
 
         async def authorize(hotkey: str, route: str) -> None:
             if hotkey not in svc.current.values():
@@ -65,6 +72,7 @@ class ValidatorEndpoints:
             self.server.add_route(r.path, r.handler, r.message_type, r.contract_fn, max_body_bytes=r.max_body_bytes,
                                   on_refused=r.on_refused)
         self.server.add_public_get("/scores", scores)
+        self.server.add_public_get(SPEC_ROUTE, run_spec)
         self.server.add_public_get("/metrics", self.prom.handler)
         self.server.add_public_get("/health", health_handler(self.sup))
         for path, handler in PeerProbe().handlers().items():      # iota-subnet doctor asks peers

@@ -62,9 +62,11 @@ from loguru import logger
 from iota_subnet.chain import Chain, ChainError, open_chain
 from iota_subnet.chain.publisher import ChainPublisher
 from iota_subnet.config import ConfigError, RunConfig, load_config
+from iota_subnet.config_hash import canonical_yaml
 from iota_subnet.data import DataError, build_dataset, fingerprints
 from iota_subnet.neuron_common import stop_signals
 from iota_subnet.protocol.commitment import VALIDATOR, RunCommitment
+from iota_subnet.protocol.run_spec import spec_digest
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.train.optim import lr_at
@@ -120,6 +122,8 @@ class ValidatorService:
         self.out = Path(opts.outputs.out).expanduser()
         self.wallet, self.chain, self.cfg, self.dataset = wallet, chain, cfg, dataset
         self.fingerprints: Any = None       # of the tokenizer and data (built with the dataset)
+        #: the run's spec (canonical config YAML, served on GET /run/spec) and its hash (advertised as ``h``)
+        self.spec_text, self.spec_hash = "", ""
         self._own_chain = chain is None
         self.publisher: Optional[ChainPublisher] = None
         self.hotkey: str = ""
@@ -214,9 +218,9 @@ class ValidatorService:
         self.publisher = ChainPublisher(self.chain, self.wallet, c.netuid)
         self.publisher.set_commitment(self.advert())
         await self.sync()
-        logger.info("validator uid {} ({}) on netuid {}: run {!r} epoch {}, {} stages, replicas per stage {}; "
-                    "validators coordinating: {} ({})", self.uid, self.hotkey[:10], c.netuid, o.run.run_id,
-                    o.run.run_epoch, self.cfg.pipeline.stages, self.router.stage_counts(), len(self.view.validators),
+        logger.info("validator uid {} ({}) on netuid {}: run {!r} epoch {} (spec hash {}), {} stages, replicas per "
+                    "stage {}; validators coordinating: {} ({})", self.uid, self.hotkey[:10], c.netuid, o.run.run_id,
+                    o.run.run_epoch, self.spec_hash, self.cfg.pipeline.stages, self.router.stage_counts(), len(self.view.validators),
                     self.view.peers.summary())
 
     async def _load_run_data(self) -> None:
@@ -225,6 +229,8 @@ class ValidatorService:
         try:
             if self.cfg is None:
                 self.cfg = load_config(o.config)
+            self.spec_text = canonical_yaml(self.cfg)
+            self.spec_hash = spec_digest(self.spec_text.encode())
             if self.dataset is None:
                 def build():
                     tok, ds = build_dataset(self.cfg.data, o.data, Path(o.cache_dir) if o.cache_dir else None,
@@ -242,7 +248,7 @@ class ValidatorService:
         o = self.opts.run
         return RunCommitment(o.run_id, VALIDATOR, o.run_epoch, fingerprints=self.fingerprints,
                              heartbeat=self.view.heartbeat, merge_weights=self.merges.weights,
-                             relay_host=self.opts.outputs.relay_host).encode()
+                             relay_host=self.opts.outputs.relay_host, spec_hash=self.spec_hash).encode()
 
     async def sync(self) -> None:
         """Re-read metagraph and commitments: routing, uid -> hotkey, the validators that coordinate

@@ -1,0 +1,239 @@
+"""Issue 30, item 6: a run anyone can launch, addressed by its spec hash.
+
+A validator serves its run's canonical config (``GET /run/spec``) and advertises its sha256 in its
+commitment (``h``); a neuron given the hash fetches the spec, refuses content that does not hash to it
+(a clear error naming both hashes; exit code 2 from the CLI), and joins the advertisers' run. Two runs
+launched on one devnet train side by side, and the miners given run A's hash join A only.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import yaml
+from aiohttp import web
+
+from iota_subnet.config import load_config
+from iota_subnet.config_hash import canonical_yaml, config_hash
+from iota_subnet.devnet import add_stake, create_devnet, open_devnet
+from iota_subnet.entry import miner as miner_entry
+from iota_subnet.miner.options import DataOptions, MinerOptions
+from iota_subnet.miner.service import MinerService
+from iota_subnet.protocol.commitment import MAX_COMMITMENT_BYTES, MINER, VALIDATOR, Fingerprints, RunCommitment
+from iota_subnet.protocol.run_spec import SPEC_ROUTE, SpecHashMismatchError, check_spec_hash, spec_digest, verify_spec
+from iota_subnet.errors import UserError
+from iota_subnet.run_fetch import RunNotFoundError, fetch_run_spec
+from iota_subnet.validator.service import ValidatorOptions, ValidatorService
+from iota_subnet.wallets import create_wallet
+from support.common import PatternData
+from support.miners import LOCAL
+
+pytestmark = pytest.mark.timeout(300)
+NETUID = 9
+OVR = {"data": {"seq_len": 32}, "train": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 2,
+                                          "total_steps": 3}}
+
+
+# ---- (a) units: the hash, the refusal, the commitment -------------------------------------------------
+def test_the_canonical_spec_is_a_fixed_point_and_its_digest_is_the_config_hash(tmp_path):
+    cfg = load_config("configs/tiny.yaml", OVR)
+    text = canonical_yaml(cfg)
+    assert spec_digest(text.encode()) == config_hash(cfg)
+    (tmp_path / "spec.yaml").write_text(text)
+    back = load_config(tmp_path / "spec.yaml")          # what a neuron given the hash loads
+    assert canonical_yaml(back) == text and config_hash(back) == config_hash(cfg)
+    other = load_config("configs/tiny.yaml", {**OVR, "train": {**OVR["train"], "lr": 1e-3}})
+    assert config_hash(other) != config_hash(cfg)
+
+
+def test_content_that_does_not_match_its_hash_is_refused_naming_both():
+    text = b"model: tiny\n"
+    h = spec_digest(text)
+    assert verify_spec(text, h, "here") == "model: tiny\n"
+    with pytest.raises(SpecHashMismatchError) as e:
+        verify_spec(b"model: small\n", h, "validator uid 3 (1.2.3.4:5)")
+    msg = str(e.value)
+    assert h in msg and spec_digest(b"model: small\n") in msg and "uid 3" in msg
+    with pytest.raises(UserError, match="64 hex"):
+        check_spec_hash(h[:16])                          # a prefix is not a hash
+    assert check_spec_hash(" " + h.upper() + " ") == h
+
+
+def test_the_spec_hash_and_the_rest_of_a_commitment_fit_the_chain():
+    """The bytes stated in iota_subnet/protocol/commitment.py's docstring."""
+    h, fps = "a" * 64, Fingerprints("0123456789abcdef", "fedcba9876543210")
+    relays = ("255.255.255.255:65535",) * 4
+    m = RunCommitment("r" * 16, MINER, 3, stage=2, fingerprints=fps, relays=relays, spec_hash=h)
+    v = RunCommitment("r" * 16, VALIDATOR, 3, fingerprints=fps, heartbeat=999_999, relay_host=True,
+                      merge_weights={u: 0.5 for u in range(250, 258)}, spec_hash=h)
+    sizes = {c.role: len(c.encode().encode()) for c in (m, v)}
+    assert sizes == {MINER: 270, VALIDATOR: 267}, sizes
+    assert max(sizes.values()) <= 0.15 * MAX_COMMITMENT_BYTES
+    assert len(m.encode()) - len(RunCommitment("r" * 16, MINER, 3, stage=2, fingerprints=fps,
+                                               relays=relays).encode()) == 71        # ,"h":"<64 hex>"
+    for c in (m, v):
+        assert RunCommitment.decode(c.encode()) == c
+    raw = json.loads(m.encode())
+    assert RunCommitment.decode(json.dumps({**raw, "h": "abc"})) is None          # not a hash: not ours
+    with pytest.raises(ValueError, match="spec_hash"):
+        RunCommitment("x", MINER, stage=0, spec_hash="ABC").encode()
+
+
+# ---- a devnet with spec servers of our own (no training) -----------------------------------------------
+async def _serve_text(text: bytes) -> tuple[web.AppRunner, int]:
+    async def get(_request):
+        return web.Response(body=text, content_type="text/yaml")
+    app = web.Application()
+    app.router.add_get(SPEC_ROUTE, get)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+async def _fake_validator(db, chain, home, name: str, text: bytes, commitment: RunCommitment):
+    """A permit holder advertising ``commitment`` whose /run/spec serves ``text``."""
+    w = create_wallet(name, "default", home / "wallets")
+    await chain.register(w, NETUID)
+    add_stake(db, w.hotkey.ss58_address, w.coldkey.ss58_address, 1000.0, netuid=NETUID)
+    runner, port = await _serve_text(text)
+    await chain.serve(w, NETUID, "127.0.0.1", port)
+    await chain.publish(w, NETUID, commitment.encode())
+    return runner
+
+
+def test_a_tampered_spec_is_refused_and_an_honest_validator_is_used(tmp_path, tmp_home, capfd):
+    cfg = load_config("configs/tiny.yaml", OVR)
+    good = canonical_yaml(cfg).encode()
+    h = spec_digest(good)
+    tampered = good.replace(b"lr: 0.003", b"lr: 0.3")
+    assert tampered != good
+    db = create_devnet(tmp_path / "chain.db", NETUID, tempo=20, block_time=0.1, immunity_period=0)
+    advert = RunCommitment("runa", VALIDATOR, 0, spec_hash=h)
+
+    async def main():
+        chain = await open_devnet(db)
+        runners = []
+        try:
+            runners.append(await _fake_validator(db, chain, tmp_home, "liar", tampered, advert))
+            with pytest.raises(SpecHashMismatchError) as e:
+                await fetch_run_spec(chain, NETUID, h, tmp_path / "cache")
+            assert h in str(e.value) and spec_digest(tampered) in str(e.value)
+            assert not (tmp_path / "cache" / "runs" / f"{h}.yaml").exists()       # nothing cached
+            with pytest.raises(RunNotFoundError, match="no validator"):
+                await fetch_run_spec(chain, NETUID, "b" * 64, tmp_path / "cache")
+            runners.append(await _fake_validator(db, chain, tmp_home, "honest", good, advert))
+            run = await fetch_run_spec(chain, NETUID, h, tmp_path / "cache")       # the liar first, then honest
+            assert (run.run_id, run.run_epoch, len(run.validators)) == ("runa", 0, 2)
+            assert run.path.read_bytes() == good and config_hash(load_config(run.path)) == h
+        finally:
+            for r in runners:
+                await r.cleanup()
+            await chain.close()
+        return runners
+
+    asyncio.run(main())
+    # the command line: the same refusal, one line, exit code 2 (only the liar left serving)
+    db2 = create_devnet(tmp_path / "chain2.db", NETUID, tempo=20, block_time=0.1, immunity_period=0)
+
+    async def liar_only():
+        chain = await open_devnet(db2)
+        r = await _fake_validator(db2, chain, tmp_home, "liar", tampered, advert)
+        await chain.close()
+        return r
+
+    loop = asyncio.new_event_loop()
+    runner = loop.run_until_complete(liar_only())
+    import threading
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        create_wallet("m", "default", tmp_home / "wallets")
+        rc = miner_entry.main(["--network", "devnet", "--chain-db", str(db2), "--netuid", str(NETUID),
+                               "--wallet-name", "m", "--wallet-path", str(tmp_home / "wallets"),
+                               "--spec-hash", h, "--cache-dir", str(tmp_path / "cache2"), "--out", str(tmp_path / "m")])
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+    assert rc == 2
+    err = capfd.readouterr().err
+    assert "does not match its hash" in err and h in err and spec_digest(tampered) in err
+
+
+# ---- (b) two runs on one devnet, miners joining by hash ------------------------------------------------
+async def _two_runs(tmp, home) -> dict:
+    db = create_devnet(tmp / "chain.db", NETUID, tempo=20, block_time=0.1, weights_rate_limit=1,
+                       immunity_period=0, max_uids=32)
+    cfgs = {"runa": load_config("configs/tiny.yaml", OVR),
+            "runb": load_config("configs/tiny.yaml", {**OVR, "train": {**OVR["train"], "lr": 1e-3}})}
+    names = ["va", "vb"] + [f"{r}{s}" for r in ("a", "b") for s in range(3)]
+    wallets = {n: create_wallet(n, "default", home / "wallets") for n in names}
+    chain = await open_devnet(db)
+    vals, miners, tasks, stop = {}, [], [], asyncio.Event()
+    try:
+        for w in wallets.values():
+            await chain.register(w, NETUID)
+        for run, v in (("runa", "va"), ("runb", "vb")):
+            w = wallets[v]
+            add_stake(db, w.hotkey.ss58_address, w.coldkey.ss58_address, 10_000.0, netuid=NETUID)
+            data = PatternData(cfgs[run].model.vocab_size, cfgs[run].data.seq_len)
+            opts = ValidatorOptions.from_flat(network="devnet", chain_db=str(db), netuid=NETUID, steps=3,
+                                              out=str(tmp / v), run_id=run, sync_interval_s=1.0, status_interval_s=0.5,
+                                              weights_check_s=1.0, exit_when_done=True, wait_miners_s=90,
+                                              clasp_interval_s=0.0, wait_peers_s=2.0, external_ip="127.0.0.1",
+                                              host="127.0.0.1")
+            vals[run] = ValidatorService(opts, wallet=w, chain=chain, cfg=cfgs[run], dataset=data)
+            tasks.append(asyncio.create_task(asyncio.wait_for(vals[run].run(), 240)))
+        hashes = {run: config_hash(cfg) for run, cfg in cfgs.items()}
+        for _ in range(200):                       # both validators serve and advertise their spec
+            commits = [RunCommitment.decode(r) for r in (await chain.commitments(NETUID)).values()]
+            if {c.spec_hash for c in commits if c is not None} >= set(hashes.values()):
+                break
+            await asyncio.sleep(0.1)
+        adopted = {}
+        for run in ("runa", "runb"):               # each run's miners are given only its hash
+            adopted[run] = await fetch_run_spec(chain, NETUID, hashes[run], tmp / f"cache-{run}")
+            got = adopted[run]
+            cfg = load_config(got.path)
+            for s in range(3):
+                m = MinerService(cfg, wallets[f"{run[-1]}{s}"], chain, MinerOptions(
+                    netuid=NETUID, run_id=got.run_id, run_epoch=got.run_epoch, stage=s, out_dir=tmp / f"m{run}{s}",
+                    serve=LOCAL, metagraph_refresh_s=1.0, data=DataOptions(dataset=PatternData(
+                        cfg.model.vocab_size, cfg.data.seq_len))))
+                await m.start()
+                miners.append(m)
+        loops = [asyncio.create_task(m.run(stop)) for m in miners]
+        try:
+            rcs = await asyncio.gather(*tasks)
+        finally:
+            stop.set()
+            await asyncio.gather(*loops, return_exceptions=True)
+        commits = {hk: RunCommitment.decode(raw) for hk, raw in (await chain.commitments(NETUID)).items()}
+        status = {run: json.loads((tmp / v / "status.json").read_text()) for run, v in (("runa", "va"), ("runb", "vb"))}
+    finally:
+        for m in miners:
+            if m.server is not None:
+                await m.stop()
+        await chain.close()
+    return {"rcs": rcs, "hashes": hashes, "adopted": adopted, "commits": commits, "status": status,
+            "wallets": {n: w.hotkey.ss58_address for n, w in wallets.items()}}
+
+
+@pytest.mark.slow
+def test_two_runs_launched_by_spec_hash_train_side_by_side_on_one_devnet(tmp_path, tmp_home):
+    got = asyncio.run(_two_runs(tmp_path, tmp_home))
+    assert got["rcs"] == [0, 0]
+    hashes, adopted, commits, hk = got["hashes"], got["adopted"], got["commits"], got["wallets"]
+    assert hashes["runa"] != hashes["runb"]
+    for run in ("runa", "runb"):
+        assert (adopted[run].run_id, adopted[run].run_epoch) == (run, 0)
+        assert adopted[run].path.read_bytes() == canonical_yaml(load_config(adopted[run].path)).encode()
+        st = got["status"][run]
+        assert st["done"] and st["steps_done"] == {"0": 3}, st
+        assert st["peers"]["other_runs"] == {f"{'runb' if run == 'runa' else 'runa'}#0": 1}, st["peers"]
+        for s in range(3):                           # the miner given this run's hash is in this run only
+            c = commits[hk[f"{run[-1]}{s}"]]
+            assert (c.run, c.stage, c.spec_hash) == (run, s, hashes[run])
