@@ -50,11 +50,30 @@ def data_files(folder) -> dict:
     return {"hf": {"path": str(corpus), "text_field": "text"}, "tokenizer": str(tok), "seq_len": SEQ}
 
 
-def family_run(folder, family: str, **train) -> dict:
-    """The run config (a dict, as ``run.yaml`` holds it) of a tiny 3-stage ``family`` model (files
-    under ``folder``)."""
+def pretrained_folder(folder, family: str):
+    """A ``transformers`` folder (config and safetensors) of the tiny ``family`` model with random
+    weights whose biases and norm weights are away from their initial 0 and 1, as in a trained
+    checkpoint (Qwen2's q/k biases are large)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     fields, _ = FAMILIES[family]
-    return {"model": {"hf": family, "config": {**BASE, **fields}},
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **BASE, **fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+    out = folder / f"{family}-model"
+    model.save_pretrained(str(out))
+    return out
+
+
+def family_run(folder, family: str, *, pretrained: bool = False, **train) -> dict:
+    """The run config (a dict, as ``run.yaml`` holds it) of a tiny 3-stage ``family`` model (files
+    under ``folder``); ``pretrained``: initialised from :func:`pretrained_folder`, else from scratch."""
+    fields, _ = FAMILIES[family]
+    model = ({"hf": str(pretrained_folder(folder, family)), "init": "pretrained"} if pretrained
+             else {"hf": family, "config": {**BASE, **fields}})
+    return {"model": model,
             "pipeline": {"stages": 3, "compression_ratio": 1, "layer_split": [1, 1, 1]},
             "data": data_files(folder),
             "train": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1, "total_steps": 40, "lr": 3e-3,

@@ -16,6 +16,13 @@ through public module attributes (``nn.Module`` children, ``layer_kinds``, the t
 computes forward and backward with the twin, so its gradients land in its real weights and its
 optimizer, commitments and ``/state`` are those of an honest miner; only its hops differ.
 
+Limit of ``drop-bias``: it changes the output only where the biases are not 0. From a scratch init
+(biases 0) the cheater's own biases never train (the twin gives them no gradient), so it computes
+exactly what an honest miner computes with its committed weights and its hops pass replay until its
+biases change (a replica merge brings the others' trained biases in; a pretrained checkpoint has them
+from the start). What it skips then is the biases' training, and the update audit takes the committed
+gradient (zero for them, listed in the commitment's ``no_grad``) as given, so that alone is not caught.
+
 Sources: ``transformers.models.{qwen2,qwen3,mistral}.modeling_*`` (``*Attention.__init__`` /
 ``forward``); ``transformers.masking_utils``. Qwen3: Yang et al. 2025, "Qwen3 Technical Report", sec. 2
 (QK-Norm); Mistral: Jiang et al. 2023, "Mistral 7B", sec. 2 (sliding window attention).
