@@ -37,10 +37,17 @@ well formed (right shapes, finite numbers), so only verification can tell it fro
             are refused (``LATE``, as if outside its window) or left to time out, alternately
             (:class:`Dodger`). Its receipts are well formed and agree with its neighbours'.
 
+For a ``transformers`` family model (:data:`~iota_subnet.sim.family_cheats.FAMILY_KINDS`, refused with a
+:class:`ConfigError` for another model): ``drop-bias`` (Qwen2: attention without its q/k/v biases),
+``skip-qk-norm`` (Qwen3: without its q/k RMSNorm), ``full-attention`` (Mistral, or a windowed Qwen2 /
+Qwen3: no sliding window); each computes and trains honestly but with a twin of its stage lacking that
+part (:func:`~iota_subnet.sim.family_cheats.twisted_stage`).
+
 How each is caught in the data plane (validators' :class:`~iota_subnet.validator.auditing.AuditScheduler`):
 hop audits (:mod:`iota_subnet.audit`) catch ``random``, ``zero``, ``lazy``, ``replay``, ``copy``,
 ``claim`` (its backward) and ``precision`` (the trace is fp32 and the tolerance follows the run's
-config); update audits catch ``noisy-update`` and ``stale`` (no commitment for the inner steps it
+config; the exact replay of a family stage, :mod:`iota_subnet.audit.replay`, catches the family
+kinds); update audits catch ``noisy-update`` and ``stale`` (no commitment for the inner steps it
 claims); ``dodge`` is flagged for its unanswered audits (:mod:`iota_subnet.validator.audit_policy`);
 ``poison`` by the merge redundancy check (the other reducer of each shard and the replicas gathering
 it recompute the mean and report the poisoner, :class:`iota_subnet.validator.merge_weights.MergeOversight`)
@@ -50,6 +57,7 @@ and ``accuse`` by the merge audit (:class:`iota_subnet.validator.merge_audit.Mer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import math
@@ -65,15 +73,19 @@ from iota_subnet.merge.claims import result_from_wire
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
 from iota_subnet.miner.parts import MinerParts, make_worker
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
+from iota_subnet.model import make_stage
 from iota_subnet.protocol import MergeResult, MergeResultRequest, Outcome, ProtocolError
 from iota_subnet.sim.bad_output import BAD_OUTPUT_KINDS, bad_output_parts
+from iota_subnet.sim.family_cheats import FAMILY_KINDS, check_family_kind, twisted_stage
 
 #: Adversary kinds this module implements (``poison`` needs merging: ``merge.every_steps`` > 0).
 ADVERSARY_KINDS = ("random", "zero", "lazy", "replay", "copy", "stale", "claim", "poison", "noisy-update", "precision",
                    "accuse", "dodge")
-#: Every kind ``--adversary`` takes: the cheaters above and the miners whose output goes bad
-#: (:data:`iota_subnet.sim.bad_output.BAD_OUTPUT_KINDS`).
-ALL_KINDS = ADVERSARY_KINDS + BAD_OUTPUT_KINDS
+#: Cheats on a ``transformers`` family's own parts (:mod:`iota_subnet.sim.family_cheats`).
+FAMILY_CHEAT_KINDS = tuple(FAMILY_KINDS)
+#: Every kind ``--adversary`` takes: the cheaters above, the family cheats and the miners whose output
+#: goes bad (:data:`iota_subnet.sim.bad_output.BAD_OUTPUT_KINDS`).
+ALL_KINDS = ADVERSARY_KINDS + FAMILY_CHEAT_KINDS + BAD_OUTPUT_KINDS
 
 
 class AdversaryError(ValueError):
@@ -221,11 +233,14 @@ class CheatingStageWorker(StageWorker):
     module docstring) once armed: at construction unless ``armed`` is False, else at :meth:`arm`
     (an honest worker until then). ``peer_state``: for ``copy``, a callable returning another
     replica's state dict (called when the copier has none yet and after each of its inner steps).
-    ``adversary_seed``: seeds its noise. Other arguments: as StageWorker. Raises :class:`AdversaryError`."""
+    ``adversary_seed``: seeds its noise. Other arguments: as StageWorker. Raises :class:`AdversaryError`,
+    and :class:`ConfigError` for a family cheat the run's model does not have."""
 
     def __init__(self, cfg: RunConfig, stage: int, *, kind: str, peer_state: Optional[Callable[[], dict]] = None,
                  adversary_seed: int = 0, armed: bool = True, **kw: Any):
         check_kind(kind)
+        if kind in FAMILY_KINDS:
+            check_family_kind(kind, cfg)
         super().__init__(cfg, stage, **kw)
         self.kind = kind
         self.armed = False
@@ -234,6 +249,9 @@ class CheatingStageWorker(StageWorker):
         self.first_grad: Optional[torch.Tensor] = None
         self.peer_module: Optional[nn.Module] = None
         self.peer_step = -1
+        #: the family cheats' twin of :attr:`module` (:func:`twisted_stage`), and the parameters it shares
+        self.twin: Optional[nn.Module] = None
+        self.twin_of: tuple = ()
         if armed:
             self.arm(peer_state=peer_state, seed=adversary_seed)
 
@@ -260,6 +278,9 @@ class CheatingStageWorker(StageWorker):
             return self._replay_forward(mb_id, x, targets, train=train, accumulate=accumulate)
         if k == "copy":
             return self._copy_forward(mb_id, x, targets, train=train, accumulate=accumulate)
+        if k in FAMILY_KINDS:
+            with self._twisted():
+                return super().compute_forward(mb_id, x, targets, train=train, accumulate=accumulate)
         return super().compute_forward(mb_id, x, targets, train=train, accumulate=accumulate)
 
     def backward(self, mb_id, grad, accumulate=None):
@@ -270,6 +291,9 @@ class CheatingStageWorker(StageWorker):
             return self._replay_backward(mb_id, grad)
         if k == "claim":
             return self._claim_backward(mb_id, grad)
+        if k in FAMILY_KINDS:
+            with self._twisted():       # a forward recomputed for the backward runs the twin too
+                return super().backward(mb_id, grad, accumulate)
         return super().backward(mb_id, grad, accumulate)
 
     def step(self) -> None:
@@ -392,10 +416,9 @@ class CheatingStageWorker(StageWorker):
         if self.peer_module is None or self.peer_step != self.inner_step:
             sd = self.peer_state()
             if sd:
-                from iota_subnet.model import PipelineStage
-                if self.peer_module is None:
-                    self.peer_module = PipelineStage(self.cfg.model, self.cfg.pipeline, self.stage,
-                                                     init=False).to(self.device)
+                if self.peer_module is None:       # the run's stage kind (a transformers family's too)
+                    self.peer_module = make_stage(self.cfg.model, self.cfg.pipeline, self.stage,
+                                                  init=False).to(self.device)
                 self.peer_module.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=True)
                 self.peer_step = self.inner_step
         return self.peer_module
@@ -412,6 +435,23 @@ class CheatingStageWorker(StageWorker):
             self.module = own
         peer.zero_grad(set_to_none=True)
         return out
+
+    # ---- family cheats --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _twisted(self):
+        """Compute with the twin of the stage (:func:`twisted_stage`, rebuilt when the stage's parameter
+        objects change) in place of :attr:`module`; the twin shares its parameters, so the gradients
+        land in the stage's own."""
+        with self.lock:
+            own = self.module
+            ids = tuple(id(p) for p in own.parameters())
+            if self.twin is None or self.twin_of != ids:
+                self.twin, self.twin_of = twisted_stage(own, self.kind), ids
+            self.module = self.twin
+            try:
+                yield
+            finally:
+                self.module = own
 
     # ---- precision ---------------------------------------------------------------------------------
     def _make_low_precision(self) -> None:
@@ -443,10 +483,13 @@ def adversary_parts(kind: str, cfg: RunConfig, *, accomplices: tuple = ()) -> Mi
     kind of :data:`~iota_subnet.sim.bad_output.BAD_OUTPUT_KINDS` an honest miner whose data plane
     transport corrupts its output (:func:`~iota_subnet.sim.bad_output.bad_output_parts`). Its
     status says ``adversary``. Raises :class:`AdversaryError`, and :class:`ConfigError` for a merge
-    cheat in a run that does not merge."""
+    cheat in a run that does not merge or a family cheat (:data:`FAMILY_CHEAT_KINDS`) the run's model
+    does not have."""
     check_kind(kind)
     if kind in BAD_OUTPUT_KINDS:
         return bad_output_parts(kind)
+    if kind in FAMILY_KINDS:
+        check_family_kind(kind, cfg)
     if kind == "poison" and not cfg.merge.enabled:
         raise ConfigError("--adversary poison poisons replica merges: enable merging (merge.every_steps "
                           "or merge.every_blocks > 0 in the config)")

@@ -89,13 +89,17 @@ class Chain:
 
 
 def make_chain(overrides: Optional[dict] = None, train_steps: int = 2, kinds: Optional[dict[int, str]] = None,
-               seed: int = 0, base: Optional["Chain"] = None, wire: str = "bf16") -> Chain:
+               seed: int = 0, base: Optional["Chain"] = None, wire: str = "bf16", cfg=None) -> Chain:
     """Train ``train_steps`` inner steps on real text (so weights are not at init), then run one
     recorded micro-batch through the chain with bf16 on the wire. ``kinds``: stage -> adversary kind
     installed for the recorded micro-batch (``copy`` copies a fresh replica's weights). ``base``: start
     from the weights of another chain's recorded micro-batch instead of training. ``wire``: the wire
-    format of the recorded micro-batch (:func:`iota_subnet.protocol.to_wire`)."""
-    cfg = base.cfg if base is not None else load_config("configs/tiny.yaml", overrides)
+    format of the recorded micro-batch (:func:`iota_subnet.protocol.to_wire`). ``cfg``: a RunConfig to
+    use instead of ``configs/tiny.yaml`` with ``overrides`` (e.g. a ``transformers`` family's)."""
+    if base is not None:
+        cfg = base.cfg
+    elif cfg is None:
+        cfg = load_config("configs/tiny.yaml", overrides)
     # a stage with an adversary kind: honest until armed (below, for the recorded micro-batch)
     workers = [CheatingStageWorker(cfg, s, kind=kinds[s], seed=seed, armed=False) if kinds and s in kinds
                else StageWorker(cfg, s, seed=seed) for s in range(3)]

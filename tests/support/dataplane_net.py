@@ -31,22 +31,26 @@ _DATASETS: dict = {}
 
 
 def dataset(cfg, wikitext: Path, cache: Path):
-    key = (cfg.data, str(wikitext))
+    key = (repr(cfg.data), str(wikitext))
     if key not in _DATASETS:
-        _DATASETS[key] = build_dataset(cfg.data, str(wikitext), cache)[1]
+        # a transformers run names its own data (data.hf), read from the config
+        source = None if getattr(cfg.data, "hf", None) is not None else str(wikitext)
+        _DATASETS[key] = build_dataset(cfg.data, source, cache)[1]
     return _DATASETS[key]
 
 
 class P2PNet:
-    """``stages`` x ``replicas`` MinerServices + one ValidatorService (p2p) on a devnet in ``tmp``."""
+    """``stages`` x ``replicas`` MinerServices + one ValidatorService (p2p) on a devnet in ``tmp``.
+    ``config``: a run config file to use as it is (e.g. a ``transformers`` family's) instead of
+    ``configs/tiny.yaml`` with :data:`OVR` and ``overrides``."""
 
     def __init__(self, tmp: Path, wikitext: Path, cache: Path, *, replicas: int = 2, overrides: Optional[dict] = None,
-                 validators: int = 1):
+                 validators: int = 1, config: Optional[Path] = None):
         self.tmp, self.cache = tmp, cache
         ovr = {k: dict(v) for k, v in OVR.items()}
         for k, v in (overrides or {}).items():
             ovr.setdefault(k, {}).update(v)
-        self.cfg = load_config("configs/tiny.yaml", ovr)
+        self.cfg = load_config(config, overrides) if config is not None else load_config("configs/tiny.yaml", ovr)
         self.ds = dataset(self.cfg, wikitext, cache)
         self.db = create_devnet(tmp / "chain.db", NETUID, tempo=6, block_time=0.2, weights_rate_limit=1,
                                 immunity_period=0, max_validators=validators)
