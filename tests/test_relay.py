@@ -17,7 +17,9 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.protocol import Hop, Outcome, ProtocolError
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
-from iota_subnet.transport.relay import RelayHost, RelayTunnel, TokenBucket, pack_frame, unpack_frame
+from iota_subnet.sim.relay_faults import AlteringRelay, DroppingRelay, ReplayingRelay
+from iota_subnet.transport.relay import RelayHost, RelayTunnel, TokenBucket
+from iota_subnet.transport.relay_frames import DATA, HEAD, head_frame, pack_frame, parse_head, unpack_frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,36 +112,6 @@ def test_a_home_neuron_is_reached_through_the_relay_end_to_end_signed():
     run(main())
 
 
-class AlteringRelay(RelayHost):
-    """Flips one byte of every body it forwards."""
-
-    async def send(self, peer, header, body):
-        b = bytearray(body)
-        b[len(b) // 2] ^= 0x01
-        return await super().send(peer, header, bytes(b))
-
-
-class ReplayingRelay(RelayHost):
-    """Forwards every request twice."""
-
-    async def send(self, peer, header, body):
-        first = await super().send(peer, header, body)
-        self.second = await super().send(peer, header, body)
-        return first
-
-
-class DroppingRelay(RelayHost):
-    """Forwards a request with probability ``keep`` and drops the rest (never answers them)."""
-
-    keep = 0.0
-    rng = random.Random(0)
-
-    async def send(self, peer, header, body):
-        if self.rng.random() >= self.keep:
-            await asyncio.Event().wait()
-        return await super().send(peer, header, body)
-
-
 def test_a_relay_cannot_alter_or_replay_and_a_dropping_relay_looks_unreachable():
     async def main():
         x = torch.randn(2, 4, 8)
@@ -152,7 +124,7 @@ def test_a_relay_cannot_alter_or_replay_and_a_dropping_relay_looks_unreachable()
             got = await net.call("mb-r", x)
             assert torch.equal(got.data, x * 2)
             assert net.home.handled == ["mb-r"]                   # the replay never reached the handler
-            status, _ = net.relay.second[0]["status"], net.relay.second[1]
+            status = net.relay.second.head["status"]
             assert status == 409 or net.home.server.outcomes.get(Outcome.REPLAYED_NONCE.value) == 1
             assert net.home.server.outcomes.get(Outcome.REPLAYED_NONCE.value) == 1
         async with Net(DroppingRelay, forward_timeout_s=1.0) as net:
@@ -237,11 +209,14 @@ def test_attach_needs_a_fresh_signature_for_this_relay_and_the_authorizer():
 
 
 def test_frames_and_the_token_bucket():
-    h, b = unpack_frame(pack_frame({"id": 7, "path": "/hop"}, b"\x00\x01"))
-    assert h == {"id": 7, "path": "/hop"} and b == b"\x00\x01"
-    for bad in (b"", b"\x00\x00\x00\x09{}", b"\x00\x00\x00\x02[]"):
+    assert unpack_frame(pack_frame(DATA, 7, b"\x00\x01")) == (DATA, 7, b"\x00\x01")
+    kind, rid, payload = unpack_frame(head_frame(9, {"path": "/hop"}))
+    assert (kind, rid, parse_head(payload)) == (HEAD, 9, {"path": "/hop"})
+    for bad in (b"", b"\x02\x00\x00", b"\x09\x00\x00\x00\x01"):
         with pytest.raises(ValueError):
             unpack_frame(bad)
+    with pytest.raises(ValueError):
+        parse_head(b"[]")
     clock = [0.0]
     bucket = TokenBucket(100.0, clock=lambda: clock[0])
 
