@@ -15,9 +15,14 @@ import torch
 from bittensor import http_auth
 from bittensor.sp_core import Keypair
 
-from iota_subnet.protocol import Hop, Outcome, ProtocolError
+from iota_subnet.miner.merging import progress_credited
+from iota_subnet.protocol import Hop, Outcome, ProtocolError, encode
 from iota_subnet.transport import NeuronClient, NeuronServer, TransportError
-from iota_subnet.transport.relay import RelayHost, RelayTunnel, TokenBucket, pack_frame, unpack_frame
+from iota_subnet.sim.relay_faults import AlteringRelay, DroppingRelay, ReplayingRelay
+from iota_subnet.transport.relay import RelayHost, RelayTunnel, TokenBucket
+from iota_subnet.transport.server import HEADER_RELAY_HOTKEY, HEADER_RELAY_REMOTE, HEADER_RELAY_TOKEN
+from iota_subnet.transport.shaping import DownlinkShaper, LinkSpec, UplinkShaper
+from iota_subnet.transport.relay_frames import DATA, HEAD, head_frame, pack_frame, parse_head, unpack_frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,24 +34,33 @@ def kp(name: str) -> Keypair:
 class Home:
     """A neuron on loopback with one route, ``/hop``, that echoes and counts what it handled."""
 
-    def __init__(self):
+    def __init__(self, **server_kw):
         self.key = kp("home")
         self.handled: list[str] = []
-        self.server = NeuronServer(self.key, "127.0.0.1", 0, None, None)
+        self.got: dict[str, torch.Tensor] = {}
+        self.via: list = []
+        self.pieces: list[tuple[str, str, int, int]] = []     # on_body_bytes: (hotkey, remote, n, handled so far)
+        self.server = NeuronServer(self.key, "127.0.0.1", 0, None, None, **server_kw)
         self.server.add_route("/hop", self.hop, Hop)
+        self.server.add_route("/big", self.hop, Hop, max_body_bytes=8 << 20,
+                              on_body_bytes=lambda hk, ip, n: self.pieces.append((hk, ip, n, len(self.handled))))
+        self.server.add_route("/small", self.hop, Hop, max_body_bytes=1 << 20)
 
     async def hop(self, msg: Hop, ctx) -> Hop:
         self.handled.append(msg.microbatch_id)
+        self.got[msg.microbatch_id] = msg.data
+        self.via.append((ctx.remote, ctx.via_relay))
         return Hop(microbatch_id=msg.microbatch_id, data=msg.data * 2, info={"caller": ctx.caller_hotkey})
 
 
 class Net:
     """A relay (``relay_cls``), a home neuron attached to it, a caller."""
 
-    def __init__(self, relay_cls=RelayHost, **relay_kw):
-        self.home = Home()
+    def __init__(self, relay_cls=RelayHost, home_kw=None, relay_server_kw=None, tunnel_kw=None, **relay_kw):
+        self.home = Home(**(home_kw or {}))
+        self.tunnel_kw = tunnel_kw or {}
         self.relay_key = kp("relay")
-        self.relay_server = NeuronServer(self.relay_key, "127.0.0.1", 0, None, None)
+        self.relay_server = NeuronServer(self.relay_key, "127.0.0.1", 0, None, None, **(relay_server_kw or {}))
         self.relay = relay_cls(self.relay_key, **relay_kw)
         self.relay.mount(self.relay_server)
         self.caller = NeuronClient(kp("caller"))
@@ -58,7 +72,7 @@ class Net:
         await self.home.server.start()
         await self.relay_server.start()
         self.tunnel = RelayTunnel(self.home.key, [(self.relay_server.endpoint, self.relay_key.ss58_address)],
-                                  self.home.server.endpoint)
+                                  self.home.server.endpoint, **self.tunnel_kw)
         self.task = asyncio.create_task(self.tunnel.run(self.stop))
         await asyncio.wait_for(self.tunnel.attached.wait(), 10)
         for _ in range(100):                      # the relay registers the socket once it is prepared
@@ -74,8 +88,8 @@ class Net:
         await self.relay_server.stop()
         await self.home.server.stop()
 
-    async def call(self, mb: str, data: torch.Tensor, timeout_s: float = 10.0) -> Hop:
-        return await self.caller.call(self.relay_server.endpoint, self.home.key.ss58_address, "/hop",
+    async def call(self, mb: str, data: torch.Tensor, timeout_s: float = 10.0, path: str = "/hop") -> Hop:
+        return await self.caller.call(self.relay_server.endpoint, self.home.key.ss58_address, path,
                                       Hop(microbatch_id=mb, data=data), Hop, timeout_s=timeout_s, retries=0)
 
 
@@ -110,36 +124,6 @@ def test_a_home_neuron_is_reached_through_the_relay_end_to_end_signed():
     run(main())
 
 
-class AlteringRelay(RelayHost):
-    """Flips one byte of every body it forwards."""
-
-    async def send(self, peer, header, body):
-        b = bytearray(body)
-        b[len(b) // 2] ^= 0x01
-        return await super().send(peer, header, bytes(b))
-
-
-class ReplayingRelay(RelayHost):
-    """Forwards every request twice."""
-
-    async def send(self, peer, header, body):
-        first = await super().send(peer, header, body)
-        self.second = await super().send(peer, header, body)
-        return first
-
-
-class DroppingRelay(RelayHost):
-    """Forwards a request with probability ``keep`` and drops the rest (never answers them)."""
-
-    keep = 0.0
-    rng = random.Random(0)
-
-    async def send(self, peer, header, body):
-        if self.rng.random() >= self.keep:
-            await asyncio.Event().wait()
-        return await super().send(peer, header, body)
-
-
 def test_a_relay_cannot_alter_or_replay_and_a_dropping_relay_looks_unreachable():
     async def main():
         x = torch.randn(2, 4, 8)
@@ -152,7 +136,7 @@ def test_a_relay_cannot_alter_or_replay_and_a_dropping_relay_looks_unreachable()
             got = await net.call("mb-r", x)
             assert torch.equal(got.data, x * 2)
             assert net.home.handled == ["mb-r"]                   # the replay never reached the handler
-            status, _ = net.relay.second[0]["status"], net.relay.second[1]
+            status = net.relay.second.head["status"]
             assert status == 409 or net.home.server.outcomes.get(Outcome.REPLAYED_NONCE.value) == 1
             assert net.home.server.outcomes.get(Outcome.REPLAYED_NONCE.value) == 1
         async with Net(DroppingRelay, forward_timeout_s=1.0) as net:
@@ -237,11 +221,14 @@ def test_attach_needs_a_fresh_signature_for_this_relay_and_the_authorizer():
 
 
 def test_frames_and_the_token_bucket():
-    h, b = unpack_frame(pack_frame({"id": 7, "path": "/hop"}, b"\x00\x01"))
-    assert h == {"id": 7, "path": "/hop"} and b == b"\x00\x01"
-    for bad in (b"", b"\x00\x00\x00\x09{}", b"\x00\x00\x00\x02[]"):
+    assert unpack_frame(pack_frame(DATA, 7, b"\x00\x01")) == (DATA, 7, b"\x00\x01")
+    kind, rid, payload = unpack_frame(head_frame(9, {"path": "/hop"}))
+    assert (kind, rid, parse_head(payload)) == (HEAD, 9, {"path": "/hop"})
+    for bad in (b"", b"\x02\x00\x00", b"\x09\x00\x00\x00\x01"):
         with pytest.raises(ValueError):
             unpack_frame(bad)
+    with pytest.raises(ValueError):
+        parse_head(b"[]")
     clock = [0.0]
     bucket = TokenBucket(100.0, clock=lambda: clock[0])
 
@@ -321,3 +308,82 @@ def test_both_ends_record_whether_a_pair_went_directly_or_through_the_relay():
             finally:
                 await caller.close()
     run(main())
+
+
+def test_large_bodies_stream_in_many_frames_bit_identical_and_interleave():
+    """A 2 MB request and its 2 MB answer cross in 64 KiB frames (each over one frame, as a body over
+    the old 64 MB message cap would be); a small call overtakes a large one; the relay's and the home's
+    emulated links are charged; a body over the receiving route's limit is 413 BODY_TOO_LARGE."""
+    async def main():
+        relay_links = {"shaper": UplinkShaper(LinkSpec(8e9, 0.0)), "downlink": DownlinkShaper(8e9)}
+        home_links = {"shaper": UplinkShaper(LinkSpec(8e9, 0.0)), "downlink": DownlinkShaper(8e9)}
+        async with Net(frame_bytes=64 << 10, rate_bytes_per_s=4_000_000, relay_server_kw=relay_links,
+                       home_kw=home_links, tunnel_kw={"local_token": None, "frame_bytes": 64 << 10}) as net:
+            x = torch.randn(512, 1024)                              # 2 MiB
+            nbytes = x.numel() * 4
+            got = await net.call("big", x, timeout_s=30, path="/big")
+            assert torch.equal(net.home.got["big"], x) and torch.equal(got.data, x * 2)
+            st = net.relay.status()["attached"][net.home.key.ss58_address]
+            assert st["frames"] >= 2 * nbytes // (64 << 10)         # both bodies, frame by frame
+            assert st["bytes"] >= 2 * nbytes
+            # the relay's links: each body arrived (downlink) and left (uplink) through the relay
+            assert relay_links["downlink"].payload_bytes >= 2 * nbytes
+            assert relay_links["shaper"].payload_bytes >= 2 * nbytes
+            # the home's links are charged by its own server's replay: the request in, the answer out
+            assert home_links["downlink"].payload_bytes >= nbytes and home_links["shaper"].payload_bytes >= nbytes
+            # interleaving: with 4 MB/s through the relay a 2 MiB call takes about a second each way;
+            # a small call started alongside is answered long before it
+            big = asyncio.create_task(net.call("big-2", x, timeout_s=30, path="/big"))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            await net.call("small", torch.randn(2, 4, 8))
+            small_s = time.monotonic() - t0
+            assert not big.done() and small_s < 0.5, small_s
+            assert torch.equal((await big).data, x * 2)
+            with pytest.raises(ProtocolError) as e:                 # over /small's 1 MiB limit
+                await net.call("too-big", x, timeout_s=30, path="/small")
+            assert e.value.outcome == Outcome.BODY_TOO_LARGE and "too-big" not in net.home.handled
+    run(main())
+
+
+def test_a_relayed_sender_gets_progress_credit_with_the_address_the_relay_saw():
+    """The caller dials the relay from 127.0.0.2: the home's route sees each piece of the body as it
+    streams, with the caller's hotkey and 127.0.0.2 (not the tunnel's 127.0.0.1), and the relay's
+    hotkey in the context. The relay headers of anyone but the home's own tunnel are ignored."""
+    async def main():
+        async with Net(frame_bytes=64 << 10) as net:
+            net.tunnel.local_token = net.home.server.relay_token
+            caller = kp("caller-far")
+            x = torch.randn(256, 1024)                              # 1 MiB
+            body = encode(Hop(microbatch_id="far", data=x))
+            home = net.home.key.ss58_address
+            headers = {"Content-Type": "application/octet-stream",
+                       **http_auth.sign(caller, method="POST", path="/big", body=body, receiver_ss58=home)}
+            conn = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async with s.post(f"http://{net.relay_server.endpoint}/big", data=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+            pieces = net.home.pieces
+            assert len(pieces) >= 2 and sum(p[2] for p in pieces) == len(body)
+            assert {(hk, ip) for hk, ip, _, _ in pieces} == {(caller.ss58_address, "127.0.0.2")}
+            assert all(done == 0 for *_, done in pieces)            # counted while the body streamed in
+            assert net.home.via[-1] == ("127.0.0.2", net.relay_key.ss58_address)
+            # a request that claims to come through the tunnel without its token: the real address
+            forged = {**http_auth.sign(caller, method="POST", path="/big", body=body, receiver_ss58=home),
+                      HEADER_RELAY_TOKEN: "0" * 32, HEADER_RELAY_REMOTE: "10.9.9.9",
+                      HEADER_RELAY_HOTKEY: net.relay_key.ss58_address}
+            net.home.pieces.clear()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://{net.home.server.endpoint}/big", data=body, headers=forged) as r:
+                    assert r.status == 200
+            assert {ip for _, ip, _, _ in net.home.pieces} == {"127.0.0.1"} and net.home.via[-1] == ("127.0.0.1", None)
+    run(main())
+
+
+def test_progress_credit_rule():
+    assert progress_credited("1.2.3.4", "1.2.3.4:8091")
+    assert not progress_credited("5.6.7.8", "1.2.3.4:8091")
+    assert progress_credited("9.9.9.9", "9.9.9.9:9000", ("9.9.9.9:9000", "8.8.8.8:9000"))   # behind relays
+    assert progress_credited("8.8.8.8", "9.9.9.9:9000", ("9.9.9.9:9000", "8.8.8.8:9000"))
+    assert not progress_credited("7.7.7.7", "9.9.9.9:9000", ("9.9.9.9:9000",))
+    assert not progress_credited("", None, ())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from loguru import logger
 
@@ -39,6 +39,16 @@ from iota_subnet.train.checkpoint import read_checkpoint, tensors_bytes
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.utils.atomic import atomic_write_bytes
 from iota_subnet.utils.supervise import Supervisor
+
+
+def progress_credited(remote: str, endpoint: Optional[str], relays: Sequence[str] = ()) -> bool:
+    """Whether body bytes from ``remote`` (an IP) count as the progress of a sender that serves
+    ``endpoint`` (``ip:port`` on chain, or None) and publishes ``relays`` (``ip:port``; a sender behind
+    a NAT): its axon's host or one of its relays' hosts. A NAT'd sender's own public address is
+    published nowhere, so its bytes count only when it shares an address with one of its relays (the
+    same machine or network, as on a localnet)."""
+    hosts = {ep.rsplit(":", 1)[0] for ep in (endpoint, *relays) if ep}
+    return bool(remote) and remote in hosts
 
 
 @dataclass(frozen=True)
@@ -164,11 +174,13 @@ class MinerMerging:
 
     def _body_bytes(self, hotkey: str, remote: str, n: int) -> None:
         """Bytes of a merge contribution still arriving show the sender's progress (its transfer is not
-        cut while they move), counted only when they come from the address the sender serves on chain
-        (before its signature can be checked, a forger could otherwise keep a stalled peer looking alive;
-        a sender whose outbound address differs shows progress per message only)."""
-        ep = self.view.endpoint_of(hotkey)
-        if ep is not None and ep.rsplit(":", 1)[0] == remote:
+        cut while they move), counted only when they come from an address the sender publishes
+        (:func:`progress_credited`; before its signature can be checked, a forger could otherwise keep
+        a stalled peer looking alive; a sender whose outbound address it does not publish shows
+        progress per message only). Through this miner's relay tunnel ``remote`` is the address the
+        relay saw: a lying relay can keep a stalled peer looking alive until the backstop deadline,
+        no more (:mod:`iota_subnet.transport.relay`)."""
+        if progress_credited(remote, self.view.endpoint_of(hotkey), self.view.relays_of(hotkey)):
             self.engine.link.moving(hotkey, n)
 
     async def _merge_route(self, msg, ctx):

@@ -94,9 +94,11 @@ class MinerRelays:
     def endpoints(self) -> tuple[str, ...]:
         return tuple(ep for ep, _ in self.relays)
 
-    def open(self, local: str) -> None:
-        """Build a tunnel to each relay for this miner's own server at ``local`` (``ip:port``)."""
-        self.tunnels = [RelayTunnel(self.keypair, [r], local) for r in self.relays]
+    def open(self, local: str, local_token: Optional[str] = None) -> None:
+        """Build a tunnel to each relay for this miner's own server at ``local`` (``ip:port``);
+        ``local_token``: that server's ``relay_token`` (its relayed requests then carry the address the
+        relay saw, for the merge's progress credit)."""
+        self.tunnels = [RelayTunnel(self.keypair, [r], local, local_token=local_token) for r in self.relays]
         logger.info("reached through relay(s) {} (axon {}:{}); this miner accepts no inbound connection",
                     ", ".join(f"{ep} ({hk[:10]})" for ep, hk in self.relays), *self.axon())
 

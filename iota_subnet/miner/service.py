@@ -241,7 +241,7 @@ class MinerService:
                 raise
         if self.relays.enabled:              # reached through relays: their address is the axon
             await self.relays.resolve()
-            self.relays.open(self.server.endpoint)
+            self.relays.open(self.server.endpoint, self.server.relay_token)
             self.publisher.set_axon(*self.relays.axon())
         else:
             self.publisher.set_axon(o.serve.external_ip, self.port)

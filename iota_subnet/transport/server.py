@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import inspect
 import os
+import secrets
 import socket
 import time
 from collections import Counter
@@ -68,6 +70,13 @@ OFFLOAD_BYTES = 256 << 10
 
 RESPONSE_METHOD = "RESPONSE"
 HEADER_REQUEST_NONCE = "X-Iota-Request-Nonce"
+#: Headers this neuron's own relay tunnel adds to a request it replays on loopback
+#: (:mod:`iota_subnet.transport.relay`): the server's :attr:`NeuronServer.relay_token` (only the tunnel
+#: of this process holds it; any other request carrying these headers has them ignored), the caller's
+#: address as the relay saw it and the relay's hotkey. A relay forwards none of them from its callers.
+HEADER_RELAY_TOKEN = "X-Iota-Relay-Token"
+HEADER_RELAY_REMOTE = "X-Iota-Relay-Remote"
+HEADER_RELAY_HOTKEY = "X-Iota-Relay-Hotkey"
 
 
 _MSG_KEY = web.RequestKey("iota_msg", Message)
@@ -111,6 +120,8 @@ class RequestContext:
     caller_hotkey: str
     route: str
     nonce_ns: int
+    #: the caller's address: the connection's peer, or for a request through this neuron's own relay
+    #: tunnel the address the relay says it saw (the relay is not trusted: use it for progress only)
     remote: Optional[str]
     body_bytes: int
     received_at: float
@@ -118,6 +129,8 @@ class RequestContext:
     #: uplink when there is one), or the request failed: a handler that holds a resource for the
     #: whole transfer (a state-sync donor's slot) releases it here
     on_sent: list[Callable[[], Any]] = field(default_factory=list)
+    #: the relay's hotkey when the request came through this neuron's relay tunnel, else None
+    via_relay: Optional[str] = None
 
 
 _CTX_KEY = web.RequestKey("iota_ctx", RequestContext)
@@ -192,6 +205,9 @@ class NeuronServer:
         self.sign_responses = sign_responses
         self.shaper = shaper if shaper is not None else process_shaper()
         self.downlink = downlink if downlink is not None else process_downlink()
+        #: shared with this process's relay tunnels (:class:`~iota_subnet.transport.relay.RelayTunnel`):
+        #: their replayed requests say which address the relay saw (:data:`HEADER_RELAY_TOKEN`)
+        self.relay_token = secrets.token_hex(16)
         if nonce_store_path is None:
             logger.warning("NeuronServer without nonce_store_path: replay protection is lost on restart")
             self.nonce_store: Any = MemoryNonceStore(retention=max_age + allowed_skew + 5.0)
@@ -232,7 +248,9 @@ class NeuronServer:
         (a hop receiver keeps the signed body as evidence against its sender). ``on_body_bytes(hotkey,
         remote_ip, n)`` is told of each piece of the body as it arrives, before the signature over the
         whole body can be checked: the hotkey is the one the headers claim (bound to this receiver,
-        fresh, not replayed, authorized) and ``remote_ip`` the connection's peer address, so it serves a
+        fresh, not replayed, authorized) and ``remote_ip`` the connection's peer address (for a request
+        through this neuron's own relay tunnel: the address the relay says it saw, see :meth:`relayed`;
+        a lying relay can only misreport it, not forge the signature checked once the body is in), so it serves a
         progress timeout (a merge's reducer waiting for a slow sender; the receiver should credit only
         bytes from the claimed hotkey's own address), never blame."""
         if not path.startswith("/"):
@@ -326,6 +344,14 @@ class NeuronServer:
             if on_bytes is not None:
                 on_bytes(len(chunk))
         return b"".join(chunks)
+
+    def relayed(self, request: web.Request) -> Optional[tuple[str, str]]:
+        """(caller address as the relay saw it, relay hotkey) of a request replayed by this process's
+        own relay tunnel (it carries :attr:`relay_token`), else None."""
+        token = request.headers.get(HEADER_RELAY_TOKEN)
+        if not token or not hmac.compare_digest(token, self.relay_token):
+            return None
+        return request.headers.get(HEADER_RELAY_REMOTE, ""), request.headers.get(HEADER_RELAY_HOTKEY, "")
 
     def _claim(self, request: web.Request, started_ns: int) -> tuple[str, int]:
         """The claimed (hotkey, nonce) of a request, from its headers alone (no body needed yet).
@@ -463,7 +489,8 @@ class NeuronServer:
             claim = (hotkey, nonce)
             self._pending_nonces.add(claim)
             self._inflight_by[hotkey] += 1
-            on_bytes, remote = route.on_body_bytes, str(request.remote or "")
+            relayed = self.relayed(request)
+            on_bytes, remote = route.on_body_bytes, relayed[0] if relayed else str(request.remote or "")
             body = await self._read_body(request, limit,
                                          None if on_bytes is None else (lambda n: on_bytes(hotkey, remote, n)))
             if self.downlink is not None:   # the emulated downlink (freshness was judged when the head arrived)
@@ -484,8 +511,9 @@ class NeuronServer:
                 msg = decode(body, route.message_type, contract, max_body_bytes=limit)
             request[_MSG_KEY] = msg
             request[_CTX_KEY] = RequestContext(caller_hotkey=caller.hotkey_ss58, route=route.path,
-                                                 nonce_ns=caller.nonce_ns, remote=request.remote,
-                                                 body_bytes=len(body), received_at=t0)
+                                                 nonce_ns=caller.nonce_ns, remote=remote,
+                                                 body_bytes=len(body), received_at=t0,
+                                                 via_relay=relayed[1] if relayed else None)
             resp = await handler(request)
             self._record_path(request, caller.hotkey_ss58, hdr + len(body), resp)
             return resp

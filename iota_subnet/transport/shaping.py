@@ -263,6 +263,15 @@ class UplinkShaper:
         released by the bucket, then the one-way delay. ``on_bytes(n)``: called as each piece of
         ``n`` wire bytes leaves (progress, as a socket's peer sees bytes arrive). Raises
         :class:`LinkDown` while partitioned."""
+        await self.release(nbytes, on_bytes)
+        if self.link.delay_s > 0:
+            await self._sleep(self.link.delay_s * self.slow)
+
+    async def release(self, nbytes: int, on_bytes: Optional[Callable[[int], None]] = None) -> None:
+        """:meth:`transmit` without the one-way delay: wait until the bucket has released ``nbytes``.
+        For one frame of a stream whose frames follow one another on the link (a relay's frames,
+        :mod:`iota_subnet.transport.relay`): their delays overlap, as a stream's packets' do. Raises
+        :class:`LinkDown` while partitioned."""
         self._poll_control()
         if self.down:
             with self._lock:
@@ -294,8 +303,6 @@ class UplinkShaper:
                 on_bytes(pending_n)
             with self._lock:
                 self.wait_s += self._clock() - t0
-        if self.link.delay_s > 0:
-            await self._sleep(self.link.delay_s * self.slow)
 
     async def _sleep_until(self, t: float) -> None:
         dt = t - self._clock()
