@@ -1,21 +1,32 @@
-"""Binary encoding of messages: safetensors bytes, JSON metadata in the ``__metadata__`` header.
+"""Binary encoding of messages (wire spec 3). Three body forms, told apart by their first bytes
+(:func:`is_json_body`):
 
-Layout (standard safetensors, readable by any safetensors implementation)::
+* a message without tensors: its JSON metadata alone (UTF-8 text);
+* a message with tensors whose class says ``SAFETENSORS_BODY`` (hops, state, audits): standard
+  safetensors, readable by any safetensors implementation::
 
-    u64 little-endian header length N | N bytes JSON header | tensor data
+      u64 little-endian header length N | N bytes JSON header | tensor data
 
-The JSON header's ``__metadata__`` is ``{"iota": "<JSON>"}`` where ``<JSON>`` holds ``"type"`` (the
-message class), ``"spec_version"``, every other non-tensor field of the message whose value differs
-from the class's default (a field left out decodes to its default: spec 2, so that the merge's ten
-small messages per peer stay small, docs/BENCHMARKS.md "Merge metadata at N replicas") and, when the
-message carries tensors, ``"tensors"`` (per wire key: the sha256 of its raw little-endian bytes, its
-dtype and shape being the safetensors header's own). Digests (those tensor hashes and the fields
-declared with :func:`~.messages.digest_field`) travel as unpadded url-safe base64 of their 32 bytes
-(43 characters, not 64 of hex); a message holds them as lowercase hex.
+  the JSON metadata in the header's ``__metadata__`` as ``{"iota": "<JSON>"}``;
+* the merge's chunks (``MergePayload``, ``MergeResult``: ``SAFETENSORS_BODY = False``), a compact
+  body: the JSON metadata, whose ``"tensors"`` is the tensor table (wire key -> [safetensors dtype
+  code, shape, digest]), a newline, then the tensors' raw little-endian bytes in the table's order
+  and nothing after (no framing or padding of its own: about 110 bytes less per chunk, the
+  merge's ten small messages per peer each way, docs/BENCHMARKS.md "Merge metadata at N replicas").
+
+The JSON metadata holds ``"t"`` (the message class), ``"v"`` (the spec version: a body of spec 1-2,
+whose metadata says ``"spec_version"``, is refused with SPEC_VERSION), every other non-tensor field
+of the message whose value differs from the class's default (a field left out decodes to its
+default) and, when the message carries tensors, ``"tensors"`` (per wire key: the sha256 of its raw
+little-endian bytes; its dtype and shape are the safetensors header's, or the compact table's).
+Digests (those tensor hashes and the fields declared with :func:`~.messages.digest_field`) travel as
+unpadded url-safe base64 of their 32 bytes (43 characters, not 64 of hex); a message holds them as
+lowercase hex.
 
 Never pickle: :func:`decode` parses the header itself, checks it against the expected message
 type and the :class:`TensorContract` before any tensor is materialised, hashes the raw data
-slices, then loads with ``safetensors.torch.load`` and checks finiteness.
+slices, then loads with ``safetensors.torch.load`` (a compact body: a copy of each tensor's bytes) and
+checks finiteness.
 """
 from __future__ import annotations
 
@@ -174,8 +185,9 @@ def hex_digest(text: Any, where: str) -> str:
 
 
 def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header (fields equal to
-    their default left out, ``spec_version`` always sent)."""
+    """Serialize ``msg`` in the body form its class takes (module docstring): fields equal to their
+    default left out, ``"t"`` and ``"v"`` always sent. Raises ValueError (a dtype or digest that
+    cannot travel), TypeError (not a message, a tensor field holding something else)."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode() takes a Message, got {type(msg).__name__}")
     tensors = _wire_tensors(msg)
