@@ -11,7 +11,8 @@ import safetensors.torch
 import torch
 
 from iota_subnet.protocol import (
-    HTTP_STATUS, SPEC_VERSION, Health, Hop, HopAck, MergePayload, MergeResult, Outcome, ProtocolError, StateRequest,
+    HTTP_STATUS, SPEC_VERSION, Health, Hop, HopAck, MergeAck, MergePayload, MergeResult, Outcome, ProtocolError,
+    StateChunk, StateRequest,
     StateResponse, TensorContract, TensorSpec, decode, encode, from_wire, hop_contract, read_header, tensor_sha256, to_wire,
 )
 from iota_subnet.protocol.wire import bytes_per_token, check_scales, needs_scales, rounding_bound
@@ -69,18 +70,41 @@ def test_round_trip_bit_exact(msg):
 
 
 def test_body_is_plain_safetensors_with_json_metadata():
-    msg = MergePayload(**_header(), shard=torch.randn(B * S * D))
+    msg = StateChunk(**_header(), data=torch.randn(B * S * D))
     body = encode(msg)
     header, _ = read_header(body)
     meta = json.loads(header["__metadata__"]["iota"])
-    assert meta["type"] == "MergePayload" and meta["spec_version"] == SPEC_VERSION
+    assert meta["t"] == "StateChunk" and meta["v"] == SPEC_VERSION
     assert meta["run_id"] == "run-1" and meta["microbatch_id"] == "mb-7" and meta["inner_step"] == 42
     # the tensor's digest (base64 of its 32 bytes); dtype and shape are the safetensors header's
-    assert base64.urlsafe_b64decode(meta["tensors"]["shard"] + "=").hex() == tensor_sha256(msg.shard)
-    assert header["shard"]["dtype"] == "F32" and header["shard"]["shape"] == [B * S * D]
+    assert base64.urlsafe_b64decode(meta["tensors"]["data"] + "=").hex() == tensor_sha256(msg.data)
+    assert header["data"]["dtype"] == "F32" and header["data"]["shape"] == [B * S * D]
     # fields equal to their default are left out, and decode to it
-    assert "epoch" not in meta and "quant" not in meta and "scales" not in meta["tensors"]
-    assert torch.equal(safetensors.torch.load(body)["shard"], msg.shard)
+    assert "offset" not in meta and "snapshot_id" not in meta
+    assert torch.equal(safetensors.torch.load(body)["data"], msg.data)
+
+
+def test_merge_chunks_travel_compact_and_tensorless_messages_as_json():
+    """Spec 3: a MergePayload is its JSON metadata with a tensor table, a newline, the raw bytes; a
+    message without tensors its JSON alone (docs/BENCHMARKS.md, "Merge metadata at N replicas")."""
+    msg = MergePayload(**_header(), shard=torch.randn(B * S * D), scales=torch.ones(3))
+    body = encode(msg)
+    text, data = body.split(b"\n", 1)
+    meta = json.loads(text)
+    assert meta["t"] == "MergePayload" and meta["v"] == SPEC_VERSION and "epoch" not in meta
+    assert meta["tensors"]["shard"][:2] == ["F32", [B * S * D]] and meta["tensors"]["scales"][:2] == ["F32", [3]]
+    assert base64.urlsafe_b64decode(meta["tensors"]["shard"][2] + "=").hex() == tensor_sha256(msg.shard)
+    assert data == msg.shard.numpy().tobytes() + msg.scales.numpy().tobytes()
+    out = decode(body, MergePayload)
+    assert torch.equal(out.shard, msg.shard) and torch.equal(out.scales, msg.scales)
+    assert _refused(body + b"\0", MergePayload) == Outcome.MALFORMED           # bytes past the table
+    assert _refused(body[:-1], MergePayload) == Outcome.MALFORMED
+    assert _refused(_tamper_data(body), MergePayload) == Outcome.HASH_MISMATCH
+    ack = encode(MergeAck(run_id="r"))
+    assert json.loads(ack) == {"t": "MergeAck", "v": SPEC_VERSION, "run_id": "r"} and decode(ack, MergeAck).run_id == "r"
+    for bad in ([["F32", [2]]], [["X9", [1], ""]], [["F32", [-1], ""]], [["F32", "2", ""]]):
+        body = _rewrite_meta(encode(MergePayload(shard=torch.zeros(2))), lambda m: m["tensors"].__setitem__("shard", bad[0]))
+        assert _refused(body, MergePayload) == Outcome.MALFORMED, bad
 
 
 def test_non_contiguous_and_tied_tensors_encode():
@@ -166,6 +190,11 @@ def test_hash_mismatch():
 
 
 def _rewrite_meta(body: bytes, fn) -> bytes:
+    if body[:1] == b"{":                                 # spec 3 JSON or compact body
+        text, sep, data = body.partition(b"\n")
+        meta = json.loads(text)
+        fn(meta)
+        return json.dumps(meta).encode() + sep + data
     header, start = read_header(body)
     meta = json.loads(header["__metadata__"]["iota"])
     fn(meta)
@@ -176,10 +205,16 @@ def _rewrite_meta(body: bytes, fn) -> bytes:
 
 def test_spec_version_refused():
     assert _refused(encode(Health(spec_version=SPEC_VERSION + 1)), Health) == Outcome.SPEC_VERSION
-    body = _rewrite_meta(encode(Health()), lambda m: m.pop("spec_version"))
+    body = _rewrite_meta(encode(Health()), lambda m: m.pop("v"))
     assert _refused(body, Health) == Outcome.SPEC_VERSION
-    body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("spec_version", "1"))
+    body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("v", "1"))
     assert _refused(body, Health) == Outcome.SPEC_VERSION
+    # a spec 2 peer: safetensors body, "type" and "spec_version": refused by version, clearly
+    old = safetensors.torch.save({}, metadata={"iota": json.dumps({"type": "Health", "spec_version": 2})})
+    with pytest.raises(ProtocolError, match="spec_version 2, this node speaks 3"):
+        decode(old, Health)
+    body = _rewrite_meta(encode(Health()), lambda m: m.__setitem__("spec_version", 5))   # a second version
+    assert _refused(body, Health) == Outcome.MALFORMED
 
 
 def test_wrong_type_and_bad_fields_malformed():
@@ -198,7 +233,7 @@ def test_wrong_type_and_bad_fields_malformed():
 def test_digest_fields_travel_as_base64_and_round_trip():
     h = tensor_sha256(torch.arange(4.0))
     msg = MergeResult(contributions_root=h, mean_sha256=h, chunk_sha256=[h, h])
-    meta = json.loads(read_header(encode(msg))[0]["__metadata__"]["iota"])
+    meta = json.loads(encode(msg))
     assert len(meta["mean_sha256"]) == 43 and len(meta["chunk_sha256"][1]) == 43
     out = decode(encode(msg), MergeResult)
     assert (out.contributions_root, out.mean_sha256, out.chunk_sha256) == (h, h, [h, h])

@@ -1,21 +1,32 @@
-"""Binary encoding of messages: safetensors bytes, JSON metadata in the ``__metadata__`` header.
+"""Binary encoding of messages (wire spec 3). Three body forms, told apart by their first bytes
+(:func:`is_json_body`):
 
-Layout (standard safetensors, readable by any safetensors implementation)::
+* a message without tensors: its JSON metadata alone (UTF-8 text);
+* a message with tensors whose class says ``SAFETENSORS_BODY`` (hops, state, audits): standard
+  safetensors, readable by any safetensors implementation::
 
-    u64 little-endian header length N | N bytes JSON header | tensor data
+      u64 little-endian header length N | N bytes JSON header | tensor data
 
-The JSON header's ``__metadata__`` is ``{"iota": "<JSON>"}`` where ``<JSON>`` holds ``"type"`` (the
-message class), ``"spec_version"``, every other non-tensor field of the message whose value differs
-from the class's default (a field left out decodes to its default: spec 2, so that the merge's ten
-small messages per peer stay small, docs/BENCHMARKS.md "Merge metadata at N replicas") and, when the
-message carries tensors, ``"tensors"`` (per wire key: the sha256 of its raw little-endian bytes, its
-dtype and shape being the safetensors header's own). Digests (those tensor hashes and the fields
-declared with :func:`~.messages.digest_field`) travel as unpadded url-safe base64 of their 32 bytes
-(43 characters, not 64 of hex); a message holds them as lowercase hex.
+  the JSON metadata in the header's ``__metadata__`` as ``{"iota": "<JSON>"}``;
+* the merge's chunks (``MergePayload``, ``MergeResult``: ``SAFETENSORS_BODY = False``), a compact
+  body: the JSON metadata, whose ``"tensors"`` is the tensor table (wire key -> [safetensors dtype
+  code, shape, digest]), a newline, then the tensors' raw little-endian bytes in the table's order
+  and nothing after (no framing or padding of its own: about 110 bytes less per chunk, the
+  merge's ten small messages per peer each way, docs/BENCHMARKS.md "Merge metadata at N replicas").
+
+The JSON metadata holds ``"t"`` (the message class), ``"v"`` (the spec version: a body of spec 1-2,
+whose metadata says ``"spec_version"``, is refused with SPEC_VERSION), every other non-tensor field
+of the message whose value differs from the class's default (a field left out decodes to its
+default) and, when the message carries tensors, ``"tensors"`` (per wire key: the sha256 of its raw
+little-endian bytes; its dtype and shape are the safetensors header's, or the compact table's).
+Digests (those tensor hashes and the fields declared with :func:`~.messages.digest_field`) travel as
+unpadded url-safe base64 of their 32 bytes (43 characters, not 64 of hex); a message holds them as
+lowercase hex.
 
 Never pickle: :func:`decode` parses the header itself, checks it against the expected message
 type and the :class:`TensorContract` before any tensor is materialised, hashes the raw data
-slices, then loads with ``safetensors.torch.load`` and checks finiteness.
+slices, then loads with ``safetensors.torch.load`` (a compact body: a copy of each tensor's bytes) and
+checks finiteness.
 """
 from __future__ import annotations
 
@@ -32,7 +43,7 @@ import pydantic
 import safetensors.torch
 import torch
 
-from iota_subnet.utils.st_dtypes import ST_DTYPES
+from iota_subnet.utils.st_dtypes import ST_CODES, ST_DTYPES
 
 from .contract import TensorContract
 from .messages import SPEC_VERSION, TENSOR_DICT, Message
@@ -174,22 +185,29 @@ def hex_digest(text: Any, where: str) -> str:
 
 
 def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` to safetensors bytes with its JSON metadata in the header (fields equal to
-    their default left out, ``spec_version`` always sent)."""
+    """Serialize ``msg`` in the body form its class takes (module docstring): fields equal to their
+    default left out, ``"t"`` and ``"v"`` always sent. Raises ValueError (a dtype or digest that
+    cannot travel), TypeError (not a message, a tensor field holding something else)."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode() takes a Message, got {type(msg).__name__}")
     tensors = _wire_tensors(msg)
-    meta: dict[str, Any] = {"type": msg.TYPE, "spec_version": msg.spec_version}
+    meta: dict[str, Any] = {"t": msg.TYPE, "v": msg.spec_version}
     for name, f in type(msg).json_fields().items():
         value, default = getattr(msg, name), field_default(f)
         if name != "spec_version" and (type(value) is not type(default) or value != default):
             if f.metadata.get("digest"):
                 value = [b64_digest(v) for v in value] if isinstance(value, list) else b64_digest(value)
             meta[name] = value
+    if not tensors:
+        return json.dumps(meta, separators=(",", ":")).encode()        # ASCII, no NUL byte: see is_json_body
     hashed = type(msg).HASH_TENSORS
-    if tensors:
-        meta["tensors"] = {key: b64_digest(tensor_sha256(t)) if hashed else "" for key, t in tensors.items()}
-    return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
+    digests = {key: b64_digest(tensor_sha256(t)) if hashed else "" for key, t in tensors.items()}
+    if type(msg).SAFETENSORS_BODY:
+        meta["tensors"] = digests
+        return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
+    meta["tensors"] = {key: [ST_CODES[t.dtype], list(t.shape), digests[key]] for key, t in tensors.items()}
+    return b"".join([json.dumps(meta, separators=(",", ":")).encode(), b"\n",
+                     *(v for t in tensors.values() for v in host_bytes(t))])
 
 
 def _refuse_constant(token: str) -> Any:
@@ -231,6 +249,72 @@ def read_header(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], i
     return header, 8 + n
 
 
+def is_json_body(body: bytes | bytearray | memoryview) -> bool:
+    """Whether ``body`` is a message without tensors (spec 3: its JSON metadata alone, UTF-8 text),
+    not a safetensors payload. Unambiguous: a safetensors body starts with its header length as a
+    u64 little-endian below :data:`MAX_HEADER_BYTES` (2^23), so its bytes 3..7 are zero, and JSON
+    text holds no NUL byte."""
+    return len(body) >= 2 and bytes(body[:1]) == b"{" and (len(body) < 8 or any(bytes(body[3:8])))
+
+
+def _compact_header(meta: Any, data_len: int) -> dict[str, Any]:
+    """The tensor table of a compact body (``meta["tensors"]``: wire key -> [safetensors dtype code,
+    shape, base64 sha256], data in that order, nothing after) as a safetensors header; leaves the
+    digests alone in ``meta["tensors"]``. Raises MALFORMED."""
+    table = meta.get("tensors") if isinstance(meta, dict) else None
+    if not isinstance(table, dict):
+        raise ProtocolError(Outcome.MALFORMED, "compact body without a tensor table")
+    header: dict[str, Any] = {}
+    start = 0
+    for key, entry in table.items():
+        dtype = ST_DTYPES.get(entry[0]) if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) else None
+        shape = entry[1] if dtype is not None else None
+        if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
+            raise ProtocolError(Outcome.MALFORMED, f"tensor {key!r}: bad entry in the tensor table")
+        end = start + math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        header[key] = {"dtype": entry[0], "shape": shape, "data_offsets": [start, end]}
+        start = end
+    if start != data_len:
+        raise ProtocolError(Outcome.MALFORMED, f"{data_len} bytes of tensor data for a table of {start}")
+    meta["tensors"] = {key: entry[2] for key, entry in table.items()}
+    return header
+
+
+def _load_compact(data: memoryview, layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int, str]]
+                  ) -> dict[str, torch.Tensor]:
+    """A compact body's tensors (copies of ``data[start:end]``, C-contiguous, little-endian)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, (dtype, shape, start, end, _) in layout.items():
+        out[key] = (torch.frombuffer(bytearray(data[start:end]), dtype=dtype).reshape(shape) if end > start
+                    else torch.empty(shape, dtype=dtype))
+    return out
+
+
+def read_meta(body: bytes | bytearray | memoryview) -> tuple[Any, Optional[dict[str, Any]], int]:
+    """A body's raw iota metadata (JSON-decoded, non-finite constants refused, not validated), its
+    tensors' safetensors header without ``__metadata__`` (``{}`` for a JSON body; None for a compact
+    body, whose tensor table is ``meta["tensors"]``: :func:`_compact_header`) and where its tensor
+    data starts. Raises ProtocolError: MALFORMED (not a message body), NON_FINITE."""
+    compact = is_json_body(body)
+    if compact:
+        view = memoryview(body)
+        nl = bytes(view[:MAX_HEADER_BYTES]).find(b"\n")      # JSON text holds no raw newline
+        text, header, data_start = bytes(view[:nl]) if nl >= 0 else bytes(view), {}, (nl + 1 if nl >= 0 else len(body))
+    else:
+        header, data_start = read_header(body)
+        st_meta = header.pop("__metadata__", None)
+        if not isinstance(st_meta, dict) or not isinstance(st_meta.get(META_KEY), str):
+            raise ProtocolError(Outcome.MALFORMED, "safetensors payload without iota metadata")
+        text = st_meta[META_KEY]
+    try:
+        meta = json.loads(text, parse_constant=_refuse_constant)
+    except ProtocolError:
+        raise
+    except ValueError:                  # UnicodeDecodeError included
+        raise ProtocolError(Outcome.MALFORMED, "iota metadata is not JSON") from None
+    return meta, (None if compact and nl >= 0 else header), data_start
+
+
 def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Optional[TensorContract] = None,
            *, max_body_bytes: Optional[int] = None) -> M:
     """Parse and validate ``body`` as an ``expected`` message; raises :class:`ProtocolError`.
@@ -241,26 +325,25 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
     """
     if max_body_bytes is not None and len(body) > max_body_bytes:
         raise ProtocolError(Outcome.BODY_TOO_LARGE, f"body of {len(body)} bytes > limit {max_body_bytes}")
-    header, data_start = read_header(body)
-    st_meta = header.pop("__metadata__", None)
-    if not isinstance(st_meta, dict) or not isinstance(st_meta.get(META_KEY), str):
-        raise ProtocolError(Outcome.MALFORMED, "safetensors payload without iota metadata")
-    try:
-        meta = json.loads(st_meta[META_KEY], parse_constant=_refuse_constant)
-    except ProtocolError:
-        raise
-    except ValueError:
-        raise ProtocolError(Outcome.MALFORMED, "iota metadata is not JSON") from None
+    meta, header, data_start = read_meta(body)
     if not isinstance(meta, dict):
         raise ProtocolError(Outcome.MALFORMED, "iota metadata is not an object")
-    version = meta.get("spec_version")
+    # spec 3 names them "v" and "t"; a spec 1-2 body "spec_version" and "type" (refused by version)
+    version = meta.pop("v") if "v" in meta else meta.get("spec_version")
     if type(version) is not int or version != SPEC_VERSION:
         raise ProtocolError(Outcome.SPEC_VERSION, f"spec_version {version!r}, this node speaks {SPEC_VERSION}")
-    if meta.get("type") != expected.TYPE:
-        raise ProtocolError(Outcome.MALFORMED, f"expected a {expected.TYPE}, got {meta.get('type')!r}")
-    tmeta = meta.pop("tensors", {})
-    meta.pop("type")
-    if not isinstance(tmeta, dict) or set(tmeta) != set(header):
+    if meta.get("t") != expected.TYPE:
+        raise ProtocolError(Outcome.MALFORMED, f"expected a {expected.TYPE}, got {meta.get('t')!r}")
+    meta.pop("t")
+    if "spec_version" in meta or "type" in meta:
+        raise ProtocolError(Outcome.MALFORMED, "spec 3 metadata names its version and type \"v\" and \"t\" alone")
+    compact = header is None
+    if compact:
+        header = _compact_header(meta, len(body) - data_start)
+    tmeta = meta.pop("tensors", None if is_json_body(body) else {})
+    if tmeta is None:
+        tmeta = {}                       # a body without tensors: its JSON alone
+    elif not isinstance(tmeta, dict) or set(tmeta) != set(header):
         raise ProtocolError(Outcome.MALFORMED, "tensor list in metadata does not match the payload")
 
     # Header entries: dtype, shape, byte ranges, agreement with the metadata.
@@ -310,7 +393,8 @@ def decode(body: bytes | bytearray | memoryview, expected: type[M], contract: Op
             raise ProtocolError(Outcome.HASH_MISMATCH, f"tensor {key!r}: content hash mismatch")
 
     try:
-        loaded = safetensors.torch.load(bytes(body))
+        loaded = (_load_compact(view[data_start:], layout) if compact
+                  else safetensors.torch.load(bytes(body)) if layout or not is_json_body(body) else {})
     except Exception as e:  # safetensors raises its own error types
         raise ProtocolError(Outcome.MALFORMED, f"safetensors: {e}") from None
     if set(loaded) != set(layout):

@@ -45,8 +45,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-#: 2: the codec leaves out JSON fields equal to their default; MergeResult sends no shard/momentum hashes
-SPEC_VERSION = 2
+#: 2: the codec leaves out JSON fields equal to their default; MergeResult sends no shard/momentum hashes.
+#: 3: a message without tensors travels as its JSON metadata alone (no safetensors framing)
+SPEC_VERSION = 3
 
 TENSOR_ONE = "one"
 TENSOR_DICT = "dict"
@@ -73,6 +74,10 @@ class Message:
     #: is covered by the btauth signature and whose receiver commits to its tensors itself (``Hop``)
     #: skips that pass
     HASH_TENSORS: ClassVar[bool] = True
+    #: a message with tensors travels as a safetensors payload (its JSON metadata in the header's
+    #: ``__metadata__``); False: as a compact body (its JSON metadata with a tensor table, a newline,
+    #: the tensors' raw bytes), for the merge's many small chunks (see the codec)
+    SAFETENSORS_BODY: ClassVar[bool] = True
 
     run_id: str = ""
     stage: int = 0
@@ -96,6 +101,7 @@ class MergePayload(Message):
     ``[offset, offset + n)`` of the flat stage vector, chunk ``chunk`` of ``num_chunks`` (a shard
     travels as chunks of at most ``merge.chunk_numel`` values, in order)."""
     TYPE: ClassVar[str] = "MergePayload"
+    SAFETENSORS_BODY: ClassVar[bool] = False
     epoch: int = 0
     shard_index: int = 0
     num_shards: int = 1
@@ -178,6 +184,7 @@ class MergeResult(Message):
     (:mod:`iota_subnet.merge.claims`). An answer with the mean carries only ``chunk``, ``quant`` and
     the tensors."""
     TYPE: ClassVar[str] = "MergeResult"
+    SAFETENSORS_BODY: ClassVar[bool] = False
     epoch: int = 0
     attempt: int = 0
     plan_id: str = ""

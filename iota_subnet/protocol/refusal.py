@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from .codec import META_KEY, read_header, with_defaults
+from .codec import META_KEY, is_json_body, read_header, with_defaults
 from .messages import Hop, Message, tensor_field
 from .outcome import Outcome, ProtocolError
 
@@ -64,11 +64,14 @@ def auth_headers(headers: Any) -> dict[str, str]:
 
 def hop_header(body: bytes) -> Optional[dict[str, Any]]:
     """The JSON fields of a hop request body (``ticket``, ``direction``, ``stage``, ``microbatch_id``,
-    ``info``...), or None when the body is not a readable safetensors payload with a ticket.
+    ``info``...), or None when the body is not a readable message body (safetensors, or JSON alone) with a ticket.
     Non-finite numbers are read, not refused."""
     try:
-        header, _ = read_header(body)
-        meta = json.loads(header["__metadata__"][META_KEY])
+        if is_json_body(body):               # spec 3: a hop without tensors (an abort) is its JSON alone
+            meta = json.loads(bytes(body))
+        else:
+            header, _ = read_header(body)
+            meta = json.loads(header["__metadata__"][META_KEY])
     except (ProtocolError, KeyError, TypeError, ValueError):
         return None
     if not isinstance(meta, dict):
