@@ -173,17 +173,19 @@ def test_a_detached_home_is_unreachable_and_reattaches_to_the_next_relay():
 
 
 def test_the_per_peer_bandwidth_cap_holds_within_ten_percent():
+    """The rate is measured once the bucket's burst is spent (from the end of the fourth call on): a
+    warm-up that is slow on a loaded machine refills the bucket meanwhile, which the first calls spend."""
     async def main():
         rate = 2_000_000                                          # bytes/s, both directions together
         async with Net(rate_bytes_per_s=rate) as net:
             x = torch.randn(64, 4, 256)                           # 256 kB each way per call
             await net.call("warm", torch.randn(256, 4, 256))      # 1 MB each way: spends the 1 s of burst
-            t0 = time.monotonic()
-            n = 8
-            for i in range(n):
+            ends = []
+            for i in range(12):
                 await net.call(f"mb-{i}", x)
-            took = time.monotonic() - t0
-            moved = n * 2 * x.numel() * 4
+                ends.append(time.monotonic())
+            took = ends[-1] - ends[3]
+            moved = 8 * 2 * x.numel() * 4
             assert moved / took == pytest.approx(rate, rel=0.10), (moved / took, rate)
     run(main())
 
