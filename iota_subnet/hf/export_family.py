@@ -11,7 +11,10 @@ The stages' state dicts (read as for any run, :func:`iota_subnet.hf.export.read_
   ``transformers`` config, holding the trained weights (float32).
 
 Either way the tokenizer folder's files (``data.tokenizer``) are copied in and ``iota_export.json``
-records where it came from. Loads with ``AutoModelForCausalLM.from_pretrained(out)``, no remote code.
+records where it came from and ``auto_tokenizer_matches``: whether ``AutoTokenizer`` on the folder
+tokenizes as the run did (:func:`auto_tokenizer_matches`; false, with a warning, where the family's
+tokenizer class rebuilds its own text pipeline, e.g. ``qwen2`` over a GPT-2-style BPE:
+:mod:`iota_subnet.sdk.corpus`). ``iota-subnet eval`` and ``generate`` read ``tokenizer.json`` as saved either way. Loads with ``AutoModelForCausalLM.from_pretrained(out)``, no remote code.
 The folder is written next to ``out`` and renamed into place at the end.
 """
 from __future__ import annotations
@@ -45,6 +48,36 @@ def family_stages(cfg: RunConfig, stages: list[dict[str, torch.Tensor]]) -> list
     return out
 
 
+#: Text whose ids tell text pipelines apart: digits (grouped by GPT-2's pre-tokenizer, one by one by
+#: Qwen2's), contractions, punctuation runs, newlines, a decomposed accent (changed by NFC).
+PROBE_TEXT = ("In 1987 the 12,345 visitors didn't come; they'd gone -- 'twas \"odd\"!!\n\n  Cafe\u0301 "
+              "costs $3.50\tor 2x more... Zürich's ÉCOLE 2024-12-05\r\nend")
+
+
+def auto_tokenizer_matches(folder: Path):
+    """Whether ``AutoTokenizer.from_pretrained(folder)`` tokenizes as the folder's ``tokenizer.json`` does
+    (the run's tokenizer): the same normalizer and pre-tokenizer and the same ids of :data:`PROBE_TEXT`.
+    None when the folder has no ``tokenizer.json`` or AutoTokenizer cannot load it."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+    f = folder / "tokenizer.json"
+    if not f.exists():
+        return None
+    try:
+        auto = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - reported as unknown, the export itself is fine
+        logger.warning(f"AutoTokenizer cannot load {folder} ({e.__class__.__name__}: {e})")
+        return None
+    run, mine = Tokenizer.from_file(str(f)), getattr(auto, "backend_tokenizer", None)
+    if mine is None:
+        return False
+
+    def state(x):
+        return None if x is None else json.loads(x.__getstate__())
+    return (state(mine.normalizer) == state(run.normalizer) and state(mine.pre_tokenizer) == state(run.pre_tokenizer)
+            and auto(PROBE_TEXT, add_special_tokens=False)["input_ids"] == run.encode(PROBE_TEXT, add_special_tokens=False).ids)
+
+
 def export_family_run(cfg: RunConfig, stages: list[dict[str, torch.Tensor]], prov: dict, run: Path, out: Path) -> dict:
     """Write the ``transformers`` folder ``out`` (see the module docstring); returns ``iota_export.json``'s
     content. Raises :class:`StageWeightsError` / ``CheckpointFolderError`` naming the fix."""
@@ -69,8 +102,15 @@ def export_family_run(cfg: RunConfig, stages: list[dict[str, torch.Tensor]], pro
         for f in tok.iterdir():
             if f.is_file() and not (out / f.name).exists():
                 shutil.copyfile(f, out / f.name)
+    same = auto_tokenizer_matches(out)
+    if same is False:
+        logger.warning(f"AutoTokenizer.from_pretrained({str(out)!r}) builds another text pipeline than the run's "
+                       "tokenizer.json (the family's tokenizer class rebuilds the normalizer and pre-tokenizer): "
+                       "it tokenizes text differently from the run. Load the run's tokenizer with "
+                       f"PreTrainedTokenizerFast(tokenizer_file={str(out / 'tokenizer.json')!r}), or train the "
+                       "tokenizer with the family's pipeline (iota_subnet.sdk.corpus.write_tokenizer_folder)")
     info = {"format": 1, "exported_at": time.time(), "source": str(run.resolve()), **prov, "model_class": cls,
-            "trust_remote_code": False, "seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction,
+            "auto_tokenizer_matches": same, "trust_remote_code": False, "seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction,
             "eval_rows": cfg.train.eval_batches * cfg.train.micro_batch, "data_max_tokens": cfg.data.max_tokens,
             "run_config": cfg.to_dict(), "params": params}
     (out / "iota_export.json").write_text(json.dumps(info, indent=2, default=str) + "\n", encoding="utf-8")

@@ -25,6 +25,7 @@ import torch
 from loguru import logger
 
 from iota_subnet.config import ConfigError, RunConfig, load_config
+from iota_subnet.data.packing import IGNORE_INDEX
 from iota_subnet.model import StagedModel, bottleneck_dims, build_stages
 from iota_subnet.protocol.wire import WIRE_TORCH_DTYPES, bytes_per_token
 from iota_subnet.train.checkpoint import (CheckpointError, config_fingerprint, read_checkpoint, restore,
@@ -62,7 +63,9 @@ def split_rows(dataset, split: str, seed: int, start: int, n: int,
 
 @torch.no_grad()
 def evaluate(model: StagedModel, dataset, cfg: RunConfig, device: torch.device) -> float:
-    """Mean validation loss (nats/token) over up to ``train.eval_batches`` micro-batches of held-out rows."""
+    """Mean validation loss (nats per trained target) over up to ``train.eval_batches`` micro-batches of
+    held-out rows: each micro-batch's mean weighted by its trained targets (all of them without a loss
+    mask), i.e. the mean over every target, as ``iota-subnet eval`` and the network's final evaluation."""
     model.eval()
     mb = cfg.train.micro_batch
     n_batches = max(1, min(cfg.train.eval_batches, dataset.n_val_rows // mb or 1))
@@ -71,9 +74,10 @@ def evaluate(model: StagedModel, dataset, cfg: RunConfig, device: torch.device) 
         x, y = split_rows(dataset, "val", 0, i * mb, mb, device)
         if x.shape[0] == 0:
             break
+        n = int((y != IGNORE_INDEX).sum())
         with autocast_ctx(device, cfg.train.precision):
-            total += float(model(x, y)) * x.shape[0]
-        count += x.shape[0]
+            total += float(model(x, y)) * n
+        count += n
     model.train()
     return total / max(1, count)
 

@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable, Optional
 from loguru import logger
 
 from iota_subnet.config import RunConfig
+from iota_subnet.data.packing import IGNORE_INDEX
 from iota_subnet.protocol import ReceiptAck, ReceiptBatch
 from iota_subnet.transport.server import Route
 
@@ -270,8 +271,18 @@ class ControlPlane:
             out.append(loss if loss is not None and math.isfinite(loss) else None)
         return out
 
+    def _eval_weight(self, index: int) -> int:
+        """Trained targets of held-out micro-batch ``index``: the tail's loss is their mean, so the
+        evaluation weighs it by them (a loss-masked dataset), else 1 (every micro-batch has ``mb x T``)."""
+        if not getattr(self.dataset, "has_loss_mask", False):
+            return 1
+        return int((self.dataset.target_batch("val", 0, index * self.mb, self.mb)[:, 1:] != IGNORE_INDEX).sum())
+
     async def evaluate(self, n_batches: Optional[int] = None, lane: int = 0) -> Optional[float]:
-        """Mean validation loss over ``n_batches`` micro-batches of held-out rows through ``lane``."""
+        """Validation loss (nats per trained target) over ``n_batches`` micro-batches of held-out rows
+        through ``lane``: the tail's per-micro-batch means weighted by their trained targets
+        (:meth:`_eval_weight`), i.e. the mean over every target, as ``iota-subnet eval`` computes it on
+        an export; without a loss mask the plain mean of the micro-batches' losses."""
         n = self.cfg.train.eval_batches if n_batches is None else int(n_batches)
         losses: dict[int, float] = {}
         for attempt in range(3):
@@ -293,7 +304,13 @@ class ControlPlane:
                 break
         if len(losses) < n:
             logger.warning("evaluation: {} of {} micro-batches completed", len(losses), n)
-        return sum(losses.values()) / len(losses) if losses else None
+        if not losses:
+            return None
+        weights = {i: self._eval_weight(i) for i in losses}
+        total = sum(weights.values())
+        if total <= 0:          # no trained target in the rows read (a mask that marks none)
+            return sum(losses.values()) / len(losses)
+        return sum(losses[i] * weights[i] for i in losses) / total
 
     async def clasp_round(self, round_id: int, paths: int, rng, batch_index: Optional[int] = None) -> list[dict]:
         """One CLASP probe round (:mod:`.clasp`): one held-out micro-batch through ``paths`` random pathways."""
