@@ -1,4 +1,4 @@
-"""Which path each pair of neurons' traffic took: direct, or through a relay (issue 31, Train at Home).
+"""Which path each pair of neurons' traffic took: direct, or through a relay (home miners behind NAT).
 
 Every :class:`~iota_subnet.transport.client.NeuronClient` call that got an HTTP answer (a reply or a
 refusal) is recorded under the caller's hotkey, direction ``out``, per receiver hotkey:
