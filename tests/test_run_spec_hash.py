@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace as NS
 
 import pytest
 import yaml
@@ -18,12 +19,16 @@ from iota_subnet.config import load_config
 from iota_subnet.config_hash import canonical_yaml, config_hash
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.entry import miner as miner_entry
+from iota_subnet.miner.chain_view import ChainView
 from iota_subnet.miner.options import DataOptions, MinerOptions
 from iota_subnet.miner.service import MinerService
-from iota_subnet.protocol.commitment import MAX_COMMITMENT_BYTES, MINER, VALIDATOR, Fingerprints, RunCommitment
+from iota_subnet.protocol.commitment import (MAX_COMMITMENT_BYTES, MINER, VALIDATOR, Fingerprints, RunCommitment,
+                                             RunMismatchError)
 from iota_subnet.protocol.run_spec import SPEC_ROUTE, SpecHashMismatchError, check_spec_hash, spec_digest, verify_spec
 from iota_subnet.errors import UserError
 from iota_subnet.run_fetch import RunNotFoundError, fetch_run_spec
+from iota_subnet.validator.peers import coordinating_validators
+from iota_subnet.validator.routing import discover
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
 from support.common import PatternData
@@ -237,3 +242,82 @@ def test_two_runs_launched_by_spec_hash_train_side_by_side_on_one_devnet(tmp_pat
         for s in range(3):                           # the miner given this run's hash is in this run only
             c = commits[hk[f"{run[-1]}{s}"]]
             assert (c.run, c.stage, c.spec_hash) == (run, s, hashes[run])
+
+
+# ---- (c) a config that differs from the hash its run's validators advertise ------------------------------
+H1, H2 = "1" * 64, "2" * 64
+
+
+def _n(uid, hk, permit=True, text=None, block=100):
+    return NS(uid=uid, hotkey=hk, validator_permit=permit, last_update=block, axon="127.0.0.1:1",
+              commitment=None if text is None else NS(value=text, block=block), total_stake=NS(rao=1))
+
+
+def test_a_miner_whose_config_hash_differs_from_its_validators_refuses_naming_both():
+    view = ChainView(None, netuid=NETUID, run_id="run", run_epoch=0, hotkey="me", refresh_s=60)
+    adverts = {"v1": RunCommitment("run", VALIDATOR, 0, spec_hash=H1), "v2": RunCommitment("run", VALIDATOR, 0),
+               "v3": RunCommitment("run", VALIDATOR, 1, spec_hash=H2),              # another epoch
+               "v4": RunCommitment("other", VALIDATOR, 0, spec_hash=H2),            # another run
+               "m": RunCommitment("run", MINER, 0, stage=0, spec_hash=H2)}          # a miner's h is not the run's
+    view.neurons = {hk: _n(i, hk, permit=hk != "m") for i, hk in enumerate(adverts)}
+    view.neurons["nopermit"] = _n(9, "nopermit", permit=False)
+    view.commitments = {hk: c.encode() for hk, c in adverts.items()}
+    view.commitments["nopermit"] = RunCommitment("run", VALIDATOR, 0, spec_hash=H2).encode()
+    assert view.run_spec_hash() == (H1, [0])
+    view.check_spec_hash(H1)                                # the same config: joins
+    view.check_spec_hash("")                                # nothing to compare
+    with pytest.raises(RunMismatchError) as e:
+        view.check_spec_hash(H2)
+    msg = str(e.value)
+    assert H1 in msg and H2 in msg and f"--spec-hash {H1}" in msg and "uids [0]" in msg
+    assert isinstance(e.value, UserError)                   # one line, exit code 2 from the command line
+    view.commitments = {"v2": adverts["v2"].encode()}       # older validators publish no h: no refusal
+    assert view.run_spec_hash() is None
+    view.check_spec_hash(H2)
+
+
+def test_validators_set_aside_peers_and_miners_of_their_run_advertising_another_hash():
+    ours = RunCommitment("run", VALIDATOR, 0, spec_hash=H1).encode()
+    neurons = [_n(0, "me", text=ours), _n(1, "same", text=ours),
+               _n(2, "older", text=RunCommitment("run", VALIDATOR, 0).encode()),
+               _n(3, "other-spec", text=RunCommitment("run", VALIDATOR, 0, spec_hash=H2).encode()),
+               _n(4, "other-run", text=RunCommitment("x", VALIDATOR, 0, spec_hash=H2).encode())]
+    view = coordinating_validators(neurons, run="run", epoch=0, block=100, alive_blocks=50, self_hotkey="me",
+                                   spec_hash=H1)
+    assert view.coordinating == ["me", "older", "same"] and view.other_spec == {"other-spec": H2}
+    assert view.summary()["other_spec"] == {"other-spec": H2}
+    legacy = coordinating_validators(neurons, run="run", epoch=0, block=100, alive_blocks=50, self_hotkey="me")
+    assert legacy.coordinating == ["me", "older", "other-spec", "same"] and legacy.other_spec == {}
+    miners = {"a": RunCommitment("run", MINER, 0, stage=0, spec_hash=H1), "b": RunCommitment("run", MINER, 0, stage=0),
+              "c": RunCommitment("run", MINER, 0, stage=1, spec_hash=H2)}
+    mn = [_n(10 + i, hk, permit=False) for i, hk in enumerate(miners)]
+    commits = {hk: c.encode() for hk, c in miners.items()}
+    got = discover(mn, commits, "run", 2, 0, H1)
+    assert {s: [r.hotkey for r in rs] for s, rs in got.items()} == {0: ["a", "b"], 1: []}
+    assert [r.hotkey for r in discover(mn, commits, "run", 2)[1]] == ["c"]      # no hash of its own: unchecked
+
+
+def test_the_miner_command_line_refuses_a_config_its_run_advertises_another_hash_for(tmp_path, tmp_home, capfd):
+    """``iota-subnet miner --config`` with a config other than the one its run's validators advertise:
+    one line naming both hashes and the fix, exit code 2 (before any stage is built)."""
+    served = load_config("configs/tiny.yaml", OVR)
+    h, mine = config_hash(served), config_hash(load_config("configs/tiny.yaml"))
+    assert h != mine
+    db = create_devnet(tmp_path / "chain.db", NETUID, tempo=20, block_time=0.1, immunity_period=0)
+    w = create_wallet("m", "default", tmp_home / "wallets")
+
+    async def setup():
+        chain = await open_devnet(db)
+        r = await _fake_validator(db, chain, tmp_home, "v", canonical_yaml(served).encode(),
+                                  RunCommitment("runa", VALIDATOR, 0, spec_hash=h))
+        await chain.register(w, NETUID)
+        await chain.close()
+        await r.cleanup()
+
+    asyncio.run(setup())
+    rc = miner_entry.main(["--network", "devnet", "--chain-db", str(db), "--netuid", str(NETUID), "--wallet-name", "m",
+                           "--wallet-path", str(tmp_home / "wallets"), "--config", "configs/tiny.yaml",
+                           "--run-id", "runa", "--out", str(tmp_path / "m"), "--device", "cpu"])
+    assert rc == 2
+    err = capfd.readouterr().err
+    assert h in err and mine in err and f"--spec-hash {h}" in err and "Traceback" not in err
