@@ -19,6 +19,8 @@ from iota_subnet.config import load_config
 from iota_subnet.config_hash import canonical_yaml, config_hash
 from iota_subnet.devnet import add_stake, create_devnet, open_devnet
 from iota_subnet.entry import miner as miner_entry
+from iota_subnet.entry import validator as validator_entry
+from iota_subnet.entry.chain import adopt_spec_hash
 from iota_subnet.miner.chain_view import ChainView
 from iota_subnet.miner.options import DataOptions, MinerOptions
 from iota_subnet.miner.service import MinerService
@@ -321,3 +323,75 @@ def test_the_miner_command_line_refuses_a_config_its_run_advertises_another_hash
     assert rc == 2
     err = capfd.readouterr().err
     assert h in err and mine in err and f"--spec-hash {h}" in err and "Traceback" not in err
+
+
+# ---- (d) a second validator adopting a run by its hash; a third with another config under its name ------
+async def _adopting_validators(tmp, home) -> dict:
+    db = create_devnet(tmp / "chain.db", NETUID, tempo=20, block_time=0.1, weights_rate_limit=1,
+                       immunity_period=0)
+    cfg = load_config("configs/tiny.yaml", OVR)
+    other = load_config("configs/tiny.yaml", {**OVR, "train": {**OVR["train"], "lr": 1e-3}})
+    wallets = {n: create_wallet(n, "default", home / "wallets") for n in ("va", "vb", "vc")}
+    chain = await open_devnet(db)
+    for w in wallets.values():
+        await chain.register(w, NETUID)
+        add_stake(db, w.hotkey.ss58_address, w.coldkey.ss58_address, 10_000.0, netuid=NETUID)
+    data = PatternData(cfg.model.vocab_size, cfg.data.seq_len)
+    base = dict(network="devnet", chain_db=str(db), netuid=NETUID, steps=3, sync_interval_s=0.5, status_interval_s=0.3,
+                weights_check_s=1.0, wait_miners_s=120, clasp_interval_s=0.0, wait_peers_s=0.5,
+                external_ip="127.0.0.1", host="127.0.0.1")
+    a = ValidatorService(ValidatorOptions.from_flat(out=str(tmp / "va"), run_id="runa", **base), wallet=wallets["va"],
+                         chain=chain, cfg=cfg, dataset=data)
+    task = asyncio.create_task(a.run())
+    started = []
+    try:
+        h = config_hash(cfg)
+        for _ in range(200):                        # the first validator serves and advertises its spec
+            if any(c is not None and c.spec_hash == h for c in map(RunCommitment.decode,
+                                                                    (await chain.commitments(NETUID)).values())):
+                break
+            await asyncio.sleep(0.1)
+        # the second one: `iota-subnet validator --spec-hash H` (its parser, adoption and options), in-process
+        args = validator_entry.build_parser().parse_args([
+            "--network", "devnet", "--chain-db", str(db), "--netuid", str(NETUID), "--wallet-name", "vb",
+            "--wallet-path", str(home / "wallets"), "--spec-hash", h, "--cache-dir", str(tmp / "cache"),
+            "--out", str(tmp / "vb"), "--sync-interval", "0.5", "--clasp-interval", "0"])
+        await adopt_spec_hash(args, chain)
+        b = ValidatorService(validator_entry.options_from(args), wallet=wallets["vb"], chain=chain, dataset=data)
+        await b.start()
+        started.append(b)
+        c = ValidatorService(ValidatorOptions.from_flat(out=str(tmp / "vc"), run_id="runa", **base),
+                             wallet=wallets["vc"], chain=chain, cfg=other, dataset=data)
+        await c.start()                              # the same run id, another config
+        started.append(c)
+        status = {}
+        for _ in range(100):                         # the first validator notices the third's other hash
+            await asyncio.sleep(0.2)
+            path = tmp / "va" / "status.json"
+            status = json.loads(path.read_text()) if path.exists() else {}
+            if status.get("peers", {}).get("other_spec") and status["peers"]["coordinating"] == 2:
+                break
+        got = {"args": args, "h": h, "other": config_hash(other), "b": (b.spec_hash, list(b.view.peers.coordinating),
+                                                                       dict(b.view.peers.other_spec)),
+               "c": dict(c.view.peers.other_spec), "status": status,
+               "hk": {n: w.hotkey.ss58_address for n, w in wallets.items()}}
+    finally:
+        a.request_stop()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 60)
+        for s in started:
+            await s.close()
+        await chain.close()
+    return got
+
+
+def test_a_validator_adopts_a_run_by_its_spec_hash_and_peers_with_another_hash_are_set_aside(tmp_path, tmp_home):
+    got = asyncio.run(_adopting_validators(tmp_path, tmp_home))
+    h, hk, args = got["h"], got["hk"], got["args"]
+    assert (args.run_id, args.run_epoch) == ("runa", 0)
+    assert args.config == str(tmp_path / "cache" / "runs" / f"{h}.yaml")
+    spec, coordinating, other_spec = got["b"]
+    assert spec == h and coordinating == sorted([hk["va"], hk["vb"]]) and other_spec == {}
+    assert got["c"] == {hk["va"]: h, hk["vb"]: h}                     # the third sees the run's two as other
+    st = got["status"]
+    assert st["spec_hash"] == h and st["peers"]["other_spec"] == {hk["vc"]: got["other"]}, st.get("peers")
+    assert st["peers"]["coordinating"] == 2 and st["miners_other_spec"] == {}
