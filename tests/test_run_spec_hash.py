@@ -3,7 +3,10 @@
 A validator serves its run's canonical config (``GET /run/spec``) and advertises its sha256 in its
 commitment (``h``); a neuron given the hash fetches the spec, refuses content that does not hash to it
 (a clear error naming both hashes; exit code 2 from the CLI), and joins the advertisers' run. Two runs
-launched on one devnet train side by side, and the miners given run A's hash join A only.
+launched on one devnet train side by side, and the miners given run A's hash join A only. A miner started
+with a config whose hash differs from the one its run's validators advertise refuses (both hashes named,
+exit code 2); validators set aside peers and miners of their run advertising another hash; a second
+validator joins a run with ``--spec-hash``.
 """
 from __future__ import annotations
 
@@ -29,7 +32,10 @@ from iota_subnet.protocol.commitment import (MAX_COMMITMENT_BYTES, MINER, VALIDA
 from iota_subnet.protocol.run_spec import SPEC_ROUTE, SpecHashMismatchError, check_spec_hash, spec_digest, verify_spec
 from iota_subnet.errors import UserError
 from iota_subnet.run_fetch import RunNotFoundError, fetch_run_spec
+from iota_subnet.validator.metagraph_view import MetagraphView
+from iota_subnet.validator.options import ChainOptions, RunOptions
 from iota_subnet.validator.peers import coordinating_validators
+from iota_subnet.validator.routing import Router
 from iota_subnet.validator.routing import discover
 from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
@@ -292,11 +298,14 @@ def test_validators_set_aside_peers_and_miners_of_their_run_advertising_another_
     assert legacy.coordinating == ["me", "older", "other-spec", "same"] and legacy.other_spec == {}
     miners = {"a": RunCommitment("run", MINER, 0, stage=0, spec_hash=H1), "b": RunCommitment("run", MINER, 0, stage=0),
               "c": RunCommitment("run", MINER, 0, stage=1, spec_hash=H2)}
-    mn = [_n(10 + i, hk, permit=False) for i, hk in enumerate(miners)]
     commits = {hk: c.encode() for hk, c in miners.items()}
+    mn = [_n(10 + i, hk, permit=False, text=commits[hk]) for i, hk in enumerate(miners)]
     got = discover(mn, commits, "run", 2, 0, H1)
     assert {s: [r.hotkey for r in rs] for s, rs in got.items()} == {0: ["a", "b"], 1: []}
     assert [r.hotkey for r in discover(mn, commits, "run", 2)[1]] == ["c"]      # no hash of its own: unchecked
+    mv, router = MetagraphView(ChainOptions(), RunOptions(run_id="run")), Router(2)   # the validator's sync
+    mv.route(NS(neurons=mn), router, 2, H1)
+    assert mv.other_spec_miners == {"c": H2} and router.stage_counts() == [2, 0]
 
 
 def test_the_miner_command_line_refuses_a_config_its_run_advertises_another_hash_for(tmp_path, tmp_home, capfd):
