@@ -121,6 +121,10 @@ async def run_miner(args: argparse.Namespace) -> int:
     try:
         await until_stopped(adopt_spec_hash(args, chain), stop)     # --spec-hash: the run's config, id, epoch
         cfg = load_config(args.config)
+        if args.spec_hash and args.data is None and getattr(cfg.data, "hf", None) is None:
+            logger.warning("joined by spec hash without --data: the run's data source is not part of its spec, so a "
+                           "first or last stage reads the default (FineWeb-Edu); pass the run's --data when its "
+                           "validators read another (else refused: fingerprints differ)")
         parts = miner_parts(args, cfg, emulation)
     except BaseException as e:
         await chain.close()

@@ -137,6 +137,36 @@ class ChainView:
                 f"{uids}) tokenizer {fps.tokenizer} / data {fps.data}; use the run's --data and config (and "
                 "tokenizer cache) or another --run-id")
 
+    def run_spec_hash(self) -> Optional[tuple[str, list[int]]]:
+        """The spec hash the run's validators (a validator permit, role ``v``, this run id and epoch)
+        advertise (``h``; the most common when they differ), and their uids; None when none advertises
+        one (older validators publish no ``h``)."""
+        seen: dict[str, list[int]] = {}
+        for hk, raw in self.commitments.items():
+            n = self.neurons.get(hk)
+            c = RunCommitment.decode(raw)
+            if n is None or not n.validator_permit or c is None or c.role != VALIDATOR or not c.spec_hash:
+                continue
+            if c.same_run(self.run_id, self.run_epoch):
+                seen.setdefault(c.spec_hash, []).append(int(n.uid))
+        if not seen:
+            return None
+        h, uids = max(seen.items(), key=lambda kv: (len(kv[1]), kv[0]))
+        return h, sorted(uids)
+
+    def check_spec_hash(self, ours: str) -> None:
+        """Raise :class:`RunMismatchError` (naming both hashes and the fix) when ``ours`` (the hash of this
+        miner's config, :func:`iota_subnet.config_hash.config_hash`) differs from the one the run's
+        validators advertise; nothing when either is absent (validators that publish no ``h``)."""
+        run = self.run_spec_hash()
+        if not ours or run is None or run[0] == ours:
+            return
+        h, uids = run
+        raise RunMismatchError(
+            f"this miner's config differs from run {self.run_id!r} epoch {self.run_epoch}: its spec hash is {ours}, "
+            f"the run's validators (uids {uids}) advertise {h}; join with --spec-hash {h} (the validators' "
+            "config, fetched and checked) instead of --config, or use their config file unchanged")
+
     def choose_stage(self, requested: Optional[int], n_stages: int) -> int:
         """``requested`` when given (:class:`ConfigError` when out of range), else the stage with the
         fewest replicas of this run (the lowest among equals)."""

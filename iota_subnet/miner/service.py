@@ -62,7 +62,7 @@ from iota_subnet.miner.tickets import TicketShape
 from iota_subnet.miner.update_store import UpdateStore
 from iota_subnet.model import bottleneck_dims
 from iota_subnet.protocol import Health, Outcome, ProtocolError, StateRequest, StateResponse
-from iota_subnet.protocol.commitment import MINER, RunCommitment
+from iota_subnet.protocol.commitment import MINER, RunCommitment, RunMismatchError
 from iota_subnet.telemetry import NeuronMetrics, health_handler
 from iota_subnet.train.checkpoint import sweep_stray_temporaries
 from iota_subnet.transport import NeuronServer
@@ -192,6 +192,7 @@ class MinerService:
                                            max_burn_tao=o.max_burn_tao)
         await view.refresh(force=True)
         view.check_fingerprints(self.fingerprints)
+        view.check_spec_hash(self.spec_hash)
         view.stage = view.choose_stage(o.stage, self.cfg.pipeline.stages)
         self.worker, bound = self.parts.make_worker(self, self.stage)
         await self.checkpoints.resume(self.worker, merging=self.cfg.merge.enabled)
@@ -282,7 +283,15 @@ class MinerService:
                 raise ConfigError(f"data: {e}") from e
             if self.fingerprints is None:
                 self.fingerprints = built
-        self.view.check_fingerprints(self.fingerprints)
+        try:
+            self.view.check_fingerprints(self.fingerprints)
+        except RunMismatchError as e:
+            if self.opts.data.source is not None or self.opts.data.dataset is not None \
+                    or getattr(self.cfg.data, "hf", None) is not None:
+                raise
+            raise RunMismatchError(f"{e}. This miner was given no --data and read the default source; the run's "
+                                   "data source is not part of its config or spec hash: pass the run's --data "
+                                   "(the file or hf:// source its validators read)") from None
         spec = self.worker.spec
         # a loss mask (data.hf.mask_field) reaches the tail's loss as ignored targets (-100); a stage that is
         # also the head reads its inputs from these rows, unmasked

@@ -36,6 +36,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
+from iota_subnet.errors import UserError
+
 from .run_spec import is_spec_hash
 
 COMMITMENT_VERSION = 2
@@ -47,8 +49,9 @@ _ROLE_CODE = {MINER: "m", VALIDATOR: "v"}
 _ROLE_NAME = {v: k for k, v in _ROLE_CODE.items()}
 
 
-class RunMismatchError(ValueError):
-    """This neuron's data or tokenizer differs from its run's: it must not join (message names both)."""
+class RunMismatchError(UserError, ValueError):
+    """This neuron's data, tokenizer or spec hash differs from its run's: it must not join (the message
+    names both sides and the fix; the command line prints it as one line, exit code 2)."""
 
 
 @dataclass(frozen=True)

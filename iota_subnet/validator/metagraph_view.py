@@ -1,7 +1,9 @@
 """The validator's reading of the metagraph: routing (the replicas of its run, :mod:`.routing`), the
 lane assignment it keeps across restarts, miners flagged as cheaters barred from routing, uid ->
 hotkey, the validators it coordinates with (:mod:`.peers`) and its heartbeat, and the wait for
-complete lanes before driving."""
+complete lanes before driving. Neurons of its run id and epoch that advertise another spec hash (``h``:
+another config under the same name) are logged, kept out of routing (miners) and of the coordination
+(validators), and listed in ``status.json`` (``peers.other_spec``, ``miners_other_spec``)."""
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +33,8 @@ class MetagraphView:
         self.peers = PeerView([])
         self.validators: list[str] = []
         self.other_runs: dict[str, int] = {}
+        #: hotkey -> spec hash of this run's miners advertising another spec hash (not routed to)
+        self.other_spec_miners: dict[str, str] = {}
         self.heartbeat = 0
         self.alive_blocks = 0
         self.saved_slots = ""   # the lane assignment as last written to the state (JSON)
@@ -58,15 +62,16 @@ class MetagraphView:
                 f"{fingerprints.data}, the run's tokenizer {fps.tokenizer} / data {fps.data}. Use the run's "
                 "--data, config and tokenizer (no --allow-data-fallback), or another --run-id")
 
-    def route(self, graph: Any, router: Router, stages: int) -> None:
-        """Routing from the metagraph's commitments (replicas of this run), miners of other runs seen,
-        uid -> hotkey."""
+    def route(self, graph: Any, router: Router, stages: int, spec_hash: str = "") -> None:
+        """Routing from the metagraph's commitments (replicas of this run with this validator's
+        ``spec_hash`` or none advertised), miners of other runs seen, uid -> hotkey."""
         o = self.run
         commits = {n.hotkey: n.commitment.value for n in graph.neurons
                    if n.commitment is not None and n.commitment.value is not None}
-        router.update(discover(graph.neurons, commits, o.run_id, stages, o.run_epoch))
+        router.update(discover(graph.neurons, commits, o.run_id, stages, o.run_epoch, spec_hash))
         others: dict[str, int] = {}
         relays: dict[str, tuple[str, ...]] = {}
+        other_spec: dict[str, str] = {}
         for hk, raw in commits.items():
             c = RunCommitment.decode(raw)
             if c is not None and c.relays:
@@ -74,6 +79,13 @@ class MetagraphView:
             if c is not None and c.role == MINER and not c.same_run(o.run_id, o.run_epoch):
                 label = c.run if c.epoch == 0 else f"{c.run}#{c.epoch}"
                 others[label] = others.get(label, 0) + 1
+            elif c is not None and c.role == MINER and spec_hash and c.spec_hash and c.spec_hash != spec_hash:
+                other_spec[hk] = c.spec_hash
+        if other_spec and other_spec != self.other_spec_miners:
+            logger.warning("miners of run {!r} epoch {} advertise another spec hash than this validator's {}: {}; "
+                           "no hop goes to them (they run another config under this run's name)", o.run_id,
+                           o.run_epoch, spec_hash, {hk[:10]: h for hk, h in sorted(other_spec.items())})
+        self.other_spec_miners = other_spec
         self.other_runs = others
         self.relays = relays
         self.current = {int(n.uid): str(n.hotkey) for n in graph.neurons}
@@ -125,14 +137,22 @@ class MetagraphView:
             state.set_meta("lane_slots", raw)
             self.saved_slots = raw
 
-    def update_peers(self, graph: Any, hotkey: str, fingerprints: Optional[Fingerprints], pending: bool) -> bool:
-        """The validators this one coordinates with; True when its heartbeat was bumped (its
-        commitment is due again; ``pending``: one is still being published)."""
+    def update_peers(self, graph: Any, hotkey: str, fingerprints: Optional[Fingerprints], pending: bool,
+                     spec_hash: str = "") -> bool:
+        """The validators this one coordinates with (those of its run advertising another spec hash
+        than ``spec_hash`` are logged and left out); True when its heartbeat was bumped (its commitment
+        is due again; ``pending``: one is still being published)."""
         o = self.run
         block = int(graph.block)
+        before = self.peers.other_spec
         self.peers = coordinating_validators(graph.neurons, run=o.run_id, epoch=o.run_epoch, block=block,
                                              alive_blocks=self.alive_blocks, self_hotkey=hotkey,
-                                             fingerprints=fingerprints)
+                                             fingerprints=fingerprints, spec_hash=spec_hash)
+        if self.peers.other_spec and self.peers.other_spec != before:
+            logger.warning("validators of run {!r} epoch {} advertise another spec hash than this one's {}: {}; "
+                           "they run another config under this run's name and are not coordinated with (one of "
+                           "the two must use another --run-id, or both the same config)", o.run_id, o.run_epoch,
+                           spec_hash, {hk[:10]: h for hk, h in sorted(self.peers.other_spec.items())})
         self.validators = self.peers.coordinating
         if not pending and heartbeat_due(graph.neurons, hotkey, block, self.alive_blocks):
             self.heartbeat += 1

@@ -7,7 +7,10 @@ wait for turns that never come. A permit holder coordinates only when
 
 * its commitment advertises this run (id and epoch) in the validator role
   (:class:`~iota_subnet.protocol.commitment.RunCommitment`), with the same tokenizer and data
-  fingerprints when both sides publish them, and
+  fingerprints when both sides publish them, and the same spec hash (``h``, the sha256 of the run's
+  canonical config, :mod:`iota_subnet.config_hash`) when both publish one (a validator of the same run
+  id and epoch advertising another hash runs another config under that name: it is listed in
+  ``other_spec``, logged and shown in ``status.json``, and does not coordinate), and
 * it is alive: it published its commitment or set weights within ``alive_blocks`` blocks (a
   validator of ours sets weights every tempo, and re-publishes its commitment with a bumped
   heartbeat when it has not for half that window: :func:`heartbeat_due`).
@@ -37,7 +40,9 @@ class PeerView:
     ``other_runs``: run label -> validators advertising another run or epoch; ``dead``: hotkeys of
     ours that were silent longer than the window; ``mismatched``: hotkey -> fingerprints of
     validators of this run whose fingerprints differ from this one's; ``unannounced``: those of the
-    ``foreign`` with no commitment at all (one starting up has not published its own yet)."""
+    ``foreign`` with no commitment at all (one starting up has not published its own yet);
+    ``other_spec``: hotkey -> spec hash of validators of this run id and epoch advertising another
+    spec hash than this one's."""
 
     coordinating: list[str]
     foreign: int = 0
@@ -45,10 +50,11 @@ class PeerView:
     dead: list[str] = field(default_factory=list)
     mismatched: dict[str, Fingerprints] = field(default_factory=dict)
     unannounced: int = 0
+    other_spec: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {"coordinating": len(self.coordinating), "foreign": self.foreign, "other_runs": dict(self.other_runs),
-                "dead": len(self.dead), "mismatched": len(self.mismatched)}
+                "dead": len(self.dead), "mismatched": len(self.mismatched), "other_spec": dict(self.other_spec)}
 
 
 def _advert(n: Any) -> tuple[Optional[RunCommitment], int]:
@@ -60,14 +66,17 @@ def _advert(n: Any) -> tuple[Optional[RunCommitment], int]:
 
 
 def coordinating_validators(neurons: Iterable[Any], *, run: str, epoch: int, block: int, alive_blocks: int,
-                            self_hotkey: str, fingerprints: Optional[Fingerprints] = None) -> PeerView:
-    """The validators that coordinate with ``self_hotkey`` (see the module docstring).
+                            self_hotkey: str, fingerprints: Optional[Fingerprints] = None,
+                            spec_hash: str = "") -> PeerView:
+    """The validators that coordinate with ``self_hotkey`` (see the module docstring); ``spec_hash``:
+    this validator's (``""``: none, no validator is set aside for its hash).
 
     ``neurons``: metagraph neurons (``hotkey``, ``validator_permit``, ``last_update``,
     ``commitment`` with ``value`` and ``block``)."""
     coordinating, dead, foreign, unannounced = {str(self_hotkey)}, [], 0, 0
     other: dict[str, int] = {}
     mismatched: dict[str, Fingerprints] = {}
+    other_spec: dict[str, str] = {}
     for n in neurons:
         hk = str(n.hotkey)
         if hk == self_hotkey or not bool(n.validator_permit):
@@ -84,11 +93,14 @@ def coordinating_validators(neurons: Iterable[Any], *, run: str, epoch: int, blo
         if fingerprints is not None and fingerprints.differs(c.fingerprints):
             mismatched[hk] = c.fingerprints
             continue
+        if spec_hash and c.spec_hash and c.spec_hash != spec_hash:
+            other_spec[hk] = c.spec_hash
+            continue
         if block - max(published, int(n.last_update or 0)) > alive_blocks:
             dead.append(hk)
             continue
         coordinating.add(hk)
-    return PeerView(sorted(coordinating), foreign, other, sorted(dead), mismatched, unannounced)
+    return PeerView(sorted(coordinating), foreign, other, sorted(dead), mismatched, unannounced, other_spec)
 
 
 def run_fingerprints(neurons: Iterable[Any], *, run: str, epoch: int, block: int, alive_blocks: int,

@@ -62,24 +62,30 @@ class Replica:
         return f"uid{self.uid}/{self.hotkey[:6]}@s{self.stage}"
 
 
-def parse_commitment(raw: Optional[str], run_id: str, n_stages: int, run_epoch: int = 0) -> Optional[int]:
+def parse_commitment(raw: Optional[str], run_id: str, n_stages: int, run_epoch: int = 0,
+                     spec_hash: str = "") -> Optional[int]:
     """The stage a miner's commitment announces for run (``run_id``, ``run_epoch``), or None
-    (absent, malformed, a validator's, other run or epoch, bad stage)."""
+    (absent, malformed, a validator's, other run or epoch, bad stage, or a spec hash ``h`` other than
+    ``spec_hash``: another config under this run's name; a commitment without ``h``, from an older
+    miner, or an empty ``spec_hash`` is not checked)."""
     c = RunCommitment.decode(raw)
     if c is None or c.role != MINER or not c.same_run(str(run_id), run_epoch) or not 0 <= c.stage < n_stages:
+        return None
+    if spec_hash and c.spec_hash and c.spec_hash != spec_hash:
         return None
     return c.stage
 
 
 def discover(neurons: Iterable[Any], commitments: Mapping[str, str], run_id: str,
-             n_stages: int, run_epoch: int = 0) -> dict[int, list[Replica]]:
-    """Stage -> replicas (sorted by uid) of run (``run_id``, ``run_epoch``).
+             n_stages: int, run_epoch: int = 0, spec_hash: str = "") -> dict[int, list[Replica]]:
+    """Stage -> replicas (sorted by uid) of run (``run_id``, ``run_epoch``); with ``spec_hash``, miners
+    advertising another spec hash are left out (:func:`parse_commitment`).
 
     ``neurons``: metagraph neurons (``uid``, ``hotkey``, ``axon``); ``commitments``: hotkey -> text.
     """
     out: dict[int, list[Replica]] = {s: [] for s in range(n_stages)}
     for n in neurons:
-        stage = parse_commitment(commitments.get(n.hotkey), run_id, n_stages, run_epoch)
+        stage = parse_commitment(commitments.get(n.hotkey), run_id, n_stages, run_epoch, spec_hash)
         if stage is None:
             continue
         ep = served_endpoint(getattr(n, "axon", None))

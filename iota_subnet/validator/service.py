@@ -254,10 +254,11 @@ class ValidatorService:
         """Re-read metagraph and commitments: routing, uid -> hotkey, the validators that coordinate
         (:mod:`.peers`), and keep this validator's commitment (run advert, heartbeat) on chain."""
         graph = await self.chain.metagraph(self.opts.chain.netuid)
-        self.view.route(graph, self.router, self.cfg.pipeline.stages)
+        self.view.route(graph, self.router, self.cfg.pipeline.stages, self.spec_hash)
         self._bar_flagged()
         self.view.reassign(self.router, self.n_lanes, self.state)
-        if self.view.update_peers(graph, self.hotkey, self.fingerprints, pending=self.publisher.pending):
+        if self.view.update_peers(graph, self.hotkey, self.fingerprints, pending=self.publisher.pending,
+                                  spec_hash=self.spec_hash):
             self.publisher.set_commitment(self.advert())
         await self.publisher.sync()
 

@@ -32,6 +32,8 @@ class StatusFile:
             "hotkey": svc.hotkey, "uid": svc.uid, "run_id": svc.opts.run.run_id,
             "run_epoch": svc.opts.run.run_epoch, "netuid": svc.opts.chain.netuid,
             "peers": svc.view.peers.summary(), "validators": list(svc.view.validators),
+            # the run's spec hash (served on GET /run/spec); this run's miners advertising another one (not routed)
+            "spec_hash": svc.spec_hash, "miners_other_spec": dict(svc.view.other_spec_miners),
             "chain": svc.publisher.status() if svc.publisher else {},
             "fingerprints": vars(svc.fingerprints) if svc.fingerprints else None,
             "lanes": svc.n_lanes,
