@@ -14,7 +14,10 @@ The validator chooses a hop only after its receipts are in (blind), then runs th
 
 A stage without a trace (:attr:`~.layout.TraceLayout.replay`: a ``transformers`` family stage) skips
 round 2: :meth:`HopAuditor.on_projection` is called with no vectors and asks for the weights and wire
-tensors, which :meth:`HopAuditor.check` replays (:mod:`.replay`).
+tensors, which :meth:`HopAuditor.check` replays (:mod:`.replay`). Round 3 is then sent in
+:attr:`HopAuditor.parts` (:func:`~.replay.split_openings`: each within the miner's opening cap),
+every part's rows verified against their roots as it arrives (:meth:`HopAuditor.accept`); a sampled
+audit has one part, the whole request.
 
 A refused, malformed, timed-out or inconsistent answer at any round is a failed audit: the caller
 turns exceptions of the transport into ``Verdict(ok=False)`` (:meth:`HopAuditor.failed`).
@@ -35,7 +38,7 @@ from .commit import weights_entries_root, entry_names
 from .layout import TraceLayout
 from .merkle import DIGEST_BYTES, leaf_hash, verify_proof
 from .project import randoms
-from .replay import ReplayChecker, replay_openings
+from .replay import OPEN_PART_BYTES, ReplayChecker, replay_openings, split_openings
 from .prover import Opened
 
 
@@ -55,14 +58,16 @@ class HopAuditor:
     whole (tiny, bf16: 64 kB a tensor instead of ~1 kB); int8 and fp8 wire tensors need ``"root"``
     (the flat hash of the receipts does not cover their scales). ``tokens`` [B, T] (head) / ``targets``
     [B, T] (tail), from the micro-batch's sample address; ``loss``: the loss the tail reported;
-    ``rng``: defaults to ``random.SystemRandom`` (the OS CSPRNG: a miner cannot predict the draws).
+    ``rng``: defaults to ``random.SystemRandom`` (the OS CSPRNG: a miner cannot predict the draws);
+    ``open_part_bytes``: the most row-value bytes one open request of a replay asks for
+    (:data:`~.replay.OPEN_PART_BYTES`; at most the miner's ``max_open_bytes``).
     """
 
     def __init__(self, layout: TraceLayout, *, weights_root: bytes, wire_roots: dict[str, bytes],
                  tol: Tolerances, wire_commit: str = "root", weights_dtype: torch.dtype = torch.float32,
                  sampling: SamplingParams = SamplingParams(), rng: Optional[random.Random] = None,
                  tokens: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
-                 loss: Optional[float] = None):
+                 loss: Optional[float] = None, open_part_bytes: int = OPEN_PART_BYTES):
         if wire_commit not in ("root", "sha256"):
             raise ValueError(f"wire_commit must be 'root' or 'sha256', got {wire_commit!r}")
         if wire_commit == "sha256" and needs_scales(layout.wire_format):
@@ -98,6 +103,10 @@ class HopAuditor:
         self.sample: Optional[Sample] = None
         self.request: dict[str, list[int]] = {}
         self.whole: list[str] = []
+        self.open_part_bytes = int(open_part_bytes)
+        #: the open requests of round 3 (one for a sampled audit) and the rows verified so far
+        self.parts: list[dict[str, list[int]]] = []
+        self.rows: dict[str, dict[int, torch.Tensor]] = {}
 
     # ---- round 1 -------------------------------------------------------------------------------
     def on_commit(self, trace_roots: list[bytes], weight_roots: list[bytes]) -> bytes:
@@ -147,6 +156,7 @@ class HopAuditor:
             self.whole = sorted(k for k in self.request if k in lay.wire)
             for k in self.whole:
                 self.request[k] = list(range(lay.wire[k].rows))
+        self.parts = [self.request]
         return self.request
 
     def _replay_request(self) -> dict[str, list[int]]:
@@ -154,7 +164,15 @@ class HopAuditor:
         self.request = replay_openings(self.layout, self.tokens, tuple(self.wire_roots))
         if self.wire_commit == "sha256":
             self.whole = sorted(k for k in self.request if k in self.layout.wire)
+        try:
+            self.parts = split_openings(self.layout, self.request, self.whole, max_bytes=self.open_part_bytes)
+        except ValueError as e:
+            raise AuditFailure(f"cannot split the replay's opening: {e}") from None
         return self.request
+
+    def whole_of(self, part: dict[str, list[int]]) -> list[str]:
+        """The tensors of ``part`` sent whole (flat sha256, no proofs)."""
+        return [k for k in self.whole if k in part]
 
     def root_of(self, name: str) -> bytes:
         for table in (self.trace_roots, self.p_roots, self.wire_roots, self.weight_roots):
@@ -167,12 +185,26 @@ class HopAuditor:
         return {"wire": self.wire_dtype, "weights": self.weights_dtype}.get(e.dtype, torch.float32)
 
     # ---- round 3 -------------------------------------------------------------------------------
-    def check(self, opened: dict[str, Opened]) -> Verdict:
-        """Verify the opening against the roots and check every link; never raises on bad input."""
+    def accept(self, part: dict[str, list[int]], opened: dict[str, Opened]) -> None:
+        """Verify the answer ``opened`` to one of :attr:`parts` and keep its rows (:attr:`rows`).
+        Raises :class:`AuditFailure`."""
+        if part not in self.parts:
+            raise AuditFailure("an opening answering no part of the request")
+        for name, rows in self.verify_opening(opened, part).items():
+            self.rows.setdefault(name, {}).update(rows)
+
+    def check(self, opened: Optional[dict[str, Opened]] = None) -> Verdict:
+        """Verify the opening against the roots and check every link; never raises on bad input.
+        ``opened``: the answer to the whole request (one part); None: the parts :meth:`accept` took."""
         try:
-            rows = self.verify_opening(opened)
+            if opened is not None:
+                self.accept(self.request, opened)
+            missing = [k for k, idx in self.request.items() if set(self.rows.get(k, {})) != set(idx)]
+            if missing:
+                raise AuditFailure(f"rows of {missing[:4]} were not opened")
         except AuditFailure as e:
             return self.failed(f"opening: {e}")
+        rows = self.rows
         if self.layout.replay:
             checker = ReplayChecker(self.layout, opened=rows, tol=self.tol, tokens=self.tokens, targets=self.targets,
                                     loss=self.loss)
@@ -189,12 +221,15 @@ class HopAuditor:
         except (KeyError, IndexError, RuntimeError, ValueError) as e:      # an opening that lacks what a link needs
             return self.failed(f"check: {type(e).__name__}: {e}")
 
-    def verify_opening(self, opened: dict[str, Opened]) -> dict[str, dict[int, torch.Tensor]]:
-        """Every requested row, opened with a valid proof: name -> {row: tensor}. Raises :class:`AuditFailure`."""
-        if set(opened) != set(self.request):
+    def verify_opening(self, opened: dict[str, Opened], request: Optional[dict[str, list[int]]] = None
+                       ) -> dict[str, dict[int, torch.Tensor]]:
+        """Every row of ``request`` (default: the whole :attr:`request`), opened with a valid proof:
+        name -> {row: tensor}. Raises :class:`AuditFailure`."""
+        request = self.request if request is None else request
+        if set(opened) != set(request):
             raise AuditFailure("the opening does not answer the request")
         out: dict[str, dict[int, torch.Tensor]] = {}
-        for name, idx in self.request.items():
+        for name, idx in request.items():
             o = opened[name]
             e = self.layout.entry(name)
             dtype = self.dtype_of(name)

@@ -125,10 +125,26 @@ def read_projection(msg: AuditProjection, layout: TraceLayout) -> tuple[dict[str
 
 
 # ---- round 3 -------------------------------------------------------------------------------------
-def open_request(audit: AuditTraceRequest, rows: dict[str, list[int]], whole: list[str] | tuple = ()) -> AuditOpenRequest:
+def open_request(audit: AuditTraceRequest, rows: dict[str, list[int]], whole: list[str] | tuple = (), *,
+                 more: bool = False) -> AuditOpenRequest:
+    """``more``: another part of the opening follows (the miner keeps the session open)."""
     return AuditOpenRequest(run_id=audit.run_id, stage=audit.stage, microbatch_id=audit.microbatch_id,
                             audit_id=audit.audit_id, rows={k: list(map(int, v)) for k, v in sorted(rows.items())},
-                            whole=sorted(whole))
+                            whole=sorted(whole), more=bool(more))
+
+
+def opening_bytes(layout: TraceLayout, request: dict[str, list[int]], *, weights_dtype: torch.dtype,
+                  whole: list[str] | tuple = ()) -> int:
+    """Tensor bytes of the :class:`AuditOpening` answering ``request`` (rows and proofs,
+    :func:`opening_contract`): what a deadline for it is computed from."""
+    contract = opening_contract(layout, request, weights_dtype=weights_dtype, whole=whole)
+    total = 0
+    for spec in contract.specs.values():
+        n = 1
+        for d in spec.shape:
+            n *= int(d)
+        total += n * spec.dtypes[0].itemsize
+    return total
 
 
 def _klass(layout: TraceLayout, name: str) -> str:

@@ -26,7 +26,8 @@ HTTP_HEADER_BYTES = 1024
 
 @dataclass
 class AuditRun:
-    """``verdict``; ``bytes``: body bytes per message (``r1_req`` ... ``r3_resp``); ``seconds``: miner
+    """``verdict``; ``bytes``: body bytes per message (``r1_req`` ... ``r3_resp``; a replay opened in
+    parts: ``r3.1_req``, ``r3.1_resp`` ... for the parts after the first); ``seconds``: miner
     and validator CPU seconds per phase."""
 
     verdict: Verdict
@@ -75,15 +76,23 @@ def run_local_audit(prover: HopProver, auditor: HopAuditor, *, stage: int = 0, m
             t = time.process_time()
             rows = auditor.on_projection(*codec.read_projection(proj, auditor.round2))
             secs["validator"] += time.process_time() - t
-        oreq = _roundtrip(codec.open_request(req, rows, auditor.whole), AuditOpenRequest, None, sizes, "r3_req")
+        secs["miner_open"] = 0.0
+        for k, part in enumerate(auditor.parts):        # a replay's rows in parts (each within the miner's cap)
+            whole = auditor.whole_of(part)
+            key = "r3" if k == 0 else f"r3.{k}"
+            oreq = _roundtrip(codec.open_request(req, part, whole, more=k + 1 < len(auditor.parts)), AuditOpenRequest,
+                              None, sizes, key + "_req")
+            t = time.process_time()
+            opened = prover.open(codec.read_open_request(oreq, lay), oreq.whole)
+            secs["miner_open"] += time.process_time() - t
+            contract = codec.opening_contract(lay, part, weights_dtype=auditor.weights_dtype, whole=whole)
+            opening = _roundtrip(codec.opening_message(oreq, lay, opened), AuditOpening, contract, sizes,
+                                 key + "_resp")
+            t = time.process_time()
+            auditor.accept(part, codec.read_opening(opening, lay, part, whole))
+            secs["validator"] += time.process_time() - t
         t = time.process_time()
-        request = codec.read_open_request(oreq, lay)
-        opened = prover.open(request, oreq.whole)
-        secs["miner_open"] = time.process_time() - t
-        contract = codec.opening_contract(lay, rows, weights_dtype=auditor.weights_dtype, whole=auditor.whole)
-        opening = _roundtrip(codec.opening_message(oreq, lay, opened), AuditOpening, contract, sizes, "r3_resp")
-        t = time.process_time()
-        verdict = auditor.check(codec.read_opening(opening, lay, rows, auditor.whole))
+        verdict = auditor.check()
         secs["validator"] += time.process_time() - t
     except (ProtocolError, AuditFailure, OpenRequestError) as e:
         verdict = HopAuditor.failed(f"{type(e).__name__}: {e}")

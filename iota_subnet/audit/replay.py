@@ -22,7 +22,16 @@ precision: fp32 1e-4, bf16 autocast 2e-2). Every row is checked: a forward or ba
 any token fails.
 
 Cost: the stage's weights cross the wire with their proofs (a ~4 MB LM head of 8192 x 128 fp32
-plus ~3.4 MB of proofs), and the validator runs one fp32 forward (+ backward) of one micro-batch.
+plus ~3.4 MB of proofs; Qwen2.5-0.5B's tail: a 545 MB LM head of 151,936 x 896 plus ~87 MB of
+proofs), and the validator runs one fp32 forward (+ backward) of one micro-batch.
+
+Round 3 in parts: a stage's rows are opened in several requests (:func:`split_openings`), each
+opening at most :data:`OPEN_PART_BYTES` of row values (half the miner's
+:attr:`~.prover.HopProver.max_open_bytes`, 64 MiB) and :data:`OPEN_PART_ROWS` rows (half the rows a
+miner's route accepts, :func:`~.codec.read_open_request`); a tensor's rows are split into
+contiguous blocks, every row still opened with its Merkle proof against its committed entry root,
+so a stage of any size that fits the hosts is replayed (a miner cannot swap weights between parts:
+each row is bound to the root of round 1). A wire tensor sent whole (flat sha256) is never split.
 """
 from __future__ import annotations
 
@@ -36,6 +45,56 @@ from iota_subnet.protocol.wire import SCALE_MAX, rounding_bound
 from .check import Tolerances, Verdict, half_ulp
 from .commit import split_wire_rows
 from .layout import EMBED, TraceLayout
+
+
+#: the most row-value bytes (rows x width x 4) one open request of a replay asks for
+OPEN_PART_BYTES = 32 << 20
+#: the most rows one open request of a replay asks for
+OPEN_PART_ROWS = 1 << 15
+
+
+def split_openings(layout: TraceLayout, request: dict[str, list[int]], whole: tuple[str, ...] | list[str] = (), *,
+                   max_bytes: int = OPEN_PART_BYTES, max_rows: int = OPEN_PART_ROWS) -> list[dict[str, list[int]]]:
+    """``request`` (layout name -> row indices) split into parts of at most ``max_bytes`` of row values
+    (``rows x width x 4``, the miner's count, :meth:`~.prover.HopProver.check_request`) and ``max_rows``
+    rows each, in name order, a tensor's rows in request order (contiguous blocks). The tensors of
+    ``whole`` are kept in one part. Raises ValueError when one row (or one whole tensor) alone
+    exceeds the limits."""
+    if max_bytes <= 0 or max_rows <= 0:
+        raise ValueError(f"max_bytes and max_rows must be positive, got {max_bytes}, {max_rows}")
+    parts: list[dict[str, list[int]]] = [{}]
+    used = [0, 0]                                 # bytes, rows of the last part
+
+    def room(nbytes: int, nrows: int) -> bool:
+        return used[0] + nbytes <= max_bytes and used[1] + nrows <= max_rows
+
+    def put(name: str, idx: list[int], row_bytes: int) -> None:
+        if not room(len(idx) * row_bytes, len(idx)):
+            parts.append({})
+            used[:] = [0, 0]
+        parts[-1].setdefault(name, []).extend(idx)
+        used[0] += len(idx) * row_bytes
+        used[1] += len(idx)
+
+    for name in sorted(request):
+        idx = list(request[name])
+        row_bytes = layout.entry(name).width * 4
+        if row_bytes > max_bytes or (name in whole and (len(idx) * row_bytes > max_bytes or len(idx) > max_rows)):
+            raise ValueError(f"{name}: {'the whole tensor' if name in whole else 'one row'} exceeds an open request "
+                             f"of {max_bytes} bytes / {max_rows} rows")
+        if name in whole:
+            put(name, idx, row_bytes)
+            continue
+        k = 0
+        while k < len(idx):
+            n = min(len(idx) - k, (max_bytes - used[0]) // row_bytes, max_rows - used[1])
+            if n <= 0:
+                parts.append({})
+                used[:] = [0, 0]
+                continue
+            put(name, idx[k:k + n], row_bytes)
+            k += n
+    return [p for p in parts if p]
 
 
 def replay_openings(layout: TraceLayout, tokens: Optional[torch.Tensor] = None,

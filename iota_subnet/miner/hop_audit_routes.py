@@ -4,7 +4,9 @@
   audit window kept (:class:`~iota_subnet.miner.hop_store.HopStore`) with the weights version the
   receipt named, commit (opens a session ``audit_id``);
 * ``/audit/project`` AuditProjectRequest -> AuditProjection: the projections for the validator's seed;
-* ``/audit/open``    AuditOpenRequest -> AuditOpening: the requested rows with proofs (ends the session).
+* ``/audit/open``    AuditOpenRequest -> AuditOpening: the requested rows with proofs (ends the session,
+  unless ``more``: a replay audit opens a stage's weights in several parts, each within the
+  prover's ``max_open_bytes``, and the last one ends it).
 
 A validator whose connection dropped sends a round's request again, unchanged
 (:mod:`iota_subnet.validator.auditing`): a round-1 request asked again while its trace runs waits for
@@ -238,9 +240,11 @@ class HopAuditRoutes:
                 raise ProtocolError(Outcome.MALFORMED, str(e)) from None
             except RuntimeError as e:          # open() before project()
                 raise ProtocolError(Outcome.MALFORMED, str(e)) from None
+        answer = codec.opening_message(msg, s.layout, opened)
+        if msg.more:                           # more parts follow: asked again, a part is served again
+            return answer
         self.sessions.pop(msg.audit_id, None)
         self.served += 1
-        answer = codec.opening_message(msg, s.layout, opened)
         self.opened[msg.audit_id] = (ctx.caller_hotkey, msg, answer, time.monotonic())
         mine = [k for k, o in self.opened.items() if o[0] == ctx.caller_hotkey]
         for k in mine[:-2]:                    # a caller's newest two (it audits one hop at a time)

@@ -375,11 +375,14 @@ class AuditProjection(Message):
 @dataclass(kw_only=True)
 class AuditOpenRequest(Message):
     """Round 3 (validator -> miner): the rows to open, by committed tensor name; ``whole``: wire tensors
-    committed by a flat sha256 in the receipts, sent whole (every row, in order) without proofs."""
+    committed by a flat sha256 in the receipts, sent whole (every row, in order) without proofs;
+    ``more``: another part of the opening follows (a replay audit opens a stage's weights in parts,
+    each within the miner's opening cap), so the session stays open."""
     TYPE: ClassVar[str] = "AuditOpenRequest"
     audit_id: str = ""
     rows: dict[str, list[int]] = field(default_factory=dict)
     whole: list[str] = field(default_factory=list)
+    more: bool = False
 
 
 @dataclass(kw_only=True)

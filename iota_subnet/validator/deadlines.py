@@ -47,6 +47,14 @@ def hop_round_work(cfg: RunConfig, stage: int, direction: str) -> tuple[float, f
     return float(flops), float(4 * meta_stage(cfg, stage).param_count())
 
 
+def hop_open_work(nbytes: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one open request of a hop audit whose answer holds ``nbytes`` bytes of rows
+    and proofs (:func:`~iota_subnet.audit.codec.opening_bytes`): the miner reads and sends them (its
+    Merkle trees were built when it committed). A replay audit opens a stage's weights in several
+    parts (:func:`~iota_subnet.audit.replay.split_openings`), each with its own deadline."""
+    return 0.0, float(nbytes)
+
+
 def update_audit_work(row_values: list[int]) -> tuple[float, float]:
     """(FLOPs, bytes) of an update audit opening rows of ``row_values`` values each: the miner reads
     and sends seven fp32 kinds per row (the hashing was done when it committed)."""

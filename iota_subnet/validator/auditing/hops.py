@@ -22,7 +22,7 @@ from iota_subnet.protocol import (AuditOpening, AuditProjection, AuditTraceCommi
 from iota_subnet.protocol.receipt import Receipt
 from iota_subnet.transport import TransportError
 
-from ..deadlines import hop_round_work
+from ..deadlines import hop_open_work, hop_round_work
 from ..routing import Replica
 from ..update_audit import HTTP_HEADER_BYTES
 from .inputs import HopCandidate
@@ -162,17 +162,26 @@ class HopAudits:
                             response_contract=codec.commit_contract(lay), **kw)
         seed, cpu = _thread_timed(aud.on_commit, *codec.read_commit(commit))
         if lay.replay:          # a replayed stage has no round 2 (:mod:`iota_subnet.audit.replay`)
-            rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, {}, [])
+            _, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection, {}, [])
         else:
             proj = await call(rep.endpoint, rep.hotkey, "/audit/project", codec.project_request(req, seed, aud.blocks),
                               AuditProjection, response_contract=codec.projection_contract(aud.round2), **kw)
-            rows, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection,
+            _, c2 = await asyncio.to_thread(_thread_timed, aud.on_projection,
                                                *codec.read_projection(proj, aud.round2))
-        oreq = codec.open_request(req, rows, aud.whole)
-        opening = await call(rep.endpoint, rep.hotkey, "/audit/open", oreq, AuditOpening,
-                             response_contract=codec.opening_contract(lay, rows, weights_dtype=aud.weights_dtype,
-                                                                      whole=aud.whole), **kw)
-        verdict, c3 = await asyncio.to_thread(_thread_timed, aud.check, codec.read_opening(opening, lay, rows, aud.whole))
+        c3 = 0.0
+        for k, part in enumerate(aud.parts):    # a replay's rows in parts, each within the miner's cap
+            whole = aud.whole_of(part)
+            nbytes = codec.opening_bytes(lay, part, weights_dtype=aud.weights_dtype, whole=whole)
+            oreq = codec.open_request(req, part, whole, more=k + 1 < len(aud.parts))
+            opening = await call(rep.endpoint, rep.hotkey, "/audit/open", oreq, AuditOpening,
+                                 response_contract=codec.opening_contract(lay, part, weights_dtype=aud.weights_dtype,
+                                                                          whole=whole),
+                                 timeout_s=self.deadlines.deadline_s(*hop_open_work(nbytes)), retries=0)
+            _, c = await asyncio.to_thread(_thread_timed, aud.accept, part,
+                                           codec.read_opening(opening, lay, part, whole))
+            c3 += c
+        verdict, c = await asyncio.to_thread(_thread_timed, aud.check)
+        c3 += c
         cpu += c2 + c3
         if verdict.ok:
             return "passed", f"{verdict.checks} checks", cpu
