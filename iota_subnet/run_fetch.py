@@ -79,10 +79,12 @@ def the_run(found: list[tuple[int, str, RunCommitment]], graph: Any, commitments
 async def _get(endpoint: str, timeout_s: float) -> bytes:
     """The whole body of ``GET http://<endpoint>/run/spec``, or its first pieces once past MAX_SPEC_BYTES
     (then at most MAX_SPEC_BYTES + 64 KiB; :func:`verify_spec` refuses it). Read piece by piece until the
-    end: one ``read(n)`` returns only what has arrived, which truncated a spec sent in several pieces."""
+    end: one ``read(n)`` returns only what has arrived, which truncated a spec sent in several pieces. A
+    redirect is not followed (``ClientResponseError``: the advertiser is skipped), so an advertiser cannot
+    point the reader at another address."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as s:
-        async with s.get(f"http://{endpoint}{SPEC_ROUTE}") as r:
+        async with s.get(f"http://{endpoint}{SPEC_ROUTE}", allow_redirects=False) as r:     # its own answer only
             if r.status != 200:
                 raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=r.reason or "")
             body = bytearray()

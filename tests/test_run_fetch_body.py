@@ -1,10 +1,12 @@
 """The spec body a neuron joining by hash reads from a validator (``iota_subnet.run_fetch._get``): the
-whole body, even when it arrives in several pieces, and no more than MAX_SPEC_BYTES + 1 bytes of an
-oversized one (which :func:`~iota_subnet.protocol.run_spec.verify_spec` then refuses)."""
+whole body, even when it arrives in several pieces; of an oversized one, no more than MAX_SPEC_BYTES plus
+one piece (which :func:`~iota_subnet.protocol.run_spec.verify_spec` then refuses); a redirect is not
+followed."""
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -60,3 +62,28 @@ def test_an_oversized_spec_is_read_only_past_the_limit_and_refused():
     assert MAX_SPEC_BYTES < len(body) <= MAX_SPEC_BYTES + len(piece)
     with pytest.raises(SpecHashMismatchError, match="above the"):
         verify_spec(body, spec_digest(b"x" * (2 << 20)), "test")
+
+
+def test_a_redirect_is_not_followed():
+    text = b"model: tiny\n"
+
+    async def main():
+        honest, honest_port = await _serve_pieces([text], 0.0)
+
+        async def moved(_request):
+            raise web.HTTPFound(f"http://127.0.0.1:{honest_port}{SPEC_ROUTE}")
+        app = web.Application()
+        app.router.add_get(SPEC_ROUTE, moved)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            with pytest.raises(aiohttp.ClientResponseError) as e:
+                await _get(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}", 10.0)
+            assert e.value.status == 302
+            assert await _get(f"127.0.0.1:{honest_port}", 10.0) == text
+        finally:
+            await runner.cleanup()
+            await honest.cleanup()
+    asyncio.run(main())
