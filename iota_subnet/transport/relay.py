@@ -504,7 +504,8 @@ class RelayTunnel:
                       body: Any, relay_hotkey: str) -> None:
         """Replay one forwarded request against the local server as its body arrives, and stream the
         answer back."""
-        headers = _forwarded(header.get("headers") or {})
+        raw = header.get("headers")
+        headers = _forwarded(raw if isinstance(raw, dict) else {})
         length = header.get("length")
         if isinstance(length, int) and length >= 0:
             headers["Content-Length"] = str(length)
