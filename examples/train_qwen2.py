@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
+from iota_subnet.errors import known_errors
 from iota_subnet.sdk import DataSpec, RunSpec, launch_local
 from iota_subnet.sdk.corpus import paragraphs, write_jsonl, write_tokenizer_folder
 
@@ -54,8 +55,16 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--timeout-s", type=float, default=3600.0)
     a = p.parse_args(argv)
+    if not Path(a.text).is_file():
+        p.error(f"--text {a.text}: no such file (the default is wikitext-2's validation text next to the "
+                "repository; give any UTF-8 text, one paragraph a line)")
+    if a.steps < 1:
+        p.error(f"--steps must be at least 1, not {a.steps}")
     out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {a.out}: cannot create that folder ({e.strerror})")
     t0 = time.monotonic()
 
     docs = paragraphs(a.text)
@@ -100,5 +109,15 @@ def _run_ids(model_dir: Path, docs: list[str]) -> list[list[int]]:
     return [e.ids for e in t.encode_batch(docs, add_special_tokens=False)]
 
 
+def _cli() -> int:
+    """:func:`main`, with what the user must fix (a vocabulary too small, a bad config value) printed as
+    one line and exit code 2, as the ``iota-subnet`` commands do."""
+    try:
+        return main()
+    except known_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())

@@ -77,13 +77,22 @@ def the_run(found: list[tuple[int, str, RunCommitment]], graph: Any, commitments
 
 
 async def _get(endpoint: str, timeout_s: float) -> bytes:
-    """The body of ``GET http://<endpoint>/run/spec`` (at most MAX_SPEC_BYTES + 1 bytes read)."""
+    """The whole body of ``GET http://<endpoint>/run/spec``, or its first pieces once past MAX_SPEC_BYTES
+    (then at most MAX_SPEC_BYTES + 64 KiB; :func:`verify_spec` refuses it). Read piece by piece until the
+    end: one ``read(n)`` returns only what has arrived, which truncated a spec sent in several pieces. A
+    redirect is not followed (``ClientResponseError``: the advertiser is skipped), so an advertiser cannot
+    point the reader at another address."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as s:
-        async with s.get(f"http://{endpoint}{SPEC_ROUTE}") as r:
+        async with s.get(f"http://{endpoint}{SPEC_ROUTE}", allow_redirects=False) as r:     # its own answer only
             if r.status != 200:
                 raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=r.reason or "")
-            return await r.content.read(MAX_SPEC_BYTES + 1)
+            body = bytearray()
+            async for piece in r.content.iter_chunked(64 << 10):
+                body += piece
+                if len(body) > MAX_SPEC_BYTES:
+                    break
+            return bytes(body)
 
 
 def _cached(path: Path, spec_hash: str) -> bool:

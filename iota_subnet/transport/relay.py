@@ -504,7 +504,8 @@ class RelayTunnel:
                       body: Any, relay_hotkey: str) -> None:
         """Replay one forwarded request against the local server as its body arrives, and stream the
         answer back."""
-        headers = _forwarded(header.get("headers") or {})
+        raw = header.get("headers")
+        headers = _forwarded(raw if isinstance(raw, dict) else {})
         length = header.get("length")
         if isinstance(length, int) and length >= 0:
             headers["Content-Length"] = str(length)
@@ -513,11 +514,14 @@ class RelayTunnel:
                             HEADER_RELAY_HOTKEY: relay_hotkey})
         headers.update(tunnel_headers(self.current))
         data: Any = body.chunks() if length != 0 else b""
+        path = header.get("path", "/")
         try:
+            if not isinstance(path, str) or not path.startswith("/"):     # "@host/x" would reach another host
+                raise ValueError(f"the relay forwarded a path that is not absolute: {path!r}")
             if length == 0:
                 async for _ in body.chunks():     # the END of an empty body
                     pass
-            async with session.request(str(header.get("method", "POST")), f"http://{self.local}{header.get('path', '/')}",
+            async with session.request(str(header.get("method", "POST")), f"http://{self.local}{path}",
                                        data=data, headers=headers) as resp:
                 await link.send_head(rid, {"status": resp.status, "length": resp.content_length,
                                            "headers": {k: v for k, v in resp.headers.items()
@@ -525,7 +529,7 @@ class RelayTunnel:
                 await link.send_body(rid, resp.content.iter_chunked(self.frame_bytes))
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
             self.counts["local_failures"] += 1
-            logger.warning("relay tunnel: the local server did not answer {}: {}", header.get("path"), e)
+            logger.warning("relay tunnel: the local server did not answer {!r}: {}", path, e)
             await link.abort(rid, "the relayed neuron's server did not answer")
             return
         self.counts["answered"] += 1

@@ -1,0 +1,86 @@
+"""A hostile relay against a relayed neuron's tunnel (iota_subnet/transport/relay.py, RelayTunnel): a
+forwarded HEAD whose path is not an absolute path on the local server (``@host:port/x`` would turn the
+replay URL ``http://127.0.0.1:port@host:port/x`` into a request to another host, carrying the local
+server's relay token) is refused with an ABORT and reaches no other host; a HEAD whose headers are not
+an object is still replayed (without them) and answered."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from bittensor.sp_core import Keypair
+
+from iota_subnet.transport.relay import ATTACH_PATH, RelayTunnel
+from iota_subnet.transport.relay_frames import ABORT, END, HEAD, head_frame, pack_frame, unpack_frame
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _site(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+async def _hostile_head(head: dict) -> tuple[list[str], list[tuple[int, int]]]:
+    """A fake relay sends ``head`` (``{evil}`` in its path: another server's port) and END as transfer 1
+    to a real RelayTunnel; returns the paths the other server served and the frames the tunnel sent back."""
+    hits: list[str] = []
+    frames: list[tuple[int, int]] = []
+
+    async def evil(request):
+        hits.append(request.path)
+        return web.Response(text="leaked")
+    evil_app = web.Application()
+    evil_app.router.add_route("*", "/{tail:.*}", evil)
+    evil_runner, evil_port = await _site(evil_app)
+    local_app = web.Application()                                     # the relayed neuron's own server
+    local_app.router.add_route("*", "/{tail:.*}", lambda _r: web.Response(text="ok"))
+    local_runner, local_port = await _site(local_app)
+
+    async def attach(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        p = head["path"]
+        await ws.send_bytes(head_frame(1, {**head, "path": p.format(evil=evil_port) if isinstance(p, str) else p}))
+        await ws.send_bytes(pack_frame(END, 1))
+        async for msg in ws:
+            kind, rid, _ = unpack_frame(msg.data)
+            frames.append((kind, rid))
+            if kind in (ABORT, END):
+                break
+        return ws
+    relay_app = web.Application()
+    relay_app.router.add_get(ATTACH_PATH, attach)
+    relay_runner, relay_port = await _site(relay_app)
+    stop = asyncio.Event()
+    tunnel = RelayTunnel(Keypair.create_from_uri("//hostile-home"),
+                         [(f"127.0.0.1:{relay_port}", Keypair.create_from_uri("//hostile-relay").ss58_address)],
+                         f"127.0.0.1:{local_port}", local_token="secret", backoff_s=(5.0, 5.0))
+    task = asyncio.create_task(tunnel.run(stop))
+    try:
+        for _ in range(200):
+            if any(k in (ABORT, END) for k, _ in frames):
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        for r in (relay_runner, local_runner, evil_runner):
+            await r.cleanup()
+    return hits, frames
+
+
+@pytest.mark.parametrize("path", ["@127.0.0.1:{evil}/x", ":{evil}@127.0.0.1:{evil}/x", "x", None, 7])
+def test_a_relay_cannot_point_the_replay_at_another_host(path):
+    hits, frames = asyncio.run(_hostile_head({"method": "GET", "path": path, "headers": {}, "length": 0}))
+    assert hits == []
+    assert (ABORT, 1) in frames and (HEAD, 1) not in frames
+
+
+def test_a_head_whose_headers_are_not_an_object_is_still_answered():
+    hits, frames = asyncio.run(_hostile_head({"method": "GET", "path": "/x", "headers": ["junk"], "length": 0}))
+    assert hits == [] and (HEAD, 1) in frames and (END, 1) in frames
