@@ -84,3 +84,50 @@ def test_a_relay_cannot_point_the_replay_at_another_host(path):
 def test_a_head_whose_headers_are_not_an_object_is_still_answered():
     hits, frames = asyncio.run(_hostile_head({"method": "GET", "path": "/x", "headers": ["junk"], "length": 0}))
     assert hits == [] and (HEAD, 1) in frames and (END, 1) in frames
+
+
+def test_heads_without_bodies_are_bounded_in_number_and_time():
+    """Five heads whose bodies never come (length 10, no DATA, no END) to a tunnel that runs at most 2
+    transfers and waits 0.5 s for a frame: heads 3-5 are aborted at once, heads 1-2 once idle."""
+    async def main():
+        frames: list[tuple[int, int, float]] = []
+        local_app = web.Application()
+        local_app.router.add_route("*", "/{tail:.*}", lambda _r: web.Response(text="ok"))
+        local_runner, local_port = await _site(local_app)
+
+        async def attach(request):
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            for rid in range(1, 6):
+                await ws.send_bytes(head_frame(rid, {"method": "POST", "path": "/x", "headers": {}, "length": 10}))
+            t0 = asyncio.get_running_loop().time()
+            async for msg in ws:
+                kind, rid, _ = unpack_frame(msg.data)
+                frames.append((kind, rid, asyncio.get_running_loop().time() - t0))
+                if sum(k == ABORT for k, _, _ in frames) == 5:
+                    break
+            return ws
+        relay_app = web.Application()
+        relay_app.router.add_get(ATTACH_PATH, attach)
+        relay_runner, relay_port = await _site(relay_app)
+        stop = asyncio.Event()
+        tunnel = RelayTunnel(Keypair.create_from_uri("//hostile-home"),
+                             [(f"127.0.0.1:{relay_port}", Keypair.create_from_uri("//hostile-relay").ss58_address)],
+                             f"127.0.0.1:{local_port}", backoff_s=(5.0, 5.0), idle_s=0.5, max_transfers=2)
+        task = asyncio.create_task(tunnel.run(stop))
+        try:
+            for _ in range(250):
+                if sum(k == ABORT for k, _, _ in frames) == 5:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            for r in (relay_runner, local_runner):
+                await r.cleanup()
+        aborts = {rid: t for k, rid, t in frames if k == ABORT}
+        assert sorted(aborts) == [1, 2, 3, 4, 5], frames
+        assert all(aborts[r] < 0.4 for r in (3, 4, 5)), aborts          # refused at once
+        assert all(0.4 <= aborts[r] < 5.0 for r in (1, 2)), aborts      # aborted once idle
+        assert tunnel.counts["bad_frames"] == 3
+    asyncio.run(main())

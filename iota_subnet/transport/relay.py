@@ -401,11 +401,16 @@ class RelayTunnel:
     ``ip:port`` (loopback); ``local_token``: that server's
     :attr:`~iota_subnet.transport.server.NeuronServer.relay_token` (None: the server sees relayed
     requests come from 127.0.0.1, not from the address the relay saw); ``frame_bytes``: the DATA frames
-    it sends. :meth:`run` keeps one attached until ``stop`` is set."""
+    it sends. :meth:`run` keeps one attached until ``stop`` is set.
+
+    A relay is untrusted, so what one can hold here is bounded: a forwarded transfer that moves no frame
+    (a head without its body, a window never reopened) for ``idle_s`` seconds is aborted, and at most
+    ``max_transfers`` run at once (a head beyond them is aborted at once): at most ``max_transfers``
+    bodies of one window each (4 MiB, :mod:`.relay_frames`) are buffered."""
 
     def __init__(self, keypair: Any, relays: list[tuple[str, str]], local: str, *,
                  local_token: Optional[str] = None, frame_bytes: int = FRAME_BYTES,
-                 backoff_s: tuple[float, float] = (1.0, 30.0)):
+                 backoff_s: tuple[float, float] = (1.0, 30.0), idle_s: float = 600.0, max_transfers: int = 256):
         if not relays:
             raise ValueError("a relay tunnel needs at least one relay (endpoint, hotkey)")
         self.signer = getattr(keypair, "hotkey", keypair)
@@ -414,6 +419,7 @@ class RelayTunnel:
         self.local_token = local_token
         self.frame_bytes = int(frame_bytes)
         self.backoff_s = backoff_s
+        self.idle_s, self.max_transfers = float(idle_s), int(max_transfers)
         self.current: Optional[str] = None        # the relay endpoint attached now
         self.attached = asyncio.Event()
         self.counts: Counter[str] = Counter()
@@ -455,7 +461,7 @@ class RelayTunnel:
             self.attached.set()
             self.counts["attached"] += 1
             logger.info("relay tunnel: attached to {} ({})", endpoint, relay_hotkey[:10])
-            link = FrameLink(ws, self.frame_bytes)
+            link = FrameLink(ws, self.frame_bytes, self.idle_s)
             tasks: dict[int, asyncio.Task] = {}
             stopper = asyncio.ensure_future(stop.wait())
             try:
@@ -484,6 +490,10 @@ class RelayTunnel:
                 header = parse_head(payload)
                 if rid in link.inbound:
                     raise ValueError(f"a second head for transfer {rid}")
+                if len(tasks) >= self.max_transfers:
+                    self.counts["bad_frames"] += 1
+                    await link.abort(rid, f"{len(tasks)} transfers already in flight (at most {self.max_transfers})")
+                    return
                 body = link.open_in(rid)
                 link.open_out(rid)
                 t = tasks[rid] = asyncio.create_task(self._answer(session, link, rid, header, body, relay_hotkey))
