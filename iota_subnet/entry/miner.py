@@ -22,7 +22,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     m.add_argument("--checkpoint-every", type=int, default=10, help="inner steps between checkpoints")
     m.add_argument("--adversary", default=None, metavar="KIND",
                    help="TESTING ONLY: cheat in the way KIND (random, zero, lazy, replay, copy, stale, claim, poison, "
-                        "noisy-update, precision, accuse, dodge; see iota_subnet/sim/adversary.py), or send bad "
+                        "noisy-update, precision, accuse, dodge; see iota_subnet/sim/adversary.py; with a transformers "
+                        "model drop-bias, skip-qk-norm, full-attention: iota_subnet/sim/family_cheats.py), or send bad "
                         "output from lane step 5 on (bad-inf, bad-nan, bad-shape, bad-dtype, bad-hash, nan-loss; "
                         "iota_subnet/sim/bad_output.py) so validators' verification can be exercised")
     m.add_argument("--register", action="store_true",

@@ -104,7 +104,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one replica of the middle stage cheats this way (random, zero, lazy, replay, copy, stale, "
                         "claim, noisy-update, precision, dodge; poison (turns merging on) and accuse need merging "
                         "and 3 or more replicas); or the output of a stage-0 miner goes bad from lane step 5 on "
-                        "(bad-inf, bad-nan, bad-shape, bad-dtype, bad-hash), or a tail reports NaN losses (nan-loss); "
+                        "(bad-inf, bad-nan, bad-shape, bad-dtype, bad-hash), or a tail reports NaN losses (nan-loss); with a "
+                        "transformers model, family cheats: drop-bias (Qwen2), skip-qk-norm (Qwen3), full-attention "
+                        "(a sliding window); "
                         "several kinds: comma separated, e.g. bad-inf,nan-loss; summary.json lists adversary_uids "
                         "and each miner's weight")
     p.add_argument("--spares", type=int, default=0, metavar="N",
