@@ -25,6 +25,29 @@ async def _site(app: web.Application) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]
 
 
+async def _tunnel_against(attach, local_port: int, done, **tunnel_kw) -> RelayTunnel:
+    """Run a real RelayTunnel against a fake relay whose attach handler is ``attach`` until ``done()``
+    (polled every 20 ms, at most 5 s); returns the tunnel (its counts)."""
+    relay_app = web.Application()
+    relay_app.router.add_get(ATTACH_PATH, attach)
+    relay_runner, relay_port = await _site(relay_app)
+    stop = asyncio.Event()
+    tunnel = RelayTunnel(Keypair.create_from_uri("//hostile-home"),
+                         [(f"127.0.0.1:{relay_port}", Keypair.create_from_uri("//hostile-relay").ss58_address)],
+                         f"127.0.0.1:{local_port}", backoff_s=(5.0, 5.0), **tunnel_kw)
+    task = asyncio.create_task(tunnel.run(stop))
+    try:
+        for _ in range(250):
+            if done():
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await relay_runner.cleanup()
+    return tunnel
+
+
 async def _hostile_head(head: dict) -> tuple[list[str], list[tuple[int, int]]]:
     """A fake relay sends ``head`` (``{evil}`` in its path: another server's port) and END as transfer 1
     to a real RelayTunnel; returns the paths the other server served and the frames the tunnel sent back."""
@@ -53,23 +76,11 @@ async def _hostile_head(head: dict) -> tuple[list[str], list[tuple[int, int]]]:
             if kind in (ABORT, END):
                 break
         return ws
-    relay_app = web.Application()
-    relay_app.router.add_get(ATTACH_PATH, attach)
-    relay_runner, relay_port = await _site(relay_app)
-    stop = asyncio.Event()
-    tunnel = RelayTunnel(Keypair.create_from_uri("//hostile-home"),
-                         [(f"127.0.0.1:{relay_port}", Keypair.create_from_uri("//hostile-relay").ss58_address)],
-                         f"127.0.0.1:{local_port}", local_token="secret", backoff_s=(5.0, 5.0))
-    task = asyncio.create_task(tunnel.run(stop))
     try:
-        for _ in range(200):
-            if any(k in (ABORT, END) for k, _ in frames):
-                break
-            await asyncio.sleep(0.02)
+        await _tunnel_against(attach, local_port, lambda: any(k in (ABORT, END) for k, _ in frames),
+                              local_token="secret")
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        for r in (relay_runner, local_runner, evil_runner):
+        for r in (local_runner, evil_runner):
             await r.cleanup()
     return hits, frames
 
@@ -107,24 +118,11 @@ def test_heads_without_bodies_are_bounded_in_number_and_time():
                 if sum(k == ABORT for k, _, _ in frames) == 5:
                     break
             return ws
-        relay_app = web.Application()
-        relay_app.router.add_get(ATTACH_PATH, attach)
-        relay_runner, relay_port = await _site(relay_app)
-        stop = asyncio.Event()
-        tunnel = RelayTunnel(Keypair.create_from_uri("//hostile-home"),
-                             [(f"127.0.0.1:{relay_port}", Keypair.create_from_uri("//hostile-relay").ss58_address)],
-                             f"127.0.0.1:{local_port}", backoff_s=(5.0, 5.0), idle_s=0.5, max_transfers=2)
-        task = asyncio.create_task(tunnel.run(stop))
         try:
-            for _ in range(250):
-                if sum(k == ABORT for k, _, _ in frames) == 5:
-                    break
-                await asyncio.sleep(0.02)
+            tunnel = await _tunnel_against(attach, local_port, lambda: sum(k == ABORT for k, _, _ in frames) == 5,
+                                           idle_s=0.5, max_transfers=2)
         finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
-            for r in (relay_runner, local_runner):
-                await r.cleanup()
+            await local_runner.cleanup()
         aborts = {rid: t for k, rid, t in frames if k == ABORT}
         assert sorted(aborts) == [1, 2, 3, 4, 5], frames
         assert all(aborts[r] < 0.4 for r in (3, 4, 5)), aborts          # refused at once
