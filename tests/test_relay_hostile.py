@@ -13,24 +13,15 @@ from bittensor.sp_core import Keypair
 
 from iota_subnet.transport.relay import ATTACH_PATH, RelayTunnel
 from iota_subnet.transport.relay_frames import ABORT, END, HEAD, head_frame, pack_frame, unpack_frame
+from support.sites import serve_get, start_site
 
 pytestmark = pytest.mark.timeout(30)
-
-
-async def _site(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
 
 
 async def _tunnel_against(attach, local_port: int, done, **tunnel_kw) -> RelayTunnel:
     """Run a real RelayTunnel against a fake relay whose attach handler is ``attach`` until ``done()``
     (polled every 20 ms, at most 5 s); returns the tunnel (its counts)."""
-    relay_app = web.Application()
-    relay_app.router.add_get(ATTACH_PATH, attach)
-    relay_runner, relay_port = await _site(relay_app)
+    relay_runner, relay_port = await serve_get(ATTACH_PATH, attach)
     stop = asyncio.Event()
     tunnel = RelayTunnel(Keypair.create_from_uri("//hostile-home"),
                          [(f"127.0.0.1:{relay_port}", Keypair.create_from_uri("//hostile-relay").ss58_address)],
@@ -59,10 +50,10 @@ async def _hostile_head(head: dict) -> tuple[list[str], list[tuple[int, int]]]:
         return web.Response(text="leaked")
     evil_app = web.Application()
     evil_app.router.add_route("*", "/{tail:.*}", evil)
-    evil_runner, evil_port = await _site(evil_app)
+    evil_runner, evil_port = await start_site(evil_app)
     local_app = web.Application()                                     # the relayed neuron's own server
     local_app.router.add_route("*", "/{tail:.*}", lambda _r: web.Response(text="ok"))
-    local_runner, local_port = await _site(local_app)
+    local_runner, local_port = await start_site(local_app)
 
     async def attach(request):
         ws = web.WebSocketResponse()
@@ -104,7 +95,7 @@ def test_heads_without_bodies_are_bounded_in_number_and_time():
         frames: list[tuple[int, int, float]] = []
         local_app = web.Application()
         local_app.router.add_route("*", "/{tail:.*}", lambda _r: web.Response(text="ok"))
-        local_runner, local_port = await _site(local_app)
+        local_runner, local_port = await start_site(local_app)
 
         async def attach(request):
             ws = web.WebSocketResponse()

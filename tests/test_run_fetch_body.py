@@ -12,6 +12,7 @@ from aiohttp import web
 
 from iota_subnet.protocol.run_spec import MAX_SPEC_BYTES, SPEC_ROUTE, SpecHashMismatchError, spec_digest, verify_spec
 from iota_subnet.run_fetch import _get
+from support.sites import serve_get
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,13 +27,7 @@ async def _serve_pieces(pieces: list[bytes], pause_s: float) -> tuple[web.AppRun
             await asyncio.sleep(pause_s)
         await r.write_eof()
         return r
-    app = web.Application()
-    app.router.add_get(SPEC_ROUTE, get)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await serve_get(SPEC_ROUTE, get)
 
 
 def test_a_spec_served_in_pieces_is_read_whole():
@@ -72,15 +67,10 @@ def test_a_redirect_is_not_followed():
 
         async def moved(_request):
             raise web.HTTPFound(f"http://127.0.0.1:{honest_port}{SPEC_ROUTE}")
-        app = web.Application()
-        app.router.add_get(SPEC_ROUTE, moved)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, port = await serve_get(SPEC_ROUTE, moved)
         try:
             with pytest.raises(aiohttp.ClientResponseError) as e:
-                await _get(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}", 10.0)
+                await _get(f"127.0.0.1:{port}", 10.0)
             assert e.value.status == 302
             assert await _get(f"127.0.0.1:{honest_port}", 10.0) == text
         finally:

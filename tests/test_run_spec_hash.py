@@ -41,6 +41,7 @@ from iota_subnet.validator.service import ValidatorOptions, ValidatorService
 from iota_subnet.wallets import create_wallet
 from support.common import PatternData
 from support.miners import LOCAL
+from support.sites import serve_get
 
 pytestmark = pytest.mark.timeout(300)
 NETUID = 9
@@ -97,13 +98,7 @@ def test_the_spec_hash_and_the_rest_of_a_commitment_fit_the_chain():
 async def _serve_text(text: bytes) -> tuple[web.AppRunner, int]:
     async def get(_request):
         return web.Response(body=text, content_type="text/yaml")
-    app = web.Application()
-    app.router.add_get(SPEC_ROUTE, get)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await serve_get(SPEC_ROUTE, get)
 
 
 async def _fake_validator(db, chain, home, name: str, text: bytes, commitment: RunCommitment):
