@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from support.dataplane_net import P2PNet, run
+from support.dataplane_net import ADV, P2PNet, cheater_run, run
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -225,7 +225,6 @@ def test_audits_asked_again_over_a_link_that_drops(tmp_home, tmp_path, wikitext_
 
 
 # ---- the cheater suite in the data plane ---------------------------------------------------------
-ADV = (1, 1)      # the middle stage's second replica cheats
 #: kind -> the audit kinds that catch it (poison and accuse need merges: tests/test_merge_audit.py).
 #: ``copy`` fails both: its hops are computed with a peer's weights, not the version its receipts
 #: name, and its own weights never get a gradient, so each update commitment claims an applied step
@@ -236,19 +235,6 @@ CAUGHT_BY = {"dodge": ("unanswered",), "random": ("hop",), "zero": ("hop",), "la
              "stale": ("update",)}
 #: run in `make test`; the others are slow (each is a whole network run)
 FAST = ("dodge", "noisy-update")
-
-
-async def cheater_run(tmp_path, wikitext_path, cache_dir, kind: str, steps: int = 14):
-    net = P2PNet(tmp_path, wikitext_path, cache_dir)
-    await net.start(adversaries={ADV: kind})
-    try:
-        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4, audit_timeout_s=4)
-        assert await vali.run() == 0
-        adv = net.miners[ADV]
-        honest = {m.uid for k, m in net.miners.items() if k != ADV}
-        return vali, adv, honest, net.status()
-    finally:
-        await net.close()
 
 
 def assert_caught(vali, adv, honest, kind):

@@ -11,31 +11,20 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from support.dataplane_net import P2PNet, run
+from support.dataplane_net import cheater_run, run
 from test_hf_cheaters import FAMILIES, family_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-ADV = (1, 1)
 
-
-async def cheater_run(tmp_path, wikitext_path, cache_dir, family: str, kind: str, steps: int = 14):
+async def family_cheater_run(tmp_path, wikitext_path, cache_dir, family: str, kind: str, steps: int = 14):
     cfg = tmp_path / "run.yaml"
     # Qwen2 from a checkpoint whose biases are not 0: a drop-bias cheater whose biases stayed at
     # their initial 0 computes what an honest miner computes with its weights (the limit in
     # iota_subnet/sim/family_cheats.py)
     run_cfg = family_run(tmp_path, family, pretrained=family == "qwen2")
     cfg.write_text(yaml.safe_dump(run_cfg, sort_keys=False))
-    net = P2PNet(tmp_path, wikitext_path, cache_dir, config=cfg)
-    await net.start(adversaries={ADV: kind})
-    try:
-        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4, audit_timeout_s=4)
-        assert await vali.run() == 0
-        adv = net.miners[ADV]
-        honest = {m.uid for k, m in net.miners.items() if k != ADV}
-        return vali, adv, honest
-    finally:
-        await net.close()
+    return await cheater_run(tmp_path, wikitext_path, cache_dir, kind, steps, config=cfg)
 
 
 #: kind -> the audits that may flag it (``copy``: its hops are a peer's computation and its own weights
@@ -47,7 +36,7 @@ CASES = [(f, k) for f, (_, own) in FAMILIES.items() for k in ("random", "zero", 
 
 @pytest.mark.parametrize("family,kind", CASES)
 def test_cheater_caught_in_the_data_plane(tmp_home, tmp_path, wikitext_path, cache_dir, family, kind):
-    vali, adv, honest = run(cheater_run(tmp_path, wikitext_path, cache_dir, family, kind), timeout=380)
+    vali, adv, honest, _ = run(family_cheater_run(tmp_path, wikitext_path, cache_dir, family, kind), timeout=380)
     flagged = {k[0] for k in vali.audits.flagged()}
     assert flagged == {adv.uid}, (flagged, [(r.uid, r.kind, r.raw, r.detail) for r in vali.auditing.records])
     reasons = " ".join(vali.audits.stats[(adv.uid, adv.hotkey)].reasons)

@@ -117,3 +117,23 @@ class P2PNet:
 
 def run(coro, timeout: float = 240):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+#: the miner that cheats in cheater runs: the middle stage's second replica
+ADV = (1, 1)
+
+
+async def cheater_run(tmp_path, wikitext_path, cache_dir, kind: str, steps: int = 14, config=None):
+    """A :class:`P2PNet` (3 x 2, the run ``config`` or tiny) whose :data:`ADV` miner cheats as ``kind``,
+    driven by one validator for ``steps`` steps (audits every 0.5 s); returns the validator, the cheater,
+    the honest miners' uids and the network's status."""
+    net = P2PNet(tmp_path, wikitext_path, cache_dir, config=config)
+    await net.start(adversaries={ADV: kind})
+    try:
+        vali = net.validator(steps=steps, audit_interval_s=0.5, hop_timeout_s=4, audit_timeout_s=4)
+        assert await vali.run() == 0
+        adv = net.miners[ADV]
+        honest = {m.uid for k, m in net.miners.items() if k != ADV}
+        return vali, adv, honest, net.status()
+    finally:
+        await net.close()
