@@ -37,7 +37,8 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
                            chaos_duration_s=a.chaos_duration, link=a.link, emulate_gpu=a.emulate_gpu,
                            mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale, wire_dtype=a.wire_dtype,
                            home_replicas=a.home_replicas, relays=a.relays, relay_fault=a.relay_fault,
-                           spares=a.spares)
+                           spares=a.spares, validator_link=a.validator_link, relay_link=a.relay_link,
+                           relay_rate=a.relay_rate)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -121,7 +122,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds of run time the chaos schedule covers, from the end of start-up (default 3600; "
                         "faults stop when training ends)")
     p.add_argument("--link", default="loopback", metavar="RATE:DELAY",
-                   help="emulate this uplink for every neuron (token bucket + one-way delay), e.g. 100mbit:50ms")
+                   help="emulate this uplink for every neuron (token bucket + one-way delay), e.g. 100mbit:50ms, "
+                        "or UP/DOWN:DELAY (20mbit/100mbit:100ms) to shape the downlink too; --validator-link and "
+                        "--relay-link replace it for those roles")
+    p.add_argument("--validator-link", default=None, metavar="RATE:DELAY",
+                   help="the validators' link instead of --link (so also the relay they host with --home-replicas), "
+                        "e.g. 1gbit:10ms; summary.json lists every role's under links")
+    p.add_argument("--relay-link", default=None, metavar="RATE:DELAY",
+                   help="with --relays: the standalone relays' link instead of --link, e.g. 1gbit:10ms")
     p.add_argument("--emulate-gpu", default=None, metavar="GPU",
                    help="EMULATION: miners emulate a100 | h100 | h200 | 4090 | a FLOP/s figure (no training; see iota-subnet "
                         "miner --help)")
@@ -134,6 +142,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "all of them at once, instead of the validators")
     p.add_argument("--relay-fault", default=None, choices=["drop", "drop30", "alter", "replay"],
                    help="relay 0 misbehaves so (testing: the home miners' callers must go around it)")
+    p.add_argument("--relay-rate", type=float, default=None, metavar="BYTES_PER_S",
+                   help="with --home-replicas: cap every relayed miner at this many (emulated) bytes per second, "
+                        "both directions, on the validators' relay (--relay-rate) or the standalone relays' "
+                        "(--rate); default: no cap")
     p.add_argument("--home-replicas", type=int, default=0, metavar="N",
                    help="the last N replicas of every stage are home miners: reached only through relays "
                         "(--relay auto), which every validator hosts (--relay-host)")

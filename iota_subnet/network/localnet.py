@@ -31,7 +31,8 @@ from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
 from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
-from .localnet_args import adversary_positions, emulation_argv, localnet_config, wire_dtype_argv
+from .localnet_args import (adversary_positions, emulation_argv, localnet_config, relay_rate_argv, role_links,
+                             wire_dtype_argv)
 from .localnet_summary import RunSummary
 from .processes import Child, NeuronProcesses
 
@@ -63,7 +64,9 @@ class LocalNet(NeuronProcesses, RunSummary):
                  chaos: Optional[str] = None, chaos_duration_s: Optional[float] = None,
                  link: str = "loopback", emulate_gpu: Optional[str] = None, mfu: Optional[float] = None,
                  gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None,
-                 home_replicas: int = 0, relays: int = 0, relay_fault: Optional[str] = None, spares: int = 0):
+                 home_replicas: int = 0, relays: int = 0, relay_fault: Optional[str] = None, spares: int = 0,
+                 validator_link: Optional[str] = None, relay_link: Optional[str] = None,
+                 relay_rate: Optional[float] = None):
         self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
                                    steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
@@ -75,9 +78,12 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.extra_miner_args = extra_miner_args or []
         self.extra_validator_args = extra_validator_args or []
-        #: link and accelerator emulation of every neuron (``--link``, ``--emulate-gpu``; see emulation_argv)
-        self.link, self.emulation, miner_argv, validator_argv = emulation_argv(link, emulate_gpu, mfu, gpu_mem,
-                                                                               time_scale)
+        #: each role's link (``--link`` for all, ``--validator-link``, ``--relay-link``; see role_links)
+        self.links = role_links(link, validator_link, relay_link, relays=int(relays), home_replicas=int(home_replicas))
+        #: link (the default, every miner's) and accelerator emulation (``--emulate-gpu``; see emulation_argv)
+        self.link, self.emulation, miner_argv, validator_argv = emulation_argv(
+            link, emulate_gpu, mfu, gpu_mem, time_scale, validator_link=self.links["validator"])
+        self.time_scale = float(time_scale)
         self.extra_miner_args = [*miner_argv, *self.extra_miner_args]
         #: wire dtype of activations and gradients between miners, given to every validator (None: theirs, bf16)
         self.wire_dtype = wire_dtype
@@ -98,8 +104,12 @@ class LocalNet(NeuronProcesses, RunSummary):
             raise ConfigError("--relay-fault needs --relays")
         self.relay_wallets: list = []
         self.relay_ports: list[int] = []
+        #: ``--relay-rate``: per relayed miner, emulated bytes per second (None: no cap), and its flags
+        self.relay_rate = relay_rate
+        rate_validator, self.relay_rate_args = relay_rate_argv(relay_rate, relays=self.n_relays,
+                                                               home_replicas=self.home_replicas, time_scale=time_scale)
         if self.home_replicas and not self.n_relays:
-            self.extra_validator_args = [*self.extra_validator_args, "--relay-host"]
+            self.extra_validator_args = [*self.extra_validator_args, "--relay-host", *rate_validator]
         #: ``--adversary``: the cheater-suite or bad-output kinds, ``(stage, replica) -> kind`` (empty: all
         #: honest; see :func:`~.localnet_args.adversary_positions`)
         self.adversary = adversary
@@ -221,7 +231,8 @@ class LocalNet(NeuronProcesses, RunSummary):
             argv = [sys.executable, "-m", "iota_subnet.entry.relay", "--wallet-name", name, "--wallet-path",
                     str(self.out / "wallets"), "--network", "devnet", "--chain-db", str(self.chain_db), "--netuid",
                     str(NETUID), "--host", "127.0.0.1", "--port", str(port), "--out", str(self.out / "relays" / name),
-                    "--sync-interval", "2"]
+                    "--sync-interval", "2", "--link", self.links["relay"], "--time-scale", repr(self.time_scale),
+                    *self.relay_rate_args]
             if i == 0 and self.relay_fault:
                 argv += ["--fault", self.relay_fault]
             out.append(Child(name, "relay", argv, self.out / "logs" / f"{name}.log", self.out / "relays" / name))

@@ -4,6 +4,7 @@ Both raise :class:`~iota_subnet.config.ConfigError` for arguments that do not fi
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -99,25 +100,74 @@ def wire_dtype_argv(wire_dtype: Optional[str]) -> list[str]:
     return ["--wire-dtype", wire_dtype]
 
 
+def checked_link(flag: str, text: Optional[str]) -> str:
+    """``text`` (a ``--link`` spec: ``RATE:DELAY``, ``UP/DOWN:DELAY`` or ``loopback``, see
+    :func:`~iota_subnet.transport.shaping.parse_link`) in its canonical form (``20mbit/100mbit:100ms``).
+    Raises ConfigError naming ``flag`` (e.g. ``--validator-link``) for a malformed spec."""
+    from iota_subnet.transport.shaping import parse_link
+    try:
+        return str(parse_link(text))
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(flag + msg[len("--link"):] if msg.startswith("--link") else f"{flag}: {msg}") from None
+
+
+def role_links(link: str, validator_link: Optional[str] = None, relay_link: Optional[str] = None, *,
+               relays: int = 0, home_replicas: int = 0) -> dict[str, str]:
+    """Each role's emulated link: ``{"miner": ..., "validator": ..., "relay": ...}`` (canonical specs).
+    ``--link`` is every role's default; ``--validator-link`` replaces it for the validators (and so for the
+    relay they host with ``--home-replicas``), ``--relay-link`` for the standalone relays (``--relays K``).
+    Raises ConfigError for a malformed spec (naming its flag), or ``--relay-link`` without ``--relays``
+    (the validators relay then: give their link with ``--validator-link``)."""
+    default = checked_link("--link", link)
+    out = {"miner": default,
+           "validator": default if validator_link is None else checked_link("--validator-link", validator_link),
+           "relay": default if relay_link is None else checked_link("--relay-link", relay_link)}
+    if relay_link is not None and not relays:
+        hint = ("the validators relay for the home miners: give their link with --validator-link"
+                if home_replicas else "add --home-replicas N --relays K")
+        raise ConfigError(f"--relay-link needs standalone relays (--relays K): {hint}")
+    return out
+
+
+def relay_rate_argv(relay_rate: Optional[float], *, relays: int, home_replicas: int,
+                    time_scale: float) -> tuple[list[str], list[str]]:
+    """``--relay-rate`` (emulated bytes per second per relayed miner, both directions; None: no cap) as
+    (validator argv, standalone relay argv): ``--relay-rate`` for validators that host the relay
+    (``--home-replicas`` without ``--relays``), ``--rate`` for standalone relays; divided by ``time_scale``
+    as the links are (emulated time = wall time / time_scale). Raises ConfigError for a cap <= 0 or one
+    with no home miners to relay."""
+    if relay_rate is None:
+        return [], []
+    if not (relay_rate > 0 and math.isfinite(relay_rate)):
+        raise ConfigError(f"--relay-rate {relay_rate!r} must be > 0 (bytes per second per relayed miner)")
+    if not home_replicas:
+        raise ConfigError("--relay-rate needs --home-replicas: nobody is relayed")
+    wall = repr(float(relay_rate) / float(time_scale))
+    return ([], ["--rate", wall]) if relays else (["--relay-rate", wall], [])
+
+
 def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], gpu_mem: Optional[float],
-                   time_scale: float) -> tuple[str, Optional[dict], list[str], list[str]]:
+                   time_scale: float, *, validator_link: Optional[str] = None
+                   ) -> tuple[str, Optional[dict], list[str], list[str]]:
     """Check ``--link`` / ``--emulate-gpu`` / ``--mfu`` / ``--gpu-mem`` / ``--time-scale`` (ConfigError) and
-    turn them into (link, emulation summary or None, miner argv, validator argv). Emulated miners hold no
+    turn them into (link, emulation summary or None, miner argv, validator argv). ``validator_link``:
+    the validators' own link (None: ``link``; see :func:`role_links`). Emulated miners hold no
     weights, so the validator's replays and CLASP probes are turned off with them."""
     from iota_subnet.hardware import DEFAULT_MFU
     from iota_subnet.sim.emulated import emulation_from_args
-    from iota_subnet.transport.shaping import parse_link
-    spec = parse_link(link)
+    spec = checked_link("--link", link)
+    v_spec = spec if validator_link is None else checked_link("--validator-link", validator_link)
     emu = emulation_from_args(emulate_gpu, DEFAULT_MFU if mfu is None else mfu, time_scale, gpu_mem)
     if emu is None and (mfu is not None or gpu_mem is not None):
         raise ConfigError("--mfu and --gpu-mem describe an emulated GPU: add --emulate-gpu")
     if not time_scale > 0:
         raise ConfigError(f"--time-scale {time_scale!r} must be > 0")
-    common = ["--link", str(spec), "--time-scale", repr(float(time_scale))]
-    miner, validator = list(common), list(common)
+    miner = ["--link", spec, "--time-scale", repr(float(time_scale))]
+    validator = ["--link", v_spec, "--time-scale", repr(float(time_scale))]
     if emu is not None:
         miner += ["--emulate-gpu", str(emulate_gpu), "--mfu", repr(emu.mfu)]
         if gpu_mem is not None:
             miner += ["--gpu-mem", repr(float(gpu_mem))]
         validator += ["--clasp-interval", "0", "--no-audits"]
-    return str(spec), (emu.to_json() if emu is not None else None), miner, validator
+    return spec, (emu.to_json() if emu is not None else None), miner, validator

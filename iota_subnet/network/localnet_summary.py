@@ -142,7 +142,7 @@ class RunSummary:
                       "merges_applied": sum((m.get("merge") or {}).get("merges", 0) for m in miners),
                       "mismatch_reports": sum((m.get("merge") or {}).get("mismatch_reports", 0) for m in miners)},
             "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
-            "link": self.link, "emulation": self.emulation,
+            "link": self.link, "links": self.links, "relay_rate": self.relay_rate, "emulation": self.emulation,
             "miners": miners, "validators_detail": vals, "relays": relays, "chain_db": str(self.chain_db),
         }
         if self.chaos is not None:
