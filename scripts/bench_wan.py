@@ -25,19 +25,26 @@ emulated rows, ``--emulate-gpu``, then reads its ``summary.json``, the miners' `
   while the row trained; ``own_cpu_busy``: the row's own processes only (rusage of the localnet).
   An emulated row must stay <= 0.5 (else it measures the host, not the design): raise ``--time-scale``.
 
+* ``link``, ``validator_link``, ``home_replicas``, ``relay_rate_bytes_per_s``: every miner's link, the
+  validators' (``--validator-link``; the relay's in the ``-home`` rows, where the validator hosts it), the
+  home miners per stage and the relay's per-peer cap (``--relay-rate``, emulated bytes per second; None:
+  no cap).
+
 Every emulated row says ``"mode": "emulated"`` and carries an ``emulation`` note. Usage::
 
     python scripts/bench_wan.py --list                      # the rows and their ideal figures, no runs
     python scripts/bench_wan.py --json                      # every row (hours on 2 cores)
     python scripts/bench_wan.py --json --rows tiny-train-loopback,8b-a100-r64-100mbit:50ms
     python scripts/bench_wan.py --json --rows tiny-train-loopback --wire-dtype fp8
+    python scripts/bench_wan.py --json --rows "1b-4090-r64-20mbit:100ms,1b-4090-r64-20mbit:100ms-home" \
+        --validator-link 1gbit:10ms                         # Train at Home: the relay on a data-centre link
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import dataclasses
+import math
 import os
 import resource
 import subprocess
@@ -49,7 +56,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from iota_subnet.config import RunConfig, load_config  # noqa: E402
+from iota_subnet.config import ConfigError, RunConfig, load_config  # noqa: E402
 from iota_subnet.hardware import DEFAULT_MFU, parse_accelerator  # noqa: E402
 from iota_subnet.protocol.ticket import WIRE_DTYPES  # noqa: E402
 from iota_subnet.transport.shaping import LINK_PROFILES, parse_link  # noqa: E402
@@ -80,6 +87,10 @@ class Row:
     overrides: dict = field(default_factory=dict)
     #: the last N replicas of every stage are home miners, reached only through the validator's relay
     home_replicas: int = 0
+    #: the validators' link (so the relay's, with home miners; ``localnet --validator-link``); None: ``link``
+    validator_link: Optional[str] = None
+    #: per relayed miner, emulated bytes per second (``localnet --relay-rate``); None: no per-peer cap
+    relay_rate: Optional[float] = None
 
     def run_config(self) -> RunConfig:
         ovr = {k: dict(v) for k, v in self.overrides.items()}
@@ -223,7 +234,7 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
     out = {
         "name": row.name, "mode": row.mode, "config": row.config, "stages": row.stages, "replicas": row.replicas,
         "compression_ratio": row.compression_ratio, "wire_dtype": summary.get("wire_dtype") or row.wire_dtype,
-        "link": row.link, "rows_per_microbatch": row.rows_per_microbatch,
+        **link_fields(row), "rows_per_microbatch": row.rows_per_microbatch,
         "tokens_per_s": tps, "tokens_per_s_run": run_rate * scale if run_rate is not None else None,
         "stage_utilisation": stage_utilisation(summary, miner_status),
         "ideal_tokens_per_s": ideal,
@@ -258,7 +269,18 @@ def localnet_argv(row: Row, out: Path, data: str) -> list[str]:
         argv += ["--emulate-gpu", row.gpu, "--mfu", repr(row.mfu), "--time-scale", repr(row.time_scale)]
     if row.home_replicas:
         argv += ["--home-replicas", str(row.home_replicas)]
+    if row.validator_link is not None:
+        argv += ["--validator-link", row.validator_link]
+    if row.relay_rate is not None:
+        argv += ["--relay-rate", repr(float(row.relay_rate))]
     return argv
+
+
+def link_fields(row: Row) -> dict:
+    """What a result (and ``--list``) says about the row's links: every miner's, the validators' (the
+    relay's, with home miners), the home miners per stage and the per-peer cap (None: no cap)."""
+    return {"link": row.link, "validator_link": row.validator_link or row.link, "home_replicas": row.home_replicas,
+            "relay_rate_bytes_per_s": row.relay_rate if row.home_replicas else None}
 
 
 def training_window(statuses: list[dict]) -> tuple[bool, bool]:
@@ -321,7 +343,21 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per row")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
                    help="wire dtype of activations and gradients in every row (default: each row's, bf16)")
+    p.add_argument("--validator-link", default=None, metavar="RATE:DELAY",
+                   help="the validators' link in every row (so the relay's in the -home rows), e.g. 1gbit:10ms "
+                        "(default: the row's --link for every neuron)")
+    p.add_argument("--relay-rate", type=float, default=None, metavar="BYTES_PER_S",
+                   help="per-peer cap of the relay in the -home rows, emulated bytes per second (default: no cap)")
     a = p.parse_args(argv)
+    if a.validator_link is not None:
+        try:
+            a.validator_link = str(parse_link(a.validator_link))
+        except ConfigError as e:
+            print(f"error: --validator-link{str(e)[len('--link'):]}", file=sys.stderr)
+            return 2
+    if a.relay_rate is not None and not (a.relay_rate > 0 and math.isfinite(a.relay_rate)):
+        print(f"error: --relay-rate {a.relay_rate!r} must be > 0 (bytes per second per relayed miner)", file=sys.stderr)
+        return 2
     todo = rows()
     if a.rows:
         want = [r.strip() for r in a.rows.split(",") if r.strip()]
@@ -337,13 +373,17 @@ def main(argv=None) -> int:
             for r in todo]
     if a.wire_dtype:
         todo = [dataclasses.replace(r, wire_dtype=a.wire_dtype) for r in todo]
+    if a.validator_link is not None:
+        todo = [dataclasses.replace(r, validator_link=a.validator_link) for r in todo]
+    if a.relay_rate is not None:       # only rows with home miners have a relay to cap
+        todo = [dataclasses.replace(r, relay_rate=a.relay_rate) if r.home_replicas else r for r in todo]
     if a.time_scale:
         todo = [dataclasses.replace(r, time_scale=a.time_scale) if r.mode == "emulated" else r for r in todo]
     if a.list:
         for r in todo:
             print(json.dumps({"name": r.name, "mode": r.mode, "config": r.config, "stages": r.stages,
                               "replicas": r.replicas, "compression_ratio": r.compression_ratio,
-                              "wire_dtype": r.wire_dtype, "link": r.link,
+                              "wire_dtype": r.wire_dtype, **link_fields(r),
                               "gpu": r.gpu, "mfu": r.mfu if r.gpu else None, "time_scale": r.time_scale,
                               "ideal_tokens_per_s": ideal_tokens_per_s(r)}))
         return 0

@@ -166,3 +166,38 @@ def test_localnet_emulation_plumbing():
                 ("loopback", "2e14", None, None, 1.0), ("loopback", "a100", None, None, 0.0)):
         with pytest.raises(ConfigError):
             emulation_argv(*bad)
+
+
+def test_home_rows_take_the_relays_link_and_per_peer_cap(bench, monkeypatch, capsys):
+    """``--validator-link`` puts every row's validators (the relay of the ``-home`` rows) on their own
+    link, ``--relay-rate`` caps the relay of the rows with home miners; both reach the localnet's command
+    line (which parses them) and every result says which links and cap it ran with."""
+    import argparse
+
+    from iota_subnet.network.cli import register
+    names = "1b-4090-r64-20mbit:100ms,1b-4090-r64-20mbit:100ms-home"
+    seen = []
+    monkeypatch.setattr(bench, "run_row", lambda r, *a, **k: seen.append(r) or {"name": r.name})
+    assert bench.main(["--rows", names, "--validator-link", "1GBIT:10ms", "--relay-rate", "2.5e6", "--json"]) == 0
+    public, home = seen
+    assert (public.validator_link, public.relay_rate) == ("1gbit:10ms", None)        # no relay to cap
+    assert (home.validator_link, home.relay_rate, home.home_replicas) == ("1gbit:10ms", 2.5e6, 1)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    a = parser.parse_args(bench.localnet_argv(home, Path("o"), "d")[3:])          # after: python -m iota_subnet.cli
+    assert (a.link, a.validator_link, a.relay_rate, a.home_replicas) == ("20mbit:100ms", "1gbit:10ms", 2.5e6, 1)
+    plain = bench.rows()[-1]
+    assert "--validator-link" not in bench.localnet_argv(plain, Path("o"), "d")
+    kw = dict(ideal=None, host_cpu_busy=None, own_cpu_busy=None, wall_s=None)
+    assert {k: bench.result_row(home, {}, [], [], **kw)[k] for k in ("link", "validator_link", "relay_rate_bytes_per_s")} \
+        == {"link": "20mbit:100ms", "validator_link": "1gbit:10ms", "relay_rate_bytes_per_s": 2.5e6}
+    assert bench.result_row(plain, {}, [], [], **kw)["validator_link"] == "20mbit:100ms"
+    capsys.readouterr()
+    assert bench.main(["--list", "--rows", names, "--validator-link", "1gbit:10ms"]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["validator_link"], r["home_replicas"], r["relay_rate_bytes_per_s"]) for r in listed] == \
+        [("1gbit:10ms", 0, None), ("1gbit:10ms", 1, None)]
+    for bad, msg in ((["--validator-link", "1gbit:10"], "--validator-link '1gbit:10': bad delay"),
+                     (["--relay-rate", "0"], "--relay-rate 0.0 must be > 0")):
+        assert bench.main(["--list", *bad]) == 2
+        assert msg in capsys.readouterr().err
