@@ -6,8 +6,10 @@ have left their initial values) before the cheater is armed for the audited micr
 Audit level, for every family: the validator's exact replay (:mod:`iota_subnet.audit.replay`) fails
 the hops of ``random``, ``zero``, ``copy`` and the family's own cheat (``drop-bias``, ``skip-qk-norm``,
 ``full-attention``: :mod:`iota_subnet.sim.family_cheats`) on the middle stage (output and gradient
-sent), and ``random`` / ``zero`` / ``copy`` on the tail too (loss and gradient); the honest hop passes;
-the update audit fails ``noisy-update`` on every step. The network level (weights) is
+sent), and ``random`` / ``zero`` / ``copy`` on the tail too (loss and gradient); ``lazy`` (no decoder
+layer: the stage holds one) and ``precision`` (bf16 autocast, the last layer without its MLP) on both
+stages, in an fp32 run and (``precision``) a bf16 one; the honest hop passes; the update audit fails
+``noisy-update`` on every step. The network level (weights) is
 tests/test_hf_cheaters_net.py."""
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from iota_subnet.audit import Tolerances
 from iota_subnet.config import ConfigError, load_config
 from iota_subnet.sim.adversary import CheatingStageWorker, adversary_parts
 from iota_subnet.validator.update_audit import UpdateAuditor
@@ -35,6 +38,8 @@ FAMILIES = {"qwen2": ({}, "drop-bias"),
             "qwen3": ({"head_dim": 32}, "skip-qk-norm"),
             "mistral": ({"sliding_window": SEQ // 4}, "full-attention")}
 GENERIC = ("random", "zero", "copy")
+#: generic cheats a family stage does with a twin (:data:`iota_subnet.sim.family_cheats.TWIN_KINDS`)
+TWIN = ("lazy", "precision")
 
 
 def data_files(folder) -> dict:
@@ -81,16 +86,20 @@ def family_run(folder, family: str, *, pretrained: bool = False, **train) -> dic
 
 
 def family_config(folder, family: str, **train):
-    p = folder / f"{family}.yaml"
+    p = folder / f"{family}{''.join(f'-{k}-{v}' for k, v in train.items())}.yaml"
     p.write_text(yaml.safe_dump(family_run(folder, family, **train), sort_keys=False))
     return load_config(p)
 
 
 @pytest.fixture(scope="module")
-def configs(tmp_path_factory):
+def folder(tmp_path_factory):
     torch.set_num_threads(1)
-    d = tmp_path_factory.mktemp("hfcheat")
-    return {f: family_config(d, f) for f in FAMILIES}
+    return tmp_path_factory.mktemp("hfcheat")
+
+
+@pytest.fixture(scope="module")
+def configs(folder):
+    return {f: family_config(folder, f) for f in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +132,35 @@ def test_generic_and_family_cheats_fail_the_replay(honest, family):
     for kind in GENERIC:
         ch = make_chain(base=honest[family], kinds={2: kind})
         _failed(ch, 2, ("loss", "grad_in"))
+
+
+@pytest.mark.parametrize("kind", TWIN)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lazy_and_precision_fail_the_replay(honest, family, kind):
+    """Max row errors measured (fp32 run, tolerance 1e-4): lazy ~0.8 (output), precision 5e-2 to 8e-2
+    (output and grad_in; bf16 autocast alone: ~2.3e-3, 23x the tolerance; the tail's loss 3.6e-4 to 6e-4)."""
+    for stage, links in ((1, ("output", "grad_in")), (2, ("loss", "grad_in"))):
+        ch = make_chain(base=honest[family], kinds={stage: kind})
+        w = ch.workers[stage]
+        assert w.on_twin and len(w.module.layers) == 1      # /state holds the stage's one layer
+        if kind == "lazy":
+            assert len(w.twin.layers) == 0
+        else:
+            assert w.precision == "bf16" and type(w.twin.layers[-1].mlp).__name__ == "NoMLP"
+        _failed(ch, stage, links)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_precision_fails_the_replay_of_a_bf16_run(folder, family):
+    """In a bf16 run (tolerance 2e-2, honest hops pass) the MLP it skips still shows: max row error
+    5e-2 to 1.1e-1 (the middle stage's output and grad_in, the tail's grad_in)."""
+    honest = make_chain(cfg=family_config(folder, family, precision="bf16"))
+    tol = Tolerances.for_precision("bf16")
+    for stage, links in ((1, ("output", "grad_in")), (2, ("grad_in",))):
+        assert audit_many(honest, honest.hops[stage], "backward", 1, seed0=77, tol=tol)[0].ok
+        ch = make_chain(base=honest, kinds={stage: "precision"})
+        v = audit_many(ch, ch.hops[stage], "backward", 1, seed0=77, tol=tol)[0]
+        assert not v.ok and set(links) <= set(v.failed_links), (stage, v.failures[:3])
 
 
 def train(worker, steps: int, seed: int = 0) -> None:

@@ -2,10 +2,10 @@
 random-weight Qwen2, Qwen3, Mistral with ``sliding_window`` a quarter of the sequence; configs of
 tests/test_hf_cheaters.py), 3 stages x 2 replicas of real MinerServices and a real ValidatorService on a
 devnet in one process (:class:`support.dataplane_net.P2PNet`, signed HTTP on 127.0.0.1), the middle
-stage's second replica cheating: ``random``, ``zero``, ``noisy-update``, ``copy`` and the family's own
-cheat (``drop-bias``, ``skip-qk-norm``, ``full-attention``). The validator's audits flag it (hop
+stage's second replica cheating: ``random``, ``zero``, ``noisy-update``, ``copy``, ``lazy``, ``precision``
+and the family's own cheat (``drop-bias``, ``skip-qk-norm``, ``full-attention``). The validator's audits flag it (hop
 audits by exact replay; ``noisy-update`` by the update audit): its weight is 0 and honest miners hold
->= 95 % of the weights. 15 network runs of ~15-20 s each on 2 cores."""
+>= 95 % of the weights. 21 network runs of ~15-20 s each on 2 cores."""
 from __future__ import annotations
 
 import pytest
@@ -30,8 +30,8 @@ async def family_cheater_run(tmp_path, wikitext_path, cache_dir, family: str, ki
 #: kind -> the audits that may flag it (``copy``: its hops are a peer's computation and its own weights
 #: never get a gradient, so either audit fails it first; tests/test_audit_wire.py's CAUGHT_BY)
 CAUGHT_BY = {"random": ("hop",), "zero": ("hop",), "copy": ("hop", "update"), "noisy-update": ("update",),
-             **{own: ("hop",) for _, own in FAMILIES.values()}}
-CASES = [(f, k) for f, (_, own) in FAMILIES.items() for k in ("random", "zero", "noisy-update", "copy", own)]
+             "lazy": ("hop",), "precision": ("hop",), **{own: ("hop",) for _, own in FAMILIES.values()}}
+CASES = [(f, k) for f, (_, own) in FAMILIES.items() for k in ("random", "zero", "noisy-update", "copy", "lazy", "precision", own)]
 
 
 @pytest.mark.parametrize("family,kind", CASES)

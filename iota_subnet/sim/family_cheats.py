@@ -16,6 +16,15 @@ through public module attributes (``nn.Module`` children, ``layer_kinds``, the t
 computes forward and backward with the twin, so its gradients land in its real weights and its
 optimizer, commitments and ``/state`` are those of an honest miner; only its hops differ.
 
+Two of the generic cheats (:mod:`iota_subnet.sim.adversary`) are twins on a family stage too
+(:data:`TWIN_KINDS`; the project's own stages do them in place), family-agnostic:
+
+``lazy``            the twin holds every other decoder layer of the stage (the 2nd, 4th, ...; none when
+                    the stage holds one, so a middle stage passes its input through and the last stage
+                    computes ``lm_head(norm(x))``); the layers it keeps train, the others get no gradient.
+``precision``       the twin's last decoder layer has no MLP (its residual stream passes it by); the
+                    worker also computes under bf16 autocast whatever the run says.
+
 Limit of ``drop-bias``: it changes the output only where the biases are not 0. From a scratch init
 (biases 0) the cheater's own biases never train (the twin gives them no gradient), so it computes
 exactly what an honest miner computes with its committed weights and its hops pass replay until its
@@ -32,14 +41,23 @@ from __future__ import annotations
 import copy
 import itertools
 
+import torch
 from torch import nn
 
 from iota_subnet.config import ConfigError, RunConfig
-from iota_subnet.model.hf_family import FULL, SLIDING, layer_types
+from iota_subnet.model.hf_family import FULL, SLIDING, HFStage, layer_types
 
 #: family-specific kind -> the ``model_type`` s it applies to
 FAMILY_KINDS: dict[str, tuple[str, ...]] = {"drop-bias": ("qwen2",), "skip-qk-norm": ("qwen3",),
                                            "full-attention": ("mistral", "qwen2", "qwen3")}
+#: generic cheats a family stage does with a twin (any family; see the module docstring)
+TWIN_KINDS = ("lazy", "precision")
+
+
+def on_twin(kind: str, stage: nn.Module) -> bool:
+    """True when cheat ``kind`` on ``stage`` computes with :func:`twisted_stage`'s twin: a family
+    cheat, or a kind of :data:`TWIN_KINDS` on a ``transformers`` family stage (an :class:`HFStage`)."""
+    return kind in FAMILY_KINDS or (kind in TWIN_KINDS and isinstance(stage, HFStage))
 
 
 def check_family_kind(kind: str, cfg: RunConfig) -> None:
@@ -66,15 +84,30 @@ def _unbiased(lin: nn.Linear) -> nn.Linear:
     return out
 
 
+class NoMLP(nn.Module):
+    """In place of a decoder layer's MLP: zeros of the input's shape and dtype ``[B, T, d]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
 def twisted_stage(stage: nn.Module, kind: str) -> nn.Module:
     """A twin of ``stage`` (an :class:`~iota_subnet.model.hf_family.HFStage`) sharing its parameters
     and buffers (the same tensor objects: gradients of the twin's forward accumulate into ``stage``),
     computing as cheat ``kind`` (see the module docstring). Same inputs and outputs as ``stage``.
     Raises ``ValueError`` for another kind."""
-    if kind not in FAMILY_KINDS:
-        raise ValueError(f"{kind!r} is not a family cheat; one of {', '.join(FAMILY_KINDS)}")
+    if kind not in FAMILY_KINDS and kind not in TWIN_KINDS:
+        raise ValueError(f"{kind!r} is not a cheat done with a twin; one of {', '.join((*FAMILY_KINDS, *TWIN_KINDS))}")
     memo = {id(t): t for t in itertools.chain(stage.parameters(), stage.buffers())}
     twin = copy.deepcopy(stage, memo)          # modules and config copied, tensors shared
+    if kind == "lazy":
+        keep = range(1, len(twin.layers), 2)
+        twin.layers = nn.ModuleList([twin.layers[i] for i in keep])
+        twin.layer_kinds = [twin.layer_kinds[i] for i in keep]
+        return twin
+    if kind == "precision":
+        twin.layers[-1].mlp = NoMLP()
+        return twin
     for layer in twin.layers:
         attn = layer.self_attn
         if kind == "drop-bias":
