@@ -2,16 +2,22 @@
 forwarded HEAD whose path is not an absolute path on the local server (``@host:port/x`` would turn the
 replay URL ``http://127.0.0.1:port@host:port/x`` into a request to another host, carrying the local
 server's relay token) is refused with an ABORT and reaches no other host; a HEAD whose headers are not
-an object is still replayed (without them) and answered."""
+an object is still replayed (without them) and answered. And a hostile home against a real RelayHost
+(iota_subnet/transport/relay.py): an answer HEAD that is no HTTP response head (headers not an object,
+values not strings, status not an int) aborts that transfer only: the caller's connection is dropped
+(the relay's usual 502), ``bad_frames`` counts it, and the next transfer on the socket is answered."""
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from aiohttp import web
+from bittensor import http_auth
 from bittensor.sp_core import Keypair
 
-from iota_subnet.transport.relay import ATTACH_PATH, RelayTunnel
+from iota_subnet.transport import NeuronServer
+from iota_subnet.transport.relay import ATTACH_PATH, RelayHost, RelayTunnel
 from iota_subnet.transport.relay_frames import ABORT, END, HEAD, head_frame, pack_frame, unpack_frame
 from support.sites import serve_get, start_site
 
@@ -120,3 +126,67 @@ def test_heads_without_bodies_are_bounded_in_number_and_time():
         assert all(0.4 <= aborts[r] < 5.0 for r in (1, 2)), aborts      # aborted once idle
         assert tunnel.counts["bad_frames"] == 3
     asyncio.run(main())
+
+
+async def _home_answering(bad: dict) -> tuple[list[object], list[tuple[int, int]], dict]:
+    """A fake home attached to a real RelayHost (on a NeuronServer) answers its first forwarded transfer
+    with the HEAD ``bad`` and its second with a well-formed 418; returns what a caller saw for the two
+    (status or exception type), the frames the home got back after its answers, and the relay's counts."""
+    home, relay_key = Keypair.create_from_uri("//hostile-home-2"), Keypair.create_from_uri("//hostile-relay-2")
+    server = NeuronServer(relay_key, "127.0.0.1", 0, None, None)
+    relay = RelayHost(relay_key)
+    relay.mount(server)
+    await server.start()
+    after: list[tuple[int, int]] = []
+    answered: list[int] = []
+
+    async def fake_home(ws):
+        async for msg in ws:
+            kind, rid, _ = unpack_frame(msg.data)
+            if answered:
+                after.append((kind, rid))
+            if kind == END and rid not in answered:
+                await ws.send_bytes(head_frame(rid, bad if not answered else
+                                               {"status": 418, "headers": {"X-Teapot": "yes"}, "length": 0}))
+                await ws.send_bytes(pack_frame(END, rid))
+                answered.append(rid)
+    seen: list[object] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            headers = http_auth.sign(home, method="GET", path=ATTACH_PATH, receiver_ss58=relay_key.ss58_address)
+            async with session.ws_connect(f"http://{server.endpoint}{ATTACH_PATH}", headers=headers) as ws:
+                homing = asyncio.create_task(fake_home(ws))
+                for _ in range(100):
+                    if relay.attached:
+                        break
+                    await asyncio.sleep(0.02)
+                for _ in range(2):
+                    signed = http_auth.sign(Keypair.create_from_uri("//hostile-caller"), method="POST", path="/hop",
+                                            body=b"x", receiver_ss58=home.ss58_address)
+                    try:
+                        async with session.post(f"http://{server.endpoint}/hop", data=b"x", headers=signed,
+                                                timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                            seen.append(resp.status)
+                    except aiohttp.ClientError as e:
+                        seen.append(type(e))
+                await asyncio.sleep(0.1)
+                homing.cancel()
+    finally:
+        await server.stop()
+    return seen, after, dict(relay.counts)
+
+
+@pytest.mark.parametrize("bad", [
+    {"status": 200, "headers": ["junk"], "length": 0},
+    {"status": 200, "headers": {"X-A": 7}, "length": 0},
+    {"status": "200", "headers": {}, "length": 0},
+    {"status": 200, "headers": {"X-A": "a\r\nSet-Cookie: x"}, "length": 0},
+    {"status": 200, "headers": {}, "length": "12"},
+])
+def test_a_home_answering_with_a_malformed_head_has_that_transfer_dropped(bad):
+    seen, after, counts = asyncio.run(_home_answering(bad))
+    assert seen[0] is not None and not isinstance(seen[0], int), seen       # dropped, no 500 from a traceback
+    assert seen[1] == 418, seen                                             # the socket still serves
+    assert counts.get("bad_frames") == 1 and counts.get("dropped_bad_head") == 1, counts
+    assert counts.get("forwarded") == 1, counts
+    assert (ABORT, 1) in after, after                                       # the home was told

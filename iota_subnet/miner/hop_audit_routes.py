@@ -6,7 +6,11 @@
 * ``/audit/project`` AuditProjectRequest -> AuditProjection: the projections for the validator's seed;
 * ``/audit/open``    AuditOpenRequest -> AuditOpening: the requested rows with proofs (ends the session,
   unless ``more``: a replay audit opens a stage's weights in several parts, each within the
-  prover's ``max_open_bytes``, and the last one ends it).
+  prover's ``max_open_bytes``, and the last one ends it). What one session opens is bounded
+  (:func:`open_budget`): its distinct parts together at most the bytes of every row of the layout's
+  wire tensors and weights (or ``max_open_bytes``, if larger), and each part served at most
+  ``1 + MAX_PART_REASKS`` times (the validator's re-asks of a part whose answer was lost); a request
+  past either is refused ``MALFORMED`` and the session stays open for its other parts.
 
 A validator whose connection dropped sends a round's request again, unchanged
 (:mod:`iota_subnet.validator.auditing`): a round-1 request asked again while its trace runs waits for
@@ -35,8 +39,10 @@ Memory: the trace of an open session (tiny: 63-177 MB; ``docs/hop-audit.md``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +65,27 @@ class _Session:
     lock: asyncio.Lock
     request: AuditTraceRequest       # round 1, and its answer: the same request again gets the same answer
     commit: AuditTraceCommit
+    opened_bytes: int = 0            # round 3: bytes of the distinct parts served (``open_budget``)
+    parts: dict[bytes, int] = field(default_factory=dict)   # round 3: a part's digest -> times served
+
+
+#: times a round-3 part may be served again (its answer lost on the way: the validator's re-asks,
+#: ``retry_delays_s``, two by default)
+MAX_PART_REASKS = 2
+
+
+def open_budget(layout: TraceLayout, max_open_bytes: int) -> int:
+    """The most row-value bytes (``rows x width x 4``, :meth:`HopProver.check_request`'s count) the
+    distinct parts of one audit session may open: every row of the layout's wire tensors and weights
+    (their rows, not their columns: a replay opens each once, :func:`~iota_subnet.audit.replay.replay_openings`),
+    or ``max_open_bytes`` (one sampled opening) if that is larger."""
+    rows = sum(e.rows * e.width * 4 for e in layout.wire.values())
+    rows += sum(e.rows * e.width * 4 for k, e in layout.weights.items() if not k.endswith("^T"))
+    return max(int(max_open_bytes), rows)
+
+
+def _part_digest(msg: AuditOpenRequest) -> bytes:
+    return hashlib.sha256(json.dumps([msg.rows, msg.whole], sort_keys=True).encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -68,12 +95,14 @@ class HopAuditLimits:
     ``max_sessions``: audits open (or tracing) at once, at most ``max_per_caller`` of one validator;
     ``session_ttl_s``: seconds a session (and a finished round 3's answer) is kept without a round;
     ``commit_wait_s``: seconds round 1 waits for the hashing of the weights version the hop used
-    (then ``NOT_READY``)."""
+    (then ``NOT_READY``); ``max_open_bytes``: the most row-value bytes one round-3 answer opens
+    (:class:`~iota_subnet.audit.prover.HopProver`)."""
 
     max_sessions: int = 8
     max_per_caller: int = 2
     session_ttl_s: float = 180.0
     commit_wait_s: float = 30.0
+    max_open_bytes: int = 64 << 20
 
 
 class HopAuditRoutes:
@@ -88,6 +117,7 @@ class HopAuditRoutes:
         self.device = torch.device(device)
         self.max_sessions, self.max_per_caller = int(limits.max_sessions), int(limits.max_per_caller)
         self.session_ttl_s, self.commit_wait_s = float(limits.session_ttl_s), float(limits.commit_wait_s)
+        self.max_open_bytes = int(limits.max_open_bytes)
         self.micro_per_step = cfg.train.batch_size // cfg.train.micro_batch
         self.sessions: dict[str, _Session] = {}
         #: audit_id -> (caller, request, answer, time) of the latest finished sessions (round 3 asked again)
@@ -108,7 +138,8 @@ class HopAuditRoutes:
 
     def prover(self, layout: Any, weights: Any, hop: Any) -> HopProver:
         """The prover of one audit of ``hop``: its trace runs on :attr:`device`."""
-        return HopProver(layout, weights, hop.inputs(layout.direction), device=self.device)
+        return HopProver(layout, weights, hop.inputs(layout.direction), device=self.device,
+                         max_open_bytes=self.max_open_bytes)
 
     def _check(self, msg: Any) -> None:
         if msg.run_id != self.run_id or msg.stage != self.stage:
@@ -235,11 +266,15 @@ class HopAuditRoutes:
         request = codec.read_open_request(msg, s.layout)
         async with s.lock:
             try:
+                key, nbytes = self._within_budget(s, msg, request)
                 opened = await asyncio.to_thread(s.prover.open, request, list(msg.whole))
             except OpenRequestError as e:
                 raise ProtocolError(Outcome.MALFORMED, str(e)) from None
             except RuntimeError as e:          # open() before project()
                 raise ProtocolError(Outcome.MALFORMED, str(e)) from None
+            if key not in s.parts:
+                s.opened_bytes += nbytes
+            s.parts[key] = s.parts.get(key, 0) + 1
         answer = codec.opening_message(msg, s.layout, opened)
         if msg.more:                           # more parts follow: asked again, a part is served again
             return answer
@@ -252,6 +287,24 @@ class HopAuditRoutes:
         while len(self.opened) > self.max_sessions:
             del self.opened[next(iter(self.opened))]
         return answer
+
+    def _within_budget(self, s: _Session, msg: AuditOpenRequest, request: dict[str, list[int]]) -> tuple[bytes, int]:
+        """The digest of this part and its bytes; raises ``ProtocolError`` (``MALFORMED``) when the session
+        has served it ``1 + MAX_PART_REASKS`` times, or a new part would take its distinct parts past
+        :func:`open_budget` (the module docstring), and :class:`OpenRequestError` for a bad request."""
+        nbytes = s.prover.check_request(request)
+        key = _part_digest(msg)
+        times = s.parts.get(key, 0)
+        if times > MAX_PART_REASKS:
+            self.refused += 1
+            raise ProtocolError(Outcome.MALFORMED, f"audit {msg.audit_id[:40]!r}: this part was opened {times} times "
+                                                   f"already (at most {1 + MAX_PART_REASKS})")
+        budget = open_budget(s.layout, s.prover.max_open_bytes)
+        if not times and s.opened_bytes + nbytes > budget:
+            self.refused += 1
+            raise ProtocolError(Outcome.MALFORMED, f"audit {msg.audit_id[:40]!r}: {s.opened_bytes} + {nbytes} bytes "
+                                                   f"opened > {budget}, the most one audit of this layout opens")
+        return key, nbytes
 
     def status(self) -> dict:
         return {"open": len(self.sessions), "served": self.served, "refused": self.refused,

@@ -46,8 +46,9 @@ one-way delay overlapping between frames), the response's head as for any respon
     is not now has its connection dropped (the caller sees the receiver unreachable, not a refusal);
     any other goes the server's usual way (``WRONG_RECEIVER``). Bytes through the relay are capped
     per attached hotkey (``rate_bytes_per_s``, request and response bodies together, a token bucket
-    with one second of burst, charged per frame). :meth:`RelayHost.status`: who is relayed, requests,
-    bytes, drops.
+    with one second of burst, charged per frame). An answer whose HEAD is no HTTP response head
+    (:func:`answer_head`) aborts that transfer (``bad_frames``, ``dropped_bad_head``; the caller's
+    connection is dropped). :meth:`RelayHost.status`: who is relayed, requests, bytes, drops.
 
 :class:`RelayTunnel` (a part of the neuron behind the NAT)
     keeps an outbound WebSocket to a relay (reattaching with backoff, 1-30 s), replays each
@@ -79,6 +80,32 @@ FORWARDED = tuple(h.lower() for h in (http_auth.HEADER_VERSION, http_auth.HEADER
 
 def _forwarded(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() in FORWARDED}
+
+
+class BadAnswerHead(ValueError):
+    """A relayed neuron answered a forwarded request with a HEAD that is no HTTP response head."""
+
+
+def answer_head(payload: bytes) -> dict:
+    """A relayed answer's HEAD (module :mod:`.relay_frames`: ``status`` an int in 100..599, ``headers``
+    an object of strings without line breaks, ``length`` a non-negative int or null); raises
+    :class:`BadAnswerHead` (a ``ValueError``) naming what is wrong."""
+    try:
+        head = parse_head(payload)
+    except ValueError as e:                       # json.JSONDecodeError is a ValueError
+        raise BadAnswerHead(f"answer head is not a JSON object: {e}") from None
+    status, headers, length = head.get("status"), head.get("headers", {}), head.get("length")
+    if type(status) is not int or not 100 <= status <= 599:
+        raise BadAnswerHead(f"answer status {status!r} is not an HTTP status")
+    if headers is None:
+        headers = {}
+    if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and not any(c in k + v for c in "\r\n\0")
+            for k, v in headers.items()):
+        raise BadAnswerHead("answer headers are not an object of single-line strings")
+    if length is not None and (type(length) is not int or length < 0):
+        raise BadAnswerHead(f"answer length {length!r} is not a byte count")
+    return {**head, "headers": headers}
 
 
 class TokenBucket:
@@ -230,7 +257,11 @@ class RelayHost:
             if kind == HEAD:
                 fut = me.pending.get(rid)
                 if fut is not None and not fut.done():
-                    fut.set_result(parse_head(payload))
+                    try:
+                        fut.set_result(answer_head(payload))
+                    except BadAnswerHead as e:    # its transfer fails: send() aborts it, forward() drops
+                        fut.set_exception(e)
+                        raise
                 return
         except ValueError as e:
             self.counts["bad_frames"] += 1
@@ -279,8 +310,8 @@ class RelayHost:
         try:
             answer = await self._progressing(asyncio.ensure_future(self.send(peer, head, body, charged)), moved)
             h = answer.head
-            out = web.StreamResponse(status=int(h.get("status", 502)), headers={
-                k: v for k, v in (h.get("headers") or {}).items() if k.lower() != "content-length"})
+            out = web.StreamResponse(status=h["status"], headers={
+                k: v for k, v in h["headers"].items() if k.lower() != "content-length"})
             if isinstance(h.get("length"), int):
                 out.content_length = h["length"]
             await out.prepare(request)
@@ -290,6 +321,9 @@ class RelayHost:
                 await charged(len(chunk))
                 await out.write(chunk)
             await out.write_eof()
+        except BadAnswerHead as e:                   # counted in bad_frames as it came in
+            logger.info("relay: {} answered with a malformed head ({}); transfer aborted", receiver[:10], e)
+            return self._drop(request, "bad_head")
         except (ConnectionError, RuntimeError, OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError):
             if out is None:
                 return self._drop(request, "lost")
