@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from iota_subnet.config_presets import config_path
 from iota_subnet.utils.logs import log_to_stderr
 
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train-colocated", help="train the whole staged model in one process (the reference run)")
-    t.add_argument("--config", default="configs/tiny.yaml", help="YAML run config or a model name (tiny, small, ...)")
+    t.add_argument("--config", default="configs/tiny.yaml", type=config_path, help="YAML run config or a model name (tiny, small, ...)")
     t.add_argument("--data", default=None, help="text source: .txt/.jsonl/.parquet file or folder, hf://dataset[/subset]; "
                                                 "default: FineWeb-Edu when the hub is reachable (else refused, unless --allow-data-fallback)")
     t.add_argument("--steps", type=int, default=150, help="optimizer steps (each batch_size x seq_len tokens)")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="memory and compute plan per stage on a GPU (computed on the meta device); "
                                      "exit code 1 when a stage does not fit")
-    pl.add_argument("--config", required=True, help="YAML run config, e.g. configs/8b.yaml")
+    pl.add_argument("--config", required=True, type=config_path, help="YAML run config, e.g. configs/8b.yaml")
     pl.add_argument("--stages", type=int, default=None,
                     help="number of stages (default: the config's; another count gets a compute-balanced split)")
     pl.add_argument("--gpu-mem", type=float, default=None, help="device memory in GiB (default 80, or --gpu's)")

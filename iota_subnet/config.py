@@ -21,6 +21,7 @@ from typing import Any, Optional
 import yaml
 from iota_subnet.config_kinds import MODEL_KINDS, kind_of as _kind_of
 from iota_subnet.config_merge import GATHER_QUANTIZATIONS, MERGE_QUANTIZATIONS, MergeConfig  # noqa: F401 (re-exported)
+from iota_subnet.config_presets import config_path
 from iota_subnet.errors import ConfigError  # noqa: F401 (re-exported)
 
 
@@ -399,10 +400,12 @@ def load_config(path_or_name: str | Path, overrides: Optional[dict] = None) -> R
     """Read a run config from a YAML file, or build one from a bare model name (``tiny``).
 
     ``overrides``: ``{"pipeline": {"stages": 3}, ...}`` applied on top of the file.
+    A relative ``configs/<file>`` missing from the current folder is the repository's preset of that
+    name (:func:`iota_subnet.config_presets.config_path`), so the commands' default works from any folder.
     Raises :class:`ConfigError` for a missing, empty or non-YAML file, unknown names or keys, or
     inconsistent values.
     """
-    p = Path(path_or_name)
+    p = Path(config_path(path_or_name))
     raw: dict
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.exists():

@@ -12,6 +12,7 @@ from typing import Optional
 
 from loguru import logger
 
+from iota_subnet.config_presets import config_path
 from iota_subnet.utils.aio import StopRequested, until_stopped  # noqa: F401 (re-exported for the entry points)
 from iota_subnet.utils.logs import log_to_stderr
 from iota_subnet.utils.malloc import tune_malloc
@@ -33,7 +34,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a chain call may go unanswered before it is given up (then retried after a "
                         "reconnect)")
     r = p.add_argument_group("run")
-    r.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (must match the subnet's run)")
+    r.add_argument("--config", default="configs/tiny.yaml", type=config_path, help="YAML run config (must match the subnet's run)")
     r.add_argument("--run-id", default=None, help="run identifier shared by the run's neurons (default: config name)")
     r.add_argument("--spec-hash", default=None, metavar="SHA256",
                    help="join the run whose validators advertise this spec hash (64 hex, their commitment's h): "

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from iota_subnet.config_presets import config_path
 from iota_subnet.protocol.ticket import WIRE_DTYPES
 
 
@@ -89,7 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "match a pipeline.layer_split the config fixes")
     p.add_argument("--replicas", type=int, default=2, help="miners per stage")
     p.add_argument("--validators", type=int, default=1)
-    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--config", default="configs/tiny.yaml", type=config_path,
+                   help="YAML run config (configs/<file> is found in the repository from any folder)")
     p.add_argument("--data", default=None, help="text source (default: FineWeb-Edu online, else an offline corpus)")
     p.add_argument("--steps", type=int, default=150, help="inner optimizer steps per miner")
     p.add_argument("--out", default="runs/localnet")
