@@ -24,15 +24,20 @@ QWEN2 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "n
          "tie_word_embeddings": False}
 
 
-@pytest.fixture(scope="module")
-def run():
+def qwen2_run(config: dict):
+    """A 3-stage Qwen2 of ``config`` (seed 7) and B x T token rows and targets drawn from its vocabulary."""
     torch.set_num_threads(1)
-    cfg = hf_model_config({"hf": "qwen2", "config": QWEN2})
+    cfg = hf_model_config({"hf": "qwen2", "config": config})
     pcfg = PipelineConfig(stages=3)
     stages = [HFPipelineStage(cfg, pcfg, i, seed=7) for i in range(3)]
     g = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, 256, (B, T + 1), generator=g)
+    rows = torch.randint(0, config["vocab_size"], (B, T + 1), generator=g)
     return cfg, pcfg, stages, rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+@pytest.fixture(scope="module")
+def run():
+    return qwen2_run(QWEN2)
 
 
 def _wire(t: torch.Tensor, fmt: str):

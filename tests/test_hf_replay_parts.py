@@ -17,8 +17,7 @@ from iota_subnet.audit.commit import wire_root, wire_sha256
 from iota_subnet.audit.replay import replay_openings, split_openings
 from iota_subnet.config import PipelineConfig
 from iota_subnet.config_hf import hf_model_config
-from iota_subnet.model.hf_pipeline import HFPipelineStage
-from test_hf_hop_audit import B, MPS, QWEN2, T, _tamper, honest_hop
+from test_hf_hop_audit import B, MPS, QWEN2, T, _tamper, honest_hop, qwen2_run
 
 CAP = 1 << 20
 BIG = {**QWEN2, "vocab_size": 8192}
@@ -26,13 +25,7 @@ BIG = {**QWEN2, "vocab_size": 8192}
 
 @pytest.fixture(scope="module")
 def big_run():
-    torch.set_num_threads(1)
-    cfg = hf_model_config({"hf": "qwen2", "config": BIG})
-    pcfg = PipelineConfig(stages=3)
-    stages = [HFPipelineStage(cfg, pcfg, i, seed=7) for i in range(3)]
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, 8192, (B, T + 1), generator=g)
-    return cfg, pcfg, stages, rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    return qwen2_run(BIG)
 
 
 def _audit(run, hop, loss, *, part_bytes=CAP, commit="root", swap=None):
