@@ -17,6 +17,7 @@ from iota_subnet.hardware import GIB, GPUS, parse_accelerator
 from iota_subnet.sim.emulated import (Emulation, EmulatedStageWorker, EmulationError, InFlightLimitExceeded,
                                       emulated_parts)
 from iota_subnet.miner.stage_worker import StageWorker, UnknownMicrobatch
+from iota_subnet.sim.virtual_merge import VirtualMergeEngine
 from iota_subnet.plan import plan_stage, stage_flops
 from iota_subnet.protocol import Outcome, ProtocolError
 from support.dataplane_net import P2PNet, run
@@ -216,6 +217,15 @@ def test_emulated_miner_over_signed_http(tmp_home):
             svc.write_status()
             st = json.loads((tmp_home / "m" / "status.json").read_text())
             assert st["emulation"]["emulation"] is True and st["busy_s"] > 0 and st["cache"]["emulated"]
+            # it merges: a virtual merge engine over a proxy of the stage (iota_subnet.sim.virtual_merge)
+            assert isinstance(svc.merge, VirtualMergeEngine)
+            P = svc.worker.module.param_count()
+            v = st["merge"]["virtual"]
+            assert v["true_numel"] == P and v["proxy_numel"] * v["scale"] >= P and v["proxy_numel"] <= 1 << 20
+            assert svc.merge.params.numel == v["proxy_numel"] and st["merge"]["merged_epoch"] == -1
+            before = svc.worker.merge_module.flat.detach().clone()
+            await svc.compute.run(svc.worker.step)
+            assert not torch.equal(before, svc.worker.merge_module.flat.detach())     # a non-zero pseudo-gradient
         finally:
             await svc.stop()
             await chain.close()
@@ -298,7 +308,7 @@ def test_same_interface_as_the_real_stage_worker():
     emu = EmulatedStageWorker(cfg, 1, Emulation(parse_accelerator("1e12", 4.0)), sleep=lambda s: None)
     for attr in ("spec", "cache", "lock", "inner_step", "version", "merges", "pending", "forwards", "backwards",
                  "tokens", "trained_tokens", "busy_s", "auto_step", "micro_per_step", "precision", "last_weights_step",
-                 "last_weights_merges", "module"):
+                 "last_weights_merges", "module", "merge_module", "lane", "opt"):
         assert hasattr(real, attr) and hasattr(emu, attr), attr
     for key in ("entries", "bytes", "max_bytes", "ttl_s", "evictions"):
         assert key in real.cache.stats() and key in emu.cache.stats()

@@ -31,7 +31,7 @@ from iota_subnet.protocol import (MergeAck, MergePayload, MergeResult, MergeResu
 from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.progress import Progress
 
-from .deadlines import bytes_per_value, phase_deadline_s, scatter_bytes
+from .deadlines import bytes_per_value, phase_deadline_s
 from .outer import dequantize, outer_step, quantize, rounded, weighted_mean
 from .claims import co_result, co_signature, result_from_wire, wire_contribution
 from .plan import MergePlan
@@ -139,9 +139,8 @@ class AllReduceAttempt:
         streams = [(r, s) for s in range(plan.num_shards) for r in dict.fromkeys(plan.reducers[s]) if r != self.me]
         t_start = time.monotonic()
         # results are asked for until the reducers' own deadline has passed (their waits end by then)
-        gather_deadline = t_start + phase_deadline_s(self.cfg, scatter_bytes(
-            len(plan.participants), plan.total_numel, quant, block), self._byte_progress) + min(self.cfg.progress_timeout_s,
-                                                                self.cfg.phase_timeout_s)
+        gather_deadline = t_start + phase_deadline_s(self.cfg, self.phase_bytes(plan), self._byte_progress) + min(
+            self.cfg.progress_timeout_s, self.cfg.phase_timeout_s)
         reducers = asyncio.gather(*(self._reduce(sess, s) for s in mine))
         sending = [asyncio.ensure_future(stream(r, s)) for r, s in streams]
         try:

@@ -441,9 +441,7 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         or the phase deadline passes (:mod:`.deadlines`), then publish the result."""
         plan, red = sess.plan, sess.reduce[s]
         t0 = time.monotonic()
-        deadline = t0 + phase_deadline_s(self.cfg, scatter_bytes(len(plan.participants), plan.total_numel,
-                                                                 self.cfg.scatter_quant, self.cfg.int8_block),
-                                         self._byte_progress)
+        deadline = t0 + phase_deadline_s(self.cfg, self.phase_bytes(plan), self._byte_progress)
         pt = float(self.cfg.progress_timeout_s)
         reduced, since = red.reduced, t0
         while not red.done:
@@ -490,6 +488,14 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         if self.observer is not None and sess.results[s].status == "ok":
             await self._cosign(sess, s, deadline)
         sess.cosigned_event(s).set()
+
+    def phase_bytes(self, plan: MergePlan) -> float:
+        """Bytes this replica sends in the scatter of ``plan`` (:func:`.deadlines.scatter_bytes` of its
+        participants, values and scatter encoding): what the phase deadlines of the attempt follow
+        (:func:`.deadlines.phase_deadline_s`). A subclass whose messages stand for more bytes on the
+        link than they hold (the simulation's virtual payloads, :mod:`iota_subnet.sim.virtual_merge`)
+        may override it."""
+        return scatter_bytes(len(plan.participants), plan.total_numel, self.cfg.scatter_quant, self.cfg.int8_block)
 
     def mean_to_serve(self, shard_index: int, mean: list[torch.Tensor]) -> list[torch.Tensor]:
         """The mean pseudo-gradient of shard ``shard_index`` this replica, as its reducer, signs and

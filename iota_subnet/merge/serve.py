@@ -28,7 +28,7 @@ from iota_subnet.protocol import (MergeAck, MergeJoin, MergePayload, MergeResult
                                   Outcome, ProtocolError, payload_nbytes)
 from iota_subnet.protocol.codec import host_bytes
 
-from .deadlines import phase_deadline_s, scatter_bytes
+from .deadlines import phase_deadline_s
 from .outer import dequantize, rounded, weighted_mean
 from .plan import MergePlan
 
@@ -154,8 +154,8 @@ class MergeServing:
     def _prune(self) -> None:
         # A finished attempt's results stay served for a while: a slower peer may still be gathering.
         for key, sess in list(self.sessions.items()):
-            phase = self.cfg.phase_timeout_s if sess.plan is None else phase_deadline_s(self.cfg, scatter_bytes(
-                len(sess.plan.participants), sess.plan.total_numel, self.cfg.scatter_quant, self.cfg.int8_block))
+            phase = (self.cfg.phase_timeout_s if sess.plan is None
+                     else phase_deadline_s(self.cfg, self.phase_bytes(sess.plan)))
             # (the declared-rate deadline: a closed attempt's results are kept for peers gathering late,
             # not for as long as the floor rate allows a live one, which would fill the session table)
             if self.current is not None and key[:2] == self.current[:2]:

@@ -103,8 +103,8 @@ class MinerMerging:
         return self.out / f"stage{self.stage}.merge.safetensors"
 
     def mount(self, server: NeuronServer, worker: Any) -> None:
-        """Build the merge engine for ``worker``, load the merge-state file, publish the state to
-        peers and mount the merge routes on ``server``."""
+        """Build the merge engine for ``worker`` (over its ``merge_module``), load the merge-state file,
+        publish the state to peers and mount the merge routes on ``server``."""
         mc, run_id, stage = self.cfg.merge, self.view.run_id, self.stage
         self.worker = worker
         self.client = NeuronClient(self.wallet, on_request=self.metrics.observe_hop, alternates=self.view.relays_of)
@@ -112,7 +112,7 @@ class MinerMerging:
                                   bytes_per_s=mc.assumed_uplink_bps / 8, reply_bytes=4 * mc.chunk_numel)
         self.claims = MergeClaims(self.wallet.hotkey, run_id, stage, int8_block=mc.int8_block,
                                   spill=self.audits.spill_dir())
-        params = ModuleParams(worker.module, worker.lock, on_write=worker.weights_replaced)
+        params = ModuleParams(worker.merge_module, worker.lock, on_write=worker.weights_replaced)
         options = MergeEngineOptions(weights_fn=self.view.merge_weights, work_fn=lambda: float(worker.trained_tokens),
                                      on_applied=self._on_merged, before_attempt=lambda: self.view.refresh(force=True),
                                      observer=self.claims, step_fn=lambda: worker.inner_step,
@@ -122,7 +122,8 @@ class MinerMerging:
         server.add_route("/audit/merge", MergeAuditRoute(self.claims), MergeAuditRequest, None)
         self.engine.in_sync = False
         self._load_state()
-        self.donor = SnapshotDonor(run_id, stage, mc.sync_chunk_numel, mc.max_concurrent_transfers)
+        # the engine's config: a subclass's may differ from the run's (the simulation's virtual merges)
+        self.donor = SnapshotDonor(run_id, stage, self.engine.cfg.sync_chunk_numel, mc.max_concurrent_transfers)
         self.donor.publish(self.engine.anchor, self.engine.momentum, self.engine.merged_epoch, worker.inner_step)
         self.last_epoch = self.epoch_at(worker.inner_step)
         P = self.engine.params.numel

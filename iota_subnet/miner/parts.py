@@ -8,12 +8,14 @@ cheaters are built that way).
 
 ``make_worker(service, stage) -> (worker, bound)``: the stage's compute (a
 :class:`~iota_subnet.miner.stage_worker.StageWorker` or any object with its interface; one with
-``has_weights`` False holds no weights: it is neither merged, synced nor audited) and how many
-micro-batches it can keep waiting for their backward (None: no bound). Called from the running
-event loop once the service has its stage and uid.
+``has_weights`` False holds no weights: it is neither checkpointed with weights nor audited; one
+whose ``merge_module`` is None is not merged) and how many micro-batches it can keep waiting for
+their backward (None: no bound). Called from the running event loop once the service has its stage
+and uid.
 
 ``make_merge_engine(me, cfg, params, transport, run_id=, stage=, options=)``: a
-:class:`~iota_subnet.merge.engine.MergeEngine` (same arguments; ``options``: its
+:class:`~iota_subnet.merge.engine.MergeEngine` (same arguments; ``params``: the
+:class:`~iota_subnet.merge.params.ModuleParams` of the worker's ``merge_module``; ``options``: its
 :class:`~iota_subnet.merge.engine.MergeEngineOptions`).
 
 ``make_hop_audit_routes(store, cfg, run_id=, stage=, device=)``: a

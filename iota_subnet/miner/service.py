@@ -205,7 +205,7 @@ class MinerService:
         self.server.add_route("/state", self._state, StateRequest, None)
         self.server.add_route("/health", self._health, Health, None)
         self.audits.mount(self.server, self.worker, self.stage)
-        if self.cfg.merge.enabled and self.worker.has_weights:    # emulated stages have no weights to merge
+        if self.cfg.merge.enabled and self.worker.merge_module is not None:   # emulated stages: a proxy
             self.merging.mount(self.server, self.worker)
         rows = await self._row_source() if (spec.is_head or spec.is_tail) else None
         links = NodeLinks(neurons=lambda: view.neurons, endpoint_of=view.endpoint_of,

@@ -66,6 +66,13 @@ class StageWorker:
     #: real weights (merged, synced, audited); an emulated worker has none
     has_weights = True
 
+    @property
+    def merge_module(self) -> torch.nn.Module:
+        """What the stage's replica merges read and write (:class:`~iota_subnet.merge.params.ModuleParams`):
+        its module. A worker without one (None) is not merged; an emulated worker's is a proxy of its
+        stage (:mod:`iota_subnet.sim.virtual_merge`)."""
+        return self.module
+
     def __init__(self, cfg: RunConfig, stage: int, *, device: str | torch.device = "cpu", seed: int = 0,
                  total_steps: Optional[int] = None, cache: Optional[ActivationCache] = None,
                  audit_window: int = 0, audit_spill: Optional[SpillDir] = None):

@@ -12,7 +12,11 @@ memory bandwidth. The loss is ln(vocab), that of a uniform prediction: nothing l
 
 A miner's entry point (``--emulate-gpu``) builds its service with :func:`emulated_parts`: the
 :class:`~iota_subnet.miner.parts.MinerParts` whose worker is an :class:`EmulatedStageWorker`
-(``has_weights`` False: the miner neither merges, syncs nor audits it).
+(``has_weights`` False: the miner neither checkpoints its weights nor audits it) and whose merge
+engine is a :class:`~iota_subnet.sim.virtual_merge.VirtualMergeEngine`: the stage merges with its
+replicas at its real sizes, a small real proxy (``merge_module``, a
+:class:`~iota_subnet.sim.virtual_merge.ProxyStage`) whose messages charge the emulated links the
+bytes of the real stage (:mod:`iota_subnet.sim.virtual_merge` says what is virtual and modelled).
 
 Memory is kept honest with the planner (:func:`iota_subnet.plan.plan_stage`, computed for the emulated
 device): a stage that does not fit is refused at construction (:class:`~iota_subnet.config.ConfigError`
@@ -47,6 +51,8 @@ from iota_subnet.plan import StagePlan, meta_stage, require_fit, stage_flops, st
 from iota_subnet.protocol import Outcome, ProtocolError
 from iota_subnet.utils.atomic import atomic_write_json
 
+from .virtual_merge import MAX_PROXY, ProxyStage, VirtualMergeEngine, VirtualPayload
+
 
 class InFlightLimitExceeded(ProtocolError):
     """A forward would hold more micro-batches than the emulated device's memory allows (BUSY, 503)."""
@@ -69,11 +75,15 @@ class Emulation:
     accelerator: Accelerator
     mfu: float = DEFAULT_MFU
     time_scale: float = 1.0
+    #: the largest merge proxy (values) of an emulated stage (:class:`~iota_subnet.sim.virtual_merge.VirtualPayload`)
+    max_proxy: int = MAX_PROXY
 
     def __post_init__(self):
         check_mfu(self.mfu)
         if not self.time_scale > 0:
             raise ConfigError(f"--time-scale {self.time_scale!r} must be > 0")
+        if not (isinstance(self.max_proxy, int) and self.max_proxy >= 1):
+            raise ConfigError(f"max_proxy {self.max_proxy!r} must be an integer >= 1")
 
     def to_json(self) -> dict:
         return {"emulation": True, "accelerator": self.accelerator.to_json(), "mfu": self.mfu,
@@ -155,7 +165,7 @@ class EmulatedStageWorker:
     """
 
     emulated = True
-    #: no real weights: nothing to merge, sync or audit
+    #: no real weights: nothing to checkpoint or audit (merges run on the proxy, ``merge_module``)
     has_weights = False
     #: no update commitments (see StageWorker.updates)
     updates = None
@@ -199,6 +209,18 @@ class EmulatedStageWorker:
         self.refused = 0
         self.loss = math.log(cfg.model.vocab_size)
         self.seq_len = cfg.data.seq_len
+        #: as StageWorker.lane: the lane it trains in (never handed one: emulated stages take no lane over)
+        self.lane: Optional[int] = None
+        #: what merges read and write (None: the run does not merge): a proxy of the stage's parameters
+        #: whose merge messages stand for the stage's real bytes (:mod:`iota_subnet.sim.virtual_merge`)
+        self.merge_module: Optional[ProxyStage] = None
+        #: the proxy's optimizer, for the interface only (a state sync clears its gradients; it never steps)
+        self.opt: Optional[torch.optim.Optimizer] = None
+        if cfg.merge.enabled:
+            payload = VirtualPayload.for_stage(self.module.param_count(), cfg.merge, max_proxy=emulation.max_proxy,
+                                               time_scale=emulation.time_scale)
+            self.merge_module = ProxyStage(payload, seed=cfg.train.seed + 1000 * stage)
+            self.opt = torch.optim.SGD(self.merge_module.parameters(), lr=0.0)
 
     # ---- time ----------------------------------------------------------------------------------
     def _compute(self, seconds: float) -> None:
@@ -326,9 +348,12 @@ class EmulatedStageWorker:
             return skipped
 
     def step(self) -> None:
-        """One emulated inner optimizer step (memory-bound AdamW pass)."""
+        """One emulated inner optimizer step (memory-bound AdamW pass); the merge proxy, when there is
+        one, moves by a small draw seeded by the step and the tokens trained (a non-zero pseudo-gradient)."""
         with self.lock:
             self._compute(self.timing.step_s)
+            if self.merge_module is not None:
+                self.merge_module.drift(self.inner_step, tag=self.trained_tokens)
             self.inner_step += 1
             self.version += 1
             self.pending = 0
@@ -406,7 +431,9 @@ def make_emulated_worker(cfg: RunConfig, stage: int, emulation: Emulation, *,
 
 def emulated_parts(emulation: Emulation) -> MinerParts:
     """The parts of a miner on the emulated accelerator ``emulation`` (``--emulate-gpu``): an
-    :class:`EmulatedStageWorker`; its status says ``emulation``."""
+    :class:`EmulatedStageWorker` merged by a :class:`~iota_subnet.sim.virtual_merge.VirtualMergeEngine`
+    (virtual payloads of the stage's real sizes); its status says ``emulation``."""
     def make_worker(svc, stage: int) -> tuple[EmulatedStageWorker, int]:
         return make_emulated_worker(svc.cfg, stage, emulation, total_steps=svc.total_steps)
-    return MinerParts(make_worker=make_worker, status={"emulation": emulation.to_json()})
+    return MinerParts(make_worker=make_worker, make_merge_engine=VirtualMergeEngine,
+                      status={"emulation": emulation.to_json()})
