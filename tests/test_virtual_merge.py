@@ -41,12 +41,12 @@ def merge_cfg() -> MergeConfig:
                        chunk_numel=1 << 18).validate()
 
 
-async def _replicas(tag: str, modules, make_engine, train):
+async def _replicas(tag: str, modules, make_engine, train, rate_bps=RATE_BPS):
     endpoints: dict[str, str] = {}
     out = []
     for i, m in enumerate(modules):
         kp = Keypair.create_from_uri(f"//Virtual{tag}{i}")
-        shaper = UplinkShaper(LinkSpec(RATE_BPS, 0.0))
+        shaper = UplinkShaper(LinkSpec(rate_bps[i] if isinstance(rate_bps, list) else rate_bps, 0.0))
         client = NeuronClient(kp, shaper=shaper)
         transport = HttpTransport(client, endpoints.get, timeout_s=10.0)
         engine = make_engine(kp.ss58_address, ModuleParams(m), transport)
@@ -66,8 +66,8 @@ async def _replicas(tag: str, modules, make_engine, train):
     return out
 
 
-async def _merge(tag: str, modules, make_engine, train):
-    reps = await _replicas(tag, modules, make_engine, train)
+async def _merge(tag: str, modules, make_engine, train, rate_bps=RATE_BPS):
+    reps = await _replicas(tag, modules, make_engine, train, rate_bps)
     try:
         engines = [r[0] for r in reps]
         peers = [e.me for e in engines]
@@ -131,6 +131,28 @@ def test_a_virtual_merge_charges_the_links_within_2_percent_of_a_real_merge_on_t
     assert e_virt.phase_bytes(plan_v) == pytest.approx(scatter_bytes(n, P, "int8"), rel=1e-3)
     assert phase_deadline_s(e_virt.cfg, e_virt.phase_bytes(plan_v), True) > 10 * phase_deadline_s(
         e_virt.cfg, scatter_bytes(n, payload.proxy_numel, "int8"), True) / K
+
+
+def test_a_virtual_message_longer_than_the_progress_timeout_is_not_cut():
+    """Replica 0 on a 2.4 Mbit/s uplink (the declared uplink), replica 1 on a fast one: one real int8
+    chunk of 2^17 values (133 kB) takes 0.44 s from replica 0, longer than the 0.3 s progress
+    timeout, and its virtual bytes are seen by replica 1 only when the whole message arrives (no real
+    byte crosses while they are charged; replica 1's own sends are over by then). Both virtual engines
+    size their watch for LINK_STREAMS such messages at the declared uplink, so both merge (with the
+    run's 0.3 s watch, both abandoned the attempt: "incomplete")."""
+    cfg = MergeConfig(every_steps=1, join_timeout_s=5.0, phase_timeout_s=2.0, progress_timeout_s=0.3, max_attempts=1,
+                      outer_lr=1.0, outer_momentum=0.0, quantization="int8", chunk_numel=1 << 17,
+                      assumed_uplink_bps=2.4e6).validate()
+    payload = VirtualPayload(1 << 19, K)
+    proxies = [ProxyStage(payload, seed=3) for _ in range(2)]
+    res, wall, reps = asyncio.run(_merge("slow", proxies, lambda me, params, t: VirtualMergeEngine(
+        me, cfg, params, t, run_id="virtual", stage=1), lambda i, m: m.drift(1, tag=i, size=1e-2),
+        rate_bps=[2.4e6, RATE_BPS]))
+    assert [r.status for r in res] == ["merged", "merged"], [(r.status, r.reason) for r in res]
+    assert all(torch.equal(flat(proxies[0]), flat(x)) for x in proxies[1:])
+    for e, *_ in reps:
+        assert e.cfg.progress_timeout_s >= 2 * 131_072 * 1.016 / 0.3e6 > cfg.progress_timeout_s
+    assert wall >= (1 << 19) * 1.0 / 0.3e6                 # the uplinks carried the real bytes: a scatter's worth
 
 
 def test_the_virtual_scale_keeps_the_proxy_small_and_the_chunks_valid_at_8b():

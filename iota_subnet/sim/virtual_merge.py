@@ -26,11 +26,14 @@ claims, verification and outer step. What is virtual, and where:
 * **progress**: the caller of a request whose *reply* carries tensors (``/merge/result``,
   ``/merge/contribution``), and a reducer waiting for a contribution, see the responder's / sender's
   virtual bytes only when the whole message arrives (no real byte crosses while they are charged).
-  So the watch is per message, not per piece: ``merge.progress_timeout_s`` is raised to at least
-  :data:`RATE_SLACK` x the time :data:`LINK_STREAMS` real messages sharing the shaped link take, plus
-  its delay (:meth:`VirtualPayload.merge_config`). A stopped peer costs that long, not the progress
-  timeout; a stage of many more replicas on a slow link may see a live peer cut there where the real
-  path (bytes reported piece by piece) would not;
+  So the watch is per message, not per piece: with shaped links, ``merge.progress_timeout_s`` is
+  raised to at least :data:`RATE_SLACK` x the time :data:`LINK_STREAMS` real messages sharing a link
+  take, plus its delay (:meth:`VirtualPayload.merge_config`), at the slower of this replica's shaped
+  links and the declared uplink ``merge.assumed_uplink_bps`` (a peer's link is not known here: the
+  declared rate is what the engine assumes wherever it sees no byte inside a message). A stopped peer
+  costs that long, not the progress timeout; a peer slower than the declared uplink, or a stage of
+  many more replicas on a slow link, may see a live peer cut there where the real path (bytes
+  reported piece by piece) would not;
 * **CPU** of encoding, reducing, decoding and hashing the virtual bytes: MODELLED as a delay of
   ``bytes / host_bytes_per_s x time_scale`` (:data:`HOST_BYTES_PER_S`, 2 GB/s of payload bytes per
   step; the event loop is not blocked: only the latency is modelled, not the host's CPU occupancy);
@@ -114,9 +117,9 @@ class VirtualPayload:
     def merge_config(self, cfg: MergeConfig, link_bytes_per_s: Optional[float] = None,
                      link_delay_s: float = 0.0, streams: int = LINK_STREAMS) -> MergeConfig:
         """``cfg`` for the proxy: chunks ``1/scale`` as large (as many messages as the real merge); the
-        progress timeout at least :data:`RATE_SLACK` x the time ``streams`` real messages sharing the
-        link take at ``link_bytes_per_s`` (the slower of the shaped up- and downlink; None: unshaped),
-        plus ``link_delay_s``. Raises :class:`ConfigError` when ``chunk_numel / scale`` is not a valid chunk."""
+        progress timeout at least :data:`RATE_SLACK` x the time ``streams`` real messages sharing a
+        link take at ``link_bytes_per_s`` (the slowest link a message's virtual bytes may cross; None:
+        nothing shaped, no change), plus ``link_delay_s``. Raises :class:`ConfigError` when ``chunk_numel / scale`` is not a valid chunk."""
         if not _valid(cfg, self.scale):
             raise ConfigError(f"merge.chunk_numel={cfg.chunk_numel} cannot be divided by the virtual scale {self.scale}")
         pt = float(cfg.progress_timeout_s)
@@ -226,11 +229,15 @@ class VirtualMergeEngine(MergeEngine):
         self.charges = 0                     # uplink charges made for replies holding tensors
         self.uplink = getattr(client, "shaper", None) or process_shaper()
         self.downlink = getattr(client, "downlink", None) or process_downlink()
-        rates = [s.link.bytes_per_s for s in (self.uplink, self.downlink) if s is not None and s.link.bytes_per_s]
+        # the slowest link a message's virtual bytes may cross: this replica's shaped links, or a peer's
+        # at the declared uplink (merge.assumed_uplink_bps, the rate assumed where no byte inside a
+        # message is seen); nothing shaped here: nothing virtual is charged, messages take no longer
+        shaped = [s for s in (self.uplink, self.downlink) if s is not None]
+        rates = [s.link.bytes_per_s for s in shaped if s.link.bytes_per_s] + [cfg.assumed_uplink_bps / 8]
         delay = self.uplink.link.delay_s if self.uplink is not None else 0.0
         vt = None if transport is None else VirtualTransport(transport, payload, uplink=self.uplink,
                                                               downlink=self.downlink)
-        super().__init__(me, payload.merge_config(cfg, min(rates) if rates else None, delay), params, vt,
+        super().__init__(me, payload.merge_config(cfg, min(rates) if shaped else None, delay), params, vt,
                          run_id=run_id, stage=stage, options=options)
 
     def status(self) -> dict:
