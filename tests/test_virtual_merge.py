@@ -1,9 +1,10 @@
 """Virtual merge payloads (:mod:`iota_subnet.sim.virtual_merge`) against the real path on ``tiny``.
 
 Two (three) replicas of ``tiny``'s stage 1 (2,369,280 parameters) merge over signed HTTP on 127.0.0.1,
-each with its own emulated uplink (:class:`UplinkShaper`, which counts the wire bytes of every request
-and response); then as many emulated replicas merge proxies of 1/16 of the stage (:class:`ProxyStage`) whose
-messages charge the shapers the bytes they stand for. The bytes the shapers counted agree within 2 %,
+each with its own emulated uplink and downlink (:class:`UplinkShaper`, :class:`DownlinkShaper`, which
+count the wire bytes of every request and response); then as many emulated replicas merge proxies of 1/16 of the stage (:class:`ProxyStage`) whose
+messages charge the shapers the bytes they stand for (sender's uplink, responder's uplink, both
+downlinks). The bytes the shapers counted agree within 2 % (up- and downlinks),
 every virtual replica ends ``merged`` with the same proxy weights, and the phase deadline follows the
 virtual bytes.
 """
@@ -26,7 +27,7 @@ from iota_subnet.protocol import MergeJoin, MergePayload, MergeResultRequest
 from iota_subnet.sim.emulated import Emulation, emulated_parts
 from iota_subnet.sim.virtual_merge import ProxyStage, VirtualMergeEngine, VirtualPayload
 from iota_subnet.transport import NeuronClient, NeuronServer
-from iota_subnet.transport.shaping import LinkSpec, UplinkShaper
+from iota_subnet.transport.shaping import DownlinkShaper, LinkSpec, UplinkShaper
 from support.dataplane_net import P2PNet, run
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,11 +48,12 @@ async def _replicas(tag: str, modules, make_engine, train, rate_bps=RATE_BPS):
     for i, m in enumerate(modules):
         kp = Keypair.create_from_uri(f"//Virtual{tag}{i}")
         shaper = UplinkShaper(LinkSpec(rate_bps[i] if isinstance(rate_bps, list) else rate_bps, 0.0))
-        client = NeuronClient(kp, shaper=shaper)
+        down = DownlinkShaper(RATE_BPS)
+        client = NeuronClient(kp, shaper=shaper, downlink=down)
         transport = HttpTransport(client, endpoints.get, timeout_s=10.0)
         engine = make_engine(kp.ss58_address, ModuleParams(m), transport)
         train(i, m)                         # local training after the anchor: replica-specific steps
-        server = NeuronServer(kp, host="127.0.0.1", shaper=shaper, max_body_bytes=8 << 20)
+        server = NeuronServer(kp, host="127.0.0.1", shaper=shaper, downlink=down, max_body_bytes=8 << 20)
 
         async def route(msg, ctx, engine=engine):
             return await engine.handle(ctx.route, msg, ctx.caller_hotkey)
@@ -62,7 +64,7 @@ async def _replicas(tag: str, modules, make_engine, train, rate_bps=RATE_BPS):
         server.add_route("/merge/contribution", route, MergeResultRequest)
         await server.start()
         endpoints[kp.ss58_address] = server.endpoint
-        out.append((engine, m, client, server, shaper))
+        out.append((engine, m, client, server, shaper, down))
     return out
 
 
@@ -117,6 +119,10 @@ def test_a_virtual_merge_charges_the_links_within_2_percent_of_a_real_merge_on_t
     print(f"\n{n} replicas: real merge: {real_wire:,} wire bytes, {real_msgs} shaped sends, {real_wall:.2f} s; virtual (k={K}, "
           f"{payload.proxy_numel:,} proxy values): {virt_wire:,} wire bytes ({ratio:.4f} x), {virt_wall:.2f} s")
     assert abs(ratio - 1) < 0.02, ratio
+    # the downlinks (every request a server reads, every reply a client reads) too
+    down_ratio = sum(r[5].wire_bytes for r in virt_reps) / sum(r[5].wire_bytes for r in real_reps)
+    print(f"downlinks: virtual / real {down_ratio:.4f}")
+    assert abs(down_ratio - 1) < 0.02, down_ratio
     # as many HTTP messages as the real merge (plus one virtual charge per message holding tensors)
     assert virt_http == real_msgs and charges > 0
     assert sum(r.bytes_sent for r in virt) == pytest.approx(sum(r.bytes_sent for r in real), rel=0.02)
