@@ -373,6 +373,8 @@ class MinerService:
         if w is not None:
             d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
                       "tokens": w.tokens, "cache": w.cache.stats(), "busy_s": round(w.busy_s, 3)})
+            if not w.has_weights:                   # emulated: its modelled update store and checkpoints
+                d["modelled"] = w.modelled()
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
             if self.server.shaper is not None:      # --link: the emulated uplink's counters
