@@ -351,7 +351,8 @@ class MinerService:
             await self.server.stop()
             self.server = None
             if self.worker is not None:
-                await self.checkpoint(wait=True)
+                self.write_status()         # the final counters, should the last checkpoint's write outlast
+                await self.checkpoint(wait=True)    # the stop's grace (a large stage's: tens of seconds)
             self.write_status()
         if self.worker is not None and self.worker.updates is not None:
             self.worker.updates.close()
