@@ -98,6 +98,27 @@ def test_inner_step_sleeps_the_update_stores_copies_with_the_host_plans_bytes(cf
     json.dumps(w.modelled())                                  # status.json material
 
 
+def test_a_skipped_step_commits_the_zero_gradient(cfg8b, plan3):
+    """skip_to: the real store commits the last step jumped over (the zero gradient, 4 P; the state
+    too when it is not the last step's copy: 16 P at the first, 8 P after a weights replacement)."""
+    c = Clock()
+    w = _worker(cfg8b, plan3, c)
+    P = w.plan.params
+    w.skip_to(3)
+    assert w.modelled()["update_store"]["last_d2h_bytes"] == 16 * P
+    c.now += 1e4
+    c.calls.clear()
+    w.step()
+    c.now += 1e4                                  # its background work is over: no wait
+    w.skip_to(6)
+    assert c.calls[-1] == pytest.approx(4 * P / PCIE_D2H_BYTES_PER_S * SCALE)
+    assert w.modelled()["update_store"]["last_d2h_bytes"] == 4 * P
+    c.now += 1e4
+    w.weights_replaced()
+    w.skip_to(9)
+    assert w.modelled()["update_store"]["last_d2h_bytes"] == 8 * P and w.modelled()["update_store"]["steps"] == 4
+
+
 def test_no_update_store_without_an_audit_window(cfg8b, plan3):
     c = Clock()
     w = _worker(cfg8b, plan3, c, audit_window=0)

@@ -338,6 +338,10 @@ class EmulatedStageWorker:
             skipped = max(0, int(step) - self.inner_step)
             if skipped:
                 self.pending = 0
+                # as the real store: a (skipped) commitment of the last step jumped over, MODELLED
+                self._compute(self.io.before_step(self._now(), self.merges != self._merges_at_step, skipped=True))
+                self.io.after_step(self._now())
+                self._merges_at_step = self.merges
                 self.last_skip = (self.inner_step, int(step))
                 self.inner_step = int(step)
                 self.version += 1

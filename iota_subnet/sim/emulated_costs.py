@@ -28,6 +28,10 @@ store). What the real store does per inner step (see :mod:`iota_subnet.miner.upd
   trees of every copy (weights copies twice: rows and columns) at sha256 per core x workers, then the
   copies to disk (spill) at the disk rate.
 
+A step jumped over (``skip_to``) is committed as the real worker does (the zero gradient, ``4 P``, and
+the state when it is not the last step's copy: ``16 P`` at the first step, ``8 P`` after a weights
+replacement).
+
 Host bytes held: the step's copies until spilled, plus the trees of every kept copy
 (:data:`~iota_subnet.host_plan.TREE_BYTES_PER_ROW` per committed row or column); with K steps kept
 and the weights just replaced this is the plan's :attr:`~iota_subnet.host_plan.HostPlan.update_store_bytes`.
@@ -118,12 +122,19 @@ class UpdateStoreModel:
         self.wait_s += wait
         return wait
 
-    def copy(self, replaced: bool) -> float:
-        """Count one step's copies (``replaced``: the weights were replaced since the last step);
-        returns the emulated seconds of the device -> host copy (on the compute stream)."""
+    def copy(self, replaced: bool, skipped: bool = False) -> float:
+        """Count one step's copies (``replaced``: the weights were replaced since the last step;
+        ``skipped``: the commitment of a step jumped over, ``StageWorker.skip_to``: the zero gradient,
+        and the state once when it is not the last step's, ``16 P`` / ``8 P`` / ``4 P``); returns the
+        emulated seconds of the device -> host copy (on the compute stream)."""
         b = update_store_bytes(self.P, self.K)
-        nbytes = b["host_first"] if self.steps == 0 else (b["host_replaced"] if replaced else b["host"])
-        self._weights_copies = 2 if (self.steps == 0 or replaced) else 1
+        first = self.steps == 0
+        if skipped:
+            nbytes = 4 * self.P + (12 * self.P if first else (4 * self.P if replaced else 0))
+            self._weights_copies = 1 if (first or replaced) else 0
+        else:
+            nbytes = b["host_first"] if first else (b["host_replaced"] if replaced else b["host"])
+            self._weights_copies = 2 if (first or replaced) else 1
         self._pending_bytes = nbytes
         self.last_d2h_bytes = nbytes
         self.d2h_bytes += nbytes
@@ -228,13 +239,14 @@ class ModelledIo:
         self.checkpoints = CheckpointModel(params, len(shapes), buffers, from_store=self.store is not None,
                                            rates=rates)
 
-    def before_step(self, now: float, replaced: bool) -> float:
-        """Emulated seconds on the compute thread before the optimizer step: the wait for the previous
-        step's background work, then the step's device -> host copies (0 without a store)."""
+    def before_step(self, now: float, replaced: bool, skipped: bool = False) -> float:
+        """Emulated seconds on the compute thread before the optimizer step (``skipped``: the commitment
+        of a step jumped over): the wait for the previous step's background work, then the step's
+        device -> host copies (0 without a store)."""
         if self.store is None:
             return 0.0
         wait = self.store.settle(now)
-        return wait + self.store.copy(replaced)
+        return wait + self.store.copy(replaced, skipped)
 
     def after_step(self, now: float) -> None:
         """The optimizer step ended at emulated time ``now``: the store's background work starts."""
