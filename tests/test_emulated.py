@@ -216,6 +216,9 @@ def test_emulated_miner_over_signed_http(tmp_home):
             svc.write_status()
             st = json.loads((tmp_home / "m" / "status.json").read_text())
             assert st["emulation"]["emulation"] is True and st["busy_s"] > 0 and st["cache"]["emulated"]
+            # the modelled update store (the miner's audit window) and checkpoints are in status.json
+            assert st["modelled"]["update_store"]["keep_steps"] == svc.audit_window > 0
+            assert st["modelled"]["checkpoints"]["file_bytes"] >= 12 * svc.worker.plan.params
         finally:
             await svc.stop()
             await chain.close()
