@@ -62,6 +62,13 @@ HOP_STORE_MAX_HOPS = 1024
 MERGE_STREAM_WINDOW = 2
 #: Merge epochs kept for merge audits (:data:`iota_subnet.protocol.audit.MERGE_AUDIT_KEEP_EPOCHS`).
 MERGE_AUDIT_EPOCHS = 4
+#: Device -> host copy rate assumed for costs (bytes/s): PCIe 4 x16 into pinned memory, 25 GB/s
+#: (``scripts/bench_costs.py --pcie-gbps``; the emulated miners' modelled copies, :mod:`iota_subnet.sim.emulated_costs`).
+PCIE_D2H_BYTES_PER_S = 25e9
+#: Sustained disk write rate assumed for costs (bytes/s): one NVMe drive, 2 GB/s (``bench_costs.py --disk-gbps``).
+DISK_WRITE_BYTES_PER_S = 2e9
+#: sha256 throughput of one core assumed for costs (bytes/s; :mod:`iota_subnet.audit.merkle` says 1-2 GB/s).
+SHA256_BYTES_PER_S = 1.5e9
 
 
 def update_store_bytes(P: int, K: int) -> dict[str, int]:

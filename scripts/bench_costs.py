@@ -38,6 +38,7 @@ import dataclasses  # noqa: E402
 
 from iota_subnet.config import MergeConfig, load_config  # noqa: E402
 from iota_subnet.hardware import GIB, GPUS  # noqa: E402
+from iota_subnet.host_plan import DISK_WRITE_BYTES_PER_S, PCIE_D2H_BYTES_PER_S  # noqa: E402
 from iota_subnet.merge.deadlines import bytes_per_value  # noqa: E402
 from iota_subnet.merge import sparse  # noqa: E402
 from iota_subnet.merge.plan import MergePlan  # noqa: E402
@@ -125,8 +126,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="8b,100b")
     ap.add_argument("--audit-bytes-per-token", type=float, default=100.0)
-    ap.add_argument("--pcie-gbps", type=float, default=25.0, help="device -> host GB/s (PCIe 4 x16, pinned)")
-    ap.add_argument("--disk-gbps", type=float, default=2.0, help="sustained NVMe write GB/s")
+    ap.add_argument("--pcie-gbps", type=float, default=PCIE_D2H_BYTES_PER_S / 1e9,
+                    help="device -> host GB/s (PCIe 4 x16, pinned)")
+    ap.add_argument("--disk-gbps", type=float, default=DISK_WRITE_BYTES_PER_S / 1e9,
+                    help="sustained NVMe write GB/s")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     rows = [costs(r.strip(), a.audit_bytes_per_token, a.pcie_gbps, a.disk_gbps) for r in a.rows.split(",") if r.strip()]

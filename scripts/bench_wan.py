@@ -30,6 +30,16 @@ emulated rows, ``--emulate-gpu``, then reads its ``summary.json``, the miners' `
   home miners per stage and the relay's per-peer cap (``--relay-rate``, emulated bytes per second; None:
   no cap).
 
+* emulated rows, MODELLED (virtual payloads, :mod:`iota_subnet.sim.emulated_costs`; from the miners'
+  ``status.json`` ``modelled``): ``update_store_host_bytes_max`` (max over miners of the most host
+  bytes the modelled update store held: one step's copies + trees; the first step's ``28 P`` included),
+  ``update_store_plan_host_bytes`` (max over miners of the host plan's bound at their audit window),
+  ``update_store_d2h_bytes_per_step`` (max over miners of the last step's device -> host bytes),
+  ``update_store_settle_wait_s`` (max over miners, emulated seconds the compute thread waited for the
+  previous step's hashing and spill), ``checkpoint_writes`` / ``checkpoint_bytes`` (sums over miners),
+  ``checkpoint_write_s`` (max over miners, emulated seconds of modelled writes); ``block_time_s``: the
+  devnet's seconds per block, ``{"wall", "emulated"}`` (wall = emulated x ``time_scale``).
+
 Every emulated row says ``"mode": "emulated"`` and carries an ``emulation`` note. Usage::
 
     python scripts/bench_wan.py --list                      # the rows and their ideal figures, no runs
@@ -215,6 +225,27 @@ def stage_utilisation(summary: dict, miner_status: list[dict]) -> Optional[float
     return sum(min(1.0, b / train_s) for b in busy) / len(busy)
 
 
+def modelled_fields(miner_status: list[dict]) -> dict:
+    """The emulated miners' MODELLED update store and checkpoint figures (see the module docstring);
+    None for a figure no miner reports."""
+    stores = [(m.get("modelled") or {}).get("update_store") or {} for m in miner_status]
+    ckpts = [(m.get("modelled") or {}).get("checkpoints") or {} for m in miner_status]
+
+    def most(rows: list[dict], key: str):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    def total(rows: list[dict], key: str):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) if vals else None
+    return {"update_store_host_bytes_max": most(stores, "max_host_bytes"),
+            "update_store_plan_host_bytes": most(stores, "plan_host_bytes"),
+            "update_store_d2h_bytes_per_step": most(stores, "last_d2h_bytes"),
+            "update_store_settle_wait_s": most(stores, "settle_wait_s"),
+            "checkpoint_writes": total(ckpts, "writes"), "checkpoint_bytes": total(ckpts, "write_bytes"),
+            "checkpoint_write_s": most(ckpts, "write_s")}
+
+
 def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[dict], *,
                ideal: Optional[float], host_cpu_busy: Optional[float], own_cpu_busy: Optional[float],
                wall_s: Optional[float], error: Optional[str] = None) -> dict:
@@ -248,7 +279,8 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
     }
     if row.mode == "emulated":
         out.update(gpu=row.gpu, mfu=row.mfu, time_scale=row.time_scale, emulation=EMULATION_NOTE,
-                   time_unit="emulated seconds (wall / time_scale)")
+                   time_unit="emulated seconds (wall / time_scale)", block_time_s=summary.get("block_time_s"),
+                   **modelled_fields(miner_status))
     if error:
         out["error"] = error
     return out

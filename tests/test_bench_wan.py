@@ -112,6 +112,23 @@ def test_result_row_from_a_summary(bench):
     json.dumps(out)
 
 
+def test_emulated_rows_report_the_modelled_update_store_checkpoints_and_block_time(bench):
+    row = next(r for r in bench.rows() if r.name == "8b-a100-r64-100mbit:50ms")
+    store = {"max_host_bytes": 50, "plan_host_bytes": 40, "last_d2h_bytes": 16, "settle_wait_s": 0.5}
+    miners = [{"modelled": {"update_store": store, "checkpoints": {"writes": 1, "write_bytes": 12, "write_s": 3.0}}},
+              {"modelled": {"update_store": {**store, "max_host_bytes": 70, "settle_wait_s": 0.0},
+                            "checkpoints": {"writes": 2, "write_bytes": 24, "write_s": 6.0}}},
+              {}]                                       # a miner without a status: left out
+    out = bench.result_row(row, {"block_time_s": {"wall": 2.0, "emulated": 1.0}}, miners, [], ideal=None,
+                           host_cpu_busy=None, own_cpu_busy=None, wall_s=None)
+    assert out["update_store_host_bytes_max"] == 70 and out["update_store_plan_host_bytes"] == 40
+    assert out["update_store_d2h_bytes_per_step"] == 16 and out["update_store_settle_wait_s"] == 0.5
+    assert out["checkpoint_writes"] == 3 and out["checkpoint_bytes"] == 36 and out["checkpoint_write_s"] == 6.0
+    assert out["block_time_s"] == {"wall": 2.0, "emulated": 1.0}
+    empty = bench.result_row(row, {}, [], [], ideal=None, host_cpu_busy=None, own_cpu_busy=None, wall_s=None)
+    assert empty["update_store_host_bytes_max"] is None and empty["checkpoint_writes"] is None
+
+
 def test_training_window(bench):
     assert bench.training_window([]) == (False, False)
     assert bench.training_window([{"steps_done": {"0": 0}}]) == (False, False)

@@ -226,6 +226,9 @@ def test_emulated_miner_over_signed_http(tmp_home):
             before = svc.worker.merge_module.flat.detach().clone()
             await svc.compute.run(svc.worker.step)
             assert not torch.equal(before, svc.worker.merge_module.flat.detach())     # a non-zero pseudo-gradient
+            # the modelled update store (the miner's audit window) and checkpoints are in status.json
+            assert st["modelled"]["update_store"]["keep_steps"] == svc.audit_window > 0
+            assert st["modelled"]["checkpoints"]["file_bytes"] >= 12 * svc.worker.plan.params
         finally:
             await svc.stop()
             await chain.close()

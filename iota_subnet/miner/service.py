@@ -351,7 +351,8 @@ class MinerService:
             await self.server.stop()
             self.server = None
             if self.worker is not None:
-                await self.checkpoint(wait=True)
+                self.write_status()         # the final counters, should the last checkpoint's write outlast
+                await self.checkpoint(wait=True)    # the stop's grace (a large stage's: tens of seconds)
             self.write_status()
         if self.worker is not None and self.worker.updates is not None:
             self.worker.updates.close()
@@ -373,6 +374,8 @@ class MinerService:
         if w is not None:
             d.update({"inner_step": w.inner_step, "forwards": w.forwards, "backwards": w.backwards,
                       "tokens": w.tokens, "cache": w.cache.stats(), "busy_s": round(w.busy_s, 3)})
+            if not w.has_weights:                   # emulated: its modelled update store and checkpoints
+                d["modelled"] = w.modelled()
         if self.server is not None:
             d["outcomes"] = dict(self.server.outcomes)
             if self.server.shaper is not None:      # --link: the emulated uplink's counters

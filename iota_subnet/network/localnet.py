@@ -31,8 +31,8 @@ from iota_subnet.config import ConfigError, RunConfig
 from iota_subnet.utils.atomic import atomic_write_text
 from iota_subnet.utils.progress import Progress
 from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
-from .localnet_args import (adversary_positions, emulation_argv, localnet_config, relay_rate_argv, role_links,
-                             wire_dtype_argv)
+from .localnet_args import (adversary_positions, devnet_block_time, emulation_argv, localnet_config, relay_rate_argv,
+                             role_links, wire_dtype_argv)
 from .localnet_summary import RunSummary
 from .processes import Child, NeuronProcesses
 
@@ -73,7 +73,7 @@ class LocalNet(NeuronProcesses, RunSummary):
         #: stages: ``stages`` when given, else the config's own ``pipeline.stages``
         self.stages, self.replicas, self.n_validators = self.cfg.pipeline.stages, replicas, validators
         self.data, self.steps = data, steps
-        self.block_time, self.tempo = block_time, tempo
+        self.tempo = tempo
         self.restart_dead, self.restart_delay_s = restart_dead, restart_delay_s
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.extra_miner_args = extra_miner_args or []
@@ -84,6 +84,10 @@ class LocalNet(NeuronProcesses, RunSummary):
         self.link, self.emulation, miner_argv, validator_argv = emulation_argv(
             link, emulate_gpu, mfu, gpu_mem, time_scale, validator_link=self.links["validator"])
         self.time_scale = float(time_scale)
+        #: seconds per block: ``--block-time`` in emulated seconds, and the devnet's wall block time
+        #: (x ``time_scale`` when emulated: a tempo is a tempo of emulated time; see devnet_block_time)
+        self.block_time_emulated = float(block_time)
+        self.block_time = devnet_block_time(block_time, self.time_scale, self.emulation is not None)
         self.extra_miner_args = [*miner_argv, *self.extra_miner_args]
         #: wire dtype of activations and gradients between miners, given to every validator (None: theirs, bf16)
         self.wire_dtype = wire_dtype

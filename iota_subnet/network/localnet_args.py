@@ -171,3 +171,16 @@ def emulation_argv(link: str, emulate_gpu: Optional[str], mfu: Optional[float], 
             miner += ["--gpu-mem", repr(float(gpu_mem))]
         validator += ["--clasp-interval", "0", "--no-audits"]
     return spec, (emu.to_json() if emu is not None else None), miner, validator
+
+
+def devnet_block_time(block_time: float, time_scale: float, emulated: bool) -> float:
+    """The devnet's wall seconds per block for ``--block-time`` (seconds per block; emulated seconds in
+    an emulated run) and ``--time-scale``: with ``emulated`` (``--emulate-gpu``) ``block_time x
+    time_scale``, so a tempo is a tempo of emulated time (compute, links and chain all run
+    ``time_scale`` times slower on the wall clock); else ``block_time`` (real compute runs at wall
+    speed, so the chain does too). Raises ConfigError for a block time or time scale <= 0."""
+    if not (block_time > 0 and math.isfinite(block_time)):
+        raise ConfigError(f"--block-time {block_time!r} must be > 0 (seconds per block)")
+    if not (time_scale > 0 and math.isfinite(time_scale)):
+        raise ConfigError(f"--time-scale {time_scale!r} must be > 0")
+    return float(block_time) * float(time_scale) if emulated else float(block_time)

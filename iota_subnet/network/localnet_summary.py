@@ -143,6 +143,7 @@ class RunSummary:
                       "mismatch_reports": sum((m.get("merge") or {}).get("mismatch_reports", 0) for m in miners)},
             "adversary": self.adversary, "adversary_uids": self.adversary_uids(),
             "link": self.link, "links": self.links, "relay_rate": self.relay_rate, "emulation": self.emulation,
+            "block_time_s": {"wall": self.block_time, "emulated": self.block_time_emulated}, "tempo": self.tempo,
             "miners": miners, "validators_detail": vals, "relays": relays, "chain_db": str(self.chain_db),
         }
         if self.chaos is not None:

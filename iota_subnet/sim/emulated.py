@@ -18,6 +18,13 @@ replicas at its real sizes, a small real proxy (``merge_module``, a
 :class:`~iota_subnet.sim.virtual_merge.ProxyStage`) whose messages charge the emulated links the
 bytes of the real stage (:mod:`iota_subnet.sim.virtual_merge` says what is virtual and modelled).
 
+Beside compute, the update store (with ``--audit-window`` K > 0) and the checkpoint writes are
+MODELLED (:mod:`iota_subnet.sim.emulated_costs`, virtual payloads: byte counts of the stage's real
+sizes, nothing held, hashed or written): an inner step also waits for the previous step's modelled
+hashing and spill and sleeps the device -> host copy of what the real store copies; a checkpoint
+sleeps its snapshot on the compute thread and its sha256 + disk write on the writer thread. Their
+counters are :meth:`EmulatedStageWorker.modelled` (``status.json``'s ``modelled``).
+
 Memory is kept honest with the planner (:func:`iota_subnet.plan.plan_stage`, computed for the emulated
 device): a stage that does not fit is refused at construction (:class:`~iota_subnet.config.ConfigError`
 with the plan), and a forward that would hold more micro-batches in flight than fit is refused with
@@ -49,6 +56,7 @@ from iota_subnet.miner.parts import MinerParts
 from iota_subnet.miner.stage_worker import UnknownMicrobatch
 from iota_subnet.plan import StagePlan, meta_stage, require_fit, stage_flops, stage_timing
 from iota_subnet.protocol import Outcome, ProtocolError
+from iota_subnet.sim.emulated_costs import ModelledIo
 from iota_subnet.utils.atomic import atomic_write_json
 
 from .virtual_merge import MAX_PROXY, ProxyStage, VirtualMergeEngine, VirtualPayload
@@ -160,8 +168,10 @@ class EmulatedStageWorker:
     """A stage on an emulated accelerator; the interface of :class:`StageWorker` (see the module docstring).
 
     ``wire_dtype``: dtype of the activations and gradients it returns (the wire format: bf16 by
-    default). ``clock`` / ``sleep``: injectable for tests. Raises :class:`ConfigError` (with the plan
-    table) when the stage does not fit the emulated device.
+    default). ``clock`` / ``sleep``: injectable for tests. ``audit_window``: the miner's
+    ``--audit-window`` (K inner steps; 0: no update store), for the MODELLED update store and
+    checkpoint writes (:attr:`io`, :mod:`iota_subnet.sim.emulated_costs`). Raises :class:`ConfigError`
+    (with the plan table) when the stage does not fit the emulated device.
     """
 
     emulated = True
@@ -172,7 +182,8 @@ class EmulatedStageWorker:
 
     def __init__(self, cfg: RunConfig, stage: int, emulation: Emulation, *, total_steps: Optional[int] = None,
                  wire_dtype: torch.dtype = torch.bfloat16, ttl_s: float = 120.0, plan: Optional[StagePlan] = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 audit_window: int = 0):
         self.cfg, self.stage, self.emulation = cfg, stage, emulation
         self.module = meta_stage(cfg, stage)                 # shapes only, no memory
         self.spec = self.module.spec
@@ -221,6 +232,9 @@ class EmulatedStageWorker:
                                                time_scale=emulation.time_scale)
             self.merge_module = ProxyStage(payload, seed=cfg.train.seed + 1000 * stage)
             self.opt = torch.optim.SGD(self.merge_module.parameters(), lr=0.0)
+        #: MODELLED update store and checkpoint writes (virtual payloads of the stage's real sizes)
+        self.io = ModelledIo(self.module, self.plan.params, int(audit_window))
+        self._merges_at_step = 0            # weights replaced since the last step: merges != this
 
     # ---- time ----------------------------------------------------------------------------------
     def _compute(self, seconds: float) -> None:
@@ -229,6 +243,10 @@ class EmulatedStageWorker:
         if wall > 0:
             self._sleep(wall)
         self.busy_s += wall
+
+    def _now(self) -> float:
+        """Emulated seconds (the clock / the time scale)."""
+        return self._clock() / self.emulation.time_scale
 
     def _payload(self, mb_id: str, shape: tuple) -> torch.Tensor:
         h = hashlib.blake2b(mb_id.encode(), digest_size=2).digest()
@@ -342,18 +360,27 @@ class EmulatedStageWorker:
             skipped = max(0, int(step) - self.inner_step)
             if skipped:
                 self.pending = 0
+                # as the real store: a (skipped) commitment of the last step jumped over, MODELLED
+                self._compute(self.io.before_step(self._now(), self.merges != self._merges_at_step, skipped=True))
+                self.io.after_step(self._now())
+                self._merges_at_step = self.merges
                 self.last_skip = (self.inner_step, int(step))
                 self.inner_step = int(step)
                 self.version += 1
             return skipped
 
     def step(self) -> None:
-        """One emulated inner optimizer step (memory-bound AdamW pass); the merge proxy, when there is
-        one, moves by a small draw seeded by the step and the tokens trained (a non-zero pseudo-gradient)."""
+        """One emulated inner optimizer step (memory-bound AdamW pass), with the MODELLED update
+        store's wait and device -> host copies before it (:meth:`ModelledIo.before_step`); the merge
+        proxy, when there is one, moves by a small draw seeded by the step and the tokens trained (a
+        non-zero pseudo-gradient)."""
         with self.lock:
+            self._compute(self.io.before_step(self._now(), self.merges != self._merges_at_step))
             self._compute(self.timing.step_s)
             if self.merge_module is not None:
                 self.merge_module.drift(self.inner_step, tag=self.trained_tokens)
+            self.io.after_step(self._now())
+            self._merges_at_step = self.merges
             self.inner_step += 1
             self.version += 1
             self.pending = 0
@@ -377,13 +404,28 @@ class EmulatedStageWorker:
         return Path(str(path) + ".emulated.json")
 
     def snapshot(self) -> dict:
-        """As :meth:`StageWorker.snapshot`: what a checkpoint holds (here only the step counters)."""
+        """As :meth:`StageWorker.snapshot`: what a checkpoint holds (here only the step counters), after
+        the MODELLED snapshot's device -> host time on this (the compute) thread."""
         with self.lock:
-            return self.meta()
+            held = self.io.holds_state(self.merges != self._merges_at_step)
+            s = self.io.checkpoints.snapshot(held)
+            if s > 0:
+                self._sleep(s * self.emulation.time_scale)
+            return {**self.meta(), "modelled_from_update_store": held}
 
     def write_snapshot(self, snap: dict, path: str | Path) -> Path:
-        """As :meth:`StageWorker.write_snapshot`: atomically write a :meth:`snapshot` next to ``path``."""
+        """As :meth:`StageWorker.write_snapshot`: after the MODELLED write (wait for the update store's
+        copies, sha256 and disk time of the real file's bytes; a sleep on the calling thread, the
+        checkpoint writer's), atomically write a :meth:`snapshot` next to ``path``."""
+        held = bool(snap.get("modelled_from_update_store"))
+        s = self.io.checkpoints.write(self.io.seal_wait(self._now(), held))
+        if s > 0:
+            self._sleep(s * self.emulation.time_scale)
         return atomic_write_json(self._state_path(path), snap)
+
+    def modelled(self) -> dict:
+        """The MODELLED update store and checkpoints (:meth:`ModelledIo.status`), for ``status.json``."""
+        return self.io.status(self._now())
 
     def save(self, path: str | Path) -> Path:
         """Atomically write the step counters (there are no weights) next to ``path``."""
@@ -421,10 +463,11 @@ class EmulatedStageWorker:
 
 
 def make_emulated_worker(cfg: RunConfig, stage: int, emulation: Emulation, *,
-                         total_steps: Optional[int] = None) -> tuple[EmulatedStageWorker, int]:
+                         total_steps: Optional[int] = None, audit_window: int = 0) -> tuple[EmulatedStageWorker, int]:
     """An :class:`EmulatedStageWorker` and how many micro-batches it can keep waiting for their backward
-    (its memory plan's bound). Raises :class:`ConfigError` when the stage does not fit the device."""
-    w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps)
+    (its memory plan's bound). ``audit_window``: the miner's (K steps of the modelled update store).
+    Raises :class:`ConfigError` when the stage does not fit the device."""
+    w = EmulatedStageWorker(cfg, stage, emulation, total_steps=total_steps, audit_window=audit_window)
     logger.warning(f"EMULATION, no training: {w.describe()}")
     return w, w.cache.max_entries
 
@@ -434,6 +477,7 @@ def emulated_parts(emulation: Emulation) -> MinerParts:
     :class:`EmulatedStageWorker` merged by a :class:`~iota_subnet.sim.virtual_merge.VirtualMergeEngine`
     (virtual payloads of the stage's real sizes); its status says ``emulation``."""
     def make_worker(svc, stage: int) -> tuple[EmulatedStageWorker, int]:
-        return make_emulated_worker(svc.cfg, stage, emulation, total_steps=svc.total_steps)
+        return make_emulated_worker(svc.cfg, stage, emulation, total_steps=svc.total_steps,
+                                    audit_window=svc.audit_window)
     return MinerParts(make_worker=make_worker, make_merge_engine=VirtualMergeEngine,
                       status={"emulation": emulation.to_json()})
