@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from iota_subnet.config import ConfigError, RunConfig, load_config  # noqa: E402
 from iota_subnet.hardware import DEFAULT_MFU, parse_accelerator  # noqa: E402
+from iota_subnet.network.cli import parse_sets  # noqa: E402
 from iota_subnet.protocol.ticket import WIRE_DTYPES  # noqa: E402
 from iota_subnet.transport.shaping import LINK_PROFILES, parse_link  # noqa: E402
 
@@ -117,8 +118,19 @@ def _emulated(model: str, gpu: str, stages: int, replicas: int, ratio: int, link
                overrides={"data": {"tokenizer": None}, "train": {"total_steps": steps}})
 
 
+def _with_merges(row: Row, every_steps: int, *, steps: int, time_scale: float) -> Row:
+    """``row`` with its replicas merging every ``every_steps`` inner steps while they train
+    (``merge.overlap``; the config's merge quantization, int8 for ``8b`` / ``100b``): emulated stages
+    merge a VIRTUAL payload of their real size (:mod:`iota_subnet.sim.virtual_merge`)."""
+    ovr = {k: dict(v) for k, v in row.overrides.items()}
+    ovr.setdefault("merge", {}).update(every_steps=every_steps, overlap=True)
+    ovr.setdefault("train", {})["total_steps"] = steps
+    return dataclasses.replace(row, name=f"{row.name}-merge{every_steps}", steps=steps, time_scale=time_scale,
+                               overrides=ovr)
+
+
 def rows() -> list[Row]:
-    """The rows issue 9 asks for, in order."""
+    """The rows issue 9 asks for, in order, then the whole-system rows (merges inside the window)."""
     out = [Row(f"tiny-train-{link}", "train", "configs/tiny_merge.yaml", 3, 2, 8, "bf16", link, 150,
                rows_per_microbatch=4) for link in ("loopback", "100mbit:50ms")]
     out += [_emulated("8b", "a100", 8, 2, 64, link) for link in LINK_PROFILES]
@@ -128,6 +140,11 @@ def rows() -> list[Row]:
     # replicas of every stage behind NATs (reached through the validator's relay, no per-peer cap)
     home = _emulated("1b", "4090", 4, 2, 64, "20mbit:100ms")
     out += [home, dataclasses.replace(home, name=home.name + "-home", home_replicas=1)]
+    # the whole system at size: merges every H = 10 lane steps inside 31 steps (3 merges per stage)
+    out.append(_with_merges(_emulated("8b", "a100", 8, 2, 64, "100mbit:50ms"), 10, steps=31, time_scale=6.0))
+    # MFU 0.47: with the 100b shape's bubble and hops, the MFU Orion reports (30.8 % at 65 % of ideal)
+    out.append(_with_merges(dataclasses.replace(_emulated("100b", "h200", 16, 2, 144, "1gbit:10ms"), mfu=0.47), 10,
+                            steps=31, time_scale=6.0))
     return out
 
 
@@ -246,6 +263,33 @@ def modelled_fields(miner_status: list[dict]) -> dict:
             "checkpoint_write_s": most(ckpts, "write_s")}
 
 
+def merge_fields(miner_status: list[dict], time_scale: float = 1.0) -> dict:
+    """What the miners' ``status.json`` ``merge`` sections say: ``merges_applied_min`` (per stage, the
+    fewest merges any of its replicas applied), ``merges_abandoned`` (sum over miners),
+    ``merge_bytes_sent_last_max`` (the most bytes a replica sent in its last merge; virtual bytes for
+    emulated stages), ``merge_s_last_max`` (its duration in emulated seconds: wall / ``time_scale``),
+    ``merge_virtual_scale`` (the largest proxy scale k; None when no stage merged a virtual payload).
+    Every figure None when no miner merges."""
+    merging = [m for m in miner_status if isinstance(m.get("merge"), dict)]
+    if not merging:
+        return {"merges_applied_min": None, "merges_abandoned": None, "merge_bytes_sent_last_max": None,
+                "merge_s_last_max": None, "merge_virtual_scale": None}
+    per_stage: dict[str, int] = {}
+    for m in merging:
+        k = str(m.get("stage"))
+        per_stage[k] = min(per_stage.get(k, 1 << 30), int(m["merge"].get("merges") or 0))
+    lasts = [m["merge"].get("last") or {} for m in merging]
+    sent = [x["bytes_sent"] for x in lasts if x.get("bytes_sent") is not None]
+    secs = [x["wall_s"] / time_scale for x in lasts if x.get("wall_s") is not None]
+    scales = [(m["merge"].get("virtual") or {}).get("scale") for m in merging]
+    scales = [k for k in scales if k]
+    return {"merges_applied_min": dict(sorted(per_stage.items())),
+            "merges_abandoned": sum(int(m["merge"].get("abandoned") or 0) for m in merging),
+            "merge_bytes_sent_last_max": max(sent) if sent else None,
+            "merge_s_last_max": max(secs) if secs else None,
+            "merge_virtual_scale": max(scales) if scales else None}
+
+
 def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[dict], *,
                ideal: Optional[float], host_cpu_busy: Optional[float], own_cpu_busy: Optional[float],
                wall_s: Optional[float], error: Optional[str] = None) -> dict:
@@ -281,6 +325,7 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
         out.update(gpu=row.gpu, mfu=row.mfu, time_scale=row.time_scale, emulation=EMULATION_NOTE,
                    time_unit="emulated seconds (wall / time_scale)", block_time_s=summary.get("block_time_s"),
                    **modelled_fields(miner_status))
+    out.update(merge_fields(miner_status, scale))
     if error:
         out["error"] = error
     return out
@@ -380,7 +425,14 @@ def main(argv=None) -> int:
                         "(default: the row's --link for every neuron)")
     p.add_argument("--relay-rate", type=float, default=None, metavar="BYTES_PER_S",
                    help="per-peer cap of the relay in the -home rows, emulated bytes per second (default: no cap)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value in every row, e.g. merge.every_steps=5 (repeatable)")
     a = p.parse_args(argv)
+    try:
+        sets = parse_sets(a.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.validator_link is not None:
         try:
             a.validator_link = str(parse_link(a.validator_link))
@@ -405,12 +457,21 @@ def main(argv=None) -> int:
             for r in todo]
     if a.wire_dtype:
         todo = [dataclasses.replace(r, wire_dtype=a.wire_dtype) for r in todo]
+    if sets:
+        todo = [dataclasses.replace(r, overrides={**r.overrides, **{
+            sec: {**r.overrides.get(sec, {}), **vals} for sec, vals in sets.items()}}) for r in todo]
     if a.validator_link is not None:
         todo = [dataclasses.replace(r, validator_link=a.validator_link) for r in todo]
     if a.relay_rate is not None:       # only rows with home miners have a relay to cap
         todo = [dataclasses.replace(r, relay_rate=a.relay_rate) if r.home_replicas else r for r in todo]
     if a.time_scale:
         todo = [dataclasses.replace(r, time_scale=a.time_scale) if r.mode == "emulated" else r for r in todo]
+    for r in todo:          # a bad --set (or row) is one line and exit 2, before anything runs
+        try:
+            r.run_config()
+        except ConfigError as e:
+            print(f"error: row {r.name}: {e}", file=sys.stderr)
+            return 2
     if a.list:
         for r in todo:
             print(json.dumps({"name": r.name, "mode": r.mode, "config": r.config, "stages": r.stages,

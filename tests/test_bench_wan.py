@@ -48,12 +48,39 @@ def test_rows_are_the_issues_table(bench):
     for r in rows:
         parse_link(r.link)
         if r.mode == "emulated":        # every emulated stage fits its GPU (the emulator would refuse it)
-            assert r.time_scale >= 1 and r.mfu == 0.5
+            assert r.time_scale >= 1 and r.mfu == (0.47 if r.config.endswith("100b.yaml") else 0.5)
             key = (r.config, r.compression_ratio, r.gpu)
             if key not in checked:
                 checked.add(key)
                 assert all(p.fits for p in plan(r.run_config(), parse_accelerator(r.gpu).memory_bytes))
-    assert len(checked) == 3
+    assert len(checked) == 4
+    # the whole-system rows: merges every 10 lane steps, overlapped, inside 31 steps (3 per stage)
+    merging = {r.name: r for r in rows if r.name.endswith("-merge10")}
+    assert set(merging) == {"8b-a100-r64-100mbit:50ms-merge10", "100b-h200-r144-1gbit:10ms-merge10"}
+    for r in merging.values():
+        cfg = r.run_config()
+        assert cfg.merge.enabled and cfg.merge.every_steps == 10 and cfg.merge.overlap and r.steps == 31
+        assert cfg.merge.quantization == "int8" and cfg.train.total_steps == 31
+    assert (merging["100b-h200-r144-1gbit:10ms-merge10"].stages, merging["100b-h200-r144-1gbit:10ms-merge10"].replicas) \
+        == (16, 2)
+
+
+def test_a_bad_set_is_one_line_and_exit_2(bench, capsys):
+    assert bench.main(["--list", "--set", "merge.bogus=1"]) == 2
+    assert "unknown key(s) ['bogus']" in capsys.readouterr().err
+    assert bench.main(["--list", "--set", "merge"]) == 2
+    assert "SECTION.KEY=VALUE" in capsys.readouterr().err
+
+
+def test_merge_fields_read_the_miners_merge_status(bench):
+    st = [{"stage": 0, "merge": {"merges": 3, "abandoned": 0, "virtual": {"scale": 2048},
+                                 "last": {"bytes_sent": 1.6e9, "wall_s": 600.0}}},
+          {"stage": 0, "merge": {"merges": 2, "abandoned": 1, "last": {"bytes_sent": 1.5e9, "wall_s": 660.0}}},
+          {"stage": 1, "merge": {"merges": 3, "abandoned": 0, "last": None}}, {"stage": 1}]
+    f = bench.merge_fields(st, time_scale=6.0)
+    assert f == {"merges_applied_min": {"0": 2, "1": 3}, "merges_abandoned": 1, "merge_bytes_sent_last_max": 1.6e9,
+                 "merge_s_last_max": 110.0, "merge_virtual_scale": 2048}
+    assert set(bench.merge_fields([{"stage": 0}]).values()) == {None}
 
 
 def test_ideal_is_replicas_over_the_slowest_stage(bench):
@@ -203,7 +230,7 @@ def test_home_rows_take_the_relays_link_and_per_peer_cap(bench, monkeypatch, cap
     register(parser.add_subparsers())
     a = parser.parse_args(bench.localnet_argv(home, Path("o"), "d")[3:])          # after: python -m iota_subnet.cli
     assert (a.link, a.validator_link, a.relay_rate, a.home_replicas) == ("20mbit:100ms", "1gbit:10ms", 2.5e6, 1)
-    plain = bench.rows()[-1]
+    plain = next(r for r in bench.rows() if r.name == "1b-4090-r64-20mbit:100ms")
     assert "--validator-link" not in bench.localnet_argv(plain, Path("o"), "d")
     kw = dict(ideal=None, host_cpu_busy=None, own_cpu_busy=None, wall_s=None)
     assert {k: bench.result_row(home, {}, [], [], **kw)[k] for k in ("link", "validator_link", "relay_rate_bytes_per_s")} \
