@@ -123,7 +123,8 @@ class MinerMerging:
         self.engine.in_sync = False
         self._load_state()
         # the engine's config: a subclass's may differ from the run's (the simulation's virtual merges)
-        self.donor = SnapshotDonor(run_id, stage, self.engine.cfg.sync_chunk_numel, mc.max_concurrent_transfers)
+        self.donor = self.parts.make_snapshot_donor(self.engine, run_id, stage, self.engine.cfg.sync_chunk_numel,
+                                                    mc.max_concurrent_transfers)
         self.donor.publish(self.engine.anchor, self.engine.momentum, self.engine.merged_epoch, worker.inner_step)
         self.last_epoch = self.epoch_at(worker.inner_step)
         P = self.engine.params.numel
