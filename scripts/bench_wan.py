@@ -246,6 +246,23 @@ def modelled_fields(miner_status: list[dict]) -> dict:
             "checkpoint_write_s": most(ckpts, "write_s")}
 
 
+def joiner_fields(summary: dict) -> dict:
+    """The ``--join-at`` joiner's figures from a localnet summary (its ``joiner``,
+    :mod:`iota_subnet.network.localnet_join`); {} when the run had no joiner. Seconds are emulated
+    (wall / time_scale): ``joiner_sync_s`` the state sync itself (describe, fetch, verify, apply),
+    ``joiner_join_to_sync_s`` from the joiner's start to in sync (its process start-up included: host
+    time, not slowed by the time scale, so an underestimate of a real joiner's); ``joiner_sync_bytes``
+    the state's bytes fetched (an emulated stage's virtual bytes: the real stage's anchor and momentum)."""
+    j = summary.get("joiner")
+    if not j:
+        return {}
+    return {"joiner_at_step": j.get("at_step"), "joiner_stage": j.get("stage"),
+            "joiner_joined_at_step": j.get("joined_at_step"), "joiner_joined_s": j.get("joined_emulated_s"),
+            "joiner_in_sync": bool(j.get("synced") and j.get("in_sync")), "joiner_sync_s": j.get("sync_emulated_s"),
+            "joiner_join_to_sync_s": j.get("join_to_sync_emulated_s"), "joiner_sync_bytes": j.get("sync_bytes"),
+            "joiner_sync_donors": j.get("sync_donors")}
+
+
 def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[dict], *,
                ideal: Optional[float], host_cpu_busy: Optional[float], own_cpu_busy: Optional[float],
                wall_s: Optional[float], error: Optional[str] = None) -> dict:
@@ -276,6 +293,7 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
         "host_cpu_busy": host_cpu_busy, "own_cpu_busy": own_cpu_busy, "tokens": tokens, "wall_s": wall_s,
         "data_plane": ("validator relays every tensor (before issue 9)" if old_plane
                        else summary.get("data_plane") or "miner to miner"),
+        **joiner_fields(summary),
     }
     if row.mode == "emulated":
         out.update(gpu=row.gpu, mfu=row.mfu, time_scale=row.time_scale, emulation=EMULATION_NOTE,
@@ -305,6 +323,8 @@ def localnet_argv(row: Row, out: Path, data: str) -> list[str]:
         argv += ["--validator-link", row.validator_link]
     if row.relay_rate is not None:
         argv += ["--relay-rate", repr(float(row.relay_rate))]
+    if getattr(row, "join_at", None):           # STEP[:STAGE]: one miner joins mid-run (localnet --join-at)
+        argv += ["--join-at", str(row.join_at)]
     return argv
 
 
