@@ -106,3 +106,25 @@ def test_the_emulated_donor_factory_takes_the_engines_scale_and_uplink():
     assert (d.payload, d.uplink, d.chunk_numel, d.max_concurrent, d.stage) == (Engine.payload, Engine.uplink, 1024, 3, 2)
     with pytest.raises(ValueError, match="virtual merge engine"):
         make_virtual_snapshot_donor(object(), "r", 2, 1024, 3)
+
+
+def test_a_chunk_is_charged_once_also_when_the_donor_re_dispatches_a_replaced_snapshot():
+    """:meth:`SnapshotDonor.handle` calls ``self.handle`` again when the snapshot was replaced while it
+    hashed; republished with the same values (same snapshot id) the chunk is served, and charged once."""
+    payload = VirtualPayload(4096, 4)
+    up = UplinkShaper(LinkSpec(None, 0.0))
+    d = VirtualSnapshotDonor("r", 0, payload, 256, 2, uplink=up)
+    a, m = torch.arange(1024, dtype=torch.float32), torch.zeros(1024)
+
+    async def main():
+        d.publish(a, m, 1, 10)
+        sid = (await d.manifest())["snapshot_id"]
+        d.publish(a, m, 1, 10)                      # the same state again: hashed anew, same id
+        task = asyncio.ensure_future(d.handle(StateChunkRequest(run_id="r", stage=0, snapshot_id=sid, offset=0,
+                                                                numel=256)))
+        await asyncio.sleep(0)
+        d.publish(a.clone(), m.clone(), 1, 10)      # replaced while hashing: the donor re-dispatches
+        return await task
+    reply = asyncio.run(main())
+    assert reply.data.numel() == 256 and d.served_chunks == 1
+    assert d.charges == 1 and d.virtual_sent == 3 * 4 * 256 and up.payload_bytes == 3 * 4 * 256

@@ -29,12 +29,18 @@ to the donors' uplinks and the joiner's downlink within 2 % of the real sync's.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any, Callable, Optional
 
 from iota_subnet.merge.sync import SnapshotDonor
 from iota_subnet.protocol import StateChunk, StateChunkRequest
 
 from .virtual_merge import VirtualPayload
+
+#: set while a :meth:`VirtualSnapshotDonor.handle` runs in this task: the donor's own re-dispatch (a
+#: snapshot replaced while hashing: :meth:`SnapshotDonor.handle` calls ``self.handle`` again) must not
+#: charge the reply twice
+_HANDLING: contextvars.ContextVar[bool] = contextvars.ContextVar("virtual_donor_handling", default=False)
 
 
 class VirtualSnapshotDonor(SnapshotDonor):
@@ -70,7 +76,13 @@ class VirtualSnapshotDonor(SnapshotDonor):
         """:meth:`SnapshotDonor.handle`, then a served chunk's virtual bytes: the modelled copy + encode,
         then the uplink (the transfer slot is held meanwhile when ``on_sent`` is given). Raises what the
         donor raises (:class:`~iota_subnet.protocol.ProtocolError`), and the uplink's ``LinkDown``."""
-        reply = await super().handle(msg, caller, on_sent)
+        if _HANDLING.get():
+            return await super().handle(msg, caller, on_sent)
+        token = _HANDLING.set(True)
+        try:
+            reply = await super().handle(msg, caller, on_sent)
+        finally:
+            _HANDLING.reset(token)
         extra = self.payload.extra_bytes(reply)
         if extra:
             await asyncio.sleep(self.payload.cpu_s(extra))
