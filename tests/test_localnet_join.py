@@ -14,6 +14,8 @@ from iota_subnet.network.localnet import LocalNet
 from iota_subnet.network.localnet_join import JoinAt, parse_join_at
 from support.localnet import SMALL_CFG
 
+DOWN_MBIT = 400             # the emulated joiner's downlink (Mbit/s) in the emulated run
+
 
 def test_join_at_parses_step_and_stage():
     assert parse_join_at(None, stages=3, steps=10) is None
@@ -90,14 +92,15 @@ def test_a_miner_joining_at_lane_step_3_syncs(tmp_path, tmp_home, wikitext_path,
 def test_an_emulated_joiner_merges_the_same_proxy_as_its_peers(tmp_path, tmp_home, wikitext_path, monkeypatch):
     """``--emulate-gpu``: the joiner gets its peers' emulation, so the same virtual scale and proxy size
     (stage 0 of a 3-layer dim-1024 model: ~13.6 M parameters, more than the 2^20-value proxy), and
-    syncs the proxy's state through the virtual donors: its sync bytes (x scale) are the real stage's."""
+    syncs the proxy's state through the virtual donors: its sync bytes (x scale) are the real stage's,
+    and on a 1 Gbit up / 400 Mbit down link it takes about those bytes / its downlink."""
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "cfg.yaml"
     big = {**SMALL_CFG["model"], "dim": 1024, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 4096}
     cfg.write_text(yaml.safe_dump({**SMALL_CFG, "model": big, "merge": {"every_steps": 2}}))
     net = LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=24,
                    out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=240, join_at="3",
-                   emulate_gpu="a100")
+                   emulate_gpu="a100", link=f"1gbit/{DOWN_MBIT}mbit:5ms")
     summary = net.run()
     j = summary["joiner"]
     print(json.dumps(j, indent=1))
@@ -107,3 +110,7 @@ def test_an_emulated_joiner_merges_the_same_proxy_as_its_peers(tmp_path, tmp_hom
                                                                             "virtual_received")}} for v in stage0)
     v = stage0[-1]
     assert j["sync_bytes"] == 8 * v["proxy_numel"] * v["scale"], (j, v)
+    # the virtual sync takes the real stage's bytes / the joiner's downlink (the donors' 1 Gbit uplinks
+    # are store-and-forward in front of it: at most ~1.5 x)
+    ideal = j["sync_bytes"] / (DOWN_MBIT * 1e6 / 8)
+    assert 0.95 * ideal <= j["sync_emulated_s"] <= 2.0 * ideal, (j["sync_emulated_s"], ideal)
