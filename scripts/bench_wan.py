@@ -249,7 +249,8 @@ def modelled_fields(miner_status: list[dict]) -> dict:
 def joiner_fields(summary: dict) -> dict:
     """The ``--join-at`` joiner's figures from a localnet summary (its ``joiner``,
     :mod:`iota_subnet.network.localnet_join`); {} when the run had no joiner. Seconds are emulated
-    (wall / time_scale): ``joiner_sync_s`` the state sync itself (describe, fetch, verify, apply),
+    (wall / time_scale; ``joiner_joined_s`` / ``joiner_synced_at_s``: since the run's neurons started):
+    ``joiner_sync_s`` the state sync itself (describe, fetch, verify, apply),
     ``joiner_join_to_sync_s`` from the joiner's start to in sync (its process start-up included: host
     time, not slowed by the time scale, so an underestimate of a real joiner's); ``joiner_sync_bytes``
     the state's bytes fetched (an emulated stage's virtual bytes: the real stage's anchor and momentum)."""
@@ -258,6 +259,7 @@ def joiner_fields(summary: dict) -> dict:
         return {}
     return {"joiner_at_step": j.get("at_step"), "joiner_stage": j.get("stage"),
             "joiner_joined_at_step": j.get("joined_at_step"), "joiner_joined_s": j.get("joined_emulated_s"),
+            "joiner_synced_at_s": j.get("synced_at_emulated_s"),
             "joiner_in_sync": bool(j.get("synced") and j.get("in_sync")), "joiner_sync_s": j.get("sync_emulated_s"),
             "joiner_join_to_sync_s": j.get("join_to_sync_emulated_s"), "joiner_sync_bytes": j.get("sync_bytes"),
             "joiner_sync_donors": j.get("sync_donors")}

@@ -222,11 +222,11 @@ def test_home_rows_take_the_relays_link_and_per_peer_cap(bench, monkeypatch, cap
 
 def test_joiner_fields_from_a_summary(bench):
     """A row's result carries the ``--join-at`` joiner's figures (emulated seconds), none without a joiner."""
-    j = {"at_step": 3, "stage": 0, "joined": True, "joined_at_step": 4, "joined_emulated_s": 40.0, "in_sync": True,
+    j = {"at_step": 3, "stage": 0, "joined": True, "joined_at_step": 4, "joined_emulated_s": 40.0, "synced_at_emulated_s": 60.0, "in_sync": True,
          "synced": True, "sync_emulated_s": 12.5, "join_to_sync_emulated_s": 20.0, "sync_bytes": 12_900_000_000,
          "sync_donors": 2}
     f = bench.joiner_fields({"joiner": j})
-    assert f == {"joiner_at_step": 3, "joiner_stage": 0, "joiner_joined_at_step": 4, "joiner_joined_s": 40.0,
+    assert f == {"joiner_at_step": 3, "joiner_stage": 0, "joiner_joined_at_step": 4, "joiner_joined_s": 40.0, "joiner_synced_at_s": 60.0,
                  "joiner_in_sync": True, "joiner_sync_s": 12.5, "joiner_join_to_sync_s": 20.0,
                  "joiner_sync_bytes": 12_900_000_000, "joiner_sync_donors": 2}
     assert bench.joiner_fields({}) == {}

@@ -63,6 +63,8 @@ def test_the_joiner_report_reads_its_status(tmp_path):
     assert r["sync_wall_s"] == 2.0 and r["sync_emulated_s"] == 0.5 and r["sync_bytes"] == 16_000
     assert r["join_to_sync_wall_s"] == pytest.approx(10.0) and r["join_to_sync_emulated_s"] == pytest.approx(2.5)
     assert r["joined_emulated_s"] == pytest.approx(r["joined_wall_s"] / 4, abs=1e-3)
+    assert r["synced_at_wall_s"] == pytest.approx(r["joined_wall_s"] + 10.0, abs=1e-3)
+    assert r["synced_at_emulated_s"] == pytest.approx(r["synced_at_wall_s"] / 4, abs=1e-3)
 
 
 @pytest.mark.slow

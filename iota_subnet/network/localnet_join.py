@@ -8,7 +8,8 @@ scale). It catches up from its stage's replicas (state sync, :mod:`iota_subnet.m
 
 The summary's ``joiner`` (:meth:`JoinAt.report`): when it joined (lane step, wall and emulated
 seconds since the run's neurons started: emulated = wall / ``time_scale``), and from its
-``status.json`` (``merge.sync``, ``merge.in_sync``): whether it is in sync, its state sync's seconds
+``status.json`` (``merge.sync``, ``merge.in_sync``): whether it is in sync and when it synced (wall and
+emulated seconds since the neurons started), its state sync's seconds
 (the pull: wall and emulated), the seconds from its start to in sync (its process start-up included,
 which is host time and not slowed by ``time_scale``), and the bytes fetched (an emulated stage's
 virtual bytes: the proxy's bytes x its scale, ``merge.virtual.scale``).
@@ -84,7 +85,9 @@ class JoinAt:
         if synced:
             wall = float(sync.get("wall_s", 0.0))
             to_sync = float(sync.get("synced_at", self.joined["unix"])) - self.joined["unix"]
-            out.update({"sync_wall_s": wall, "sync_emulated_s": round(wall / self.time_scale, 3),
+            at = self.joined["wall_s"] + to_sync            # since the neurons started, as joined_wall_s
+            out.update({"synced_at_wall_s": round(at, 3), "synced_at_emulated_s": round(at / self.time_scale, 3),
+                        "sync_wall_s": wall, "sync_emulated_s": round(wall / self.time_scale, 3),
                         "join_to_sync_wall_s": round(to_sync, 3),
                         "join_to_sync_emulated_s": round(to_sync / self.time_scale, 3),
                         "sync_bytes": int(sync.get("bytes", 0)) * scale, "sync_chunks": sync.get("chunks"),
