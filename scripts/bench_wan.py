@@ -102,6 +102,8 @@ class Row:
     validator_link: Optional[str] = None
     #: per relayed miner, emulated bytes per second (``localnet --relay-rate``); None: no per-peer cap
     relay_rate: Optional[float] = None
+    #: ``STEP[:STAGE]``: a fresh miner joins when the lanes reach lane step STEP (``localnet --join-at``)
+    join_at: Optional[str] = None
 
     def run_config(self) -> RunConfig:
         ovr = {k: dict(v) for k, v in self.overrides.items()}
@@ -120,13 +122,14 @@ def _emulated(model: str, gpu: str, stages: int, replicas: int, ratio: int, link
 
 def _with_merges(row: Row, every_steps: int, *, steps: int, time_scale: float) -> Row:
     """``row`` with its replicas merging every ``every_steps`` inner steps while they train
-    (``merge.overlap``; the config's merge quantization, int8 for ``8b`` / ``100b``): emulated stages
-    merge a VIRTUAL payload of their real size (:mod:`iota_subnet.sim.virtual_merge`)."""
+    (``merge.overlap``; the config's merge quantization, int8 for ``8b`` / ``100b``) and a fresh stage-0
+    replica joining at lane step 3 (state sync from its peers): emulated stages merge and sync a VIRTUAL
+    payload of their real size (:mod:`iota_subnet.sim.virtual_merge`, :mod:`iota_subnet.sim.virtual_sync`)."""
     ovr = {k: dict(v) for k, v in row.overrides.items()}
     ovr.setdefault("merge", {}).update(every_steps=every_steps, overlap=True)
     ovr.setdefault("train", {})["total_steps"] = steps
     return dataclasses.replace(row, name=f"{row.name}-merge{every_steps}", steps=steps, time_scale=time_scale,
-                               overrides=ovr)
+                               overrides=ovr, join_at="3:0")
 
 
 def rows() -> list[Row]:
@@ -290,6 +293,25 @@ def merge_fields(miner_status: list[dict], time_scale: float = 1.0) -> dict:
             "merge_virtual_scale": max(scales) if scales else None}
 
 
+def joiner_fields(summary: dict) -> dict:
+    """The ``--join-at`` joiner's figures from a localnet summary (its ``joiner``,
+    :mod:`iota_subnet.network.localnet_join`); {} when the run had no joiner. Seconds are emulated
+    (wall / time_scale; ``joiner_joined_s`` / ``joiner_synced_at_s``: since the run's neurons started):
+    ``joiner_sync_s`` the state sync itself (describe, fetch, verify, apply),
+    ``joiner_join_to_sync_s`` from the joiner's start to in sync (its process start-up included: host
+    time, not slowed by the time scale, so an underestimate of a real joiner's); ``joiner_sync_bytes``
+    the state's bytes fetched (an emulated stage's virtual bytes: the real stage's anchor and momentum)."""
+    j = summary.get("joiner")
+    if not j:
+        return {}
+    return {"joiner_at_step": j.get("at_step"), "joiner_stage": j.get("stage"),
+            "joiner_joined_at_step": j.get("joined_at_step"), "joiner_joined_s": j.get("joined_emulated_s"),
+            "joiner_synced_at_s": j.get("synced_at_emulated_s"),
+            "joiner_in_sync": bool(j.get("synced") and j.get("in_sync")), "joiner_sync_s": j.get("sync_emulated_s"),
+            "joiner_join_to_sync_s": j.get("join_to_sync_emulated_s"), "joiner_sync_bytes": j.get("sync_bytes"),
+            "joiner_sync_donors": j.get("sync_donors")}
+
+
 def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[dict], *,
                ideal: Optional[float], host_cpu_busy: Optional[float], own_cpu_busy: Optional[float],
                wall_s: Optional[float], error: Optional[str] = None) -> dict:
@@ -320,6 +342,7 @@ def result_row(row: Row, summary: dict, miner_status: list[dict], metrics: list[
         "host_cpu_busy": host_cpu_busy, "own_cpu_busy": own_cpu_busy, "tokens": tokens, "wall_s": wall_s,
         "data_plane": ("validator relays every tensor (before issue 9)" if old_plane
                        else summary.get("data_plane") or "miner to miner"),
+        **joiner_fields(summary),
     }
     if row.mode == "emulated":
         out.update(gpu=row.gpu, mfu=row.mfu, time_scale=row.time_scale, emulation=EMULATION_NOTE,
@@ -350,6 +373,8 @@ def localnet_argv(row: Row, out: Path, data: str) -> list[str]:
         argv += ["--validator-link", row.validator_link]
     if row.relay_rate is not None:
         argv += ["--relay-rate", repr(float(row.relay_rate))]
+    if row.join_at:           # STEP[:STAGE]: one miner joins mid-run (localnet --join-at)
+        argv += ["--join-at", str(row.join_at)]
     return argv
 
 

@@ -60,7 +60,9 @@ def test_rows_are_the_issues_table(bench):
     for r in merging.values():
         cfg = r.run_config()
         assert cfg.merge.enabled and cfg.merge.every_steps == 10 and cfg.merge.overlap and r.steps == 31
-        assert cfg.merge.quantization == "int8" and cfg.train.total_steps == 31
+        assert cfg.merge.quantization == "int8" and cfg.train.total_steps == 31 and r.join_at == "3:0"
+        argv = bench.localnet_argv(r, Path("o"), "d")
+        assert argv[argv.index("--join-at") + 1] == "3:0"
     assert (merging["100b-h200-r144-1gbit:10ms-merge10"].stages, merging["100b-h200-r144-1gbit:10ms-merge10"].replicas) \
         == (16, 2)
 
@@ -245,3 +247,21 @@ def test_home_rows_take_the_relays_link_and_per_peer_cap(bench, monkeypatch, cap
                      (["--relay-rate", "0"], "--relay-rate 0.0 must be > 0")):
         assert bench.main(["--list", *bad]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_joiner_fields_from_a_summary(bench):
+    """A row's result carries the ``--join-at`` joiner's figures (emulated seconds), none without a joiner."""
+    j = {"at_step": 3, "stage": 0, "joined": True, "joined_at_step": 4, "joined_emulated_s": 40.0, "synced_at_emulated_s": 60.0, "in_sync": True,
+         "synced": True, "sync_emulated_s": 12.5, "join_to_sync_emulated_s": 20.0, "sync_bytes": 12_900_000_000,
+         "sync_donors": 2}
+    f = bench.joiner_fields({"joiner": j})
+    assert f == {"joiner_at_step": 3, "joiner_stage": 0, "joiner_joined_at_step": 4, "joiner_joined_s": 40.0, "joiner_synced_at_s": 60.0,
+                 "joiner_in_sync": True, "joiner_sync_s": 12.5, "joiner_join_to_sync_s": 20.0,
+                 "joiner_sync_bytes": 12_900_000_000, "joiner_sync_donors": 2}
+    assert bench.joiner_fields({}) == {}
+    assert not bench.joiner_fields({"joiner": {**j, "synced": False}})["joiner_in_sync"]
+    row = bench.rows()[0]
+    out = bench.result_row(row, {"joiner": j}, [], [], ideal=None, host_cpu_busy=None, own_cpu_busy=None, wall_s=None)
+    assert out["joiner_sync_s"] == 12.5 and out["joiner_in_sync"]
+    assert "joiner_sync_s" not in bench.result_row(row, {}, [], [], ideal=None, host_cpu_busy=None,
+                                                   own_cpu_busy=None, wall_s=None)

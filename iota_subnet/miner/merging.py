@@ -16,6 +16,7 @@ Routes (replicas of the same stage only): ``/merge/join|contribute|result|contri
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -123,7 +124,8 @@ class MinerMerging:
         self.engine.in_sync = False
         self._load_state()
         # the engine's config: a subclass's may differ from the run's (the simulation's virtual merges)
-        self.donor = SnapshotDonor(run_id, stage, self.engine.cfg.sync_chunk_numel, mc.max_concurrent_transfers)
+        self.donor = self.parts.make_snapshot_donor(self.engine, run_id, stage, self.engine.cfg.sync_chunk_numel,
+                                                    mc.max_concurrent_transfers)
         self.donor.publish(self.engine.anchor, self.engine.momentum, self.engine.merged_epoch, worker.inner_step)
         self.last_epoch = self.epoch_at(worker.inner_step)
         P = self.engine.params.numel
@@ -252,8 +254,12 @@ class MinerMerging:
         (:mod:`iota_subnet.miner.catch_up`: waits for an answer rather than trusting a silence)."""
         mc = self.cfg.merge
         try:
+            # its own state: its merge-state file, or its own checkpoint of the weights it merges (a worker
+            # without weights, e.g. an emulated one merging a proxy, "resumes" its step counters only: a
+            # fresh one must wait for its peers' answer, not go on from the proxy's seeded values)
+            own = (self.checkpoints.resumed and getattr(self.worker, "has_weights", True)) or self.engine.merged_epoch >= 0
             res = await catch_up(self.engine, self.view.stage_peers, lambda e: self.pull_merged_state(min_epoch=e),
-                                 own_state=self.checkpoints.resumed or self.engine.merged_epoch >= 0,
+                                 own_state=own,
                                  ask_timeout_s=min(5.0, mc.join_timeout_s), max_wait_s=4 * mc.join_timeout_s)
             logger.info(f"stage {self.stage}: catch-up {res.how} after {res.wall_s:.1f} s ({res.rounds} rounds); "
                         f"merged epoch {self.engine.merged_epoch}, inner step {self.worker.inner_step}")
@@ -266,6 +272,7 @@ class MinerMerging:
         (:meth:`~iota_subnet.merge.engine.MergeEngine.set_state`; a replica late to a merge)."""
         m, w = self.engine, self.worker
         was_in_sync, m.in_sync = m.in_sync, False
+        t0 = time.monotonic()
         # status.json's merge.sync: how the state sync goes; missing_chunks names the chunks of the last
         # failed attempt that no donor delivered
         self.sync_report = {"state": "syncing", "attempt": 1, "missing_chunks": [], "error": None}
@@ -304,8 +311,12 @@ class MinerMerging:
                 await asyncio.get_running_loop().run_in_executor(None, self.save_state)
                 logger.info(f"stage {self.stage}: synced merged state of epoch {man['merged_epoch']} from "
                             f"{len(man['sync']['donors'])} peers ({man['sync']})")
+                # wall_s: from the first describe to applied (retries included); synced_at: unix time;
+                # bytes: the state's tensor bytes fetched (an emulated stage's: the proxy's, 1/scale)
                 self.sync_report = {"state": "synced", "attempt": attempt + 1, "missing_chunks": [], "error": None,
-                                    "merged_epoch": man["merged_epoch"]}
+                                    "merged_epoch": man["merged_epoch"], "wall_s": round(time.monotonic() - t0, 3),
+                                    "synced_at": round(time.time(), 3), "bytes": int(man["sync"]["bytes"]),
+                                    "chunks": int(man["sync"]["chunks"]), "donors": len(man["sync"]["donors"])}
                 return True
             return False
         finally:

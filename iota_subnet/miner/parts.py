@@ -28,6 +28,12 @@ and uid.
 plane's hops, receipts and refusal reports travel, a
 :class:`~iota_subnet.miner.dataplane.transport.HttpDataPlaneTransport` (same arguments).
 
+``make_snapshot_donor(engine, run_id, stage, chunk_numel, max_concurrent)``: the donor that serves
+the stage's merged state to joining replicas (``/state/chunk``), by default a
+:class:`~iota_subnet.merge.sync.SnapshotDonor` (:func:`snapshot_donor`; ``engine``: the built merge
+engine, whose ``cfg.sync_chunk_numel`` gives ``chunk_numel``; the simulation's virtual donor reads its
+scale and uplink there).
+
 ``status``: fields added to the service's status (``status.json``), e.g. what the parts emulate.
 """
 from __future__ import annotations
@@ -40,6 +46,7 @@ from loguru import logger
 
 from iota_subnet.config import RunConfig
 from iota_subnet.merge import MergeEngine
+from iota_subnet.merge.sync import SnapshotDonor
 from iota_subnet.miner.activation_cache import ActivationCache
 from iota_subnet.miner.dataplane.transport import HttpDataPlaneTransport
 from iota_subnet.miner.hop_audit_routes import HopAuditRoutes
@@ -84,6 +91,12 @@ def service_worker(svc: Any, stage: int) -> tuple[StageWorker, Optional[int]]:
                        audit_spill=svc.audit_spill())
 
 
+def snapshot_donor(engine: Any, run_id: str, stage: int, chunk_numel: int, max_concurrent: int) -> SnapshotDonor:
+    """The default ``make_snapshot_donor``: a :class:`SnapshotDonor` (``engine`` is not needed)."""
+    del engine
+    return SnapshotDonor(run_id, stage, chunk_numel, max_concurrent)
+
+
 @dataclass
 class MinerParts:
     """Factories of a miner's parts (see the module docstring); every default is the production part."""
@@ -93,4 +106,5 @@ class MinerParts:
     make_hop_audit_routes: Callable[..., HopAuditRoutes] = HopAuditRoutes
     make_update_audit_route: Callable[[Any, str, int], Callable] = UpdateAuditRoute
     make_dataplane_transport: Callable[..., Any] = HttpDataPlaneTransport
+    make_snapshot_donor: Callable[..., SnapshotDonor] = snapshot_donor
     status: dict[str, Any] = field(default_factory=dict)

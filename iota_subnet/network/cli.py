@@ -39,7 +39,7 @@ def _cmd_localnet(a: argparse.Namespace) -> int:
                            mfu=a.mfu, gpu_mem=a.gpu_mem, time_scale=a.time_scale, wire_dtype=a.wire_dtype,
                            home_replicas=a.home_replicas, relays=a.relays, relay_fault=a.relay_fault,
                            spares=a.spares, validator_link=a.validator_link, relay_link=a.relay_link,
-                           relay_rate=a.relay_rate)
+                           relay_rate=a.relay_rate, join_at=a.join_at)
     short = {k: v for k, v in summary.items() if k not in ("miners", "validators_detail")}
     print(json.dumps(short, indent=2))
     print(f"per-miner results in {a.out}/summary.json; chain: iota-subnet chain metagraph --chain-db {summary['chain_db']} --netuid 9")
@@ -123,6 +123,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chaos-duration", type=float, default=None,
                    help="seconds of run time the chaos schedule covers, from the end of start-up (default 3600; "
                         "faults stop when training ends)")
+    p.add_argument("--join-at", default=None, metavar="STEP[:STAGE]",
+                   help="one fresh miner registers and starts on STAGE (default 0) when the lanes reach inner step "
+                        "STEP; summary.json's joiner says when it joined, when it was in sync, its sync seconds "
+                        "(wall and emulated) and bytes")
     p.add_argument("--link", default="loopback", metavar="RATE:DELAY",
                    help="emulate this uplink for every neuron (token bucket + one-way delay), e.g. 100mbit:50ms, "
                         "or UP/DOWN:DELAY (20mbit/100mbit:100ms) to shape the downlink too; --validator-link and "

@@ -33,6 +33,7 @@ from iota_subnet.utils.progress import Progress
 from iota_subnet.sim.chaos import ChaosInjector, ChaosLog, checked_chaos
 from .localnet_args import (adversary_positions, devnet_block_time, emulation_argv, localnet_config, relay_rate_argv,
                              role_links, wire_dtype_argv)
+from .localnet_join import JoinAt, parse_join_at
 from .localnet_summary import RunSummary
 from .processes import Child, NeuronProcesses
 
@@ -66,7 +67,7 @@ class LocalNet(NeuronProcesses, RunSummary):
                  gpu_mem: Optional[float] = None, time_scale: float = 1.0, wire_dtype: Optional[str] = None,
                  home_replicas: int = 0, relays: int = 0, relay_fault: Optional[str] = None, spares: int = 0,
                  validator_link: Optional[str] = None, relay_link: Optional[str] = None,
-                 relay_rate: Optional[float] = None):
+                 relay_rate: Optional[float] = None, join_at: Optional[str] = None):
         self.cfg = localnet_config(config, overrides, stages=stages, replicas=replicas, validators=validators,
                                    steps=steps, adversary=adversary)
         self.out = Path(out).resolve()
@@ -133,6 +134,9 @@ class LocalNet(NeuronProcesses, RunSummary):
             self.chaos_spec = checked_chaos(chaos, replicas, chaos_duration_s)
         self.chaos_duration_s = 3600.0 if chaos_duration_s is None else float(chaos_duration_s)
         self.chaos = None
+        #: ``--join-at STEP[:STAGE]``: one fresh miner joins mid-run (:mod:`.localnet_join`; None: none)
+        at = parse_join_at(join_at, stages=self.stages, steps=steps)
+        self.join_at = None if at is None else JoinAt(*at, time_scale=self.time_scale)
         self.dashboards: dict[str, str] = {}   # validator name -> its dashboard URL, once it serves one
         self._stop_requested = threading.Event()
         #: how the run ended, in the summary: "done" (every step trained, weights landed), "weights late"
@@ -205,7 +209,7 @@ class LocalNet(NeuronProcesses, RunSummary):
                 "--allow-data-fallback", *self.extra_miner_args]
         if (s, r) in self.adversary_pos:
             argv += ["--adversary", self.adversary_pos[(s, r)]]
-        if r >= self.replicas - self.home_replicas:
+        if self.replicas - self.home_replicas <= r < self.replicas:    # a miner joined mid-run (r >= replicas): direct
             if self.n_relays:
                 for rw, port in zip(self.relay_wallets, self.relay_ports):
                     argv += ["--relay", f"{rw.hotkey.ss58_address}@127.0.0.1:{port}"]
@@ -287,6 +291,8 @@ class LocalNet(NeuronProcesses, RunSummary):
                 if self.chaos is not None and not all(s.get("done") for s in self.validator_status()):
                     self.chaos.tick()
                 st = self.validator_status()
+                if self.join_at is not None and startup.closed:
+                    self.join_at.tick(self, self._steps_done(st), t0)
                 self._announce_dashboards(st)
                 if not startup.closed:
                     startup.set(self._ready(st))

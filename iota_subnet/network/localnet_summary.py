@@ -146,6 +146,8 @@ class RunSummary:
             "block_time_s": {"wall": self.block_time, "emulated": self.block_time_emulated}, "tempo": self.tempo,
             "miners": miners, "validators_detail": vals, "relays": relays, "chain_db": str(self.chain_db),
         }
+        if self.join_at is not None:
+            summary["joiner"] = self.join_at.report()
         if self.chaos is not None:
             summary["chaos"] = {**self.chaos.log.summary(), **self._sample_accounting()}
         write_summary(self.out / "summary.json", summary)

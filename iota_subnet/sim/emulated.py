@@ -60,6 +60,7 @@ from iota_subnet.sim.emulated_costs import ModelledIo
 from iota_subnet.utils.atomic import atomic_write_json
 
 from .virtual_merge import MAX_PROXY, ProxyStage, VirtualMergeEngine, VirtualPayload
+from .virtual_sync import make_virtual_snapshot_donor
 
 
 class InFlightLimitExceeded(ProtocolError):
@@ -475,9 +476,11 @@ def make_emulated_worker(cfg: RunConfig, stage: int, emulation: Emulation, *,
 def emulated_parts(emulation: Emulation) -> MinerParts:
     """The parts of a miner on the emulated accelerator ``emulation`` (``--emulate-gpu``): an
     :class:`EmulatedStageWorker` merged by a :class:`~iota_subnet.sim.virtual_merge.VirtualMergeEngine`
-    (virtual payloads of the stage's real sizes); its status says ``emulation``."""
+    (virtual payloads of the stage's real sizes) whose state sync donor is a
+    :class:`~iota_subnet.sim.virtual_sync.VirtualSnapshotDonor`; its status says ``emulation``."""
     def make_worker(svc, stage: int) -> tuple[EmulatedStageWorker, int]:
         return make_emulated_worker(svc.cfg, stage, emulation, total_steps=svc.total_steps,
                                     audit_window=svc.audit_window)
     return MinerParts(make_worker=make_worker, make_merge_engine=VirtualMergeEngine,
+                      make_snapshot_donor=make_virtual_snapshot_donor,
                       status={"emulation": emulation.to_json()})

@@ -39,11 +39,13 @@ claims, verification and outer step. What is virtual, and where:
   step; the event loop is not blocked: only the latency is modelled, not the host's CPU occupancy);
   the proxy's own (1/k) work is real.
 
-State sync (:mod:`iota_subnet.merge.sync`) of an emulated stage is only partly virtual: it moves the
+State sync (:mod:`iota_subnet.merge.sync`) of an emulated stage is virtual on both sides: it moves the
 proxy's anchor and momentum in chunks of ``sync_chunk_numel / k`` values (as many messages as the real
 sync) through :class:`VirtualTransport`, so the puller's downlink and modelled CPU are charged the
-real bytes, but the donor's replies (:class:`~iota_subnet.merge.sync.SnapshotDonor`, not the engine's
-route) leave its uplink at the proxy's size. Update audits stay off for emulated stages (nothing to
+real bytes, and the donor (:class:`~iota_subnet.sim.virtual_sync.VirtualSnapshotDonor`, the emulated
+miner's ``MinerParts.make_snapshot_donor``) charges its uplink each reply's missing bytes and models
+the hashing of the virtual snapshot and the encoding of each chunk (:mod:`iota_subnet.sim.virtual_sync`).
+Update audits stay off for emulated stages (nothing to
 audit: the proxy is not the stage's weights); merge claims are signed over the proxy's values.
 
 Checked against the real path on ``tiny`` (tests/test_virtual_merge.py): bytes the shapers count in a
