@@ -112,7 +112,8 @@ def test_an_emulated_joiner_merges_the_same_proxy_as_its_peers(tmp_path, tmp_hom
                                                                             "virtual_received")}} for v in stage0)
     v = stage0[-1]
     assert j["sync_bytes"] == 8 * v["proxy_numel"] * v["scale"], (j, v)
-    # the virtual sync takes the real stage's bytes / the joiner's downlink (the donors' 1 Gbit uplinks
-    # are store-and-forward in front of it: at most ~1.5 x)
+    # the virtual sync is paced by the real stage's bytes / the joiner's downlink: never faster (the
+    # link-rate bound itself, 1.25 x, is test_virtual_sync's, in process; here a whole localnet shares
+    # the host, 1.46 x on a quiet one and 2.5 x beside a 17-process bench, so only a loose ceiling)
     ideal = j["sync_bytes"] / (DOWN_MBIT * 1e6 / 8)
-    assert 0.95 * ideal <= j["sync_emulated_s"] <= 2.0 * ideal, (j["sync_emulated_s"], ideal)
+    assert 0.95 * ideal <= j["sync_emulated_s"] <= 4.0 * ideal, (j["sync_emulated_s"], ideal)
