@@ -21,22 +21,10 @@ from iota_subnet.sim.virtual_merge import VirtualMergeEngine
 from iota_subnet.plan import plan_stage, stage_flops
 from iota_subnet.protocol import Outcome, ProtocolError
 from support.dataplane_net import P2PNet, run
+from support.fake_time import FakeSleep
 
 REPO = Path(__file__).resolve().parents[1]
 T = 2048
-
-
-class Sleeps:
-    def __init__(self):
-        self.calls: list[float] = []
-        self.now = 0.0
-
-    def __call__(self, s: float) -> None:
-        self.calls.append(s)
-        self.now += s
-
-    def clock(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +43,7 @@ def _worker(cfg, stage, plan, sleeps, *, mfu=0.5, scale=1.0, gpu="a100"):
 
 
 def test_forward_and_backward_take_the_flops_time(cfg8b, plans8b):
-    sl = Sleeps()
+    sl = FakeSleep()
     w = _worker(cfg8b, 3, plans8b[3], sl, scale=4.0)
     f = stage_flops(cfg8b.model, cfg8b.pipeline, T, 3)
     rate = 312e12 * 0.5
@@ -74,7 +62,7 @@ def test_forward_and_backward_take_the_flops_time(cfg8b, plans8b):
 
 
 def test_head_and_tail_shapes(cfg8b, plans8b):
-    sl = Sleeps()
+    sl = FakeSleep()
     head = _worker(cfg8b, 0, plans8b[0], sl)
     out = head.forward("h", torch.zeros(1, T, dtype=torch.int64))
     assert out["activations"].shape == (1, T, 64)
@@ -96,7 +84,7 @@ def test_head_and_tail_shapes(cfg8b, plans8b):
 
 
 def test_in_flight_bound_from_the_plan(cfg8b, plans8b):
-    sl = Sleeps()
+    sl = FakeSleep()
     small = dataclasses.replace(plans8b[3], microbatches_in_flight_max=3)
     w = _worker(cfg8b, 3, small, sl)
     x = torch.zeros(1, T, 64)
@@ -132,7 +120,7 @@ def test_a_stage_that_does_not_fit_is_refused(cfg8b):
 
 
 def test_inner_steps_and_recompute(cfg8b, plans8b):
-    sl = Sleeps()
+    sl = FakeSleep()
     small = dataclasses.replace(cfg8b, train=dataclasses.replace(cfg8b.train, batch_size=2, micro_batch_size=1))
     w = _worker(small, 3, plans8b[3], sl)
     x = torch.zeros(1, T, 64)
@@ -149,7 +137,7 @@ def test_inner_steps_and_recompute(cfg8b, plans8b):
 
 
 def test_state_and_resume(cfg8b, plans8b, tmp_path):
-    sl = Sleeps()
+    sl = FakeSleep()
     w = _worker(cfg8b, 3, plans8b[3], sl)
     w.inner_step, w.tokens = 7, 1234
     p = w.save(tmp_path / "stage3.safetensors")
@@ -238,7 +226,7 @@ def test_emulated_miner_over_signed_http(tmp_home):
 def test_served_without_training_costs_an_input_gradient_only(cfg8b, plans8b):
     """A micro-batch a replica serves for another lane (accumulate=False): the backward computes the
     input gradient only (1 x forward + recomputation, not 2 x), and nothing counts towards a step."""
-    sl = Sleeps()
+    sl = FakeSleep()
     w = _worker(cfg8b, 3, plans8b[3], sl)
     f = stage_flops(cfg8b.model, cfg8b.pipeline, T, 3)
     x = torch.zeros(1, T, 64)
@@ -254,7 +242,7 @@ def test_served_without_training_costs_an_input_gradient_only(cfg8b, plans8b):
 
 
 def test_data_plane_hooks(cfg8b, plans8b):
-    sl = Sleeps()
+    sl = FakeSleep()
     small = dataclasses.replace(cfg8b, train=dataclasses.replace(cfg8b.train, batch_size=2, micro_batch_size=1))
     w = _worker(small, 3, plans8b[3], sl)
     w.auto_step = False                          # the data plane steps when the lane step is complete
@@ -318,7 +306,7 @@ def test_same_interface_as_the_real_stage_worker():
 
 
 def test_backward_may_refuse_to_accumulate(cfg8b, plans8b):
-    sl = Sleeps()
+    sl = FakeSleep()
     w = _worker(cfg8b, 3, plans8b[3], sl)
     f = stage_flops(cfg8b.model, cfg8b.pipeline, T, 3)
     x = torch.zeros(1, T, 64)

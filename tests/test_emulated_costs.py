@@ -18,23 +18,11 @@ from iota_subnet.plan import plan_stage
 from iota_subnet.sim.emulated import EmulatedStageWorker, Emulation
 from iota_subnet.sim.emulated_costs import STORE_HASH_WORKERS, CheckpointModel, IoRates, UpdateStoreModel
 
+from support.fake_time import FakeSleep
+
 REPO = Path(__file__).resolve().parents[1]
 SCALE = 2.0
 K = 4
-
-
-class Clock:
-    """Injected clock and sleep: a sleep advances the clock (wall seconds)."""
-
-    def __init__(self):
-        self.now, self.calls = 0.0, []
-
-    def __call__(self, s: float) -> None:
-        self.calls.append(s)
-        self.now += s
-
-    def clock(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +46,7 @@ def _host_plan(cfg, w: EmulatedStageWorker):
 
 
 def test_inner_step_sleeps_the_update_stores_copies_with_the_host_plans_bytes(cfg8b, plan3):
-    c = Clock()
+    c = FakeSleep()
     w = _worker(cfg8b, plan3, c)
     P, hp = w.plan.params, _host_plan(cfg8b, w)
     assert P > 5e8                                           # the real 8b stage's size, on the meta device
@@ -101,7 +89,7 @@ def test_inner_step_sleeps_the_update_stores_copies_with_the_host_plans_bytes(cf
 def test_a_skipped_step_commits_the_zero_gradient(cfg8b, plan3):
     """skip_to: the real store commits the last step jumped over (the zero gradient, 4 P; the state
     too when it is not the last step's copy: 16 P at the first, 8 P after a weights replacement)."""
-    c = Clock()
+    c = FakeSleep()
     w = _worker(cfg8b, plan3, c)
     P = w.plan.params
     w.skip_to(3)
@@ -120,7 +108,7 @@ def test_a_skipped_step_commits_the_zero_gradient(cfg8b, plan3):
 
 
 def test_no_update_store_without_an_audit_window(cfg8b, plan3):
-    c = Clock()
+    c = FakeSleep()
     w = _worker(cfg8b, plan3, c, audit_window=0)
     w.step()
     assert c.calls == [pytest.approx(w.timing.step_s * SCALE)]
@@ -128,7 +116,7 @@ def test_no_update_store_without_an_audit_window(cfg8b, plan3):
 
 
 def test_checkpoint_is_modelled_on_the_compute_and_writer_threads(cfg8b, plan3, tmp_path):
-    c = Clock()
+    c = FakeSleep()
     w = _worker(cfg8b, plan3, c)
     P = w.plan.params
     ck = w.io.checkpoints
@@ -154,7 +142,7 @@ def test_checkpoint_is_modelled_on_the_compute_and_writer_threads(cfg8b, plan3, 
     assert st["write_s"] == pytest.approx(2 * write_s, rel=1e-6) and st["seal_wait_s"] == pytest.approx(seal, rel=1e-6)
     assert st["snapshots"] == 2 and st["snapshots_from_update_store"] == 1
     # the counters survive in the small JSON the emulated stage writes instead of a checkpoint
-    w2 = _worker(cfg8b, plan3, Clock())
+    w2 = _worker(cfg8b, plan3, FakeSleep())
     assert w2.load(tmp_path / "stage3.safetensors") and w2.inner_step == 1
 
 

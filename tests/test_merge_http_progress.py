@@ -20,9 +20,10 @@ from bittensor.sp_core import Keypair
 from iota_subnet.config import MergeConfig
 from iota_subnet.merge import MergeEngine, ModuleParams
 from iota_subnet.merge.transport import HttpTransport
-from iota_subnet.protocol import MergeJoin, MergePayload, MergeResultRequest
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.shaping import LinkSpec, UplinkShaper
+
+from support.merge_routes import mount_merge_routes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,13 +46,7 @@ async def _replicas(n: int, cfg: MergeConfig):
             m.weight.add_(torch.randn(m.weight.shape, generator=torch.Generator().manual_seed(100 + i)) * 1e-2)
         server = NeuronServer(kp, host="127.0.0.1", shaper=shaper, max_body_bytes=8 << 20)
 
-        async def route(msg, ctx, engine=engine):
-            return await engine.handle(ctx.route, msg, ctx.caller_hotkey)
-        server.add_route("/merge/join", route, MergeJoin)
-        server.add_route("/merge/contribute", route, MergePayload,
-                         on_body_bytes=lambda hk, remote, n, engine=engine: engine.link.moving(hk, n))
-        server.add_route("/merge/result", route, MergeResultRequest)
-        server.add_route("/merge/contribution", route, MergeResultRequest)
+        mount_merge_routes(server, engine)
         await server.start()
         endpoints[kp.ss58_address] = server.endpoint
         out.append((engine, m, client, server, shaper))

@@ -23,12 +23,13 @@ from iota_subnet.merge import MergeEngine, MergePlan, ModuleParams
 from iota_subnet.merge.deadlines import phase_deadline_s, scatter_bytes
 from iota_subnet.merge.transport import HttpTransport
 from iota_subnet.model import make_stage
-from iota_subnet.protocol import MergeJoin, MergePayload, MergeResultRequest
 from iota_subnet.sim.emulated import Emulation, emulated_parts
 from iota_subnet.sim.virtual_merge import ProxyStage, VirtualMergeEngine, VirtualPayload
 from iota_subnet.transport import NeuronClient, NeuronServer
 from iota_subnet.transport.shaping import DownlinkShaper, LinkSpec, UplinkShaper
+
 from support.dataplane_net import P2PNet, run
+from support.merge_routes import mount_merge_routes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,13 +56,7 @@ async def _replicas(tag: str, modules, make_engine, train, rate_bps=RATE_BPS):
         train(i, m)                         # local training after the anchor: replica-specific steps
         server = NeuronServer(kp, host="127.0.0.1", shaper=shaper, downlink=down, max_body_bytes=8 << 20)
 
-        async def route(msg, ctx, engine=engine):
-            return await engine.handle(ctx.route, msg, ctx.caller_hotkey)
-        server.add_route("/merge/join", route, MergeJoin)
-        server.add_route("/merge/contribute", route, MergePayload,
-                         on_body_bytes=lambda hk, remote, n, engine=engine: engine.link.moving(hk, n))
-        server.add_route("/merge/result", route, MergeResultRequest)
-        server.add_route("/merge/contribution", route, MergeResultRequest)
+        mount_merge_routes(server, engine)
         await server.start()
         endpoints[kp.ss58_address] = server.endpoint
         out.append((engine, m, client, server, shaper, down))
