@@ -70,14 +70,15 @@ def test_the_joiner_report_reads_its_status(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_miner_joining_at_lane_step_3_syncs(tmp_path, tmp_home, wikitext_path, monkeypatch):
-    """3 stages x 2 replicas merging every 2 inner steps, 24 steps (a step takes ~0.5 s here, and a
+    """3 stages x 2 replicas merging every 2 inner steps, 36 steps (a step takes ~0.5 s here, and a
     joiner's process ~10 s to start on a busy 2-core host: 10 steps end before it serves); a third
     stage-0 miner joins at lane step 3: it pulls the merged state from its two peers (state sync) and
     is in sync."""
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "cfg.yaml"
+    # (a real `tiny`-sized sync takes about 0.1 s: merges every 2 steps, about 1 s, leave it the time)
     cfg.write_text(yaml.safe_dump({**SMALL_CFG, "merge": {"every_steps": 2}}))
-    net = LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=24,
+    net = LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=36,
                    out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=240, join_at="3")
     summary = net.run()
     j = summary["joiner"]
@@ -99,8 +100,10 @@ def test_an_emulated_joiner_merges_the_same_proxy_as_its_peers(tmp_path, tmp_hom
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "cfg.yaml"
     big = {**SMALL_CFG["model"], "dim": 1024, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 4096}
-    cfg.write_text(yaml.safe_dump({**SMALL_CFG, "model": big, "merge": {"every_steps": 2}}))
-    net = LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=24,
+    # emulated lane steps take about a second on an idle host: merges every 8 (every 2, the donors'
+    # snapshots were replaced every 2.5 s, faster than the 3 s sync, and the joiner never synced)
+    cfg.write_text(yaml.safe_dump({**SMALL_CFG, "model": big, "merge": {"every_steps": 8}}))
+    net = LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=36,
                    out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=240, join_at="3",
                    emulate_gpu="a100", link=f"1gbit/{DOWN_MBIT}mbit:5ms")
     summary = net.run()
