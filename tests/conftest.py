@@ -13,6 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from iota_subnet.config import load_config  # noqa: E402  (after the offline settings above)
+
+
+@pytest.fixture(scope="session")
+def cfg8b():
+    """``configs/8b.yaml`` as a RunConfig (the emulation tests' large shape; meta device, no memory)."""
+    return load_config(REPO / "configs" / "8b.yaml")
+
 
 @pytest.fixture(scope="session")
 def wikitext_path() -> Path:

@@ -28,11 +28,6 @@ T = 2048
 
 
 @pytest.fixture(scope="module")
-def cfg8b():
-    return load_config(REPO / "configs" / "8b.yaml")
-
-
-@pytest.fixture(scope="module")
 def plans8b(cfg8b):
     return {s: plan_stage(cfg8b, s, 80 * GIB) for s in (0, 3, 7)}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from iota_subnet.config import ConfigError, load_config
+from iota_subnet.config import ConfigError
 from iota_subnet.hardware import GIB, GPUS
 from iota_subnet.host_plan import (DISK_WRITE_BYTES_PER_S, PCIE_D2H_BYTES_PER_S, SHA256_BYTES_PER_S, host_plan,
                                    update_store_bytes)
@@ -23,11 +23,6 @@ from support.fake_time import FakeSleep
 REPO = Path(__file__).resolve().parents[1]
 SCALE = 2.0
 K = 4
-
-
-@pytest.fixture(scope="module")
-def cfg8b():
-    return load_config(REPO / "configs" / "8b.yaml")
 
 
 @pytest.fixture(scope="module")
