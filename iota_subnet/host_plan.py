@@ -30,12 +30,14 @@ the audit window K (inner steps and weights versions kept) and R replicas of the
   checkpoint is written. Either way the file is written streamed (no serialised copy in memory);
 * **sync donor snapshot** (:mod:`iota_subnet.merge.sync`): the merge anchor and momentum by
   reference (no bytes of its own; the pair it holds while a merge builds the next one is the
-  transient's "new anchor and momentum").
+  transient's "new anchor and momentum"), plus, while a joiner fetches a snapshot a merge has
+  replaced, that old anchor and momentum (``8 P``, at most one kept): counted in the peak.
 
 Peak: steady + checkpoint snapshot + the larger of the training phase (update store + hop store)
 and the merge phase (merge transient), because the miner waits for the update store's last copies
 to reach the disk before a merge starts (:meth:`~iota_subnet.miner.update_store.UpdateStore.settle`);
-with ``merge.overlap`` training runs during the merge and the two phases are added.
+with ``merge.overlap`` training runs during the merge and the two phases are added; plus the sync
+donor's replaced snapshot (a joiner may fetch one at any time).
 
 Audit window: :data:`DEFAULT_AUDIT_WINDOW_S` seconds; versions ``K = max(2, ceil(window / step))``
 for the stage's inner-step time on :data:`WINDOW_ACCELERATOR` at :data:`~iota_subnet.hardware.DEFAULT_MFU`.
@@ -151,18 +153,19 @@ def host_plan(cfg: RunConfig, stage: int, P: int, shapes: list[tuple[int, ...]],
                      + feedback)
         merge_audit = 0
         merge_disk = MERGE_AUDIT_EPOCHS * (4 * P + 8 * P // R)
+        donor = 8 * P
     else:
-        steady = transient = merge_audit = merge_disk = 0
+        steady = transient = merge_audit = merge_disk = donor = 0
     ckpt = int(state_extra_bytes) + 4 * len(shapes) + (0 if update_store else 12 * P)
     train_phase, merge_phase = update + hop, transient + merge_audit
     phases = train_phase + merge_phase if (m.enabled and m.overlap) else max(train_phase, merge_phase)
-    peak = steady + ckpt + phases
+    peak = steady + ckpt + phases + donor
     unspilled = u["host_unspilled"] + trees + 4 * P + hops       # before spilling: all kept copies in memory
     merge_audit_unspilled = merge_disk
-    peak_unspilled = steady + ckpt + unspilled + transient + merge_audit_unspilled
+    peak_unspilled = steady + ckpt + unspilled + transient + merge_audit_unspilled + donor
     return HostPlan(audit_window_s=float(window_s), audit_window_versions=K, inner_step_s=step_s,
                     update_store_bytes=update, update_store_unspilled_bytes=u["host_unspilled"] + trees,
                     hop_store_bytes=hop, merge_steady_bytes=steady, merge_transient_bytes=transient,
-                    merge_audit_bytes=merge_audit, checkpoint_snapshot_bytes=ckpt, sync_donor_bytes=0,
+                    merge_audit_bytes=merge_audit, checkpoint_snapshot_bytes=ckpt, sync_donor_bytes=donor,
                     peak_bytes=peak, peak_unspilled_bytes=peak_unspilled, disk_bytes=u["disk"] + merge_disk,
                     d2h_bytes_per_step=u["d2h"])

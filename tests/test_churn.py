@@ -251,8 +251,9 @@ class DonorNet:
     """Donors of one stage behind an in-process call table; ``refuse(chunk)`` makes every donor answer
     BUSY for that chunk of the current snapshot (a chunk it cannot serve now); requests are counted."""
 
-    def __init__(self, n, P, chunk_numel=64):
-        self.donors = {HK[i]: SnapshotDonor("churn", 0, chunk_numel=chunk_numel, max_concurrent=4) for i in range(n)}
+    def __init__(self, n, P, chunk_numel=64, retain_s=60.0):
+        self.donors = {HK[i]: SnapshotDonor("churn", 0, chunk_numel=chunk_numel, max_concurrent=4, retain_s=retain_s)
+                       for i in range(n)}
         self.P, self.cn = P, chunk_numel
         self.refused: set[tuple[str, int]] = set()       # (snapshot id, chunk)
         self.requests: dict[int, int] = {}
@@ -302,10 +303,11 @@ def test_state_sync_backs_off_names_missing_chunks_and_takes_a_later_snapshot(tm
 
 
 def test_state_sync_follows_donors_to_their_newer_snapshot(tmp_path):
-    """A merge applied on the donors while a joiner fetches: they answer LATE for the old snapshot;
-    the joiner describes again and fetches the new one (it used to drop every donor and fail)."""
+    """A merge applied on the donors while a joiner fetches, donors that keep no replaced snapshot
+    (``retain_s`` 0): they answer LATE for the old snapshot; the joiner describes again and fetches
+    the new one (it used to drop every donor and fail)."""
     P = 1000
-    net = DonorNet(2, P)
+    net = DonorNet(2, P, retain_s=0.0)
     net.publish(1)
     seen = []
 
@@ -319,6 +321,44 @@ def test_state_sync_follows_donors_to_their_newer_snapshot(tmp_path):
     a, m = net.publish(2)
     assert man["merged_epoch"] == 2 and torch.equal(anchor, a) and torch.equal(momentum, m)
     assert len(set(seen)) == 2
+
+
+def test_a_sync_longer_than_the_merge_interval_finishes_on_the_snapshot_it_started(tmp_path):
+    """Donors merge every few chunks of a joiner's sync (a sync slower than the stage's merge interval,
+    as at ``8b`` on 100 Mbit/s): without kept snapshots every replacement sends the joiner back and
+    three of them fail the sync; with them it finishes the snapshot it started, and each donor keeps
+    one replaced snapshot, dropped once nobody fetches it for ``retain_s``."""
+    P = 1000                                   # 32 chunks of 64 values
+
+    def run(retain_s):
+        net = DonorNet(2, P, retain_s=retain_s)
+        first = net.publish(1)
+        epoch = [1]
+        count = [0]
+
+        def merge_often(msg):
+            count[0] += 1
+            if count[0] % 4 == 0:              # a merge every 4 chunk requests
+                epoch[0] += 1
+                net.publish(epoch[0])
+        net.on_request = merge_often
+        return net, first, asyncio.run(sync_state(list(net.donors), net, run_id="churn", stage=0, param_numel=P,
+                                                  work_dir=tmp_path / str(retain_s), busy_retry_s=0.01, seed=1))
+    with pytest.raises(SyncError, match="replaced 3 times"):
+        run(0.0)
+    net, (a, m), (anchor, momentum, man) = run(60.0)
+    assert man["merged_epoch"] == 1 and torch.equal(anchor, a) and torch.equal(momentum, m)
+    assert man["sync"]["dropped"] == [] and man["sync"]["chunks"] == 32
+    donors = list(net.donors.values())
+    assert sum(d.served_retained for d in donors) >= 32 - 4
+    assert all(d.status()["retained_snapshot_id"] == man["snapshot_id"] for d in donors)
+    assert all(d.retained_bytes == 8 * P for d in donors)
+    # nobody fetches it any more: dropped at the next publish after retain_s
+    for d in donors:
+        d.retain_s = 0.05
+    time.sleep(0.06)
+    net.publish(99)
+    assert all(d.retained is None and d.status()["retained_bytes"] == 0 for d in donors)
 
 
 def test_a_suspect_peer_steps_behind_whose_lane_advances_is_waited_for_and_a_still_one_is_not():

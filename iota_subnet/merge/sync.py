@@ -10,6 +10,16 @@ different chunks from different donors and check every chunk against one manifes
 merge never blocks it (the snapshot is swapped by reference when a merge is applied). A donor
 serves at most ``max_concurrent`` chunk requests at once; more get ``BUSY`` (503).
 
+A snapshot a joiner is fetching outlives the merge that replaces it: when a new snapshot is
+published while chunks of the current one were served in the last ``retain_s`` seconds, the donor
+keeps the old one (by reference: its ``8 P`` bytes stay in host memory) and goes on serving its
+chunks for as long as they keep being asked for (each served chunk renews the lease); at most one
+such snapshot is kept (the one asked for last), and it is dropped at the first request or publish
+after ``retain_s`` seconds without a chunk. Without it a sync that takes longer than the stage's
+merge interval never finishes: at ``8b`` (a ``12.9 GB`` snapshot at 100 Mbit/s: ``~1,030 s``) with
+merges every ``~300 s``, every replacement sent the joiner back to the start. The joiner then holds
+an older merged epoch than its peers and pulls again when a merge finds it late.
+
 Joiner side (:func:`sync_state`): describe the snapshot at every peer, pick the newest one
 (highest ``merged_epoch``) and its donors, fetch chunks from all of them at once with up to
 ``window`` requests in flight (spread over the donors, each asked for at most the
@@ -29,6 +39,7 @@ import hashlib
 import math
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -54,13 +65,19 @@ class SyncError(RuntimeError):
 class SnapshotDonor:
     """Serves ``/state/chunk``. ``publish`` a new snapshot after each merge (and at start)."""
 
-    def __init__(self, run_id: str, stage: int, chunk_numel: int = 1 << 20, max_concurrent: int = 2):
+    def __init__(self, run_id: str, stage: int, chunk_numel: int = 1 << 20, max_concurrent: int = 2,
+                 retain_s: float = 60.0):
         self.run_id, self.stage = run_id, stage
         self.chunk_numel, self.max_concurrent = int(chunk_numel), int(max_concurrent)
+        self.retain_s = float(retain_s)
         self.parts: Optional[tuple[torch.Tensor, torch.Tensor]] = None    # (anchor [P], momentum [P]) on the host
         self.info: dict[str, int] = {}
         self._manifest: Optional[dict[str, Any]] = None
         self._hashing: Optional[asyncio.Future] = None
+        self._served_at = -math.inf          # monotonic time the current snapshot last served a chunk
+        # a replaced snapshot a joiner is still fetching: (parts, manifest, monotonic time of its last chunk)
+        self.retained: Optional[tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any], float]] = None
+        self.served_retained = 0             # chunks served from a replaced snapshot
         self.active = 0
         self.peak_active = 0                 # most transfers in progress at once
         self.served_chunks = 0
@@ -73,9 +90,32 @@ class SnapshotDonor:
         m = momentum.detach().to("cpu", torch.float32).reshape(-1)
         if a.numel() != m.numel():
             raise ValueError(f"anchor of {a.numel()} values, momentum of {m.numel()}")
+        now = time.monotonic()
+        self._expire(now)
+        if (self.parts is not None and self._manifest is not None and now - self._served_at < self.retain_s
+                and (self.retained is None or self._served_at >= self.retained[2])):
+            self.retained = (self.parts, self._manifest, self._served_at)     # a joiner is fetching it
         # swapped by reference: readers keep the old one
         self.parts, self.info = (a, m), {"merged_epoch": int(merged_epoch), "step": int(step)}
         self._manifest, self._hashing = None, None
+        self._served_at = -math.inf
+
+    def _expire(self, now: float) -> None:
+        if self.retained is not None and now - self.retained[2] >= self.retain_s:
+            self.retained = None
+
+    @property
+    def retained_bytes(self) -> int:
+        """Host bytes of the replaced snapshot kept for a joiner (``8 P``; 0 when none)."""
+        return 0 if self.retained is None else 8 * self.retained[0][0].numel()
+
+    def status(self) -> dict[str, Any]:
+        """What the donor serves: current and retained snapshot ids, transfers, chunks served."""
+        self._expire(time.monotonic())
+        return {"snapshot_id": (self._manifest or {}).get("snapshot_id"), "merged_epoch": self.info.get("merged_epoch"),
+                "retained_snapshot_id": None if self.retained is None else self.retained[1]["snapshot_id"],
+                "retained_bytes": self.retained_bytes, "active": self.active, "served_chunks": self.served_chunks,
+                "served_retained": self.served_retained, "refused_busy": self.refused_busy}
 
     @property
     def flat_numel(self) -> int:
@@ -125,15 +165,24 @@ class SnapshotDonor:
         server's hooks run once the response is sent (:class:`~iota_subnet.transport.server.RequestContext`);
         with it the transfer slot is held until the chunk has left, so ``max_concurrent`` caps the
         sends, not only the copies (six slow joiners of a donor capped at 2 get 2 transfers and 4 BUSY)."""
-        parts = self.parts
-        man = await self.manifest()
-        if self.parts is not parts:          # replaced while hashing: describe the new one
-            return await self.handle(msg, caller, on_sent)
-        if not msg.snapshot_id:             # the description also says how many chunk requests it serves at once
-            return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"],
-                              manifest={**man, "max_concurrent": self.max_concurrent})
-        if msg.snapshot_id != man["snapshot_id"]:
-            raise ProtocolError(Outcome.LATE, f"snapshot {msg.snapshot_id} replaced by {man['snapshot_id']}")
+        now = time.monotonic()
+        self._expire(now)
+        retained = self.retained
+        if msg.snapshot_id and retained is not None and msg.snapshot_id == retained[1]["snapshot_id"]:
+            parts, man = retained[0], retained[1]           # replaced, but a joiner is still fetching it
+            self.retained = (parts, man, now)
+            self.served_retained += 1
+        else:
+            parts = self.parts
+            man = await self.manifest()
+            if self.parts is not parts:          # replaced while hashing: describe the new one
+                return await self.handle(msg, caller, on_sent)
+            if not msg.snapshot_id:             # the description also says how many chunk requests it serves at once
+                return StateChunk(run_id=self.run_id, stage=self.stage, snapshot_id=man["snapshot_id"],
+                                  manifest={**man, "max_concurrent": self.max_concurrent})
+            if msg.snapshot_id != man["snapshot_id"]:
+                raise ProtocolError(Outcome.LATE, f"snapshot {msg.snapshot_id} replaced by {man['snapshot_id']}")
+            self._served_at = now
         total = man["total_numel"]
         if msg.offset < 0 or msg.numel <= 0 or msg.numel > self.chunk_numel or msg.offset + msg.numel > total:
             raise ProtocolError(Outcome.BAD_SHAPE, f"chunk [{msg.offset}, +{msg.numel}) outside the snapshot of "

@@ -423,6 +423,7 @@ class MinerMerging:
         d = self.engine.status()
         d["mismatch_evidence"] = self.engine.reports[-10:]
         d["sync"] = self.sync_report
+        d["donor"] = None if self.donor is None else self.donor.status()
         return d
 
     async def close(self) -> None:
