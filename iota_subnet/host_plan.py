@@ -31,7 +31,10 @@ the audit window K (inner steps and weights versions kept) and R replicas of the
 * **sync donor snapshot** (:mod:`iota_subnet.merge.sync`): the merge anchor and momentum by
   reference (no bytes of its own; the pair it holds while a merge builds the next one is the
   transient's "new anchor and momentum"), plus, while a joiner fetches a snapshot a merge has
-  replaced, that old anchor and momentum (``8 P``, at most one kept): counted in the peak.
+  replaced, that old anchor and momentum (``8 P``, at most one kept): counted in the peak; and the
+  last :data:`REPLAY_MERGES` merges' mean pseudo-gradients in the gather's encoding, kept for
+  replicas that replay them (:mod:`iota_subnet.merge.replay`; a sparse gather at its dense int8
+  bound).
 
 Peak: steady + checkpoint snapshot + the larger of the training phase (update store + hop store)
 and the merge phase (merge transient), because the miner waits for the update store's last copies
@@ -64,6 +67,8 @@ HOP_STORE_MAX_HOPS = 1024
 MERGE_STREAM_WINDOW = 2
 #: Merge epochs kept for merge audits (:data:`iota_subnet.protocol.audit.MERGE_AUDIT_KEEP_EPOCHS`).
 MERGE_AUDIT_EPOCHS = 4
+#: merges a sync donor keeps for replay (:data:`iota_subnet.merge.sync.REPLAY_KEEP`)
+REPLAY_MERGES = 4
 #: Device -> host copy rate assumed for costs (bytes/s): PCIe 4 x16 into pinned memory, 25 GB/s
 #: (``scripts/bench_costs.py --pcie-gbps``; the emulated miners' modelled copies, :mod:`iota_subnet.sim.emulated_costs`).
 PCIE_D2H_BYTES_PER_S = 25e9
@@ -153,7 +158,8 @@ def host_plan(cfg: RunConfig, stage: int, P: int, shapes: list[tuple[int, ...]],
                      + feedback)
         merge_audit = 0
         merge_disk = MERGE_AUDIT_EPOCHS * (4 * P + 8 * P // R)
-        donor = 8 * P
+        gather_bpv = {"none": 4.0, "bf16": 2.0}.get(m.gather_quant, 1.0 + 4.0 / max(1, m.int8_block))
+        donor = 8 * P + int(REPLAY_MERGES * gather_bpv * P)
     else:
         steady = transient = merge_audit = merge_disk = donor = 0
     ckpt = int(state_extra_bytes) + 4 * len(shapes) + (0 if update_store else 12 * P)

@@ -33,6 +33,7 @@ from iota_subnet.utils.progress import Progress
 
 from .deadlines import bytes_per_value, phase_deadline_s
 from .outer import dequantize, outer_step, quantize, rounded, weighted_mean
+from .replay import AppliedMerge
 from .claims import co_result, co_signature, result_from_wire, wire_contribution
 from .plan import MergePlan
 from .serve import STILL_REDUCING, _Session, _ShardReduce
@@ -204,7 +205,11 @@ class AllReduceAttempt:
         missing: set[str] = set(unreachable)
         reasons: list[str] = []
 
-        def apply_chunk(off: int, mean: torch.Tensor) -> None:
+        applied: dict[int, tuple[int, str, torch.Tensor, Optional[torch.Tensor]]] = {}    # what a replay re-applies
+
+        def apply_chunk(off: int, mean: torch.Tensor, quant: str, values: torch.Tensor,
+                        scales: Optional[torch.Tensor]) -> None:
+            applied[off] = (off, quant, values, scales)
             n = mean.numel()
             new, mom = outer_step(self.anchor[off:off + n], self.momentum[off:off + n], mean, lr=self.cfg.outer_lr,
                                   mu=self.cfg.outer_momentum, nesterov=self.cfg.nesterov)
@@ -269,8 +274,8 @@ class AllReduceAttempt:
                 mine_res = sess.results[s]
                 claims[self.me] = mine_res
                 prim = self.me
-                for (off, _), mean in zip(chunks, sess.honest[s]):
-                    apply_chunk(off, mean)
+                for (off, _), mean, (q, sc) in zip(chunks, sess.honest[s], sess.reduce[s].wire):
+                    apply_chunk(off, mean, self.cfg.gather_quant, q, sc)
                 served_digest = mine_res.mean_sha256
             else:
                 prim = plan.primary_for(self.me, s)
@@ -293,7 +298,7 @@ class AllReduceAttempt:
                         if not chunks_ok or tensor_sha256(m) != hashes[c]:
                             chunks_ok = False
                             continue                    # keep hashing what it serves (evidence), apply nothing
-                        apply_chunk(off, m)
+                        apply_chunk(off, m, reply.quant, reply.mean, reply.mean_scales)
                     else:
                         served_digest = served_h.hexdigest()
             for r, res in got.items():
@@ -326,7 +331,7 @@ class AllReduceAttempt:
             logger.warning(f"merge epoch {plan.epoch} shard {s}: reducers disagree; recomputed, wrong: "
                            f"{[w[:10] for w in wrong]}")
             for (off, _), mean in zip(chunks, recomputed):
-                apply_chunk(off, mean)
+                apply_chunk(off, mean, "none", mean.float().contiguous(), None)
             done.add(s)
 
         bpv = bytes_per_value(self.cfg.gather_quant, self.cfg.int8_block)
@@ -351,7 +356,8 @@ class AllReduceAttempt:
         # all or nothing: one write under the worker lock
         await asyncio.to_thread(self.params.write, new_anchor, carry)
         self.feedback.commit()
-        self.merged(new_anchor, new_momentum, plan.epoch)
+        kept = AppliedMerge(self.merged_epoch, plan.epoch, self.cfg.int8_block, [applied[o] for o in sorted(applied)])
+        self.merged(new_anchor, new_momentum, plan.epoch, kept)
         rep.weights_sha256 = tensor_sha256(new_anchor)
         return True, [], ""
 

@@ -90,6 +90,7 @@ from .join import MergeJoining
 from .liveness import PeerLiveness
 from .outer import rounded
 from .params import ModuleParams
+from .replay import AppliedMerge
 from .report import MergeReport
 from .plan import MergePlan, epoch_seed
 from .serve import MergeServing, _Session
@@ -167,6 +168,9 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         #: top-k merges: what this replica has not sent yet (:mod:`.sparse`; zero for a fresh joiner)
         self.feedback = ErrorFeedback(cfg.error_feedback if cfg.quantization == "topk" else None)
         self.merged_epoch = -1
+        #: what the last applied merge applied (its mean pseudo-gradient as the gather carried it): a
+        #: donor keeps it for replicas that replay it (:mod:`.replay`)
+        self.last_applied: Optional[AppliedMerge] = None
         self.ready_epoch = -1
         self.ready_work = 0.0                        # work in the window of ready_epoch (reported at join)
         self.work_base = self._work_total()          # cumulative work at the last merge
@@ -228,9 +232,12 @@ class MergeEngine(MergeServing, MergeJoining, AllReduceAttempt):
         self.anchor, self.momentum = anchor, momentum
         self.merged_epoch = int(merged_epoch)
 
-    def merged(self, anchor: torch.Tensor, momentum: torch.Tensor, epoch: int) -> None:
+    def merged(self, anchor: torch.Tensor, momentum: torch.Tensor, epoch: int,
+               applied: Optional[AppliedMerge] = None) -> None:
         """The all-reduce of ``epoch`` applied: ``anchor`` and ``momentum`` (float32 [P], host) are this
-        replica's new anchor and outer momentum (the parameters were written already)."""
+        replica's new anchor and outer momentum (the parameters were written already); ``applied``:
+        the mean it applied on the state of the previous merged epoch (:attr:`last_applied`)."""
+        self.last_applied = applied
         self.anchor, self.momentum, self.merged_epoch = anchor, momentum, int(epoch)
 
     def skip(self, epoch: int) -> None:

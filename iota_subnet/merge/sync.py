@@ -48,9 +48,15 @@ from loguru import logger
 
 from iota_subnet.utils.progress import Progress
 
-from iota_subnet.protocol import Outcome, ProtocolError, StateChunk, StateChunkRequest, tensor_sha256
+from iota_subnet.protocol import (Outcome, ProtocolError, StateChunk, StateChunkRequest, StateReplay,
+                                  StateReplayRequest, tensor_sha256)
 from iota_subnet.protocol.codec import host_bytes
 from iota_subnet.utils.atomic import atomic_write_bytes
+
+from .replay import AppliedMerge, ReplayLog
+
+#: merges a donor keeps for replicas that replay them (host memory: that many x the gather's bytes)
+REPLAY_KEEP = 4
 
 
 class SyncError(RuntimeError):
@@ -66,8 +72,10 @@ class SnapshotDonor:
     """Serves ``/state/chunk``. ``publish`` a new snapshot after each merge (and at start)."""
 
     def __init__(self, run_id: str, stage: int, chunk_numel: int = 1 << 20, max_concurrent: int = 2,
-                 retain_s: float = 60.0):
+                 retain_s: float = 60.0, replay_keep: int = REPLAY_KEEP):
         self.run_id, self.stage = run_id, stage
+        #: the last merges applied, for replicas that replay them (:mod:`.replay`)
+        self.replay = ReplayLog(run_id, stage, keep=replay_keep, max_concurrent=max_concurrent)
         self.chunk_numel, self.max_concurrent = int(chunk_numel), int(max_concurrent)
         self.retain_s = float(retain_s)
         self.parts: Optional[tuple[torch.Tensor, torch.Tensor]] = None    # (anchor [P], momentum [P]) on the host
@@ -100,6 +108,16 @@ class SnapshotDonor:
         self._manifest, self._hashing = None, None
         self._served_at = -math.inf
 
+    def record(self, merge: Optional[AppliedMerge]) -> None:
+        """Keep what an applied merge applied for replicas that replay it (:meth:`ReplayLog.record`)."""
+        self.replay.record(merge)
+
+    async def handle_replay(self, msg: StateReplayRequest, caller: str = "",
+                            on_sent: Optional[list[Callable[[], Any]]] = None) -> StateReplay:
+        """``/state/replay``: :meth:`ReplayLog.handle` (``caller`` unused here; a subclass may charge it)."""
+        del caller
+        return await self.replay.handle(msg, on_sent)
+
     def _expire(self, now: float) -> None:
         if self.retained is not None and now - self.retained[2] >= self.retain_s:
             self.retained = None
@@ -115,7 +133,8 @@ class SnapshotDonor:
         return {"snapshot_id": (self._manifest or {}).get("snapshot_id"), "merged_epoch": self.info.get("merged_epoch"),
                 "retained_snapshot_id": None if self.retained is None else self.retained[1]["snapshot_id"],
                 "retained_bytes": self.retained_bytes, "active": self.active, "served_chunks": self.served_chunks,
-                "served_retained": self.served_retained, "refused_busy": self.refused_busy}
+                "served_retained": self.served_retained, "refused_busy": self.refused_busy,
+                "replay": self.replay.status()}
 
     @property
     def flat_numel(self) -> int:

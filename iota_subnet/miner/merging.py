@@ -26,6 +26,7 @@ from loguru import logger
 from iota_subnet.config import RunConfig
 from iota_subnet.merge import MergeEngine, MergeEngineOptions, ModuleParams
 from iota_subnet.merge.claims import MergeAuditRoute, MergeClaims
+from iota_subnet.merge.replay import ReplayError, replay_to_newest
 from iota_subnet.merge.sync import SnapshotDonor, SyncError, sync_state
 from iota_subnet.merge.transport import HttpTransport
 from iota_subnet.miner.audits import MinerAudits
@@ -34,7 +35,8 @@ from iota_subnet.miner.chain_view import ChainView
 from iota_subnet.miner.checkpoints import Checkpoints
 from iota_subnet.miner.compute_thread import ComputeThread
 from iota_subnet.protocol import (MergeAuditRequest, MergeEvidence, MergeJoin, MergePayload, MergeResultRequest,
-                                  Outcome, ProtocolError, StateChunkRequest, merge_payload_contract)
+                                  Outcome, ProtocolError, StateChunkRequest, StateReplayRequest,
+                                  merge_payload_contract)
 from iota_subnet.telemetry import NeuronMetrics
 from iota_subnet.train.checkpoint import read_checkpoint, tensors_bytes
 from iota_subnet.transport import NeuronClient, NeuronServer
@@ -139,6 +141,7 @@ class MinerMerging:
         server.add_route("/merge/result", self._merge_route, MergeResultRequest, None)
         server.add_route("/merge/contribution", self._merge_route, MergeResultRequest, None)
         server.add_route("/state/chunk", self._chunk_route, StateChunkRequest, None)
+        server.add_route("/state/replay", self._replay_route, StateReplayRequest, None)
         server.add_route("/evidence", self._evidence_route, MergeEvidence, None)
 
     def start_catch_up(self) -> None:
@@ -200,6 +203,10 @@ class MinerMerging:
         self._check_header(msg)
         return await self.donor.handle(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
 
+    async def _replay_route(self, msg, ctx):
+        self._check_header(msg)
+        return await self.donor.handle_replay(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
+
     # ---- merge state on disk ---------------------------------------------------------------------
     def _load_state(self) -> None:
         p, w = self.state_path, self.worker
@@ -243,6 +250,7 @@ class MinerMerging:
 
     async def _on_merged(self, rep) -> None:
         self.anchor_step = self.worker.inner_step
+        self.donor.record(self.engine.last_applied)
         self.donor.publish(self.engine.anchor, self.engine.momentum, self.engine.merged_epoch, self.worker.inner_step)
         await asyncio.get_running_loop().run_in_executor(None, self.save_state)
         logger.info(f"stage {self.stage}: merge epoch {rep.epoch} applied with {len(rep.participants)} replicas "
@@ -267,7 +275,11 @@ class MinerMerging:
             self.engine.in_sync = True
 
     async def pull_merged_state(self, min_epoch: int = -1, keep_progress: bool = False) -> bool:
-        """State sync from every peer at once; applies all or nothing. Returns True when applied.
+        """Catch up with the stage's newest merged state; applies all or nothing. Returns True when
+        applied. A replica holding a merged state of its own replays the merges it missed
+        (:mod:`iota_subnet.merge.replay`: the gather's bytes per merge, checked against the donors'
+        snapshot hash); otherwise, or when that fails, state sync from every peer at once
+        (:mod:`iota_subnet.merge.sync`), then a replay of the merges applied while it ran.
         ``keep_progress``: keep this replica's progress since its old anchor on top of the pulled one
         (:meth:`~iota_subnet.merge.engine.MergeEngine.set_state`; a replica late to a merge)."""
         m, w = self.engine, self.worker
@@ -278,18 +290,23 @@ class MinerMerging:
         self.sync_report = {"state": "syncing", "attempt": 1, "missing_chunks": [], "error": None}
         try:
             for attempt in range(3):
-                try:
-                    anchor, mom, man = await sync_state(self.view.stage_peers(), m.transport, run_id=self.view.run_id,
-                                                        stage=self.stage, param_numel=m.params.numel,
-                                                        work_dir=self.out / "sync", min_epoch=min_epoch,
-                                                        window=self.cfg.merge.sync_window)
-                except SyncError as e:
-                    logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
-                    self.sync_report = {"state": "syncing" if attempt < 2 else "failed", "attempt": attempt + 1,
-                                        "missing_chunks": list(e.missing), "error": str(e)}
-                    self.write_status()
-                    await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
-                    continue
+                got = await self._replay(m.anchor, m.momentum, m.merged_epoch) if m.merged_epoch >= 0 else None
+                if got is None:
+                    try:
+                        got = await sync_state(self.view.stage_peers(), m.transport, run_id=self.view.run_id,
+                                               stage=self.stage, param_numel=m.params.numel,
+                                               work_dir=self.out / "sync", min_epoch=min_epoch,
+                                               window=self.cfg.merge.sync_window)
+                    except SyncError as e:
+                        logger.warning(f"state sync attempt {attempt + 1} failed: {e}")
+                        self.sync_report = {"state": "syncing" if attempt < 2 else "failed", "attempt": attempt + 1,
+                                            "missing_chunks": list(e.missing), "error": str(e)}
+                        self.write_status()
+                        await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
+                        continue
+                    # the donors merged on while it fetched (they kept serving the snapshot it started on)
+                    got = await self._replay(*got) or got
+                anchor, mom, man = got
 
                 def apply():
                     with w.lock:
@@ -309,18 +326,43 @@ class MinerMerging:
                 self.last_epoch = max(self.last_epoch, man["merged_epoch"])
                 self.donor.publish(m.anchor, m.momentum, m.merged_epoch, w.inner_step)
                 await asyncio.get_running_loop().run_in_executor(None, self.save_state)
-                logger.info(f"stage {self.stage}: synced merged state of epoch {man['merged_epoch']} from "
-                            f"{len(man['sync']['donors'])} peers ({man['sync']})")
+                sync, replay = man.get("sync") or {}, man.get("replay") or {}
+                logger.info(f"stage {self.stage}: merged state of epoch {man['merged_epoch']} "
+                            f"(sync: {sync or 'none'}; replay: {replay or 'none'})")
                 # wall_s: from the first describe to applied (retries included); synced_at: unix time;
-                # bytes: the state's tensor bytes fetched (an emulated stage's: the proxy's, 1/scale)
+                # bytes: the state's tensor bytes fetched (an emulated stage's: the proxy's, 1/scale);
+                # replayed_merges / replay_bytes: merges replayed after (or instead of) the snapshot
                 self.sync_report = {"state": "synced", "attempt": attempt + 1, "missing_chunks": [], "error": None,
                                     "merged_epoch": man["merged_epoch"], "wall_s": round(time.monotonic() - t0, 3),
-                                    "synced_at": round(time.time(), 3), "bytes": int(man["sync"]["bytes"]),
-                                    "chunks": int(man["sync"]["chunks"]), "donors": len(man["sync"]["donors"])}
+                                    "synced_at": round(time.time(), 3), "bytes": int(sync.get("bytes", 0)),
+                                    "chunks": int(sync.get("chunks", 0)), "donors": len(sync.get("donors", [])),
+                                    "snapshot_epoch": replay.get("from_epoch", man["merged_epoch"]) if sync else None,
+                                    "replayed_merges": int(replay.get("merges", 0)),
+                                    "replay_bytes": int(replay.get("bytes", 0))}
                 return True
             return False
         finally:
             m.in_sync = was_in_sync     # the catch-up declares it in sync when it is done
+
+    async def _replay(self, anchor, momentum, epoch_or_manifest) -> Optional[tuple]:
+        """Replay the merges after ``epoch_or_manifest`` (a merged epoch, or a synced snapshot's manifest)
+        onto ``(anchor, momentum)``: ``(anchor, momentum, manifest)`` checked against the donors'
+        newest snapshot, or None when it cannot (the reason is logged)."""
+        man = epoch_or_manifest if isinstance(epoch_or_manifest, dict) else None
+        epoch = int(man["merged_epoch"]) if man is not None else int(epoch_or_manifest)
+        mc = self.engine.cfg
+        try:
+            a, mom, newest = await replay_to_newest(self.view.stage_peers(), self.engine.transport,
+                                                    run_id=self.view.run_id, stage=self.stage, anchor=anchor,
+                                                    momentum=momentum, epoch=epoch, lr=mc.outer_lr,
+                                                    mu=mc.outer_momentum, nesterov=mc.nesterov, block=mc.int8_block,
+                                                    window=self.cfg.merge.sync_window)
+        except ReplayError as e:
+            logger.info(f"stage {self.stage}: no replay from merged epoch {epoch}: {e}")
+            return None
+        if man is not None:
+            newest["sync"] = man.get("sync")
+        return a, mom, newest
 
     # ---- when to merge ---------------------------------------------------------------------------
     def maybe_merge(self) -> None:

@@ -91,5 +91,10 @@ class JoinAt:
                         "join_to_sync_wall_s": round(to_sync, 3),
                         "join_to_sync_emulated_s": round(to_sync / self.time_scale, 3),
                         "sync_bytes": int(sync.get("bytes", 0)) * scale, "sync_chunks": sync.get("chunks"),
-                        "sync_donors": sync.get("donors"), "sync_merged_epoch": sync.get("merged_epoch")})
+                        "sync_donors": sync.get("donors"), "sync_merged_epoch": sync.get("merged_epoch"),
+                        # merges applied while it fetched the snapshot (or missed since its own state),
+                        # replayed from the donors' kept means (iota_subnet.merge.replay)
+                        "sync_snapshot_epoch": sync.get("snapshot_epoch"),
+                        "replayed_merges": int(sync.get("replayed_merges", 0)),
+                        "replay_bytes": int(sync.get("replay_bytes", 0)) * scale})
         return out

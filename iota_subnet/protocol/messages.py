@@ -222,6 +222,33 @@ class StateChunk(Message):
 
 
 @dataclass(kw_only=True)
+class StateReplayRequest(Message):
+    """Chunk ``chunk`` of the mean pseudo-gradient of the applied merge ``epoch`` (``epoch`` < 0:
+    describe the merges the donor keeps: the reply's ``manifest``)."""
+    TYPE: ClassVar[str] = "StateReplayRequest"
+    epoch: int = -1
+    chunk: int = 0
+
+
+@dataclass(kw_only=True)
+class StateReplay(Message):
+    """A kept merge's mean pseudo-gradient, one chunk: values ``[offset, offset + n)`` of the stage's
+    flat parameters, encoded as ``quant`` says (the gather's encoding, as the merge carried it:
+    ``none`` float32 [n]; ``bf16``; ``int8`` [n] with ``mean_scales`` float32 [ceil(n / block)];
+    ``topk-*`` / ``sparse-*`` as :mod:`iota_subnet.merge.sparse`). ``manifest`` (describe): ``merges``,
+    one ``{prev_epoch, epoch, chunks: [[offset, numel], ...], bytes}`` per kept merge, oldest first,
+    and ``max_concurrent``."""
+    TYPE: ClassVar[str] = "StateReplay"
+    epoch: int = -1
+    chunk: int = 0
+    offset: int = 0
+    quant: str = "none"
+    manifest: dict[str, Any] = field(default_factory=dict)
+    mean: Optional[torch.Tensor] = tensor_field()
+    mean_scales: Optional[torch.Tensor] = tensor_field()
+
+
+@dataclass(kw_only=True)
 class StateRequest(Message):
     TYPE: ClassVar[str] = "StateRequest"
     names: Optional[list[str]] = None
@@ -399,7 +426,7 @@ class AuditOpening(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     c.TYPE: c for c in (MergePayload, MergeJoin, MergeAck,
                         MergeResultRequest, MergeResult, StateChunkRequest, StateChunk,
-                        StateRequest, StateResponse, Health, MergeEvidence, TicketBatch, TicketAck, Hop, HopAck,
+                        StateReplayRequest, StateReplay, StateRequest, StateResponse, Health, MergeEvidence, TicketBatch, TicketAck, Hop, HopAck,
                         ReceiptBatch, ReceiptAck, AuditTraceRequest, AuditTraceCommit, AuditProjectRequest,
                         AuditProjection, AuditOpenRequest, AuditOpening)
 }

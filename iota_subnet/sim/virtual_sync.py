@@ -9,9 +9,10 @@ the donor's side virtual too, over the public interface of
 :class:`~iota_subnet.merge.sync.SnapshotDonor`:
 
 * **uplink**: a served chunk (a :class:`~iota_subnet.protocol.StateChunk` holding ``n`` proxy values,
-  ``4 n`` bytes) charges the donor's uplink shaper the ``(k - 1) x 4 n`` bytes it does not hold
-  before the reply leaves (released by its bucket, without the one-way delay: the real reply's ``4 n``
-  bytes then pass the server's shaper as usual, with the delay, once per message as on the real link).
+  ``4 n`` bytes; likewise a kept merge's chunk served for a replay, :mod:`iota_subnet.merge.replay`)
+  charges the donor's uplink shaper the ``(k - 1) x 4 n`` bytes it does not hold before the reply
+  leaves (released by its bucket, without the one-way delay: the real reply's ``4 n`` bytes then
+  pass the server's shaper as usual, with the delay, once per message as on the real link).
   The transfer slot (``max_concurrent``) is held while they are charged, as a real send holds it;
 * **CPU** (MODELLED, as the merge's: ``bytes / host_bytes_per_s x time_scale``): the copy + encode of
   each chunk's virtual bytes before they leave, and the hashing of the whole virtual snapshot
@@ -33,7 +34,7 @@ import contextvars
 from typing import Any, Callable, Optional
 
 from iota_subnet.merge.sync import SnapshotDonor
-from iota_subnet.protocol import StateChunk, StateChunkRequest
+from iota_subnet.protocol import StateChunk, StateChunkRequest, StateReplay, StateReplayRequest
 
 from .virtual_merge import VirtualPayload
 
@@ -83,6 +84,18 @@ class VirtualSnapshotDonor(SnapshotDonor):
             reply = await super().handle(msg, caller, on_sent)
         finally:
             _HANDLING.reset(token)
+        await self._charge(reply)
+        return reply
+
+    async def handle_replay(self, msg: StateReplayRequest, caller: str = "",
+                            on_sent: Optional[list[Callable[[], Any]]] = None) -> StateReplay:
+        """:meth:`SnapshotDonor.handle_replay`, then the served chunk's virtual bytes as for a snapshot
+        chunk (a kept merge's mean of the proxy stands for ``scale`` x its bytes)."""
+        reply = await super().handle_replay(msg, caller, on_sent)
+        await self._charge(reply)
+        return reply
+
+    async def _charge(self, reply: Any) -> None:
         extra = self.payload.extra_bytes(reply)
         if extra:
             await asyncio.sleep(self.payload.cpu_s(extra))
@@ -90,7 +103,6 @@ class VirtualSnapshotDonor(SnapshotDonor):
                 await self.uplink.release(extra)
                 self.charges += 1
             self.virtual_sent += extra
-        return reply
 
 
 def make_virtual_snapshot_donor(engine: Any, run_id: str, stage: int, chunk_numel: int,
