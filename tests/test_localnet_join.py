@@ -100,9 +100,10 @@ def test_an_emulated_joiner_merges_the_same_proxy_as_its_peers(tmp_path, tmp_hom
     monkeypatch.setenv("IOTA_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "cfg.yaml"
     big = {**SMALL_CFG["model"], "dim": 1024, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 4096}
-    # emulated lane steps take about a second on an idle host: merges every 8 (every 2, the donors'
-    # snapshots were replaced every 2.5 s, faster than the 3 s sync, and the joiner never synced)
-    cfg.write_text(yaml.safe_dump({**SMALL_CFG, "model": big, "merge": {"every_steps": 8}}))
+    # emulated lane steps take about a second on an idle host: merges every 2 replace the donors'
+    # snapshots every ~2.5 s, faster than the ~3-8 s sync (the joiner used to never sync): the donors
+    # keep serving the snapshot it started on, and it replays the merges applied meanwhile
+    cfg.write_text(yaml.safe_dump({**SMALL_CFG, "model": big, "merge": {"every_steps": 2}}))
     net = LocalNet(stages=3, replicas=2, validators=1, config=str(cfg), data=str(wikitext_path), steps=36,
                    out=tmp_path / "ln", block_time=0.5, tempo=10, progress=False, timeout_s=240, join_at="3",
                    emulate_gpu="a100", link=f"1gbit/{DOWN_MBIT}mbit:5ms")
@@ -115,6 +116,10 @@ def test_an_emulated_joiner_merges_the_same_proxy_as_its_peers(tmp_path, tmp_hom
                                                                             "virtual_received")}} for v in stage0)
     v = stage0[-1]
     assert j["sync_bytes"] == 8 * v["proxy_numel"] * v["scale"], (j, v)
+    # the merges applied while it fetched: replayed (fp32 gather: 4 bytes per value, as the real stage's)
+    assert j["sync_merged_epoch"] >= j["sync_snapshot_epoch"] + j["replayed_merges"], j     # labels may skip
+    assert (j["replayed_merges"] > 0) == (j["sync_merged_epoch"] > j["sync_snapshot_epoch"]), j
+    assert j["replay_bytes"] == j["replayed_merges"] * 4 * v["proxy_numel"] * v["scale"], (j, v)
     # the virtual sync is paced by the real stage's bytes / the joiner's downlink: never faster (the
     # link-rate bound itself, 1.25 x, is test_virtual_sync's, in process; here a whole localnet shares
     # the host, 1.46 x on a quiet one and 2.5 x beside a 17-process bench, so only a loose ceiling)

@@ -16,6 +16,7 @@ from iota_subnet.merge import MergeEngine, MergeEngineOptions, ModuleParams
 from iota_subnet.merge.replay import ReplayError, replay_to_newest
 from iota_subnet.merge.sync import REPLAY_KEEP, SnapshotDonor, sync_state
 from iota_subnet.merge.transport import InProcessTransport
+from iota_subnet.protocol import Outcome, ProtocolError, StateReplayRequest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,3 +193,19 @@ def test_the_host_plan_counts_the_kept_merges_and_a_replaced_snapshot():
     bpv = {"none": 4.0, "bf16": 2.0}.get(gq, 1 + 4 / c8.merge.int8_block)
     assert p.host["sync_donor_bytes"] == 8 * P + int(REPLAY_MERGES * bpv * P)
     assert p.host["peak_bytes"] <= 96e9
+
+
+def test_a_bad_replay_request_is_refused_with_its_reason():
+    net = InProcessTransport(timeout_s=5.0)
+    a, b = Node(net, 0, cfg()), Node(net, 1, cfg())
+    merge_all([a, b], 0)
+
+    def ask(**kw):
+        return asyncio.run(a.donor.handle_replay(StateReplayRequest(run_id="replay", stage=0, **kw)))
+    with pytest.raises(ProtocolError) as e:
+        ask(epoch=7, chunk=0)
+    assert e.value.outcome == Outcome.LATE and "not kept" in str(e.value)
+    with pytest.raises(ProtocolError) as e:
+        ask(epoch=0, chunk=10 ** 6)
+    assert e.value.outcome == Outcome.BAD_SHAPE
+    assert ask(epoch=0, chunk=0).mean is not None and a.donor.replay.active == 0
