@@ -20,10 +20,20 @@ default donor link therefore shapes the delay only, so the joiner's downlink is 
 signing, copying chunks, shared with the donors in this process) stays off the critical path;
 times are reported in emulated time (wall / K), as with ``localnet --time-scale``.
 
+``--merge-every-s I`` (emulated seconds): the donors merge every ``I`` seconds while the joiner
+syncs (a seeded int8 mean applied by the outer step, kept for replay and published, as a merge's
+``on_applied`` does). The joiner syncs the snapshot it started on (the donors keep serving it), then
+replays the merges applied meanwhile (:mod:`iota_subnet.merge.replay`, ``/state/replay``) until it
+holds the donors' newest state. The row gives the time to that state beside the model
+``S / (1 - r / I)`` (``S``: snapshot / downlink, ``r``: one merge's int8 mean / downlink). With the
+default ``--mb 64`` and ``I = 1.47`` the ratios are an ``8b`` stage 0's at ``H = 10`` on 100 Mbit/s
+(``S / I = 3.5``, ``r / I = 0.44``).
+
 Usage::
 
     python scripts/bench_sync.py [--mb 64] [--donors 1,2] [--joiner-link 100mbit/100mbit:50ms] \
         [--donor-link :50ms] [--chunk-numel 1048576] [--window 8] [--time-scale 4] [--json]
+        [--merge-every-s 1.47]
 """
 from __future__ import annotations
 
@@ -40,9 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from bittensor.sp_core import Keypair  # noqa: E402
 
+from iota_subnet.merge.outer import quantize  # noqa: E402
+from iota_subnet.merge.replay import AppliedMerge, apply_merges, replay_to_newest  # noqa: E402
 from iota_subnet.merge.sync import SnapshotDonor, sync_state  # noqa: E402
 from iota_subnet.merge.transport import HttpTransport  # noqa: E402
-from iota_subnet.protocol import StateChunkRequest  # noqa: E402
+from iota_subnet.protocol import StateChunkRequest, StateReplayRequest  # noqa: E402
 from iota_subnet.transport import NeuronClient, NeuronServer  # noqa: E402
 from iota_subnet.transport.shaping import DownlinkShaper, LinkSpec, UplinkShaper, parse_link  # noqa: E402
 
@@ -55,7 +67,7 @@ async def run(args, n_donors: int, window: int) -> dict:
     jl = parse_link(args.joiner_link).scaled(k)
     dl = (LinkSpec(None, parse_link("1bit" + args.donor_link).delay_s) if args.donor_link.startswith(":")
           else parse_link(args.donor_link)).scaled(k)
-    servers, eps = [], {}
+    servers, eps, donors = [], {}, []
     for j in range(n_donors):
         kp = Keypair.create_from_uri(f"//Donor{j}")
         donor = SnapshotDonor("bench", 1, chunk_numel=args.chunk_numel, max_concurrent=args.max_concurrent)
@@ -65,20 +77,64 @@ async def run(args, n_donors: int, window: int) -> dict:
 
         async def chunk(msg, ctx, donor=donor):
             return await donor.handle(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
+        async def replay(msg, ctx, donor=donor):
+            return await donor.handle_replay(msg, ctx.caller_hotkey, on_sent=ctx.on_sent)
         srv.add_route("/state/chunk", chunk, StateChunkRequest)
+        srv.add_route("/state/replay", replay, StateReplayRequest)
+        donors.append(donor)
         await srv.start()
         servers.append(srv)
         eps[srv.hotkey] = srv.endpoint
     down = DownlinkShaper(jl.down_rate_bps) if jl.down_rate_bps else None
     client = NeuronClient(Keypair.create_from_uri("//Joiner"), shaper=UplinkShaper(jl), downlink=down)
+    state = {"epoch": 3, "anchor": anchor, "momentum": momentum}
+
+    async def merge_every(interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s * k)
+            e = state["epoch"] + 1
+            gm = torch.Generator().manual_seed(e)
+            chunks = []
+            for off in range(0, P, args.chunk_numel):
+                q, sc = quantize(torch.randn(min(args.chunk_numel, P - off), generator=gm) * 1e-3, "int8")
+                chunks.append((off, "int8", q, sc))
+            am = AppliedMerge(state["epoch"], e, 256, chunks)
+            a2, m2 = await asyncio.to_thread(apply_merges, state["anchor"], state["momentum"], [am], lr=0.7,
+                                             mu=0.9, nesterov=True)
+            state.update(epoch=e, anchor=a2, momentum=m2)
+            for d in donors:
+                d.record(am)
+                d.publish(a2, m2, merged_epoch=e, step=10 * (e + 1))
+    merging = asyncio.ensure_future(merge_every(args.merge_every_s)) if args.merge_every_s else None
+    extra: dict = {}
     try:
         with tempfile.TemporaryDirectory() as wd:
+            transport = HttpTransport(client, eps.get, timeout_s=120)
             t0 = time.perf_counter()
-            a, m, man = await sync_state(list(eps), HttpTransport(client, eps.get, timeout_s=120), run_id="bench",
+            a, m, man = await sync_state(list(eps), transport, run_id="bench",
                                          stage=1, param_numel=P, work_dir=wd, window=window)
             wall = (time.perf_counter() - t0) / k      # emulated seconds
-        assert torch.equal(a, anchor) and torch.equal(m, momentum)
+            if merging is not None:
+                snap_epoch = man["merged_epoch"]
+                a, m, newest = await replay_to_newest(list(eps), transport, run_id="bench", stage=1, anchor=a,
+                                                      momentum=m, epoch=snap_epoch, lr=0.7, mu=0.9, nesterov=True,
+                                                      block=256, window=window)
+                in_sync = (time.perf_counter() - t0) / k
+                merging.cancel()
+                rate_b = (jl.down_rate_bps or dl.rate_bps) * k / 8
+                S, r = 8 * P / rate_b, P * (1 + 4 / 256) / rate_b
+                extra = {"merge_every_s": args.merge_every_s, "snapshot_epoch": snap_epoch,
+                         "in_sync_epoch": newest["merged_epoch"], "replayed_merges": newest["replay"]["merges"],
+                         "replay_rounds": newest["replay"]["rounds"], "replay_mb": newest["replay"]["bytes"] / 1e6,
+                         "in_sync_s": round(in_sync, 2),
+                         "model_s": round(S / (1 - r / args.merge_every_s), 2) if r < args.merge_every_s else None,
+                         "retained_chunks_served": sum(d.served_retained for d in donors)}
+                assert torch.equal(a, state["anchor"]) or newest["merged_epoch"] < state["epoch"]
+            else:
+                assert torch.equal(a, anchor) and torch.equal(m, momentum)
     finally:
+        if merging is not None:
+            merging.cancel()
         await client.close()
         for s in servers:
             await s.stop()
@@ -88,7 +144,7 @@ async def run(args, n_donors: int, window: int) -> dict:
             "wall_s": round(wall, 2), "payload_over_rate_s": round(payload / rate, 2),
             "x_ideal": round(wall / (payload / rate), 3),
             f"scaled_to_{args.scale_gb:g}gb_min": round(wall * args.scale_gb * 1e9 / payload / 60, 1),
-            "busy": man["sync"]["busy"]}
+            "busy": man["sync"]["busy"], **extra}
 
 
 def main() -> None:
@@ -102,6 +158,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=8, help="merge.sync_window of the joiner")
     ap.add_argument("--time-scale", type=float, default=4.0, help="run links this many times slower")
     ap.add_argument("--scale-gb", type=float, default=12.9, help="extrapolate to this many GB")
+    ap.add_argument("--merge-every-s", type=float, default=0.0,
+                    help="donors merge every this many emulated seconds while the joiner syncs (0: never)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []

@@ -179,24 +179,44 @@ def _chain(kept: list[dict], from_epoch: int) -> list[dict]:
     return out
 
 
-async def _fetch_chain(chain: list[dict], donors: list[str], transport: Any, *, run_id: str, stage: int,
+async def _fetch_chain(chain: list[dict], caps: dict[str, int], transport: Any, *, run_id: str, stage: int,
                        block: int, window: int, stats: dict) -> list[AppliedMerge]:
-    """Every chunk of every merge of ``chain`` from ``donors`` (each keeps the whole chain)."""
+    """Every chunk of every merge of ``chain`` from the donors of ``caps`` (each keeps the whole
+    chain; ``caps``: the transfers each serves at once, as its describe states), at most ``window``
+    requests in flight, each to the least busy donor with a free slot."""
     todo = [(i, c) for i, m in enumerate(chain) for c in range(len(m["chunks"]))]
     got: dict[tuple[int, int], StateReplay] = {}
-    alive = list(donors)
+    alive = list(caps)
+    busy = {p: 0 for p in caps}
     tries: dict[tuple[int, int], int] = {}
     sem = asyncio.Semaphore(max(1, window))
-    turn = [0]
+    cond = asyncio.Condition()
+
+    async def take() -> str:
+        async with cond:
+            while alive and not any(busy[p] < caps[p] for p in alive):
+                await cond.wait()
+            if not alive:
+                raise ReplayError("every donor of the kept merges failed")
+            p = min((q for q in alive if busy[q] < caps[q]), key=lambda q: busy[q])
+            busy[p] += 1
+            return p
+
+    async def give(p: str, dead: bool) -> None:
+        async with cond:
+            busy[p] -= 1
+            if dead and p in alive:
+                alive.remove(p)
+            cond.notify_all()
 
     async def fetch(i: int, c: int) -> None:
         async with sem:
             while (i, c) not in got:
-                if not alive or tries.get((i, c), 0) >= 3 * len(donors):
+                if tries.get((i, c), 0) >= 3 * len(caps):
                     raise ReplayError(f"merge {chain[i]['epoch']} chunk {c}: no donor delivered it")
-                p = alive[turn[0] % len(alive)]
-                turn[0] += 1
+                p = await take()
                 tries[(i, c)] = tries.get((i, c), 0) + 1
+                dead = False
                 try:
                     r, _, _ = await transport.call(p, "/state/replay", StateReplayRequest(
                         run_id=run_id, stage=stage, epoch=int(chain[i]["epoch"]), chunk=c), StateReplay)
@@ -207,15 +227,14 @@ async def _fetch_chain(chain: list[dict], donors: list[str], transport: Any, *, 
                         0 if r.mean_scales is None else int(r.mean_scales.numel() * r.mean_scales.element_size()))
                     stats["requests"] += 1
                 except ProtocolError as e:
-                    if e.outcome.retryable:
+                    dead = not e.outcome.retryable
+                    if not dead:
                         await asyncio.sleep(0.05 * tries[(i, c)])
-                        continue
-                    if p in alive:
-                        alive.remove(p)
                 except Exception as e:  # noqa: BLE001 - a dead or lying donor is replaced by the others
-                    if p in alive:
-                        alive.remove(p)
-                        logger.warning(f"replay: donor {p[:10]} failed ({type(e).__name__}: {e}); asking the others")
+                    dead = True
+                    logger.warning(f"replay: donor {p[:10]} failed ({type(e).__name__}: {e}); asking the others")
+                finally:
+                    await give(p, dead)
     await asyncio.gather(*(fetch(i, c) for i, c in todo))
     out = []
     for i, m in enumerate(chain):
@@ -227,17 +246,22 @@ async def _fetch_chain(chain: list[dict], donors: list[str], transport: Any, *, 
 
 async def replay_to_newest(peers: list[str], transport: Any, *, run_id: str, stage: int, anchor: torch.Tensor,
                            momentum: torch.Tensor, epoch: int, lr: float, mu: float, nesterov: bool, block: int,
-                           window: int = 8, max_rounds: int = 4) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                           window: int = 8, max_rounds: int = 12) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Bring ``(anchor, momentum)`` (float32 [P], the stage's state at merged ``epoch``) to the
     stage's newest merged state by replaying the merges ``peers`` keep, checked against their
     snapshot manifest (module docstring). Returns ``(anchor, momentum, manifest)`` (the donors'
     snapshot manifest of the reached epoch, with ``replay``: merges, bytes, requests, rounds).
-    Raises :class:`ReplayError` (nothing applied)."""
+    Each round replays the merges kept since its epoch, then checks; a merge applied meanwhile starts
+    another round (at most ``max_rounds``: the rounds shrink while one merge's mean crosses the link
+    faster than the stage merges). Raises :class:`ReplayError` (nothing applied)."""
     stats = {"merges": 0, "bytes": 0, "requests": 0, "rounds": 0, "from_epoch": int(epoch)}
     for _ in range(max(1, max_rounds)):
         stats["rounds"] += 1
-        snaps = {p: m for p, m in (await _describe(peers, transport, "/state/chunk", StateChunkRequest, StateChunk,
-                                                   run_id=run_id, stage=stage)).items()
+        # both descriptions at once: one round trip per round
+        described, logs = await asyncio.gather(
+            _describe(peers, transport, "/state/chunk", StateChunkRequest, StateChunk, run_id=run_id, stage=stage),
+            _describe(peers, transport, "/state/replay", StateReplayRequest, StateReplay, run_id=run_id, stage=stage))
+        snaps = {p: m for p, m in described.items()
                  if isinstance(m.get("merged_epoch"), int) and isinstance(m.get("sha256"), str)}
         if not snaps:
             raise ReplayError("no peer describes its merged state")
@@ -252,15 +276,14 @@ async def replay_to_newest(peers: list[str], transport: Any, *, run_id: str, sta
                 raise ReplayError(f"the replayed state of epoch {epoch} does not match the donors' "
                                   f"({len(same)} described it)")
             return anchor, momentum, dict(match[0], replay=stats)
-        logs = await _describe(peers, transport, "/state/replay", StateReplayRequest, StateReplay, run_id=run_id,
-                               stage=stage)
         chains = {p: _chain(m.get("merges") or [], epoch) for p, m in logs.items()}
         best = max(chains.values(), key=lambda c: (int(c[-1]["epoch"]) if c else -1, len(c)), default=[])
         if not best:
             raise ReplayError(f"no peer keeps the merges after epoch {epoch} (newest {newest})")
         key = [(int(m["epoch"]), m["chunks"]) for m in best]
-        donors = [p for p, c in chains.items() if [(int(m["epoch"]), m["chunks"]) for m in c[:len(key)]] == key]
-        merges = await _fetch_chain(best, donors, transport, run_id=run_id, stage=stage, block=block,
+        caps = {p: max(1, int(logs[p].get("max_concurrent", 1) or 1)) for p, c in chains.items()
+                if [(int(m["epoch"]), m["chunks"]) for m in c[:len(key)]] == key}
+        merges = await _fetch_chain(best, caps, transport, run_id=run_id, stage=stage, block=block,
                                     window=window, stats=stats)
         try:
             anchor, momentum = await asyncio.to_thread(apply_merges, anchor, momentum, merges, lr=lr, mu=mu,
