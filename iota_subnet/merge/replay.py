@@ -246,14 +246,17 @@ async def _fetch_chain(chain: list[dict], caps: dict[str, int], transport: Any, 
 
 async def replay_to_newest(peers: list[str], transport: Any, *, run_id: str, stage: int, anchor: torch.Tensor,
                            momentum: torch.Tensor, epoch: int, lr: float, mu: float, nesterov: bool, block: int,
-                           window: int = 8, max_rounds: int = 12) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                           window: int = 8, max_rounds: int = 12,
+                           sha256: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Bring ``(anchor, momentum)`` (float32 [P], the stage's state at merged ``epoch``) to the
     stage's newest merged state by replaying the merges ``peers`` keep, checked against their
     snapshot manifest (module docstring). Returns ``(anchor, momentum, manifest)`` (the donors'
     snapshot manifest of the reached epoch, with ``replay``: merges, bytes, requests, rounds).
     Each round replays the merges kept since its epoch, then checks; a merge applied meanwhile starts
     another round (at most ``max_rounds``: the rounds shrink while one merge's mean crosses the link
-    faster than the stage merges). Raises :class:`ReplayError` (nothing applied)."""
+    faster than the stage merges). ``sha256``: the hash of ``(anchor, momentum)`` when the caller
+    checked it already (a synced snapshot's), so that a state the donors have not moved past is not
+    hashed again. Raises :class:`ReplayError` (nothing applied)."""
     stats = {"merges": 0, "bytes": 0, "requests": 0, "rounds": 0, "from_epoch": int(epoch)}
     for _ in range(max(1, max_rounds)):
         stats["rounds"] += 1
@@ -270,7 +273,7 @@ async def replay_to_newest(peers: list[str], transport: Any, *, run_id: str, sta
             same = [m for m in snaps.values() if m["merged_epoch"] == epoch]
             if not same:
                 raise ReplayError(f"no peer holds merged epoch {epoch} to check the replayed state against")
-            digest = await asyncio.to_thread(state_sha256, anchor, momentum)
+            digest = sha256 if sha256 is not None else await asyncio.to_thread(state_sha256, anchor, momentum)
             match = [m for m in same if m["sha256"] == digest]
             if not match:
                 raise ReplayError(f"the replayed state of epoch {epoch} does not match the donors' "
@@ -291,5 +294,5 @@ async def replay_to_newest(peers: list[str], transport: Any, *, run_id: str, sta
         except ValueError as e:
             raise ReplayError(f"a replayed merge does not apply: {e}") from e
         stats["merges"] += len(merges)
-        epoch = merges[-1].epoch
+        epoch, sha256 = merges[-1].epoch, None
     raise ReplayError(f"still behind after {max_rounds} rounds of replay (at epoch {epoch})")

@@ -356,7 +356,8 @@ class MinerMerging:
                                                     run_id=self.view.run_id, stage=self.stage, anchor=anchor,
                                                     momentum=momentum, epoch=epoch, lr=mc.outer_lr,
                                                     mu=mc.outer_momentum, nesterov=mc.nesterov, block=mc.int8_block,
-                                                    window=self.cfg.merge.sync_window)
+                                                    window=self.cfg.merge.sync_window,
+                                                    sha256=None if man is None else man.get("sha256"))
         except ReplayError as e:
             logger.info(f"stage {self.stage}: no replay from merged epoch {epoch}: {e}")
             return None
