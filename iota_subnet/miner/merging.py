@@ -305,7 +305,8 @@ class MinerMerging:
                         await asyncio.sleep(2.0 ** attempt)     # backoff; the next try may find a later snapshot
                         continue
                     # the donors merged on while it fetched (they kept serving the snapshot it started on)
-                    got = await self._replay(*got) or got
+                    anchor, mom, man = got
+                    got = await self._replay(anchor, mom, int(man["merged_epoch"]), snapshot=man) or got
                 anchor, mom, man = got
 
                 def apply():
@@ -344,12 +345,10 @@ class MinerMerging:
         finally:
             m.in_sync = was_in_sync     # the catch-up declares it in sync when it is done
 
-    async def _replay(self, anchor, momentum, epoch_or_manifest) -> Optional[tuple]:
-        """Replay the merges after ``epoch_or_manifest`` (a merged epoch, or a synced snapshot's manifest)
-        onto ``(anchor, momentum)``: ``(anchor, momentum, manifest)`` checked against the donors'
-        newest snapshot, or None when it cannot (the reason is logged)."""
-        man = epoch_or_manifest if isinstance(epoch_or_manifest, dict) else None
-        epoch = int(man["merged_epoch"]) if man is not None else int(epoch_or_manifest)
+    async def _replay(self, anchor, momentum, epoch: int, snapshot: Optional[dict] = None) -> Optional[tuple]:
+        """Replay the merges after merged ``epoch`` onto ``(anchor, momentum)`` (this replica's own
+        state, or the ``snapshot`` manifest's it just synced): ``(anchor, momentum, manifest)``
+        checked against the donors' newest snapshot, or None when it cannot (the reason is logged)."""
         mc = self.engine.cfg
         try:
             a, mom, newest = await replay_to_newest(self.view.stage_peers(), self.engine.transport,
@@ -357,12 +356,12 @@ class MinerMerging:
                                                     momentum=momentum, epoch=epoch, lr=mc.outer_lr,
                                                     mu=mc.outer_momentum, nesterov=mc.nesterov, block=mc.int8_block,
                                                     window=self.cfg.merge.sync_window,
-                                                    sha256=None if man is None else man.get("sha256"))
+                                                    sha256=None if snapshot is None else snapshot.get("sha256"))
         except ReplayError as e:
             logger.info(f"stage {self.stage}: no replay from merged epoch {epoch}: {e}")
             return None
-        if man is not None:
-            newest["sync"] = man.get("sync")
+        if snapshot is not None:
+            newest["sync"] = snapshot.get("sync")
         return a, mom, newest
 
     # ---- when to merge ---------------------------------------------------------------------------
