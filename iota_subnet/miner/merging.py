@@ -290,7 +290,9 @@ class MinerMerging:
         self.sync_report = {"state": "syncing", "attempt": 1, "missing_chunks": [], "error": None}
         try:
             for attempt in range(3):
-                got = await self._replay(m.anchor, m.momentum, m.merged_epoch) if m.merged_epoch >= 0 else None
+                # its own state: once (a state that failed the check fails it again; the snapshot path retries)
+                own = attempt == 0 and m.merged_epoch >= 0
+                got = await self._replay(m.anchor, m.momentum, m.merged_epoch) if own else None
                 if got is None:
                     try:
                         got = await sync_state(self.view.stage_peers(), m.transport, run_id=self.view.run_id,
